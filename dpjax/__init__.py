@@ -1,0 +1,1 @@
+"""dpjax: differential privacy in JAX that learns low-dimensional structure privately."""

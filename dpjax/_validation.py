@@ -1,0 +1,132 @@
+"""Argument validation for the public API, run on the host before tracing.
+
+Every public entry point calls these helpers first, so that bad input raises a clear
+``ValueError`` / ``TypeError`` that names the argument and the allowed range, instead of an
+opaque tracer error (or, worse, a silently wrong release) from inside ``jit``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_epsilon(epsilon, name: str = "epsilon") -> float:
+  """Returns ``epsilon`` as a float; raises unless it is a finite number > 0."""
+  value = _real_scalar(epsilon, name)
+  if not (value > 0.0 and math.isfinite(value)):
+    raise ValueError(f"{name} must be a finite number > 0, got {name}={epsilon!r}.")
+  return value
+
+
+def check_delta(delta, name: str = "delta", *, upper: float = 1.0) -> float:
+  """Returns ``delta`` as a float; raises unless ``0 < delta < upper``."""
+  value = _real_scalar(delta, name)
+  if not 0.0 < value < upper:
+    raise ValueError(f"{name} must lie in (0, {upper:g}), got {name}={delta!r}.")
+  return value
+
+
+def check_positive(value, name: str, *, allow_zero: bool = False,
+                   allow_inf: bool = False) -> float:
+  """Returns ``value`` as a float; raises unless it is > 0 (or >= 0) and finite."""
+  v = _real_scalar(value, name)
+  ok = (v >= 0.0) if allow_zero else (v > 0.0)
+  if not ok or math.isnan(v) or (math.isinf(v) and not allow_inf):
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{name} must be a finite number {bound}, got {name}={value!r}.")
+  return v
+
+
+def check_int(value, name: str, *, low: int | None = None,
+              high: int | None = None) -> int:
+  """Returns ``value`` as an int; raises unless it is an integer in ``[low, high]``."""
+  if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+    raise TypeError(f"{name} must be an integer, got {name}={value!r} "
+                    f"of type {type(value).__name__}.")
+  v = int(value)
+  if (low is not None and v < low) or (high is not None and v > high):
+    lo = "-inf" if low is None else str(low)
+    hi = "inf" if high is None else str(high)
+    raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {name}={v}.")
+  return v
+
+
+def check_probability(value, name: str, *, open_low: bool = True,
+                      open_high: bool = False) -> float:
+  """Returns ``value`` as a float in (0, 1] (bounds configurable)."""
+  v = _real_scalar(value, name)
+  low_ok = v > 0.0 if open_low else v >= 0.0
+  high_ok = v < 1.0 if open_high else v <= 1.0
+  if not (low_ok and high_ok):
+    interval = ("(" if open_low else "[") + "0, 1" + (")" if open_high else "]")
+    raise ValueError(f"{name} must lie in {interval}, got {name}={value!r}.")
+  return v
+
+
+def check_choice(value, name: str, choices) -> str:
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {sorted(choices)}, got {name}={value!r}.")
+  return value
+
+
+def check_key(key, name: str = "key") -> jax.Array:
+  """Raises ``TypeError`` unless ``key`` is a JAX PRNG key (typed or legacy uint32[2])."""
+  if isinstance(key, jax.Array):
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+      return key
+    if key.dtype == jnp.uint32 and key.shape == (2,):
+      return key
+  raise TypeError(
+      f"{name} must be a single JAX PRNG key (jax.random.key(seed) or "
+      f"jax.random.PRNGKey(seed)), got {type(key).__name__} "
+      f"{getattr(key, 'dtype', '')}{list(getattr(key, 'shape', ()))}.")
+
+
+def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.Array:
+  """Validates a real-valued data array and returns it as a floating JAX array.
+
+  Raises:
+    TypeError: if ``X`` is not numeric or has an integer/bool/complex dtype where a float is
+      needed (integers are accepted and converted to the default float dtype).
+    ValueError: wrong rank, fewer than ``min_rows`` rows, or NaN/inf entries.
+  """
+  try:
+    arr = np.asarray(X) if not isinstance(X, jax.Array) else X
+  except Exception as exc:  # pragma: no cover - exotic inputs
+    raise TypeError(f"{name} must be an array, got {type(X).__name__}.") from exc
+  dtype = arr.dtype
+  if dtype == bool or not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
+                           or dtype == jnp.bfloat16):
+    raise TypeError(f"{name} must have a real floating dtype, got dtype={dtype}.")
+  if arr.ndim != ndim:
+    raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(arr.shape)}.")
+  if arr.shape[0] < min_rows:
+    raise ValueError(f"{name} must have at least {min_rows} rows, got {arr.shape[0]}.")
+  if any(s == 0 for s in arr.shape[1:]):
+    raise ValueError(f"{name} must not have an empty axis, got shape {tuple(arr.shape)}.")
+  out = jnp.asarray(arr)
+  if not jnp.issubdtype(out.dtype, jnp.floating):
+    out = out.astype(jnp.result_type(float))
+  if not bool(jnp.all(jnp.isfinite(out))):
+    raise ValueError(f"{name} contains NaN or infinite entries; remove or impute them first.")
+  return out
+
+
+def _real_scalar(value, name: str) -> float:
+  if isinstance(value, bool):
+    raise TypeError(f"{name} must be a real number, got {name}={value!r}.")
+  if isinstance(value, (jax.Array, np.ndarray)):
+    if value.ndim != 0:
+      raise TypeError(f"{name} must be a scalar, got an array of shape {value.shape}.")
+    value = value.item()
+  if not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a real number, got {type(value).__name__}.")
+  v = float(value)
+  if math.isnan(v):
+    raise ValueError(f"{name} must not be NaN.")
+  return v

@@ -1,0 +1,1 @@
+"""DP primitives (ALGORITHMS.md §1)."""
