@@ -1,1 +1,14 @@
 """DP primitives (ALGORITHMS.md §1)."""
+
+from dpjax.mechanisms.discrete import (discrete_laplace, discrete_laplace_mechanism,
+                                       discrete_laplace_tail)
+from dpjax.mechanisms.exponential import exponential_mechanism
+from dpjax.mechanisms.gap_max import GapMaxResult, gap_max, gap_max_threshold
+from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, classic_gaussian_sigma,
+                                       gaussian_mechanism, gaussian_noise)
+from dpjax.mechanisms.histogram import (StableHistogram, histogram_threshold, stable_histogram,
+                                        top_bin)
+from dpjax.mechanisms.laplace import laplace_mechanism, laplace_noise, laplace_scale
+from dpjax.mechanisms.truncated_laplace import (TruncatedLaplaceParams, truncated_laplace,
+                                                truncated_laplace_mechanism,
+                                                truncated_laplace_params)

@@ -1,0 +1,161 @@
+"""Model-data generators from the papers and bundled real datasets (ALGORITHMS.md §2.4, §7).
+
+Generators are pure functions of an explicit key. The real data come from scikit-learn's bundled
+files (no download); scikit-learn is an optional dependency (`pip install dpjax[examples]`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax import _validation as v
+from dpjax import linalg
+
+
+class SubspaceModel(NamedTuple):
+  """The population behind :func:`approximate_subspace_data`.
+
+  Attributes:
+    basis: ``(d, k)`` orthonormal basis of the top-k eigenspace of Σ (the target subspace).
+    top_eigenvalues: ``(k,)`` the top-k eigenvalues of Σ, in ``[1, 2]`` with the smallest equal
+      to 1 (the paper's normalisation λ_k = 1).
+    gamma: the remaining ``d − k`` eigenvalues of Σ all equal ``gamma**2``.
+  """
+  basis: jax.Array
+  top_eigenvalues: jax.Array
+  gamma: float
+
+
+def approximate_subspace_data(key: jax.Array, n: int, d: int, k: int, *, gamma: float,
+                              dtype=None) -> tuple[jax.Array, SubspaceModel]:
+  """Samples ``X (n, d)`` i.i.d. from ``N(0, Σ)`` with a multiplicative eigen-gap.
+
+  ``Σ = U diag(λ) Uᵀ`` with a Haar-random eigenbasis, top-k eigenvalues uniform in ``[1, 2]``
+  (the smallest set to 1) and the remaining ``d − k`` eigenvalues equal to ``γ²``, so that
+  ``λ_{k+1} = γ² λ_k`` ([SS21] Problem 5.1; ALGORITHMS.md §2.4). Sampled without forming Σ:
+  ``x = V (√λ ⊙ z) + γ (I − V Vᵀ) w`` with ``z ~ N(0, I_k)``, ``w ~ N(0, I_d)``, so memory and time
+  are ``O(n d k)`` and large ``d`` is fine.
+
+  Args:
+    key: PRNG key.
+    n: number of rows (individuals).
+    d: ambient dimension.
+    k: subspace dimension, ``1 <= k <= d``.
+    gamma: tail standard deviation ratio, ``0 <= gamma < 1``.
+    dtype: float dtype of the output (default: JAX's default float).
+
+  Returns:
+    ``(X, model)``: ``X`` of shape ``(n, d)`` and the :class:`SubspaceModel`.
+
+  Raises:
+    ValueError: on a bad ``n``, ``d``, ``k`` or ``gamma``.
+  """
+  v.check_key(key)
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  k = v.check_int(k, "k", low=1, high=d)
+  gamma = v.check_positive(gamma, "gamma", allow_zero=True)
+  if gamma >= 1.0:
+    raise ValueError(f"gamma must lie in [0, 1), got gamma={gamma}.")
+  dtype = dtype or jnp.result_type(float)
+  return _approximate_subspace_data(key, n, d, k, gamma, dtype)
+
+
+def _approximate_subspace_data(key, n, d, k, gamma, dtype):
+  k_basis, k_eig, k_z, k_w = jax.random.split(key, 4)
+  basis = linalg.orthonormal_basis(k_basis, d, k, dtype)
+  top = jax.random.uniform(k_eig, (k,), dtype=dtype, minval=1.0, maxval=2.0)
+  top = jnp.sort(top)[::-1].at[-1].set(1.0)
+  z = jax.random.normal(k_z, (n, k), dtype=dtype) * jnp.sqrt(top)[None, :]
+  w = jax.random.normal(k_w, (n, d), dtype=dtype)
+  w = w - (w @ basis) @ basis.T
+  X = z @ basis.T + gamma * w
+  return X, SubspaceModel(basis=basis, top_eigenvalues=top, gamma=float(gamma))
+
+
+def exact_subspace_data(key: jax.Array, n: int, d: int, k: int, *, num_outliers: int = 0,
+                        dtype=None) -> tuple[jax.Array, jax.Array]:
+  """Rows ``x_i = B z_i`` in a random k-dim subspace plus ``num_outliers`` rows from N(0, I_d).
+
+  The exact case of [SS21] Problem 4.1 (ALGORITHMS.md §2.4): all but ``num_outliers`` rows lie in
+  ``span(B)`` and are in general position there with probability 1. The outliers are the last
+  rows.
+
+  Returns:
+    ``(X (n, d), B (d, k))``.
+  """
+  v.check_key(key)
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  k = v.check_int(k, "k", low=1, high=d)
+  num_outliers = v.check_int(num_outliers, "num_outliers", low=0, high=n)
+  dtype = dtype or jnp.result_type(float)
+  k_basis, k_z, k_out = jax.random.split(key, 3)
+  basis = linalg.orthonormal_basis(k_basis, d, k, dtype)
+  inliers = jax.random.normal(k_z, (n - num_outliers, k), dtype=dtype) @ basis.T
+  outliers = jax.random.normal(k_out, (num_outliers, d), dtype=dtype)
+  return jnp.concatenate([inliers, outliers], axis=0), basis
+
+
+class Dataset(NamedTuple):
+  """A labelled train/test split. ``X_*`` are float32 ``(n, d)``, ``y_*`` int32 ``(n,)``."""
+  name: str
+  X_train: np.ndarray
+  y_train: np.ndarray
+  X_test: np.ndarray
+  y_test: np.ndarray
+  num_classes: int
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+  """The UCI handwritten digits (1,797 images of 8×8 pixels, 10 classes), bundled in scikit-learn.
+
+  Pixels are scaled by the public constant 1/16 (their documented range is 0..16), so no
+  statistic of the private data is used to preprocess them. The split is a fixed, seeded
+  permutation (public randomness): ``test_fraction`` of the rows form the test set.
+
+  Raises:
+    ImportError: if scikit-learn is not installed (``pip install "dpjax[examples]"``).
+  """
+  try:
+    from sklearn import datasets
+  except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError('load_digits needs scikit-learn: pip install "dpjax[examples]".') from exc
+  test_fraction = v.check_probability(test_fraction, "test_fraction", open_high=True)
+  raw = datasets.load_digits()
+  X = (raw.data / 16.0).astype(np.float32)
+  y = raw.target.astype(np.int32)
+  return split_dataset("digits", X, y, test_fraction=test_fraction, seed=seed)
+
+
+def load_npz(path: str, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+  """A user's own data from an ``.npz`` file with arrays ``X (n, d)`` and integer ``y (n,)``.
+
+  The features are used as given: scale them with public constants beforehand.
+  """
+  with np.load(path) as f:
+    if "X" not in f or "y" not in f:
+      raise ValueError(f"{path} must contain arrays 'X' and 'y', found {sorted(f.keys())}.")
+    X = np.asarray(f["X"], dtype=np.float32)
+    y = np.asarray(f["y"])
+  if not np.issubdtype(y.dtype, np.integer):
+    raise TypeError(f"y must hold integer class labels, got dtype={y.dtype}.")
+  X = np.asarray(v.check_data(X, "X", min_rows=2))
+  if y.shape != (X.shape[0],):
+    raise ValueError(f"y must have shape ({X.shape[0]},), got {y.shape}.")
+  test_fraction = v.check_probability(test_fraction, "test_fraction", open_high=True)
+  return split_dataset(str(path), X, y.astype(np.int32), test_fraction=test_fraction, seed=seed)
+
+
+def split_dataset(name: str, X: np.ndarray, y: np.ndarray, *, test_fraction: float,
+                  seed: int) -> Dataset:
+  """Splits rows by a seeded permutation (public randomness) into train and test sets."""
+  perm = np.random.default_rng(seed).permutation(X.shape[0])
+  n_test = max(1, int(round(test_fraction * X.shape[0])))
+  test, train = perm[:n_test], perm[n_test:]
+  classes = np.unique(y)
+  return Dataset(name, X[train], y[train], X[test], y[test], int(classes.max()) + 1)

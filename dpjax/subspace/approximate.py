@@ -1,0 +1,347 @@
+"""DPASE — the DP Approximate Subspace Estimator ([SS21] Algorithm 2; ALGORITHMS.md §2.2).
+
+Subsample-and-aggregate: split the rows into ``t`` disjoint subsets, compute each subset's top-k
+subspace, describe it by the projections of ``q`` public random reference points, snap those
+``q·d``-dimensional points to a randomly offset grid of side ``ℓ``, and release the most popular
+cell through the stability-based histogram. A random point of that cell, turned back into a
+subspace by PCA, is the answer. Privacy rests only on the histogram: one row changes one subset,
+hence one histogram item.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax import _validation as v
+from dpjax import linalg
+from dpjax.mechanisms import histogram
+from dpjax.subspace.result import SubspaceResult
+
+ELL_RULES = ("paper_proof", "l1_safe", "paper_formula")
+PARTITIONS = ("permutation", "random_labels")
+
+# Failure probabilities of the explicit radius bounds (ALGORITHMS.md §2.2, PROPOSED).
+_BETA_S = 0.05
+_BETA_CUT = 0.1
+
+
+class DPASEParameters(NamedTuple):
+  """The public parameters of one DPASE run, computed from ``(n, d, k, ε, δ, γ)`` only.
+
+  Attributes:
+    num_subsets: ``t``, the number of disjoint subsets (the histogram's sample size).
+    subset_size: ``m = ⌊n/t⌋`` rows per subset (the expected size for random labels).
+    num_reference_points: ``q``.
+    cell_length: ``ℓ``, the grid's side length.
+    ell_rule: how ``ℓ`` was chosen ("paper_proof", "l1_safe", "paper_formula" or "given").
+    xi: ``ξ̂``, the high-probability bound on ``‖Π_j − Π‖`` (nan when not computed).
+    radius: ``r̂``, the bound on ``‖Π_j p_i − Π p_i‖`` (nan when not computed).
+    threshold: the histogram's release threshold τ.
+  """
+  num_subsets: int
+  subset_size: int
+  num_reference_points: int
+  cell_length: float
+  ell_rule: str
+  xi: float
+  radius: float
+  threshold: float
+
+
+def num_subsets_for(epsilon: float, delta: float, *, noise: str = "discrete") -> int:
+  """The PROPOSED ``t`` (C2 of [SS21]): the smallest integer meeting three Laplace-tail bounds.
+
+  With ``f = 0.1`` of the subsets allowed to be bad and ``β_h = 0.05`` per event (ALGORITHMS.md
+  §2.2): ``0.9 t ≥ τ + (2/ε) ln 20`` (the popular cell passes the threshold τ),
+  ``0.4 t ≥ (2/ε) ln 20`` (its noisy count stays ≥ t/2) and ``0.8 t > (2/ε)(ln(20 t) + ln 20)``
+  (it beats every other cell). Gives ``t = 37`` at ε = 1, δ = 1e-6.
+  """
+  tau = histogram.histogram_threshold(epsilon, delta, neighbouring="replace_one", noise=noise)
+  b = 2.0 / epsilon
+  t = 1
+  while not (0.9 * t >= tau + b * math.log(20.0) and 0.4 * t >= b * math.log(20.0)
+             and 0.8 * t > b * (math.log(20.0 * t) + math.log(20.0))):
+    t += 1
+  return t
+
+
+def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
+                     gamma: float | None = None, num_subsets: int | None = None,
+                     num_reference_points: int | None = None,
+                     cell_length: float | None = None, ell_rule: str = "paper_proof",
+                     c0: float | None = None, noise: str = "discrete") -> DPASEParameters:
+  """Computes DPASE's public parameters (ALGORITHMS.md §2.2, PROPOSED constants).
+
+  Every default can be overridden; none of them affects privacy, only the ⊥ rate and accuracy.
+
+  * ``t``: :func:`num_subsets_for` (``C2 ≈ 2.6–2.9``). ``m = ⌊n/t⌋``.
+  * ``q = max(⌈2.25 k⌉, k + 1)`` (C1).
+  * ``ℓ``: explicit versions of the paper's radii (Wedin's sin-θ bound over the t subsets and a
+    χ²_{2k} tail over the q·t projected points, each failing with probability ≤ 0.05)::
+
+        w = sqrt(2 ln(2t/0.05))
+        ξ̂ = γ (√m + √d + w) / (√m − √k − w − γ (√m + √d + w))     (clamped to 1)
+        r̂ = ξ̂ sqrt(2k + 2 sqrt(2k x) + 2x),   x = ln(q t / 0.05)
+
+    then ``"paper_proof"``: ``ℓ = 20 q r̂`` (the proof of Lemma D.3, made explicit);
+    ``"l1_safe"``: ``ℓ = 2 q √d r̂ sqrt(2 ln 2t) / 0.1`` (cells sized for the ℓ1-extent of a cluster,
+    fewer ⊥, larger error); ``"paper_formula"``: ``ℓ = c0 γ sqrt(dk)(√k + sqrt(ln(kt)))/√m``.
+    ``cell_length`` given explicitly wins over any rule. See also :func:`calibrate_cell_length`.
+
+  Raises:
+    ValueError: bad arguments, ``gamma`` missing when a rule needs it, or ``n`` too small for
+      ``m = ⌊n/t⌋ ≥ k + 1``.
+  """
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  k = v.check_int(k, "k", low=1, high=d)
+  epsilon = v.check_epsilon(epsilon)
+  delta = v.check_delta(delta)
+  v.check_choice(ell_rule, "ell_rule", ELL_RULES)
+  t = (num_subsets_for(epsilon, delta, noise=noise) if num_subsets is None
+       else v.check_int(num_subsets, "num_subsets", low=1))
+  m = n // t
+  if m < k + 1:
+    raise ValueError(
+        f"n is too small: DPASE splits the rows into t={t} subsets (set by epsilon={epsilon:g}, "
+        f"delta={delta:g}) and needs at least k + 1 = {k + 1} rows in each, i.e. "
+        f"n >= {t * (k + 1)}, got n={n}.")
+  q = (max(math.ceil(2.25 * k), k + 1) if num_reference_points is None
+       else v.check_int(num_reference_points, "num_reference_points", low=k))
+  tau = histogram.histogram_threshold(epsilon, delta, neighbouring="replace_one", noise=noise)
+  if cell_length is not None:
+    ell = v.check_positive(cell_length, "cell_length")
+    return DPASEParameters(t, m, q, ell, "given", math.nan, math.nan, tau)
+  if gamma is None:
+    raise ValueError("gamma (an upper bound on sqrt(λ_{k+1}/λ_k)) is required to set the cell "
+                     "length; pass gamma=... or cell_length=... explicitly.")
+  gamma = v.check_positive(gamma, "gamma", allow_zero=True)
+  if ell_rule == "paper_formula":
+    if c0 is None:
+      raise ValueError("ell_rule='paper_formula' needs the constant c0 (a float > 0).")
+    c0 = v.check_positive(c0, "c0")
+    ell = c0 * gamma * math.sqrt(d * k) * (math.sqrt(k) + math.sqrt(math.log(k * t))) / math.sqrt(m)
+    return DPASEParameters(t, m, q, ell, ell_rule, math.nan, math.nan, tau)
+  w = math.sqrt(2.0 * math.log(2.0 * t / _BETA_S))
+  noise_norm = gamma * (math.sqrt(m) + math.sqrt(d) + w)
+  denominator = math.sqrt(m) - math.sqrt(k) - w - noise_norm
+  if denominator <= 0 or noise_norm / denominator >= 1.0:
+    warnings.warn(
+        f"DPASE: with m={m} rows per subset, d={d}, k={k} and gamma={gamma:g} the per-subset "
+        "subspaces are not guaranteed to be close to each other; DPASE will most likely return "
+        "⊥ (the run is still private). More rows or a smaller gamma help.", stacklevel=3)
+    xi = 1.0
+  else:
+    xi = noise_norm / denominator
+  x = math.log(q * t / _BETA_S)
+  radius = xi * math.sqrt(2 * k + 2 * math.sqrt(2 * k * x) + 2 * x)
+  if ell_rule == "paper_proof":
+    ell = 20.0 * q * radius
+  else:  # l1_safe
+    ell = 2.0 * q * math.sqrt(d) * radius * math.sqrt(2.0 * math.log(2.0 * t)) / _BETA_CUT
+  if ell <= 0.0:  # gamma == 0: any positive cell works; keep cells of unit side.
+    ell = 1.0
+  return DPASEParameters(t, m, q, ell, ell_rule, xi, radius, tau)
+
+
+def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
+          gamma: float | None = None, num_subsets: int | None = None,
+          num_reference_points: int | None = None, cell_length: float | None = None,
+          ell_rule: str = "paper_proof", c0: float | None = None,
+          partition: str = "permutation", noise: str = "discrete",
+          grouping: str = "auto") -> SubspaceResult:
+  """Learns a k-dimensional subspace privately with DPASE ([SS21] Algorithm 2).
+
+  For data near a k-dim subspace (``x_i ~ N(0, Σ)`` with ``λ_{k+1} ≤ γ² λ_k``), the answer is
+  within ``α`` of the top-k eigenspace with a number of rows that does not grow with ``d``
+  ([SS21] Thm 1.2/4.3). Zero-mean data are assumed for utility (use pairwise differences
+  ``(x_{2i} − x_{2i−1})/√2`` otherwise); privacy needs no assumption.
+
+  Steps (all shapes static): rows → public partition into ``t`` subsets of ``m`` rows →
+  batched (``vmap``) top-k subspaces ``V_j`` → ``q`` reference points ``p_i ~ N(0, I_d)``
+  projected through every subspace, ``Q_j ∈ R^{q d}`` → cell ``z_j = ⌊Q_j/ℓ − λ⌋`` of a grid with
+  one random offset ``λ ~ U[0, 1)`` → stability histogram of ``z_1..z_t`` → the released cell with
+  the largest noisy count, if that count is ≥ t/2, else ⊥ → a uniform point of that cell, split
+  into q points of ``R^d`` → their top-k principal subspace.
+
+  Privacy guarantee: (ε, δ)-DP. Replacing one row changes one subset, hence one histogram item
+  (two bin counts change by 1); the stability histogram with replace-one thresholds is (ε, δ)-DP
+  for that change (ALGORITHMS.md §1.5), and the reference points, the offset, ``ℓ``, ``t``, ``m``
+  are public. Choosing the cell, the ``t/2`` rule and the final PCA are post-processing.
+
+  * ``partition="permutation"`` (default): a public random permutation, then ``t`` blocks of
+    ``m = ⌊n/t⌋`` rows (the last ``n − tm`` rows of the permuted order are unused). Holds under
+    **replace-one**.
+  * ``partition="random_labels"``: each row gets an independent uniform public label in
+    ``{1..t}``; subset j holds the rows labelled j (up to a public capacity ``m + 4√m + 4``; any
+    overflow is dropped within that subset only). Adding, removing or replacing one row changes
+    exactly one subset, so the same guarantee holds under **add/remove-one** as well as
+    replace-one (ALGORITHMS.md §6.2 route (c)); this is what DP-SGD composition uses. ``ℓ`` and the
+    capacity are computed from ``n``, which is treated as public (as DP-SGD's expected batch size
+    ``qN`` is); pass ``cell_length`` to remove that dependence from ``ℓ``.
+
+  Args:
+    key: PRNG key; the only source of randomness (split internally, never reused).
+    X: ``(n, d)`` float array, rows are individuals. Runs in ``X``'s dtype.
+    epsilon: ε > 0 (nats).
+    delta: δ ∈ (0, 1).
+    k: subspace dimension, ``1 <= k <= d``.
+    gamma: upper bound on ``sqrt(λ_{k+1}/λ_k)``; public. Required unless ``cell_length`` is set.
+    num_subsets, num_reference_points, cell_length, ell_rule, c0: override the public parameters
+      (see :func:`dpase_parameters`).
+    partition: "permutation" or "random_labels" (see above).
+    noise: histogram noise, "discrete" (integer, default; ALGORITHMS.md §1.10) or "laplace".
+    grouping: how the histogram groups equal cells ("auto", "pairwise", "hash").
+
+  Returns:
+    :class:`SubspaceResult` with ``ok``, ``basis (d, k)`` (zeros on ⊥), ``epsilon``, ``delta``,
+    ``neighbouring`` and ``info`` (the public parameters and the released winning count, which is
+    0 when nothing was released).
+
+  Raises:
+    TypeError: ``key`` is not a PRNG key, or ``X`` is not a real array.
+    ValueError: NaN/inf in ``X``, wrong rank, ε ≤ 0, δ ∉ (0, 1), k ∉ [1, d], ``n`` too small
+      (``⌊n/t⌋ < k + 1``), or a bad option.
+
+  References:
+    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2, Lemma 5.3,
+    Thm 1.2/4.3.
+  """
+  key = v.check_key(key)
+  X = v.check_data(X, "X")
+  n, d = X.shape
+  v.check_choice(partition, "partition", PARTITIONS)
+  v.check_choice(noise, "noise", ("discrete", "laplace"))
+  v.check_choice(grouping, "grouping", ("auto", "pairwise", "hash"))
+  params = dpase_parameters(n, d, k, epsilon=epsilon, delta=delta, gamma=gamma,
+                            num_subsets=num_subsets,
+                            num_reference_points=num_reference_points,
+                            cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise)
+  t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
+  k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
+
+  if partition == "permutation":
+    blocks = _permutation_blocks(k_part, X, t, m)
+  else:
+    blocks = _random_label_blocks(k_part, X, t, m + math.ceil(4 * math.sqrt(m)) + 4)
+  cells, offset = _subset_cells(k_ref, k_off, blocks, k, q, params.cell_length)
+  hist = histogram.stable_histogram(k_hist, cells, epsilon=float(epsilon), delta=float(delta),
+                                    neighbouring="replace_one", noise=noise, grouping=grouping)
+  ok, basis, count = _finish(k_point, hist.bins[0], hist.released[0], hist.noisy_counts[0],
+                             offset, params.cell_length, t, q, d, k)
+  info = {
+      "num_subsets": t,
+      "subset_size": m,
+      "num_reference_points": q,
+      "cell_length": params.cell_length,
+      "ell_rule": params.ell_rule,
+      "partition": partition,
+      "threshold": params.threshold,
+      "winning_count": count,
+  }
+  neighbouring = "replace_one" if partition == "permutation" else "add_remove"
+  return SubspaceResult(ok=ok, basis=basis, epsilon=float(epsilon), delta=float(delta),
+                        neighbouring=neighbouring, info=info)
+
+
+@functools.partial(jax.jit, static_argnames=("t", "m"))
+def _permutation_blocks(key, X, t, m):
+  perm = jax.random.permutation(key, X.shape[0])
+  return X[perm[: t * m]].reshape(t, m, X.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("t", "capacity"))
+def _random_label_blocks(key, X, t, capacity):
+  n, d = X.shape
+  labels = jax.random.randint(key, (n,), 0, t)
+  order = jnp.argsort(labels, stable=True)          # public: depends on the labels only
+  sorted_labels = labels[order]
+  first = jnp.searchsorted(sorted_labels, jnp.arange(t))
+  rank = jnp.arange(n) - first[sorted_labels]
+  blocks = jnp.zeros((t, capacity, d), X.dtype)
+  # Rows past a subset's capacity are dropped: that only ever changes the subset they belong to.
+  return blocks.at[sorted_labels, rank].set(X[order], mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "q"))
+def _subset_cells(key_ref, key_off, blocks, k, q, cell_length):
+  t, _, d = blocks.shape
+  bases = linalg.batched_top_k_subspaces(blocks, k)                   # (t, d, k)
+  reference = jax.random.normal(key_ref, (q, d), blocks.dtype)        # public
+  points = linalg.project_points(reference, bases).reshape(t, q * d)  # (t, q d)
+  offset = jax.random.uniform(key_off, (), blocks.dtype)              # one offset for all axes
+  scaled = jnp.floor(points / cell_length - offset)
+  bound = float(np.iinfo(np.int32).max - 1)
+  return jnp.clip(scaled, -bound, bound).astype(jnp.int32), offset
+
+
+@functools.partial(jax.jit, static_argnames=("t", "q", "d", "k"))
+def _finish(key, cell, released, noisy_count, offset, cell_length, t, q, d, k):
+  ok = released & (noisy_count >= t / 2)
+  dtype = offset.dtype
+  uniform = jax.random.uniform(key, (q * d,), dtype)
+  point = cell_length * (cell.astype(dtype) + offset + uniform)
+  basis = linalg.top_k_right_singular_vectors(point.reshape(q, d), k)
+  basis = jnp.where(ok, basis, jnp.zeros_like(basis))
+  count = jnp.where(released, noisy_count, jnp.zeros_like(noisy_count))
+  return ok, basis, count
+
+
+class CellLengthCalibration(NamedTuple):
+  """Result of :func:`calibrate_cell_length`: the chosen ``ℓ`` and the simulated success rates."""
+  cell_length: float
+  grid: np.ndarray
+  success_rate: np.ndarray
+  bottom_rate: np.ndarray
+
+
+def calibrate_cell_length(key: jax.Array, *, n: int, d: int, k: int, gamma: float,
+                          epsilon: float, delta: float, alpha: float = 0.1,
+                          grid: np.ndarray | None = None, trials: int = 10,
+                          dtype=None, **dpase_kwargs) -> CellLengthCalibration:
+  """Chooses DPASE's cell length ``ℓ`` by simulation on public model data (ALGORITHMS.md §2.2).
+
+  Generates ``trials`` datasets from the paper's model with the user's *public* configuration
+  ``(n, d, k, γ)`` (:func:`dpjax.data.approximate_subspace_data`), runs DPASE with every ``ℓ`` in
+  ``grid`` (default: the ``"paper_proof"`` value times ``2^j``, ``j = −6..4``) and returns the ``ℓ``
+  with the highest empirical ``P[‖Π̂ − Π‖ ≤ α]`` (the smallest such ℓ on ties). No private data is
+  touched, so the calibration costs no privacy budget.
+
+  Returns:
+    :class:`CellLengthCalibration`.
+  """
+  from dpjax import data, metrics  # local: data imports linalg only, no cycle, but keep it lazy
+
+  key = v.check_key(key)
+  alpha = v.check_positive(alpha, "alpha")
+  trials = v.check_int(trials, "trials", low=1)
+  if grid is None:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      base = dpase_parameters(n, d, k, epsilon=epsilon, delta=delta, gamma=gamma).cell_length
+    grid = base * 2.0 ** np.arange(-6, 5)
+  grid = np.asarray(grid, dtype=float)
+  if grid.ndim != 1 or grid.size == 0 or not np.all(grid > 0):
+    raise ValueError("grid must be a non-empty 1-D array of positive cell lengths.")
+  hits = np.zeros(grid.size)
+  bottoms = np.zeros(grid.size)
+  for trial_key in jax.random.split(key, trials):
+    k_data, k_run = jax.random.split(trial_key)
+    X, model = data.approximate_subspace_data(k_data, n, d, k, gamma=gamma, dtype=dtype)
+    for i, ell in enumerate(grid):
+      res = dpase(jax.random.fold_in(k_run, i), X, epsilon=epsilon, delta=delta, k=k,
+                  cell_length=float(ell), **dpase_kwargs)
+      if bool(res.ok):
+        hits[i] += float(metrics.projection_distance(res.basis, model.basis)) <= alpha
+      else:
+        bottoms[i] += 1
+  rates = hits / trials
+  best = int(np.argmax(rates))
+  return CellLengthCalibration(float(grid[best]), grid, rates, bottoms / trials)

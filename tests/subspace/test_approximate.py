@@ -1,0 +1,159 @@
+"""Tests for DPASE (dpjax.subspace.approximate; ALGORITHMS.md §2.2)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpjax import data, linalg, metrics
+from dpjax.subspace import approximate
+
+# A configuration on the paper's model where the spec predicts success with the default
+# (paper_proof) cell length: γ small enough for ℓ = 20 q r̂ to resolve the subspace.
+N, D, K, GAMMA = 6_000, 20, 2, 1e-5
+EPS, DELTA = 1.0, 1e-6
+
+
+def _model(seed=0, n=N, d=D, k=K, gamma=GAMMA):
+  return data.approximate_subspace_data(jax.random.key(seed), n, d, k, gamma=gamma)
+
+
+def test_parameters_match_the_spec_examples():
+  # ALGORITHMS.md §2.2: ε=1, δ=1e-6 → t=37; ε=0.5, δ=1e-6 → t=73; ε=2, δ=1e-8 → t=25.
+  assert approximate.num_subsets_for(1.0, 1e-6, noise="laplace") == 37
+  assert approximate.num_subsets_for(0.5, 1e-6, noise="laplace") == 73
+  assert approximate.num_subsets_for(2.0, 1e-8, noise="laplace") == 25
+  p = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, gamma=0.01)
+  assert p.num_reference_points == 9 and p.subset_size == 10_000 // p.num_subsets
+  assert math.isclose(p.cell_length, 20 * 9 * p.radius)
+  safe = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, gamma=0.01,
+                                      ell_rule="l1_safe")
+  assert safe.cell_length > p.cell_length
+  given = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, cell_length=0.3)
+  assert given.cell_length == 0.3 and given.ell_rule == "given"
+
+
+def test_shapes_orthonormality_and_result_fields():
+  X, _ = _model()
+  res = approximate.dpase(jax.random.key(1), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  assert res.basis.shape == (D, K) and res.basis.dtype == X.dtype
+  assert bool(res.ok)
+  np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(K), atol=1e-4)
+  assert res.epsilon == EPS and res.delta == DELTA and res.neighbouring == "replace_one"
+  t = approximate.num_subsets_for(EPS, DELTA)          # discrete noise: 38 (Laplace: 37)
+  assert res.info["num_subsets"] == t and int(res.info["winning_count"]) >= t / 2
+
+
+def test_same_key_same_output_different_key_different_output():
+  X, _ = _model()
+  a = approximate.dpase(jax.random.key(3), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  b = approximate.dpase(jax.random.key(3), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  c = approximate.dpase(jax.random.key(4), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  assert jnp.array_equal(a.basis, b.basis) and bool(a.ok) == bool(b.ok)
+  assert not jnp.array_equal(a.basis, c.basis)
+
+
+def test_success_rate_on_model_data_with_confidence_bound():
+  """Over independent datasets and keys, P[‖Π̂ − Π‖ ≤ 0.1] is high: the CI's lower end ≥ 0.7."""
+  errors = []
+  for seed in range(12):
+    X, model = _model(seed=100 + seed)
+    res = approximate.dpase(jax.random.key(200 + seed), X, epsilon=EPS, delta=DELTA, k=K,
+                            gamma=GAMMA)
+    errors.append(float(metrics.projection_distance(res.basis, model.basis))
+                  if bool(res.ok) else math.inf)
+  summary = metrics.success_rate(errors, alpha=0.1)
+  assert summary["low"] >= 0.7, (summary, errors)
+
+
+def test_bottom_on_isotropic_data():
+  """Isotropic data have no subspace: the t subsets disagree and DPASE answers ⊥."""
+  oks = []
+  for seed in range(5):
+    X = jax.random.normal(jax.random.key(seed), (N, D))
+    res = approximate.dpase(jax.random.key(50 + seed), X, epsilon=EPS, delta=DELTA, k=K,
+                            gamma=GAMMA)
+    oks.append(bool(res.ok))
+    if not res.ok:
+      assert jnp.all(res.basis == 0)           # ⊥ carries a fixed placeholder
+  assert not any(oks)
+
+
+def test_rotating_the_data_rotates_the_subspace():
+  X, model = _model(seed=7)
+  R = linalg.orthonormal_basis(jax.random.key(8), D, D)
+  a = approximate.dpase(jax.random.key(9), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  b = approximate.dpase(jax.random.key(9), X @ R.T, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  assert bool(a.ok) and bool(b.ok)
+  # The grid is axis-aligned, so equivariance holds up to the mechanism's error α.
+  assert float(metrics.projection_distance(b.basis, R @ a.basis)) < 0.2
+  assert float(metrics.projection_distance(b.basis, R @ model.basis)) < 0.1
+
+
+def test_random_labels_partition_holds_under_add_remove_and_succeeds():
+  X, model = _model(seed=11)
+  res = approximate.dpase(jax.random.key(12), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA,
+                          partition="random_labels")
+  assert res.neighbouring == "add_remove"
+  assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
+
+
+def test_laplace_noise_variant_and_hash_grouping():
+  X, model = _model(seed=13)
+  res = approximate.dpase(jax.random.key(14), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA,
+                          noise="laplace", grouping="hash")
+  assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
+
+
+def test_float64():
+  with jax.enable_x64(True):
+    X, model = data.approximate_subspace_data(jax.random.key(15), N, D, K, gamma=GAMMA,
+                                              dtype=jnp.float64)
+    res = approximate.dpase(jax.random.key(16), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+    assert res.basis.dtype == jnp.float64
+    assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
+
+
+def test_calibrate_cell_length_picks_the_best_grid_point():
+  cal = approximate.calibrate_cell_length(jax.random.key(17), n=3_000, d=10, k=1, gamma=1e-3,
+                                          epsilon=EPS, delta=DELTA, trials=3,
+                                          grid=np.array([1e-4, 1e-2, 1.0, 100.0]))
+  assert cal.cell_length == cal.grid[int(np.argmax(cal.success_rate))]
+  assert cal.success_rate.max() > cal.success_rate[-1]      # a huge cell is a random answer
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(epsilon=0.0), ValueError, "epsilon"),
+    (dict(epsilon=-1.0), ValueError, "epsilon"),
+    (dict(delta=0.0), ValueError, "delta"),
+    (dict(delta=1.0), ValueError, "delta"),
+    (dict(k=0), ValueError, "k"),
+    (dict(k=D + 1), ValueError, "k"),
+    (dict(gamma=None), ValueError, "gamma"),
+    (dict(partition="rows"), ValueError, "partition"),
+    (dict(cell_length=-1.0), ValueError, "cell_length"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, exc, match):
+  X, _ = _model(n=2_000)
+  args = dict(epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA) | kwargs
+  with pytest.raises(exc, match=match):
+    approximate.dpase(jax.random.key(0), X, **args)
+
+
+def test_bad_data_raise_clear_errors():
+  X, _ = _model(n=2_000)
+  kw = dict(epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  with pytest.raises(ValueError, match="NaN"):
+    approximate.dpase(jax.random.key(0), X.at[3, 4].set(jnp.nan), **kw)
+  with pytest.raises(ValueError, match="NaN or infinite"):
+    approximate.dpase(jax.random.key(0), X.at[0, 0].set(jnp.inf), **kw)
+  with pytest.raises(ValueError, match="dimensions"):
+    approximate.dpase(jax.random.key(0), X[0], **kw)
+  with pytest.raises(ValueError, match="n is too small"):
+    approximate.dpase(jax.random.key(0), X[:100], **kw)
+  with pytest.raises(TypeError, match="key"):
+    approximate.dpase(42, X, **kw)
+  with pytest.raises(TypeError, match="dtype"):
+    approximate.dpase(jax.random.key(0), np.ones((2_000, D), dtype=bool), **kw)
