@@ -138,6 +138,7 @@ def run(args) -> dict:
               expected_batch_size=args.batch_size, clip_norm=args.clip_norm,
               subspace=subspace, k=args.k if subspace != "none" else None,
               public_data=public_data, gamma=args.gamma,
+              refresh_every=args.refresh_every if subspace == "public" else None,
               subspace_epsilon_fraction=args.subspace_epsilon_fraction,
               eval_fn=eval_fn, eval_every=args.eval_every, progress=progress)
         for w in caught:
@@ -217,13 +218,15 @@ def main(argv=None) -> dict:
                       help="write a PNG of test accuracy against steps")
   parser.add_argument("--batch-size", type=int, default=128, help="expected batch size")
   parser.add_argument("--clip-norm", type=float, default=1.0)
-  parser.add_argument("--learning-rate", type=float, default=5e-3)
+  parser.add_argument("--learning-rate", type=float, default=1e-2)
   parser.add_argument("--hidden", type=int, default=32, help="hidden units of the MLP")
   parser.add_argument("--public-fraction", type=float, default=0.1)
-  parser.add_argument("--gamma", type=float, default=0.05,
+  parser.add_argument("--gamma", type=float, default=1e-3,
                       help="DPASE's public gap parameter for the gradient subspace")
-  parser.add_argument("--subspace-epsilon-fraction", type=float, default=0.1,
+  parser.add_argument("--subspace-epsilon-fraction", type=float, default=0.25,
                       help="share of ε spent on the private subspace")
+  parser.add_argument("--refresh-every", type=int, default=5,
+                      help="recompute the public subspace every this many steps (free)")
   parser.add_argument("--eval-every", type=int, default=25)
   parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
   args = parser.parse_args(argv)
@@ -231,7 +234,7 @@ def main(argv=None) -> dict:
     parser.error(f"--epsilon must be > 0, got {args.epsilon}")
   if not 0 < args.delta < 1:
     parser.error(f"--delta must lie in (0, 1), got {args.delta}")
-  for name in ("k", "seeds", "steps", "batch_size", "hidden", "eval_every"):
+  for name in ("k", "seeds", "steps", "batch_size", "hidden", "eval_every", "refresh_every"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   return run(args)

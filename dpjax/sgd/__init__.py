@@ -1,0 +1,10 @@
+"""DP-SGD with optional gradient-subspace projection (ALGORITHMS.md §6)."""
+
+from dpjax.sgd.per_example import (clip_per_example, clipped_grad_sum, global_norms,
+                                   per_example_grads)
+from dpjax.sgd.sampling import poisson_mask, poisson_microbatches
+from dpjax.sgd.subspace_sources import (flat_per_example_grads, private_gradient_subspace,
+                                        public_gradient_subspace)
+from dpjax.sgd.training import TrainResult, train_dp_sgd
+from dpjax.sgd.transforms import (DPNoiseState, dp_aggregate, dp_gaussian_noise,
+                                  subspace_dp_gaussian_noise)

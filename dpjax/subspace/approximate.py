@@ -76,7 +76,8 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
                      gamma: float | None = None, num_subsets: int | None = None,
                      num_reference_points: int | None = None,
                      cell_length: float | None = None, ell_rule: str = "paper_proof",
-                     c0: float | None = None, noise: str = "discrete") -> DPASEParameters:
+                     c0: float | None = None, noise: str = "discrete",
+                     alpha: float | None = 0.1) -> DPASEParameters:
   """Computes DPASE's public parameters (ALGORITHMS.md §2.2, PROPOSED constants).
 
   Every default can be overridden; none of them affects privacy, only the ⊥ rate and accuracy.
@@ -94,6 +95,12 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
     ``"l1_safe"``: ``ℓ = 2 q √d r̂ sqrt(2 ln 2t) / 0.1`` (cells sized for the ℓ1-extent of a cluster,
     fewer ⊥, larger error); ``"paper_formula"``: ``ℓ = c0 γ sqrt(dk)(√k + sqrt(ln(kt)))/√m``.
     ``cell_length`` given explicitly wins over any rule. See also :func:`calibrate_cell_length`.
+  * Accuracy cap (PROPOSED, on unless ``alpha=None``): the released point is uniform in its cell,
+    so the final PCA sees an error matrix with entries of size ≈ ℓ/√6 and, by Wedin's bound,
+    ``sin θ ≲ ‖E‖/(s_k(P) − ‖E‖)`` with ``‖E‖ ≈ ℓ(√q + √d)/√6`` and ``s_k(P) ≈ √q − √k``. A
+    rule's ℓ is therefore capped at ``α(√q − √k)√6 / ((1 + α)(√q + √d))``: larger cells make
+    success likely but the answer no better than ``α``-accurate — a random subspace when the
+    radius bound is vacuous. The cap trades such answers for ⊥. Privacy-neutral.
 
   Raises:
     ValueError: bad arguments, ``gamma`` missing when a rule needs it, or ``n`` too small for
@@ -128,7 +135,7 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
       raise ValueError("ell_rule='paper_formula' needs the constant c0 (a float > 0).")
     c0 = v.check_positive(c0, "c0")
     ell = c0 * gamma * math.sqrt(d * k) * (math.sqrt(k) + math.sqrt(math.log(k * t))) / math.sqrt(m)
-    return DPASEParameters(t, m, q, ell, ell_rule, math.nan, math.nan, tau)
+    return DPASEParameters(t, m, q, _cap(ell, alpha, d, k, q), ell_rule, math.nan, math.nan, tau)
   w = math.sqrt(2.0 * math.log(2.0 * t / _BETA_S))
   noise_norm = gamma * (math.sqrt(m) + math.sqrt(d) + w)
   denominator = math.sqrt(m) - math.sqrt(k) - w - noise_norm
@@ -148,7 +155,17 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
     ell = 2.0 * q * math.sqrt(d) * radius * math.sqrt(2.0 * math.log(2.0 * t)) / _BETA_CUT
   if ell <= 0.0:  # gamma == 0: any positive cell works; keep cells of unit side.
     ell = 1.0
-  return DPASEParameters(t, m, q, ell, ell_rule, xi, radius, tau)
+  return DPASEParameters(t, m, q, _cap(ell, alpha, d, k, q), ell_rule, xi, radius, tau)
+
+
+def _cap(ell: float, alpha: float | None, d: int, k: int, q: int) -> float:
+  """Caps ℓ so that a success is α-accurate (see :func:`dpase_parameters`)."""
+  if alpha is None:
+    return ell
+  alpha = v.check_positive(alpha, "alpha")
+  cap = alpha * (math.sqrt(q) - math.sqrt(k)) * math.sqrt(6.0) / (
+      (1.0 + alpha) * (math.sqrt(q) + math.sqrt(d)))
+  return min(ell, cap)
 
 
 def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
@@ -156,7 +173,7 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
           num_reference_points: int | None = None, cell_length: float | None = None,
           ell_rule: str = "paper_proof", c0: float | None = None,
           partition: str = "permutation", noise: str = "discrete",
-          grouping: str = "auto") -> SubspaceResult:
+          grouping: str = "auto", alpha: float | None = 0.1) -> SubspaceResult:
   """Learns a k-dimensional subspace privately with DPASE ([SS21] Algorithm 2).
 
   For data near a k-dim subspace (``x_i ~ N(0, Σ)`` with ``λ_{k+1} ≤ γ² λ_k``), the answer is
@@ -196,6 +213,8 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
     gamma: upper bound on ``sqrt(λ_{k+1}/λ_k)``; public. Required unless ``cell_length`` is set.
     num_subsets, num_reference_points, cell_length, ell_rule, c0: override the public parameters
       (see :func:`dpase_parameters`).
+    alpha: accuracy target that caps a rule's ℓ (default 0.1; None disables the cap; an explicit
+      ``cell_length`` is never capped).
     partition: "permutation" or "random_labels" (see above).
     noise: histogram noise, "discrete" (integer, default; ALGORITHMS.md §1.10) or "laplace".
     grouping: how the histogram groups equal cells ("auto", "pairwise", "hash").
@@ -223,7 +242,8 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
   params = dpase_parameters(n, d, k, epsilon=epsilon, delta=delta, gamma=gamma,
                             num_subsets=num_subsets,
                             num_reference_points=num_reference_points,
-                            cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise)
+                            cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise,
+                            alpha=alpha)
   t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
   k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
 

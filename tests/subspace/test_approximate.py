@@ -25,12 +25,17 @@ def test_parameters_match_the_spec_examples():
   assert approximate.num_subsets_for(1.0, 1e-6, noise="laplace") == 37
   assert approximate.num_subsets_for(0.5, 1e-6, noise="laplace") == 73
   assert approximate.num_subsets_for(2.0, 1e-8, noise="laplace") == 25
-  p = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, gamma=0.01)
+  p = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, gamma=0.01,
+                                   alpha=None)
   assert p.num_reference_points == 9 and p.subset_size == 10_000 // p.num_subsets
   assert math.isclose(p.cell_length, 20 * 9 * p.radius)
   safe = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, gamma=0.01,
-                                      ell_rule="l1_safe")
+                                      ell_rule="l1_safe", alpha=None)
   assert safe.cell_length > p.cell_length
+  capped = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, gamma=0.01,
+                                        ell_rule="l1_safe", alpha=0.1)
+  cap = 0.1 * (3 - 2) * math.sqrt(6) / (1.1 * (3 + math.sqrt(50)))
+  assert math.isclose(capped.cell_length, min(safe.cell_length, cap))
   given = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, cell_length=0.3)
   assert given.cell_length == 0.3 and given.ell_rule == "given"
 

@@ -1,0 +1,197 @@
+"""A reusable private training loop: DP-SGD, optionally with gradient-subspace noise (§6)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpjax import _validation as v
+from dpjax import accounting
+from dpjax.sgd import per_example, sampling, subspace_sources, transforms
+
+SUBSPACES = ("none", "private", "public")
+
+
+class TrainResult(NamedTuple):
+  """Output of :func:`train_dp_sgd`.
+
+  Attributes:
+    params: the trained parameters.
+    budget: the :class:`dpjax.accounting.DPSGDBudget` spent (totals under add/remove-one).
+    subspace_ok: None for plain DP-SGD; True/False for whether the subspace was used (False: the
+      private subspace answered ⊥ and training ran as plain DP-SGD).
+    history: one dict per evaluation: ``{"step": ..., **eval_fn(params)}``.
+  """
+  params: Any
+  budget: accounting.DPSGDBudget
+  subspace_ok: bool | None
+  history: list
+
+
+def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
+                 epsilon: float, delta: float, steps: int, expected_batch_size: float,
+                 clip_norm: float, subspace: str = "none", k: int | None = None,
+                 subspace_epsilon_fraction: float = 0.1,
+                 subspace_delta_fraction: float = 0.1, public_data=None,
+                 gamma: float | None = None, refresh_every: int | None = None,
+                 microbatch_size: int | None = None,
+                 eval_fn: Callable | None = None, eval_every: int | None = None,
+                 progress: bool = False, dpase_kwargs: dict | None = None,
+                 accountant: str = "rdp") -> TrainResult:
+  """Trains ``params`` with DP-SGD at a total (ε, δ), the subspace's cost included.
+
+  Each step: Poisson sampling with rate ``q = L/N`` laid out as fixed-size micro-batches (never
+  truncated), the jitted sum of clipped per-example gradients, Gaussian noise (in all p
+  coordinates, or only in the k coordinates of a subspace), division by the expected batch size
+  L, then ``optimizer``.
+
+  Subspace sources (``subspace``):
+
+  * ``"none"``: plain DP-SGD; σ calibrated to the whole (ε, δ).
+  * ``"private"``: DPASE on the per-example gradients at the initial ``params`` with
+    ``(ε_s, δ_s) = (fraction·ε, fraction·δ)``, then SGD calibrated to the rest. If DPASE returns
+    ⊥, training continues as plain DP-SGD with that σ (the subspace budget is spent either way)
+    and a warning says so. It never falls back to a non-private subspace.
+  * ``"public"``: the top-k subspace of the gradients of ``public_data`` (no privacy cost: the
+    data are public and must not overlap ``data``), recomputed at the current parameters every
+    ``refresh_every`` steps if given (PDP-SGD style; still free, the data being public).
+
+  Guarantee: ``(budget.epsilon, budget.delta)``-DP under add/remove-one for the rows of ``data``:
+  the SGD steps are the Poisson-sampled Gaussian mechanism composed by ``dp_accounting``; the
+  private subspace is (ε_s, δ_s)-DP under add/remove-one (DPASE with random labels) and is composed
+  by basic composition (ALGORITHMS.md §6.2 route (c)). The initial ``params`` must not depend on
+  ``data``. The dataset size N is treated as public (it sets q = L/N).
+
+  Args:
+    key: PRNG key.
+    loss_fn: ``loss_fn(params, example) -> scalar`` for one example.
+    params: initial parameters (a pytree).
+    data: pytree of arrays with a leading example axis N (the private training set).
+    optimizer: an optax ``GradientTransformation`` applied to the privatised gradient.
+    epsilon, delta: the total budget.
+    steps: number of steps T.
+    expected_batch_size: L, with ``L ≤ N``.
+    clip_norm: per-example clip norm C.
+    subspace: "none", "private" or "public".
+    k: subspace dimension (required unless ``subspace == "none"``).
+    subspace_epsilon_fraction, subspace_delta_fraction: shares of ε and δ for the private
+      subspace, in (0, 1).
+    public_data: pytree like ``data`` (for ``subspace == "public"``).
+    gamma: DPASE's gap parameter (for ``subspace == "private"``; or ``cell_length`` in
+      ``dpase_kwargs``).
+    refresh_every: for ``subspace == "public"`` only: recompute the subspace every this many
+      steps (a private refresh would cost budget each time and is not offered here).
+    microbatch_size: rows per jitted micro-batch (default ``⌈L + 4√L⌉``, usually one).
+    eval_fn: optional ``eval_fn(params) -> dict`` recorded every ``eval_every`` steps.
+    progress: show a tqdm progress bar (needs the ``examples`` extra).
+    dpase_kwargs: extra arguments for DPASE.
+    accountant: "rdp" or "pld".
+
+  Returns:
+    :class:`TrainResult`.
+
+  Raises:
+    ValueError / TypeError: bad budget, sizes, fractions, missing k / public data / gamma.
+  """
+  key = v.check_key(key)
+  v.check_choice(subspace, "subspace", SUBSPACES)
+  n = subspace_sources._num_examples(data)
+  steps = v.check_int(steps, "steps", low=1)
+  batch = v.check_positive(expected_batch_size, "expected_batch_size")
+  if batch > n:
+    raise ValueError(f"expected_batch_size must be <= the number of examples N={n}, got {batch}.")
+  clip_norm = v.check_positive(clip_norm, "clip_norm")
+  if subspace != "none":
+    p = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    k = v.check_int(k, "k", low=1, high=p)
+  if subspace == "public" and public_data is None:
+    raise ValueError("subspace='public' needs public_data.")
+  if refresh_every is not None:
+    if subspace != "public":
+      raise ValueError("refresh_every is only supported with subspace='public'.")
+    refresh_every = v.check_int(refresh_every, "refresh_every", low=1)
+  if microbatch_size is None:
+    microbatch_size = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
+  microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
+  eval_every = v.check_int(eval_every or steps, "eval_every", low=1)
+  q = batch / n
+
+  sub_eps = sub_delta = 0.0
+  if subspace == "private":
+    sub_eps = epsilon * v.check_probability(subspace_epsilon_fraction,
+                                            "subspace_epsilon_fraction", open_high=True)
+    sub_delta = delta * v.check_probability(subspace_delta_fraction, "subspace_delta_fraction",
+                                            open_high=True)
+  budget = accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=q, steps=steps,
+                                        subspace_epsilon=sub_eps, subspace_delta=sub_delta,
+                                        accountant=accountant)
+  k_subspace, k_noise, k_sample = jax.random.split(key, 3)
+
+  basis, subspace_ok = None, None
+  if subspace == "private":
+    result = subspace_sources.private_gradient_subspace(
+        k_subspace, loss_fn, params, data, k=k, epsilon=budget.subspace_epsilon,
+        delta=budget.subspace_delta, gamma=gamma, **(dpase_kwargs or {}))
+    subspace_ok = bool(result.ok)
+    if subspace_ok:
+      basis = result.basis
+    else:
+      warnings.warn(
+          f"the private gradient subspace (DPASE) returned ⊥; training continues as plain "
+          f"DP-SGD with the remaining budget (the subspace's ε={budget.subspace_epsilon:.3g}, "
+          f"δ={budget.subspace_delta:.2g} is spent).", stacklevel=2)
+  elif subspace == "public":
+    basis = subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
+    subspace_ok = True
+
+  std = budget.noise_multiplier * clip_norm
+
+  def make_tx(basis):
+    noise = (transforms._gaussian_noise(std, batch, k_noise) if basis is None
+             else transforms._subspace_noise(basis, std, batch, k_noise))
+    return optax.chain(noise, optimizer)
+
+  if basis is not None:
+    basis = transforms.check_basis(basis)
+  opt_state = make_tx(basis).init(params)
+  grad_sum = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm)
+
+  @jax.jit
+  def accumulate(total, params, indices, mask):
+    chunk = jax.tree_util.tree_map(lambda x: x[indices], data)
+    return jax.tree_util.tree_map(jnp.add, total, grad_sum(params, chunk, mask))
+
+  @jax.jit
+  def apply(params, opt_state, summed, basis):
+    # The basis is an argument, so a refreshed public basis reuses the compiled step; the noise
+    # state (its key) carries over.
+    updates, opt_state = make_tx(basis).update(summed, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  history = []
+  for step, step_key in enumerate(_progress(jax.random.split(k_sample, steps), progress)):
+    indices, mask = sampling.poisson_microbatches(step_key, n, q, microbatch_size)
+    total = jax.tree_util.tree_map(jnp.zeros_like, params)
+    for idx, msk in zip(indices, mask):
+      total = accumulate(total, params, idx, msk)
+    params, opt_state = apply(params, opt_state, total, basis)
+    if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
+      basis = subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
+    if eval_fn is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
+      history.append({"step": step + 1, **eval_fn(params)})
+  return TrainResult(params, budget, subspace_ok, history)
+
+
+def _progress(iterable, enabled: bool):
+  if not enabled:
+    return iterable
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:  # tqdm is an optional extra; run without a bar
+    return iterable
+  return tqdm(iterable, leave=False, desc="DP-SGD")

@@ -1,0 +1,162 @@
+"""optax transformations that privatise gradients (ALGORITHMS.md §6.1, §6.2).
+
+Like ``jax_privacy``'s ``clipped_grad``, the noise transformations take the SUM of clipped
+per-example gradients (:func:`dpjax.sgd.clipped_grad_sum`) and return a noisy average divided by
+the public expected batch size L, so they chain with any optax optimiser::
+
+    tx = optax.chain(dp_gaussian_noise(clip_norm=1.0, noise_multiplier=σ,
+                                       expected_batch_size=256, key=key), optax.adam(1e-3))
+
+Privacy: one step is the sampled Gaussian mechanism — the clipped sum has ℓ2-sensitivity C under
+add/remove-one and gets ``N(0, σ²C²)`` noise — accounted by :mod:`dpjax.accounting`. The noise is
+sampled in the gradients' dtype (float32 in most training); the floating-point caveat of §1.10 is
+not addressed inside DP-SGD, as in every DP-SGD library.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+
+from dpjax import _validation as v
+from dpjax.sgd import per_example
+
+
+class DPNoiseState(NamedTuple):
+  """The transformation's PRNG key, split at every step (never reused)."""
+  key: jax.Array
+
+
+def _check(clip_norm, noise_multiplier, expected_batch_size, key):
+  v.check_key(key)
+  return (v.check_positive(clip_norm, "clip_norm"),
+          v.check_positive(noise_multiplier, "noise_multiplier", allow_zero=True),
+          v.check_positive(expected_batch_size, "expected_batch_size"))
+
+
+def dp_gaussian_noise(*, clip_norm: float, noise_multiplier: float, expected_batch_size: float,
+                      key: jax.Array) -> optax.GradientTransformation:
+  """``update(summed) = (summed + N(0, σ²C² I_p)) / L`` on every leaf.
+
+  Args:
+    clip_norm: C > 0, the bound the summed per-example gradients were clipped to.
+    noise_multiplier: σ ≥ 0.
+    expected_batch_size: L > 0, the public expected batch size ``q N`` (not the realised size,
+      which is private under Poisson sampling).
+    key: PRNG key, kept in the state and split at each update.
+
+  Returns:
+    An ``optax.GradientTransformation``. Its updates have the params' structure.
+  """
+  clip_norm, sigma, batch = _check(clip_norm, noise_multiplier, expected_batch_size, key)
+  return _gaussian_noise(sigma * clip_norm, batch, key)
+
+
+def _gaussian_noise(std, batch, key) -> optax.GradientTransformation:
+  """Unvalidated builder of :func:`dp_gaussian_noise` (traceable)."""
+
+  def init_fn(params):
+    del params
+    return DPNoiseState(key)
+
+  def update_fn(updates, state, params=None):
+    del params
+    next_key, noise_key = jax.random.split(state.key)
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    keys = jax.random.split(noise_key, len(leaves))
+    noisy = [(g + std * jax.random.normal(k, g.shape, g.dtype)) / batch
+             for g, k in zip(leaves, keys)]
+    return jax.tree_util.tree_unflatten(treedef, noisy), DPNoiseState(next_key)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def subspace_dp_gaussian_noise(basis: jax.Array, *, clip_norm: float, noise_multiplier: float,
+                               expected_batch_size: float,
+                               key: jax.Array) -> optax.GradientTransformation:
+  """Noise in a k-dim subspace: ``update(S) = V (Vᵀ S + N(0, σ²C² I_k)) / L``.
+
+  ``S`` is flattened with ``ravel_pytree`` (p parameters) and ``V (p, k)`` has orthonormal
+  columns. Privacy per step is that of DP-SGD: ``Vᵀ`` is linear and non-expansive, so the
+  released k-vector ``Vᵀ S`` has ℓ2-sensitivity ≤ C and gets ``N(0, σ²C² I_k)``; mapping back by
+  V is post-processing (ALGORITHMS.md §6.2). The noise energy is ``σ²C²k/L²`` instead of
+  ``σ²C²p/L²``; the price is the discarded residual ``(I − VVᵀ)S``. ``V`` must be public or a DP
+  release (e.g. DPASE's basis) whose cost is composed in.
+
+  Raises:
+    ValueError: ``basis`` not 2-D or its columns not orthonormal (‖VᵀV − I‖ > 1e-3); and as
+      :func:`dp_gaussian_noise`.
+  """
+  clip_norm, sigma, batch = _check(clip_norm, noise_multiplier, expected_batch_size, key)
+  basis = check_basis(basis)
+  return _subspace_noise(basis, sigma * clip_norm, batch, key)
+
+
+def _subspace_noise(basis, std, batch, key) -> optax.GradientTransformation:
+  """Unvalidated builder of :func:`subspace_dp_gaussian_noise` (traceable in ``basis``)."""
+
+  def init_fn(params):
+    p = ravel_pytree(params)[0].shape[0]
+    if p != basis.shape[0]:
+      raise ValueError(f"basis must have one row per parameter: p={p}, got basis of shape "
+                       f"{tuple(basis.shape)}.")
+    return DPNoiseState(key)
+
+  def update_fn(updates, state, params=None):
+    del params
+    next_key, noise_key = jax.random.split(state.key)
+    flat, unravel = ravel_pytree(updates)
+    V = basis.astype(flat.dtype)
+    coefficients = V.T @ flat + std * jax.random.normal(noise_key, (V.shape[1],), flat.dtype)
+    return unravel(V @ coefficients / batch), DPNoiseState(next_key)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def dp_aggregate(*, clip_norm: float, noise_multiplier: float, expected_batch_size: float,
+                 key: jax.Array,
+                 basis: jax.Array | None = None) -> optax.GradientTransformationExtraArgs:
+  """Per-example gradients in, privatised average out (optax.contrib-style aggregator).
+
+  ``update(per_example_grads, state, params=None, *, mask=None)``: clip each example's gradient
+  (leading batch axis) to global norm C, sum the rows with ``mask`` (``(B,)``, 0 for padding),
+  then apply :func:`dp_gaussian_noise`, or :func:`subspace_dp_gaussian_noise` when ``basis`` is
+  given. Divides by the expected batch size L, not the realised one.
+  """
+  if basis is None:
+    inner = dp_gaussian_noise(clip_norm=clip_norm, noise_multiplier=noise_multiplier,
+                              expected_batch_size=expected_batch_size, key=key)
+  else:
+    inner = subspace_dp_gaussian_noise(basis, clip_norm=clip_norm,
+                                       noise_multiplier=noise_multiplier,
+                                       expected_batch_size=expected_batch_size, key=key)
+
+  def update_fn(updates, state, params=None, *, mask=None, **extra_args):
+    del extra_args
+    clipped = per_example.clip_per_example(updates, clip_norm)
+    size = jax.tree_util.tree_leaves(clipped)[0].shape[0]
+    weights = jnp.ones(size) if mask is None else jnp.asarray(mask)
+    summed = jax.tree_util.tree_map(
+        lambda g: jnp.tensordot(weights.astype(g.dtype), g, axes=1), clipped)
+    return inner.update(summed, state, params)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def check_basis(basis, name: str = "basis", *, tol: float = 1e-3) -> jax.Array:
+  """Validates a ``(p, k)`` basis with orthonormal columns (host check)."""
+  basis = jnp.asarray(basis)
+  if basis.ndim != 2 or basis.shape[1] == 0 or basis.shape[1] > basis.shape[0]:
+    raise ValueError(f"{name} must have shape (p, k) with 1 <= k <= p, got "
+                     f"{tuple(basis.shape)}.")
+  if not jnp.issubdtype(basis.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a float array, got dtype={basis.dtype}.")
+  gram = np.asarray(basis.T @ basis, np.float64)
+  if not np.all(np.isfinite(gram)) or np.abs(gram - np.eye(basis.shape[1])).max() > tol:
+    raise ValueError(f"{name} must have orthonormal columns (‖VᵀV − I‖ <= {tol}).")
+  return basis
