@@ -65,7 +65,7 @@ def _truncated_laplace(key, shape, scale, bound, dtype):
   """Unvalidated, traceable core of :func:`truncated_laplace`."""
   k_sign, k_u = jax.random.split(key)
   u = jax.random.uniform(k_u, shape, dtype)
-  mass = -math.expm1(-bound / scale)                    # 1 − e^{−A/λ}
+  mass = -jnp.expm1(-jnp.asarray(bound, dtype) / scale)   # 1 − e^{−A/λ}
   magnitude = -scale * jnp.log1p(-u * mass)
   sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0).astype(dtype)
   return jnp.clip(sign * magnitude, -bound, bound).astype(dtype)

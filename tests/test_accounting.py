@@ -1,0 +1,67 @@
+"""Accounting equals dp_accounting's own figures; budgets compose as stated."""
+
+import math
+
+import dp_accounting
+import pytest
+
+from dpjax import accounting
+
+
+def test_dpsgd_epsilon_equals_dp_accounting():
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.3)), 500)
+  rdp = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+  pld = dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(1e-5)
+  assert accounting.dpsgd_epsilon(1.3, 0.01, 500, 1e-5) == rdp
+  assert accounting.dpsgd_epsilon(1.3, 0.01, 500, 1e-5, accountant="pld") == pld
+
+
+def test_reproduces_the_measured_reference_figure():
+  # PEERS.md: σ=1.1, q=256/60000, 14,062 steps, δ=1e-5 → RDP ε ≈ 2.5966.
+  eps = accounting.dpsgd_epsilon(1.1, 256 / 60000, 14_062, 1e-5)
+  assert abs(eps - 2.5966) < 1e-3
+
+
+def test_calibrated_noise_multiplier_is_the_smallest_meeting_the_target():
+  sigma = accounting.calibrate_noise_multiplier(2.0, 1e-5, 0.05, 300)
+  assert accounting.dpsgd_epsilon(sigma, 0.05, 300, 1e-5) <= 2.0
+  assert accounting.dpsgd_epsilon(sigma * 0.99, 0.05, 300, 1e-5) > 2.0
+
+
+def test_plan_splits_and_totals_add_up():
+  plan = accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=0.05, steps=300,
+                                      subspace_epsilon=0.5, subspace_delta=1e-6)
+  assert plan.sgd_epsilon <= 1.5 + 1e-12 and plan.sgd_delta == pytest.approx(9e-6)
+  assert plan.epsilon == pytest.approx(0.5 + plan.sgd_epsilon)
+  assert plan.delta == pytest.approx(1e-5) and plan.epsilon <= 2.0
+  assert plan.neighbouring == accounting.ADD_REMOVE
+  plain = accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=0.05, steps=300)
+  assert plain.noise_multiplier < plan.noise_multiplier       # the subspace's share costs noise
+
+
+def test_compose_and_convert():
+  a = accounting.PrivacySpend(0.5, 1e-6, "add_remove")
+  b = accounting.PrivacySpend(1.0, 1e-6, "add_remove")
+  assert accounting.compose_basic(a, b) == accounting.PrivacySpend(1.5, 2e-6, "add_remove")
+  with pytest.raises(ValueError, match="neighbouring"):
+    accounting.compose_basic(a, accounting.PrivacySpend(1.0, 1e-6, "replace_one"))
+  r = accounting.replace_one_from_add_remove(1.0, 1e-6)
+  assert r == accounting.PrivacySpend(2.0, (1 + math.e) * 1e-6, "replace_one")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: accounting.dpsgd_epsilon(0.0, 0.1, 10, 1e-5), "noise_multiplier"),
+    (lambda: accounting.dpsgd_epsilon(1.0, 1.5, 10, 1e-5), "sampling_prob"),
+    (lambda: accounting.dpsgd_epsilon(1.0, 0.1, 0, 1e-5), "steps"),
+    (lambda: accounting.dpsgd_epsilon(1.0, 0.1, 10, 0.0), "delta"),
+    (lambda: accounting.dpsgd_epsilon(1.0, 0.1, 10, 1e-5, accountant="gdp"), "accountant"),
+    (lambda: accounting.plan_dpsgd_budget(1.0, 1e-5, sampling_prob=0.1, steps=10,
+                                          subspace_epsilon=1.0), "subspace_epsilon"),
+    (lambda: accounting.plan_dpsgd_budget(1.0, 1e-5, sampling_prob=0.1, steps=10,
+                                          subspace_delta=2e-5), "subspace_delta"),
+    (lambda: accounting.calibrate_noise_multiplier(-1.0, 1e-5, 0.1, 10), "target_epsilon"),
+])
+def test_bad_inputs(call, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    call()
