@@ -1,0 +1,29 @@
+"""The README example and the notebooks run as written (so they cannot rot)."""
+
+import json
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(source: str, name: str) -> dict:
+  namespace: dict = {"__name__": name}
+  exec(compile(source, name, "exec"), namespace)  # noqa: S102 - our own documentation
+  return namespace
+
+
+def test_readme_example_runs():
+  text = (ROOT / "README.md").read_text()
+  code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+  ns = _run(code, "README.md")
+  assert bool(ns["res"].ok) and float(ns["metrics"].projection_distance(
+      ns["res"].basis, ns["model"].basis)) < 0.1
+  assert ns["out"].budget.epsilon <= 2.0 + 1e-9
+
+
+def test_quickstart_notebook_runs():
+  nb = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text())
+  code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+  ns = _run(code, "quickstart.ipynb")
+  assert ns["out"].subspace_ok is True and ns["out"].history[-1]["accuracy"] > 0.9
