@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from dpjax import _validation as v
-from dpjax.mechanisms import truncated_laplace as tlap
+from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
 
 
 class GapMaxResult(NamedTuple):
@@ -20,7 +20,7 @@ class GapMaxResult(NamedTuple):
 
 def gap_max_threshold(epsilon: float, delta: float) -> float:
   """``A − 1`` with ``A`` the bound of ``TLap(2, ε, δ)``: the noisy gap must exceed it."""
-  return tlap.truncated_laplace_params(2.0, epsilon, delta).bound - 1.0
+  return truncated_laplace_params(2.0, epsilon, delta).bound - 1.0
 
 
 def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxResult:
@@ -53,7 +53,7 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
     raise TypeError(f"scores must be real or integer, got dtype={scores.dtype}.")
   if not bool(jnp.all(jnp.isfinite(scores))):
     raise ValueError("scores contain NaN or infinite entries.")
-  params = tlap.truncated_laplace_params(2.0, epsilon, delta)
+  params = truncated_laplace_params(2.0, epsilon, delta)
   return _gap_max(key, scores, params.scale, params.bound)
 
 
@@ -67,6 +67,6 @@ def _gap_max(key, scores, scale, bound):
     top, idx = jax.lax.top_k(scores, 2)      # lowest index first among equal values
     u1, u2, s1 = top[0], top[1], idx[0].astype(jnp.int32)
   gap = jnp.maximum(0.0, u1 - u2 - 1.0)
-  noise = tlap._truncated_laplace(key, (), scale, bound, dtype)
+  noise = _truncated_laplace(key, (), scale, bound, dtype)
   ok = gap + noise > bound - 1.0
   return GapMaxResult(ok, jnp.where(ok, s1, 0))
