@@ -42,7 +42,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                  microbatch_size: int | None = None,
                  eval_fn: Callable | None = None, eval_every: int | None = None,
                  progress: bool = False, dpase_kwargs: dict | None = None,
-                 accountant: str = "rdp") -> TrainResult:
+                 accountant: str = "rdp", ledger=None) -> TrainResult:
   """Trains ``params`` with DP-SGD at a total (ε, δ), the subspace's cost included.
 
   Each step: Poisson sampling with rate ``q = L/N`` laid out as fixed-size micro-batches (never
@@ -91,6 +91,8 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     progress: show a tqdm progress bar (needs the ``examples`` extra).
     dpase_kwargs: extra arguments for DPASE.
     accountant: "rdp" or "pld".
+    ledger: optional :class:`dpjax.accounting.PrivacyLedger` (add/remove-one) that records the
+      subspace release and the SGD steps, refusing them before they run if over its budget.
 
   Returns:
     :class:`TrainResult`.
@@ -131,6 +133,11 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                                         subspace_epsilon=sub_eps, subspace_delta=sub_delta,
                                         accountant=accountant)
   k_subspace, k_noise, k_sample = jax.random.split(key, 3)
+
+  if ledger is not None:
+    # Check the whole plan against the ledger before anything runs, then record it.
+    _record_plan(ledger.copy(), budget)
+    _record_plan(ledger, budget)
 
   basis, subspace_ok = None, None
   if subspace == "private":
@@ -185,6 +192,15 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     if eval_fn is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
       history.append({"step": step + 1, **eval_fn(params)})
   return TrainResult(params, budget, subspace_ok, history)
+
+
+def _record_plan(ledger, budget: accounting.DPSGDBudget) -> None:
+  if budget.subspace_epsilon > 0:
+    ledger.record_approx_dp(budget.subspace_epsilon, budget.subspace_delta,
+                            label="private gradient subspace (DPASE)",
+                            neighbouring=accounting.ADD_REMOVE)
+  ledger.record_dpsgd(noise_multiplier=budget.noise_multiplier,
+                      sampling_prob=budget.sampling_prob, steps=budget.steps)
 
 
 def _progress(iterable, enabled: bool):

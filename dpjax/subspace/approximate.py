@@ -173,7 +173,8 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
           num_reference_points: int | None = None, cell_length: float | None = None,
           ell_rule: str = "paper_proof", c0: float | None = None,
           partition: str = "permutation", noise: str = "discrete",
-          grouping: str = "auto", alpha: float | None = 0.1) -> SubspaceResult:
+          grouping: str = "auto", alpha: float | None = 0.1,
+          ledger=None) -> SubspaceResult:
   """Learns a k-dimensional subspace privately with DPASE ([SS21] Algorithm 2).
 
   For data near a k-dim subspace (``x_i ~ N(0, Σ)`` with ``λ_{k+1} ≤ γ² λ_k``), the answer is
@@ -218,6 +219,8 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
     partition: "permutation" or "random_labels" (see above).
     noise: histogram noise, "discrete" (integer, default; ALGORITHMS.md §1.10) or "laplace".
     grouping: how the histogram groups equal cells ("auto", "pairwise", "hash").
+    ledger: optional :class:`dpjax.accounting.PrivacyLedger`; the release is recorded (or
+      refused with ``BudgetExceededError``) before any data is touched.
 
   Returns:
     :class:`SubspaceResult` with ``ok``, ``basis (d, k)`` (zeros on ⊥), ``epsilon``, ``delta``,
@@ -245,6 +248,11 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
                             cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise,
                             alpha=alpha)
   t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
+  neighbouring = "replace_one" if partition == "permutation" else "add_remove"
+  if ledger is not None:
+    # Random labels hold under both relations, so they fit a ledger of either kind.
+    ledger.record_approx_dp(float(epsilon), float(delta), label="DPASE",
+                            neighbouring=neighbouring if partition == "permutation" else None)
   k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
 
   if partition == "permutation":
@@ -266,7 +274,6 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
       "threshold": params.threshold,
       "winning_count": count,
   }
-  neighbouring = "replace_one" if partition == "permutation" else "add_remove"
   return SubspaceResult(ok=ok, basis=basis, epsilon=float(epsilon), delta=float(delta),
                         neighbouring=neighbouring, info=info)
 
