@@ -71,18 +71,25 @@ def test_stability_histogram_singleton_bin(audit_trials, noise):
 
   def released_nine(key, items):
     h = M.stable_histogram(key, items, epsilon=1.0, delta=delta, noise=noise)
-    # Feature: the released noisy count of bin [9] (−1 when it is not released).
-    return jnp.max(jnp.where(h.released & (h.bins[:, 0] == 9), h.noisy_counts, -1))
+    # Feature: whether bin [9] is released, and the released noisy count of bin [0] (12 vs 13
+    # items), so both the δ part (the singleton) and the ε part (a count moved by 1) are seen.
+    nine = jnp.any(h.released & (h.bins[:, 0] == 9))
+    zero = jnp.max(jnp.where(h.released & (h.bins[:, 0] == 0), h.noisy_counts, -1))
+    return jnp.round(zero).astype(jnp.int32) + 1000 * nine
 
   rep = audit.audit(jax.random.key(4), released_nine, X, X_prime, delta=delta,
                     epsilon_claimed=1.0, trials=n)
   _check(f"stability histogram ({noise})", 1.0, rep.epsilon_lower_bound, n)
 
 
-def test_gap_max_tied_top_candidates(audit_trials):
+@pytest.mark.parametrize("X,X_prime", [
+    ([20.0, 20.0, 2.0], [19.0, 20.0, 2.0]),     # tied top candidates: the δ part
+    ([29.0, 20.0, 2.0], [28.0, 21.0, 2.0]),     # gap 8 → 6, at the threshold: the ε part
+])
+def test_gap_max(audit_trials, X, X_prime):
   n = audit_trials(3_000, 50_000)
   delta = 0.02
-  X, X_prime = jnp.array([20.0, 20.0, 2.0]), jnp.array([19.0, 20.0, 2.0])
+  X, X_prime = jnp.array(X), jnp.array(X_prime)
 
   def answer(key, scores):
     res = M.gap_max(key, scores, epsilon=1.0, delta=delta)
@@ -90,7 +97,7 @@ def test_gap_max_tied_top_candidates(audit_trials):
 
   rep = audit.audit(jax.random.key(5), answer, X, X_prime, delta=delta, epsilon_claimed=1.0,
                     trials=n)
-  _check("gap-max", 1.0, rep.epsilon_lower_bound, n)
+  _check(f"gap-max {X.tolist()}", 1.0, rep.epsilon_lower_bound, n)
 
 
 def test_dpase_replaced_row_breaks_a_subset(audit_trials):
@@ -153,7 +160,8 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
 
 
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
-            "stability histogram (discrete)", "stability histogram (laplace)", "gap-max", "DPASE",
+            "stability histogram (discrete)", "stability histogram (laplace)",
+            "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "DPASE",
             "DP-SGD step", "subspace DP-SGD step"}
 
 
