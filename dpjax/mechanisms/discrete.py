@@ -13,13 +13,17 @@ import jax
 import jax.numpy as jnp
 
 from dpjax import _validation as v
+from dpjax.mechanisms import exact as exact_lib
 
 
-def discrete_laplace(key: jax.Array, shape=(), *, scale: float) -> jax.Array:
+def discrete_laplace(key: jax.Array, shape=(), *, scale: float, exact: bool = True) -> jax.Array:
   """Samples the discrete Laplace distribution ``P(Z = z) = (1−p)/(1+p) · p^{|z|}``, ``p = e^{−1/scale}``.
 
-  Sampled as the difference of two i.i.d. geometric variables on ``{0, 1, 2, …}`` (Inusah &
-  Kozubowski 2006). Mean 0, variance ``2p/(1−p)²``.
+  ``exact=True`` (default): Canonne–Kamath–Steinke's sampler with integer arithmetic only
+  (:mod:`dpjax.mechanisms.exact`), at the scale rounded UP to a multiple of 2^-10 (never less
+  noise). ``exact=False``: the difference of two geometric variables drawn with floating-point
+  logarithms (Inusah & Kozubowski 2006) — faster, but its probabilities are only approximately
+  right. Mean 0, variance ``2p/(1−p)²``.
 
   Args:
     key: PRNG key.
@@ -35,11 +39,14 @@ def discrete_laplace(key: jax.Array, shape=(), *, scale: float) -> jax.Array:
   """
   v.check_key(key)
   scale = v.check_positive(scale, "scale")
-  return _discrete_laplace(key, tuple(shape), scale)
+  return _discrete_laplace(key, tuple(shape), scale, exact)
 
 
-def _discrete_laplace(key, shape, scale):
-  """Unvalidated, traceable core of :func:`discrete_laplace`."""
+def _discrete_laplace(key, shape, scale: float, exact: bool = True):
+  """Unvalidated, traceable core of :func:`discrete_laplace` (``scale`` a Python float)."""
+  if exact:
+    num, den = exact_lib.rational_scale(scale)
+    return exact_lib.exact_discrete_laplace(key, shape, num, den)
   p_stop = -jnp.expm1(-1.0 / jnp.asarray(scale, jnp.float32))   # 1 − p, no cancellation
   k1, k2 = jax.random.split(key)
   g1 = jax.random.geometric(k1, p_stop, shape, dtype=jnp.int32)   # counts trials: ≥ 1
@@ -53,7 +60,7 @@ def discrete_laplace_mechanism(key: jax.Array, value, *, sensitivity: int,
 
   Guarantee: ε-DP for any neighbouring relation under which the integer statistic ``value`` has
   ℓ1-sensitivity ``sensitivity`` — neighbouring probabilities differ by a factor ``p^{−|Δz|}``
-  and ``Σ|Δz| ≤ Δ`` (ALGORITHMS.md §1.4).
+  and ``Σ|Δz| ≤ Δ`` (ALGORITHMS.md §1.4). The noise is sampled exactly (integer arithmetic).
 
   Args:
     key: PRNG key.

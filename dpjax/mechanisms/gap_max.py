@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from dpjax import _validation as v
+from dpjax.mechanisms import exact
 from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
 
 
@@ -23,6 +25,26 @@ def gap_max_threshold(epsilon: float, delta: float) -> float:
   return truncated_laplace_params(2.0, epsilon, delta).bound - 1.0
 
 
+def integer_gap_max_bound(epsilon: float, delta: float) -> tuple[int, int, int]:
+  """``(K, num, den)`` of the discrete truncated Laplace used for integer scores.
+
+  Noise ``P(Z = z) ∝ e^{−|z| den/num}`` on ``{−K..K}`` with ``num/den ≥ 2/ε`` (the scale rounded
+  up) and ``K`` the smallest integer with ``P[Z ≥ K − 1] ≤ δ`` (ALGORITHMS.md §1.4 PROPOSED,
+  with Δ = 2): a shift by ≤ 2 leaves at most δ of the mass outside the common support.
+  """
+  epsilon = v.check_epsilon(epsilon)
+  delta = v.check_delta(delta)
+  num, den = exact.rational_scale(2.0 / epsilon)
+  p = math.exp(-den / num)
+  K = 1
+  while True:
+    total = (1 + p) / (1 - p) - 2 * p ** (K + 1) / (1 - p)      # Σ_{|z|≤K} p^|z|
+    upper = (p ** (K - 1) - p ** (K + 1)) / (1 - p)              # Σ_{z=K−1}^{K} p^z
+    if K >= 2 and upper / total <= delta:
+      return K, num, den
+    K += 1
+
+
 def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxResult:
   """Returns the top candidate if its score gap is large, else ⊥ (thresholded GAP-MAX).
 
@@ -35,6 +57,11 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
   differs, ``G + G' ≤ 2`` forces both gaps ≤ 1, so either answer appears with probability
   ``≤ P[Z > A − 2] = δ`` (ALGORITHMS.md §1.6). The candidate order must be data-independent (it
   sets the tie-break).
+
+  Integer scores (the default for counts, ALGORITHMS.md §1.10) use integer noise sampled exactly
+  instead: ``Z`` discrete truncated Laplace on ``{−K..K}`` (:func:`integer_gap_max_bound`) and
+  release iff ``g + Z ≥ K``. The same argument holds with sums in place of integrals: if the
+  argmax moves, ``g ≤ 1`` and ``P[1 + Z ≥ K] = P[Z ≥ K − 1] ≤ δ``.
 
   Args:
     key: PRNG key.
@@ -53,8 +80,24 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
     raise TypeError(f"scores must be real or integer, got dtype={scores.dtype}.")
   if not bool(jnp.all(jnp.isfinite(scores))):
     raise ValueError("scores contain NaN or infinite entries.")
+  if jnp.issubdtype(scores.dtype, jnp.integer):
+    bound, num, den = integer_gap_max_bound(epsilon, delta)
+    return _integer_gap_max(key, scores.astype(jnp.int32), num, den, bound)
   params = truncated_laplace_params(2.0, epsilon, delta)
   return _gap_max(key, scores, params.scale, params.bound)
+
+
+@functools.partial(jax.jit, static_argnames=("num", "den", "bound"))
+def _integer_gap_max(key, scores, num, den, bound):
+  if scores.shape[0] == 1:
+    u1, u2, s1 = scores[0], jnp.int32(0), jnp.int32(0)
+  else:
+    top, idx = jax.lax.top_k(scores, 2)
+    u1, u2, s1 = top[0], top[1], idx[0].astype(jnp.int32)
+  gap = jnp.maximum(0, u1 - u2 - 1)
+  noise = exact.exact_truncated_discrete_laplace(key, (), num, den, bound)
+  ok = gap + noise >= bound
+  return GapMaxResult(ok, jnp.where(ok, s1, 0))
 
 
 @jax.jit

@@ -58,7 +58,9 @@ def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "re
 
   * Laplace noise ``Lap(Δ/ε)``, release iff ``c + Z > τ``: ``τ = 1 + (Δ/ε) ln(1/(2δ))``, so a
     singleton bin passes with probability ``½ e^{−(τ−1)ε/Δ} = δ``.
-  * Discrete Laplace noise ``DLap(Δ/ε)`` (``p = e^{−ε/Δ}``), release iff ``c + Z ≥ τ``:
+  * Discrete Laplace noise ``DLap(Δ/ε)`` (``p = e^{−ε/Δ}``; sampled exactly, at the scale rounded
+    up to a multiple of 2^-10, which only lowers the release probability), release iff
+    ``c + Z ≥ τ``:
     ``τ = 1 + ⌈(Δ/ε) ln(1/(δ(1 + p)))⌉``, so a singleton passes with probability
     ``p^{τ−1}/(1 + p) ≤ δ``.
 
@@ -101,7 +103,8 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
     epsilon: ε > 0.
     delta: δ ∈ (0, 1).
     neighbouring: "replace_one" (default) or "add_remove".
-    noise: "discrete" (default, integer noise; ALGORITHMS.md §1.10) or "laplace".
+    noise: "discrete" (default: integer noise sampled exactly with integer arithmetic, so the
+      release has no floating-point side channel; ALGORITHMS.md §1.10) or "laplace" (float).
     grouping: "auto", "pairwise" or "hash".
 
   Returns:
@@ -148,7 +151,7 @@ def _group_hash(key, items):
   return jnp.where(verified, first, jnp.arange(items.shape[0]))
 
 
-@functools.partial(jax.jit, static_argnames=("noise", "grouping"))
+@functools.partial(jax.jit, static_argnames=("scale", "threshold", "noise", "grouping"))
 def _stable_histogram(key, items, scale, threshold, noise, grouping):
   t = items.shape[0]
   k_hash, k_noise, k_tie = jax.random.split(key, 3)

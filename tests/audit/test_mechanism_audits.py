@@ -85,6 +85,8 @@ def test_stability_histogram_singleton_bin(audit_trials, noise):
 @pytest.mark.parametrize("X,X_prime", [
     ([20.0, 20.0, 2.0], [19.0, 20.0, 2.0]),     # tied top candidates: the δ part
     ([29.0, 20.0, 2.0], [28.0, 21.0, 2.0]),     # gap 8 → 6, at the threshold: the ε part
+    ([20, 20, 2], [19, 20, 2]),                 # integer scores: exact integer noise
+    ([29, 20, 2], [28, 21, 2]),
 ])
 def test_gap_max(audit_trials, X, X_prime):
   n = audit_trials(3_000, 50_000)
@@ -161,7 +163,8 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
 
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
             "stability histogram (discrete)", "stability histogram (laplace)",
-            "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "DPASE",
+            "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
+            "gap-max [29, 20, 2]", "DPASE",
             "DP-SGD step", "subspace DP-SGD step"}
 
 

@@ -42,3 +42,22 @@ def test_single_candidate_and_integer_scores():
 def test_bad_inputs(scores, kw, exc, match):
   with pytest.raises(exc, match=match):
     M.gap_max(jax.random.key(0), scores, **({"epsilon": 1.0, "delta": 1e-3} | kw))
+
+
+def test_integer_scores_use_exact_integer_noise_with_the_stated_tail():
+  import math
+
+  from dpjax.mechanisms.gap_max import integer_gap_max_bound
+  K, num, den = integer_gap_max_bound(1.0, 1e-6)
+  p = math.exp(-den / num)
+  total = sum(p ** abs(z) for z in range(-K, K + 1))
+  assert sum(p**z for z in (K - 1, K)) / total <= 1e-6           # P[Z ≥ K − 1] ≤ δ
+  assert sum(p**z for z in (K - 2, K - 1, K)) / total > 1e-6     # and K is the smallest
+  # A clear integer winner is always returned; a tie almost never.
+  keys = jax.random.split(jax.random.key(3), 300)
+  clear = jax.vmap(lambda k: M.gap_max(k, jnp.array([2 * K + 3, 0, 1]), epsilon=1.0,
+                                       delta=1e-6))(keys)
+  assert bool(jnp.all(clear.ok)) and bool(jnp.all(clear.index == 0))
+  tie = jax.vmap(lambda k: M.gap_max(k, jnp.array([40, 40, 1]), epsilon=1.0,
+                                     delta=1e-6))(keys)
+  assert not bool(jnp.any(tie.ok))
