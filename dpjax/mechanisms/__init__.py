@@ -9,6 +9,7 @@ from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, classic_gaussian
 from dpjax.mechanisms.histogram import (StableHistogram, histogram_threshold, stable_histogram,
                                         top_bin)
 from dpjax.mechanisms.laplace import laplace_mechanism, laplace_noise, laplace_scale
+from dpjax.mechanisms.snapping import snapping_mechanism, snapping_parameters
 from dpjax.mechanisms.truncated_laplace import (TruncatedLaplaceParams, truncated_laplace,
                                                 truncated_laplace_mechanism,
                                                 truncated_laplace_params)
