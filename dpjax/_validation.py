@@ -130,3 +130,11 @@ def _real_scalar(value, name: str) -> float:
   if math.isnan(v):
     raise ValueError(f"{name} must not be NaN.")
   return v
+
+
+def check_finite_tree(tree, name: str) -> None:
+  """Raises ``ValueError`` if any floating leaf of a pytree holds NaN or inf."""
+  for leaf in jax.tree_util.tree_leaves(tree):
+    arr = jnp.asarray(leaf)
+    if jnp.issubdtype(arr.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(arr))):
+      raise ValueError(f"{name} contains NaN or infinite entries; remove or impute them first.")

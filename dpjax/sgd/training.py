@@ -98,11 +98,15 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     :class:`TrainResult`.
 
   Raises:
-    ValueError / TypeError: bad budget, sizes, fractions, missing k / public data / gamma.
+    ValueError / TypeError: NaN/inf in data, bad budget, sizes, fractions, missing k / public
+      data / gamma.
   """
   key = v.check_key(key)
   v.check_choice(subspace, "subspace", SUBSPACES)
   n = subspace_sources._num_examples(data)
+  v.check_finite_tree(data, "data")
+  if public_data is not None:
+    v.check_finite_tree(public_data, "public_data")
   steps = v.check_int(steps, "steps", low=1)
   batch = v.check_positive(expected_batch_size, "expected_batch_size")
   if batch > n:
