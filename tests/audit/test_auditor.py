@@ -47,16 +47,18 @@ def _histogram_released(threshold_on: bool):
   return mechanism
 
 
+def _broken_flagged_correct_passes(make_mechanism, X, X_prime, trials, seed):
+  """The control without its safeguard is flagged; with it, it passes (δ = 1e-6, ε = 1)."""
+  for safeguard, key in ((False, seed), (True, seed + 1)):
+    report = audit.audit(jax.random.key(key), make_mechanism(safeguard), X, X_prime,
+                         delta=1e-6, epsilon_claimed=1.0, trials=trials)
+    assert report.passed == safeguard, report
+
+
 def test_flags_a_histogram_without_threshold(audit_trials):
-  trials = audit_trials(2_000, 20_000)
   X = jnp.array([[0]] * 30 + [[9]], jnp.int32)
   X_prime = jnp.array([[0]] * 31, jnp.int32)
-  broken = audit.audit(jax.random.key(2), _histogram_released(False), X, X_prime, delta=1e-6,
-                       epsilon_claimed=1.0, trials=trials)
-  assert not broken.passed, broken
-  correct = audit.audit(jax.random.key(3), _histogram_released(True), X, X_prime, delta=1e-6,
-                        epsilon_claimed=1.0, trials=trials)
-  assert correct.passed, correct
+  _broken_flagged_correct_passes(_histogram_released, X, X_prime, audit_trials(2_000, 20_000), 2)
 
 
 def _gap_max(threshold_on: bool):
@@ -71,15 +73,9 @@ def _gap_max(threshold_on: bool):
 
 
 def test_flags_gap_max_without_threshold(audit_trials):
-  trials = audit_trials(2_000, 20_000)
   X = jnp.array([50.0, 50.0, 3.0])          # tied top candidates
   X_prime = jnp.array([49.0, 50.0, 3.0])    # one score moved by its sensitivity
-  broken = audit.audit(jax.random.key(4), _gap_max(False), X, X_prime, delta=1e-6,
-                       epsilon_claimed=1.0, trials=trials)
-  assert not broken.passed, broken
-  correct = audit.audit(jax.random.key(5), _gap_max(True), X, X_prime, delta=1e-6,
-                        epsilon_claimed=1.0, trials=trials)
-  assert correct.passed, correct
+  _broken_flagged_correct_passes(_gap_max, X, X_prime, audit_trials(2_000, 20_000), 4)
 
 
 def test_lower_bound_arithmetic_on_known_counts():
