@@ -102,6 +102,19 @@ def test_gap_max(audit_trials, X, X_prime):
   _check(f"gap-max {X.tolist()}", 1.0, rep.epsilon_lower_bound, n)
 
 
+def test_exponential_mechanism(audit_trials):
+  """Scores move in opposite directions by the sensitivity: the worst case for the factor 2."""
+  n = audit_trials(5_000, 100_000)
+  X, X_prime = jnp.array([3.0, 2.0, 0.0]), jnp.array([2.0, 3.0, 0.0])
+
+  def pick(key, scores):
+    return M.exponential_mechanism(key, scores, sensitivity=1.0, epsilon=1.0)
+
+  rep = audit.audit(jax.random.key(10), pick, X, X_prime, delta=0.0, epsilon_claimed=1.0,
+                    trials=n)
+  _check("exponential mechanism", 1.0, rep.epsilon_lower_bound, n)
+
+
 def test_dpase_replaced_row_breaks_a_subset(audit_trials):
   """About t/2 subsets hold a huge outlier; X' adds one more, moving the winning count by 1.
 
@@ -164,7 +177,7 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
             "stability histogram (discrete)", "stability histogram (laplace)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
-            "gap-max [29, 20, 2]", "DPASE",
+            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE",
             "DP-SGD step", "subspace DP-SGD step"}
 
 
