@@ -253,17 +253,9 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
     # Random labels hold under both relations, so they fit a ledger of either kind.
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASE",
                             neighbouring=neighbouring if partition == "permutation" else None)
-  k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
-
-  if partition == "permutation":
-    blocks = _permutation_blocks(k_part, X, t, m)
-  else:
-    blocks = _random_label_blocks(k_part, X, t, m + math.ceil(4 * math.sqrt(m)) + 4)
-  cells, offset = _subset_cells(k_ref, k_off, blocks, k, q, params.cell_length)
-  hist = histogram.stable_histogram(k_hist, cells, epsilon=float(epsilon), delta=float(delta),
-                                    neighbouring="replace_one", noise=noise, grouping=grouping)
-  ok, basis, count = _finish(k_point, hist.bins[0], hist.released[0], hist.noisy_counts[0],
-                             offset, params.cell_length, t, q, d, k)
+  ok, basis, count = dpase_core(key, X, params, k=k, epsilon=float(epsilon),
+                                delta=float(delta), partition=partition, noise=noise,
+                                grouping=grouping)
   info = {
       "num_subsets": t,
       "subset_size": m,
@@ -276,6 +268,32 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
   }
   return SubspaceResult(ok=ok, basis=basis, epsilon=float(epsilon), delta=float(delta),
                         neighbouring=neighbouring, info=info)
+
+
+def dpase_core(key: jax.Array, X: jax.Array, params: DPASEParameters, *, k: int,
+               epsilon: float, delta: float, partition: str = "permutation",
+               noise: str = "discrete", grouping: str = "auto"):
+  """DPASE without argument validation: traceable in ``key`` and ``X`` (``vmap``-able).
+
+  For library code that has validated its inputs and computed ``params`` with
+  :func:`dpase_parameters` (e.g. DPASEB runs one DPASE per block under ``vmap``). Same guarantee
+  as :func:`dpase`.
+
+  Returns:
+    ``(ok, basis (d, k), winning_count)``.
+  """
+  t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
+  d = X.shape[1]
+  k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
+  if partition == "permutation":
+    blocks = _permutation_blocks(k_part, X, t, m)
+  else:
+    blocks = _random_label_blocks(k_part, X, t, m + math.ceil(4 * math.sqrt(m)) + 4)
+  cells, offset = _subset_cells(k_ref, k_off, blocks, k, q, params.cell_length)
+  hist = histogram.stable_histogram(k_hist, cells, epsilon=epsilon, delta=delta,
+                                    neighbouring="replace_one", noise=noise, grouping=grouping)
+  return _finish(k_point, hist.bins[0], hist.released[0], hist.noisy_counts[0], offset,
+                 params.cell_length, t, q, d, k)
 
 
 @functools.partial(jax.jit, static_argnames=("t", "m"))

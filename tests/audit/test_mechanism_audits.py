@@ -16,6 +16,7 @@ import pytest
 from dpjax import accounting, audit, data, linalg, sgd
 from dpjax import mechanisms as M
 from dpjax.subspace import approximate
+from dpjax.subspace import dpaseb as dpjax_dpaseb
 
 pytestmark = pytest.mark.audit
 RESULTS = {}
@@ -140,6 +141,28 @@ def test_dpase_replaced_row_breaks_a_subset(audit_trials):
   _check("DPASE", eps, rep.epsilon_lower_bound, n)
 
 
+def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
+  """One block's DPASE is pushed to ⊥ by huge outliers; X' adds one more in that region."""
+  n = audit_trials(200, 2_000)
+  eps, delta, T = 1.0, 0.02, 3
+  t = approximate.num_subsets_for(eps, delta)
+  block = t * 12
+  X, _ = data.exact_subspace_data(jax.random.key(11), T * block, 6, 1)
+  outliers = jax.random.normal(jax.random.key(12), (T * block, 6)) * 1e3
+  num_bad = T * t // 2
+  X = X.at[:num_bad].set(outliers[:num_bad])
+  X_prime = X.at[num_bad].set(outliers[num_bad])
+
+  def run(key, rows):
+    res = dpjax_dpaseb(key, rows, epsilon=eps, delta=delta, k=1, alpha=0.3, num_blocks=T,
+                       cell_length=0.05)
+    return jnp.where(res.ok, jnp.round(jnp.abs(res.basis[0, 0]), 2), -1.0)
+
+  rep = audit.audit(jax.random.key(13), run, X, X_prime, delta=delta, epsilon_claimed=eps,
+                    trials=n, vectorized=False)
+  _check("DPASEB", eps, rep.epsilon_lower_bound, n)
+
+
 def _canary_step(basis=None):
   """One full-batch DP-SGD step on a linear model; the canary's gradient is e_0 (norm C)."""
   d, C, sigma = 8, 1.0, 1.0
@@ -177,7 +200,7 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
             "stability histogram (discrete)", "stability histogram (laplace)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
-            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE",
+            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB",
             "DP-SGD step", "subspace DP-SGD step"}
 
 

@@ -1,0 +1,107 @@
+"""DPASEB — boosted DPASE ([SS21] Algorithm 3, Thm E.1; ALGORITHMS.md §2.3).
+
+T independent DPASE runs on disjoint blocks (one ``vmap``), then a public agreement check: a run
+whose subspace is within 2α of at least 0.6T − 1 other runs is returned; if none is, ⊥. Failure
+probability drops from DPASE's constant (≈ 0.3) to β.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dpjax import _validation as v
+from dpjax.subspace import approximate
+from dpjax.subspace.result import SubspaceResult
+
+C3 = 45.0      # PROPOSED: T = ⌈45 ln(1/β)⌉ (Chernoff with KL(0.6 ‖ 0.7) = 0.02258).
+
+
+def num_blocks_for(beta: float, c3: float = C3) -> int:
+  """``T = ⌈c3 · ln(1/β)⌉`` DPASE runs (PROPOSED c3 = 45, ALGORITHMS.md §2.3)."""
+  beta = v.check_probability(beta, "beta", open_high=True)
+  return max(1, math.ceil(v.check_positive(c3, "c3") * math.log(1.0 / beta)))
+
+
+def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: float,
+           beta: float = 0.1, gamma: float | None = None, num_blocks: int | None = None,
+           c3: float = C3, ledger=None, **dpase_kwargs) -> SubspaceResult:
+  """Learns a k-dim subspace with DPASEB: T DPASE runs on disjoint blocks and a vote.
+
+  Privacy guarantee: (ε, δ)-DP under replace-one. Each row lies in exactly one block (a public
+  random permutation, then ``T`` blocks of ``⌊n/T⌋`` rows), so the T DPASE outputs are jointly
+  (ε, δ)-DP by parallel composition; the vote is post-processing.
+
+  Utility [SS21 Thm E.1]: if each run is within α/3 of the truth with probability ≥ 0.7, then with
+  probability ≥ 1 − β at least 0.6T runs are, and any returned run is within 2·(α/3) of one of
+  them, hence within α. DPASE's cell length is capped for accuracy α/3 accordingly (PROPOSED).
+
+  Args:
+    key: PRNG key.
+    X: ``(n, d)`` float data; rows are individuals.
+    epsilon, delta: the budget (each block's DPASE uses all of it).
+    k: subspace dimension.
+    alpha: target accuracy ‖Π̂ − Π‖ ≤ α (the agreement radius is 2α/3).
+    beta: target failure probability; sets ``T = ⌈c3 ln(1/β)⌉``.
+    gamma: DPASE's gap parameter (or ``cell_length=`` in ``dpase_kwargs``).
+    num_blocks: override T.
+    c3: the constant in T.
+    ledger: optional :class:`dpjax.accounting.PrivacyLedger` (replace-one).
+    **dpase_kwargs: public DPASE parameters (``num_subsets``, ``cell_length``, ``ell_rule``, …).
+
+  Returns:
+    :class:`SubspaceResult`; ``info`` has ``num_blocks``, ``block_size``, ``agreeing`` (the vote
+    count of the returned run) and ``runs_ok`` (how many runs answered).
+
+  Raises:
+    ValueError / TypeError: as :func:`dpjax.subspace.dpase`, plus bad ``alpha``/``beta`` and
+      ``n`` too small for T blocks.
+  """
+  key = v.check_key(key)
+  X = v.check_data(X, "X")
+  n, d = X.shape
+  alpha = v.check_positive(alpha, "alpha")
+  T = num_blocks_for(beta, c3) if num_blocks is None else v.check_int(num_blocks, "num_blocks",
+                                                                        low=1)
+  block = n // T
+  if block < 1:
+    raise ValueError(f"n is too small: DPASEB needs at least T={T} rows, got n={n}.")
+  noise = dpase_kwargs.pop("noise", "discrete")
+  grouping = dpase_kwargs.pop("grouping", "auto")
+  dpase_kwargs.setdefault("alpha", alpha / 3.0)
+  params = approximate.dpase_parameters(block, d, k, epsilon=epsilon, delta=delta, gamma=gamma,
+                                        noise=noise, **dpase_kwargs)
+  if ledger is not None:
+    ledger.record_approx_dp(float(epsilon), float(delta), label="DPASEB",
+                            neighbouring="replace_one")
+  ok, basis, agreeing, runs_ok = _dpaseb(key, X, params, k, float(epsilon), float(delta), T,
+                                         block, 2.0 * alpha / 3.0, noise, grouping)
+  info = {"num_blocks": T, "block_size": block, "agreeing": agreeing, "runs_ok": runs_ok,
+          "dpase": params._asdict()}
+  return SubspaceResult(ok=ok, basis=basis, epsilon=float(epsilon), delta=float(delta),
+                        neighbouring="replace_one", info=info)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "k", "epsilon", "delta", "T", "block",
+                                             "noise", "grouping"))
+def _dpaseb(key, X, params, k, epsilon, delta, T, block, radius, noise, grouping):
+  k_perm, k_runs = jax.random.split(key)
+  perm = jax.random.permutation(k_perm, X.shape[0])
+  blocks = X[perm[: T * block]].reshape(T, block, X.shape[1])
+  run = functools.partial(approximate.dpase_core, params=params, k=k, epsilon=epsilon,
+                          delta=delta, noise=noise, grouping=grouping)
+  oks, bases, _ = jax.vmap(lambda kk, xb: run(kk, xb))(jax.random.split(k_runs, T), blocks)
+  # sin of the largest principal angle between every pair of runs: from the (k, k) overlaps.
+  overlaps = jnp.einsum("idk,jdl->ijkl", bases, bases)
+  smallest = jnp.min(jnp.linalg.svd(overlaps, compute_uv=False), axis=-1)
+  distance = jnp.sqrt(jnp.clip(1.0 - smallest**2, 0.0, 1.0))
+  close = (distance <= radius) & oks[:, None] & oks[None, :] & ~jnp.eye(T, dtype=bool)
+  votes = jnp.sum(close, axis=1)
+  qualifies = oks & (votes >= 0.6 * T - 1)
+  winner = jnp.argmax(qualifies)            # the first qualifying run (post-processing)
+  ok = jnp.any(qualifies)
+  basis = jnp.where(ok, bases[winner], jnp.zeros_like(bases[0]))
+  return ok, basis, jnp.where(ok, votes[winner], 0), jnp.sum(oks)

@@ -1,0 +1,76 @@
+"""DPASEB (ALGORITHMS.md §2.3) and the Analyze Gauss / non-private PCA baselines."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpjax import data, metrics
+from dpjax.mechanisms import analytic_gaussian_sigma
+from dpjax.subspace import analyze_gauss, dpaseb, num_blocks_for, pca_subspace
+
+
+def test_num_blocks_rule():
+  assert num_blocks_for(0.1) == math.ceil(45 * math.log(10))
+  with pytest.raises(ValueError, match="beta"):
+    num_blocks_for(0.0)
+
+
+def test_dpaseb_succeeds_where_single_dpase_does():
+  # Per block (n/T rows): the configuration of tests/subspace/test_approximate.py, where a
+  # single DPASE succeeds with probability ≥ 0.7 (measured: 50/50).
+  X, model = data.approximate_subspace_data(jax.random.key(0), 12 * 1_000, 20, 2, gamma=1e-5)
+  res = dpaseb(jax.random.key(1), X, epsilon=1.0, delta=1e-6, k=2, alpha=0.1, num_blocks=12,
+               gamma=1e-5)
+  assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) <= 0.1
+  assert int(res.info["agreeing"]) >= 0.6 * 12 - 1 and res.neighbouring == "replace_one"
+  np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(2), atol=1e-4)
+
+
+def test_dpaseb_bottom_when_blocks_disagree():
+  """Isotropic data and huge cells: every run answers, each with a random subspace: ⊥."""
+  X = jax.random.normal(jax.random.key(2), (12 * 1_000, 20))
+  res = dpaseb(jax.random.key(3), X, epsilon=1.0, delta=1e-6, k=2, alpha=0.1, num_blocks=12,
+               cell_length=1e3)
+  assert int(res.info["runs_ok"]) == 12
+  assert not bool(res.ok) and bool(jnp.all(res.basis == 0))
+
+
+def test_dpaseb_bad_input():
+  X = jax.random.normal(jax.random.key(2), (100, 5))
+  with pytest.raises(ValueError, match="alpha"):
+    dpaseb(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=1, alpha=0.0, gamma=0.1)
+  with pytest.raises(ValueError, match="n is too small"):
+    dpaseb(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=1, alpha=0.1, gamma=0.1)
+
+
+def test_analyze_gauss_noise_calibration_and_utility():
+  X, B = data.exact_subspace_data(jax.random.key(4), 20_000, 30, 2)
+  res = analyze_gauss(jax.random.key(5), X, epsilon=1.0, delta=1e-6, k=2, clip_norm=3.0)
+  assert res.info["sigma"] == analytic_gaussian_sigma(1.0, 1e-6, sensitivity=2 * 3.0**2)
+  assert float(metrics.projection_distance(res.basis, B)) < 0.1
+  # More noise than signal: a tiny dataset gives a poor subspace (the noise is real).
+  small = analyze_gauss(jax.random.key(5), X[:20], epsilon=0.1, delta=1e-6, k=2, clip_norm=3.0)
+  assert float(metrics.projection_distance(small.basis, B)) > 0.5
+
+
+def test_analyze_gauss_noise_is_symmetric_with_the_stated_std():
+  from dpjax.subspace.baselines import _analyze_gauss
+  # With zero data the output spans eigenvectors of E alone; check E itself via the same key.
+  d, sigma = 40, 2.5
+  noise = jax.random.normal(jax.random.key(6), (d, d)) * sigma
+  upper = np.asarray(jnp.triu(noise))[np.triu_indices(d)]
+  assert abs(upper.std() / sigma - 1) < 0.1
+  V = _analyze_gauss(jax.random.key(6), jnp.zeros((5, d)), 3, 1.0, sigma)
+  E = np.asarray(jnp.triu(noise) + jnp.triu(noise, 1).T)
+  top = np.linalg.eigh(E)[1][:, ::-1][:, :3]
+  assert float(metrics.projection_distance(V, jnp.asarray(top, jnp.float32))) < 1e-3
+
+
+def test_pca_subspace_is_exact_and_labelled_non_private():
+  X, B = data.exact_subspace_data(jax.random.key(7), 50, 12, 3)
+  res = pca_subspace(X, k=3)
+  assert res.neighbouring == "non_private" and math.isinf(res.epsilon)
+  assert float(metrics.projection_distance(res.basis, B)) < 1e-3
