@@ -1,14 +1,24 @@
 """Privacy accounting on Google's ``dp_accounting`` (ALGORITHMS.md §1.8, §6).
 
-No RDP or PLD formula is written here: DP-SGD steps are described as ``dp_accounting`` events and
-composed by its accountants. Approximate-DP steps that have no event of their own (DPASE, the
-stability histogram) are composed with the SGD part by basic composition.
+No RDP or PLD formula is written here: DP-SGD steps are described as ``dp_accounting`` events
+(data, not code) and composed by its accountants. Approximate-DP steps that have no event of their
+own (DPASE, the stability histogram) are composed with the SGD part by basic composition.
 
-Neighbouring relation: DP-SGD with Poisson sampling is accounted under **add/remove-one**, the
-relation ``dp_accounting`` supports for ``PoissonSampledDpEvent``. DPASE run with
+Neighbouring relation: DP-SGD with Poisson sampling is accounted under **add/remove-one**
+(``ADD_REMOVE``: datasets differ by adding or removing one row), the only relation under which
+``dp_accounting``'s RDP accountant supports ``PoissonSampledDpEvent``. DPASE run with
 ``partition="random_labels"`` is (ε, δ)-DP under add/remove-one as well, so a private gradient
 subspace and the SGD steps compose under that single relation (ALGORITHMS.md §6.2 route (c)).
-:func:`replace_one_from_add_remove` converts a final statement when replace-one is needed.
+:func:`replace_one_from_add_remove` converts a final (ε, δ) statement when replace-one
+(``REPLACE_ONE``: same n, one row changed) is needed. Never double an RDP curve, and never use
+``dp_accounting``'s ``REPLACE_SPECIAL`` as replace-one (it can understate ε by up to ≈ 2×).
+
+References:
+  Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
+  Mironov, Talwar & Zhang, "Rényi Differential Privacy of the Sampled Gaussian Mechanism", 2019.
+  Doroshenko et al., "Connect the Dots: Tighter Discrete Approximations of Privacy Loss
+  Distributions", PETS 2022 (the PLD accountant).
+  Google, ``dp_accounting`` (https://github.com/google/differential-privacy/tree/main/python).
 """
 
 from __future__ import annotations
@@ -24,9 +34,20 @@ ADD_REMOVE = "add_remove"
 REPLACE_ONE = "replace_one"
 ACCOUNTANTS = ("rdp", "pld")
 
+# σ is searched in [_SIGMA_FLOOR, _SIGMA_CEILING]. Below 0.1 DP-SGD offers no meaningful privacy
+# (ε in the tens at best), and the PLD accountant's memory grows without bound as σ → 0.
+_SIGMA_FLOOR = 0.1
+_SIGMA_CEILING = 1e4
+
 
 class PrivacySpend(NamedTuple):
-  """An (ε, δ) guarantee and the neighbouring relation it holds under."""
+  """An (ε, δ) guarantee and the neighbouring relation it holds under.
+
+  Attributes:
+    epsilon: ε ≥ 0 in nats.
+    delta: δ ∈ [0, 1].
+    neighbouring: ``ADD_REMOVE`` or ``REPLACE_ONE`` (or another relation named by its source).
+  """
   epsilon: float
   delta: float
   neighbouring: str
@@ -50,10 +71,25 @@ def dpsgd_event(noise_multiplier: float, sampling_prob: float,
                 steps: int) -> dp_accounting.DpEvent:
   """The DP-SGD event: ``steps`` self-compositions of a Poisson-sampled Gaussian mechanism.
 
+  ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), T)``: each step includes
+  every example independently with probability q and releases the clipped sum (ℓ2-sensitivity
+  C under add/remove-one) plus ``N(0, σ²C²)`` noise per coordinate. Meaningful under
+  add/remove-one (``ADD_REMOVE``).
+
   Args:
-    noise_multiplier: σ, the Gaussian noise std divided by the clip norm.
+    noise_multiplier: σ > 0, the Gaussian noise std divided by the clip norm C.
     sampling_prob: q ∈ (0, 1], each example's inclusion probability per step.
     steps: number of steps T ≥ 1.
+
+  Returns:
+    A ``dp_accounting.DpEvent``.
+
+  Raises:
+    ValueError: σ ≤ 0, q ∉ (0, 1], T < 1.
+    TypeError: ``steps`` not an integer, or a non-numeric argument.
+
+  References:
+    Abadi et al., CCS 2016; Mironov, Talwar & Zhang 2019.
   """
   noise_multiplier, sampling_prob, steps = _check_sgd(noise_multiplier, sampling_prob, steps)
   step = dp_accounting.PoissonSampledDpEvent(sampling_prob,
@@ -63,74 +99,183 @@ def dpsgd_event(noise_multiplier: float, sampling_prob: float,
 
 def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, delta: float, *,
                   accountant: str = "rdp") -> float:
-  """ε of DP-SGD at ``delta`` under add/remove-one, from ``dp_accounting``'s RDP or PLD accountant.
+  """ε of T steps of Poisson-sampled DP-SGD at ``delta``, under add/remove-one.
+
+  The figure is exactly ``dp_accounting``'s: the RDP accountant (fast; an upper bound through the
+  [BBGHS20] conversion) or the PLD accountant (tighter, slower, memory grows as σ shrinks).
+
+  Args:
+    noise_multiplier: σ > 0.
+    sampling_prob: q ∈ (0, 1].
+    steps: T ≥ 1.
+    delta: δ ∈ (0, 1).
+    accountant: "rdp" or "pld".
+
+  Returns:
+    ε ≥ 0 (nats) as a Python float; the run is (ε, δ)-DP under add/remove-one.
 
   Raises:
-    ValueError: σ ≤ 0, q ∉ (0, 1], steps < 1, δ ∉ (0, 1), unknown accountant.
+    ValueError: σ ≤ 0, q ∉ (0, 1], T < 1, δ ∉ (0, 1), unknown accountant.
+    TypeError: non-numeric arguments, non-integer ``steps``.
+
+  References:
+    Mironov, Talwar & Zhang 2019 (RDP of the sampled Gaussian mechanism); Balle et al.,
+    "Hypothesis Testing Interpretations and Rényi DP", AISTATS 2020 (conversion);
+    Doroshenko et al., PETS 2022 (PLD).
   """
   delta = v.check_delta(delta)
+  v.check_choice(accountant, "accountant", ACCOUNTANTS)
   event = dpsgd_event(noise_multiplier, sampling_prob, steps)
   return float(_accountant(accountant).compose(event).get_epsilon(delta))
 
 
 def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampling_prob: float,
                                steps: int, *, accountant: str = "rdp") -> float:
-  """The smallest noise multiplier σ whose DP-SGD run meets ``(target_epsilon, target_delta)``.
+  """The smallest noise multiplier σ whose DP-SGD run is (target_ε, target_δ)-DP (add/remove-one).
 
-  Uses ``dp_accounting.calibrate_dp_mechanism`` (bisection on σ); add/remove-one.
+  A bracket ``[σ_lo, σ_hi]`` with ``ε(σ_lo) > target ≥ ε(σ_hi)`` is found on the host by
+  doubling/halving from σ = 1 (for "pld", from the RDP-calibrated σ, which is an upper bound
+  since the RDP figure is the looser one, so the slow PLD accountant is never run at tiny σ);
+  then ``dp_accounting.calibrate_dp_mechanism`` (Brent's method) finds σ to a relative
+  precision of about 1e-5. The returned σ always meets the target: ``calibrate_dp_mechanism``
+  guarantees a non-positive ε-gap, and this is re-checked.
+
+  Edge cases: σ is searched in ``[0.1, 1e4]``. If σ = 0.1 already meets the target (a very
+  loose ε), 0.1 is returned — a valid σ that is not the smallest one, since smaller σ offer no
+  meaningful privacy. If σ = 1e4 does not, ``ValueError`` is raised.
+
+  Args:
+    target_epsilon: ε > 0.
+    target_delta: δ ∈ (0, 1).
+    sampling_prob: q ∈ (0, 1].
+    steps: T ≥ 1.
+    accountant: "rdp" or "pld".
+
+  Returns:
+    σ as a Python float, with ``dpsgd_epsilon(σ, q, T, δ, accountant=...) ≤ target_epsilon``.
 
   Raises:
-    ValueError: bad targets, q, steps, or no σ ≤ 10⁴ reaches the target.
+    ValueError: bad targets, q, T or accountant, or no σ ≤ 1e4 reaches the target.
+    TypeError: non-numeric arguments, non-integer ``steps``.
+
+  References:
+    ``dp_accounting.calibrate_dp_mechanism``; Abadi et al., CCS 2016.
   """
   target_epsilon = v.check_epsilon(target_epsilon, "target_epsilon")
   target_delta = v.check_delta(target_delta, "target_delta")
-  _check_sgd(1.0, sampling_prob, steps)
+  sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
-  upper = 1e4
-  if dpsgd_epsilon(upper, sampling_prob, steps, target_delta, accountant=accountant) > \
-      target_epsilon:
-    raise ValueError(f"no noise_multiplier <= {upper:g} reaches target_epsilon="
-                     f"{target_epsilon} at target_delta={target_delta}; lower the number of "
-                     "steps or the sampling probability.")
+
+  def eps_at(sigma: float) -> float:
+    return dpsgd_epsilon(sigma, sampling_prob, steps, target_delta, accountant=accountant)
+
+  if accountant == "pld":
+    start = calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
+                                       accountant="rdp")
+    factor = 1.25
+  else:
+    start, factor = 1.0, 2.0
+  low, high = _bracket(eps_at, target_epsilon, start, factor)
+  if high <= _SIGMA_FLOOR:
+    return _SIGMA_FLOOR
   sigma = dp_accounting.calibrate_dp_mechanism(
       lambda: _accountant(accountant),
       lambda s: dpsgd_event(s, sampling_prob, steps),
       target_epsilon, target_delta,
-      bracket_interval=dp_accounting.ExplicitBracketInterval(1e-3, upper), tol=1e-4)
-  # calibrate_dp_mechanism returns a σ meeting the target; assert it (cheap) rather than trust.
-  while dpsgd_epsilon(sigma, sampling_prob, steps, target_delta,
-                      accountant=accountant) > target_epsilon:
-    sigma *= 1.0 + 1e-4
-  return float(sigma)
+      bracket_interval=dp_accounting.ExplicitBracketInterval(low, high), tol=1e-5 * low)
+  sigma = float(sigma)
+  if eps_at(sigma) > target_epsilon:  # pragma: no cover - calibrate_dp_mechanism guarantees it
+    sigma = high
+  return sigma
+
+
+def _bracket(eps_at, target: float, start: float, factor: float) -> tuple[float, float]:
+  """``(low, high)`` with ``eps_at(low) > target ≥ eps_at(high)``, or ``high == floor``."""
+  high = min(max(start, _SIGMA_FLOOR), _SIGMA_CEILING)
+  while eps_at(high) > target:
+    if high >= _SIGMA_CEILING:
+      raise ValueError(f"no noise_multiplier <= {_SIGMA_CEILING:g} reaches "
+                       f"target_epsilon={target}; lower the number of steps or the sampling probability, or "
+                       "raise the budget.")
+    high = min(high * factor, _SIGMA_CEILING)
+  if high <= _SIGMA_FLOOR:
+    return _SIGMA_FLOOR, _SIGMA_FLOOR
+  low = max(high / factor, _SIGMA_FLOOR)
+  while eps_at(low) <= target:
+    if low <= _SIGMA_FLOOR:
+      return _SIGMA_FLOOR, _SIGMA_FLOOR
+    high, low = low, max(low / factor, _SIGMA_FLOOR)
+  return low, high
 
 
 def compose_basic(*spends: PrivacySpend) -> PrivacySpend:
-  """Basic sequential composition: ``(Σ ε_i, Σ δ_i)``; all spends must share one relation.
+  """Basic sequential composition: ``(Σ ε_i, Σ δ_i)``, all under one neighbouring relation.
 
-  Valid for adaptively chosen mechanisms (ALGORITHMS.md §1.8).
+  Valid for adaptively chosen mechanisms run on the same data (ALGORITHMS.md §1.8). This is how
+  an approximate-DP step with no ``dp_accounting`` event (DPASE) is composed with the DP-SGD
+  steps' (ε, δ).
+
+  Args:
+    *spends: one or more :class:`PrivacySpend`.
+
+  Returns:
+    The composed :class:`PrivacySpend` under the shared relation.
+
+  Raises:
+    ValueError: no spends, or spends stated under different neighbouring relations (convert
+      first with :func:`replace_one_from_add_remove`).
+    TypeError: an argument that is not a :class:`PrivacySpend`.
   """
   if not spends:
     raise ValueError("compose_basic needs at least one PrivacySpend.")
+  for s in spends:
+    if not isinstance(s, PrivacySpend):
+      raise TypeError(f"spends must be PrivacySpend, got {type(s).__name__}.")
   relations = {s.neighbouring for s in spends}
   if len(relations) != 1:
     raise ValueError(f"cannot compose guarantees stated under different neighbouring relations "
                      f"{sorted(relations)}; convert first (replace_one_from_add_remove).")
-  return PrivacySpend(sum(s.epsilon for s in spends), sum(s.delta for s in spends),
+  return PrivacySpend(math.fsum(s.epsilon for s in spends), math.fsum(s.delta for s in spends),
                       relations.pop())
 
 
 def replace_one_from_add_remove(epsilon: float, delta: float) -> PrivacySpend:
-  """(ε, δ) under add/remove-one ⇒ ``(2ε, (1 + e^ε) δ)`` under replace-one (§1.8, group of 2)."""
-  epsilon = v.check_epsilon(epsilon)
-  delta = v.check_delta(delta)
-  return PrivacySpend(2.0 * epsilon, (1.0 + math.exp(epsilon)) * delta, REPLACE_ONE)
+  """Converts (ε, δ)-DP under add/remove-one to ``(2ε, (1 + e^ε) δ)``-DP under replace-one.
+
+  A replacement is a removal followed by an addition: group privacy for a group of two
+  (ALGORITHMS.md §1.8). Apply it to the final (ε, δ), never to an RDP curve.
+
+  Args:
+    epsilon: ε ≥ 0 under add/remove-one.
+    delta: δ ∈ [0, 1) under add/remove-one.
+
+  Returns:
+    :class:`PrivacySpend` with ``neighbouring == REPLACE_ONE`` (δ capped at 1).
+
+  Raises:
+    ValueError: ε < 0 or not finite, δ ∉ [0, 1).
+
+  References:
+    Dwork & Roth, "The Algorithmic Foundations of Differential Privacy", 2014 (group privacy).
+  """
+  epsilon = v.check_positive(epsilon, "epsilon", allow_zero=True)
+  delta = v.check_positive(delta, "delta", allow_zero=True)
+  if delta >= 1.0:
+    raise ValueError(f"delta must lie in [0, 1), got delta={delta!r}.")
+  return PrivacySpend(2.0 * epsilon, min(1.0, (1.0 + math.exp(epsilon)) * delta), REPLACE_ONE)
 
 
 class DPSGDBudget(NamedTuple):
   """How a total (ε, δ) is split between a private subspace and the DP-SGD steps.
 
-  ``epsilon``/``delta`` are the composed totals, ``(subspace_epsilon + sgd_epsilon,
-  subspace_delta + sgd_delta)``, under ``neighbouring`` (add/remove-one).
+  Attributes:
+    noise_multiplier: σ calibrated for the SGD steps.
+    sampling_prob: q, the Poisson sampling rate.
+    steps: T.
+    subspace_epsilon, subspace_delta: (ε_s, δ_s) of the private subspace step (0 if none).
+    sgd_epsilon, sgd_delta: (ε_sgd, δ_sgd) of the T steps from the accountant.
+    epsilon, delta: the composed totals ``(ε_s + ε_sgd, δ_s + δ_sgd)``.
+    neighbouring: the relation of every figure above (``ADD_REMOVE``).
   """
   noise_multiplier: float
   sampling_prob: float
@@ -149,13 +294,30 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
                       accountant: str = "rdp") -> DPSGDBudget:
   """Calibrates DP-SGD to what is left of ``(epsilon, delta)`` after a private subspace.
 
-  The subspace step (approximate DP, e.g. DPASE) spends ``(ε_s, δ_s)``; the SGD steps get
-  ``δ_sgd = δ − δ_s`` and a noise multiplier σ with ``ε_sgd(δ_sgd) ≤ ε − ε_s`` by the accountant.
-  The total is ``(ε_s + ε_sgd, δ_s + δ_sgd) ≤ (ε, δ)`` by basic composition (the subspace is
-  learned from the same rows and used adaptively), under add/remove-one.
+  The subspace step (approximate DP, e.g. DPASE with random labels) spends ``(ε_s, δ_s)``; the
+  SGD steps get ``δ_sgd = δ − δ_s`` and the smallest noise multiplier σ with
+  ``ε_sgd(δ_sgd) ≤ ε − ε_s`` by the accountant. The subspace is learned from the same rows and
+  used adaptively, so the total is ``(ε_s + ε_sgd, δ_s + δ_sgd) ≤ (ε, δ)`` by basic
+  composition, under add/remove-one (ALGORITHMS.md §6.2 route (c)). With ``ε_s = δ_s = 0`` this
+  is plain DP-SGD calibration.
+
+  Args:
+    epsilon: total ε > 0.
+    delta: total δ ∈ (0, 1).
+    sampling_prob: q ∈ (0, 1].
+    steps: T ≥ 1.
+    subspace_epsilon: ε_s ∈ [0, ε).
+    subspace_delta: δ_s ∈ [0, δ).
+    accountant: "rdp" or "pld".
+
+  Returns:
+    :class:`DPSGDBudget`; ``budget.epsilon ≤ epsilon`` and ``budget.delta == delta`` (up to
+    float rounding of ``δ_s + (δ − δ_s)``).
 
   Raises:
-    ValueError: ε ≤ 0, δ ∉ (0, 1), ``ε_s ∉ [0, ε)``, ``δ_s ∉ [0, δ)``, bad q or steps.
+    ValueError: ε ≤ 0, δ ∉ (0, 1), ``ε_s ∉ [0, ε)``, ``δ_s ∉ [0, δ)``, bad q, T or accountant,
+      or no σ ≤ 1e4 meets the SGD share.
+    TypeError: non-numeric arguments, non-integer ``steps``.
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
@@ -163,16 +325,18 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
   subspace_delta = v.check_positive(subspace_delta, "subspace_delta", allow_zero=True)
   if subspace_epsilon >= epsilon:
     raise ValueError(f"subspace_epsilon must lie in [0, epsilon={epsilon}), got "
-                     f"{subspace_epsilon}.")
+                     f"subspace_epsilon={subspace_epsilon}.")
   if subspace_delta >= delta:
-    raise ValueError(f"subspace_delta must lie in [0, delta={delta}), got {subspace_delta}.")
+    raise ValueError(f"subspace_delta must lie in [0, delta={delta}), got "
+                     f"subspace_delta={subspace_delta}.")
+  sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   sgd_delta = delta - subspace_delta
   sigma = calibrate_noise_multiplier(epsilon - subspace_epsilon, sgd_delta, sampling_prob, steps,
                                      accountant=accountant)
   sgd_epsilon = dpsgd_epsilon(sigma, sampling_prob, steps, sgd_delta, accountant=accountant)
   total = compose_basic(PrivacySpend(subspace_epsilon, subspace_delta, ADD_REMOVE),
                         PrivacySpend(sgd_epsilon, sgd_delta, ADD_REMOVE))
-  return DPSGDBudget(sigma, float(sampling_prob), int(steps), subspace_epsilon, subspace_delta,
+  return DPSGDBudget(sigma, sampling_prob, steps, subspace_epsilon, subspace_delta,
                      sgd_epsilon, sgd_delta, total.epsilon, total.delta, ADD_REMOVE)
 
 

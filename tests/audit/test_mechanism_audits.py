@@ -17,6 +17,7 @@ from dpjax import accounting, audit, data, linalg, sgd
 from dpjax import mechanisms as M
 from dpjax.subspace import approximate
 from dpjax.subspace import dpaseb as dpjax_dpaseb
+from dpjax.subspace.exact import dpese as dpjax_dpese
 
 pytestmark = pytest.mark.audit
 RESULTS = {}
@@ -163,6 +164,26 @@ def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
   _check("DPASEB", eps, rep.epsilon_lower_bound, n)
 
 
+def test_dpese_two_competing_planes(audit_trials):
+  """ALGORITHMS.md §2.1's counterexample: two planes with equal support; X' replaces the last
+  row by a generic point. The thresholded DPESE must stay within (ε, δ)."""
+  n = audit_trials(60, 600)
+  rng = np.random.default_rng(0)
+  X = np.zeros((40, 6))
+  X[:20, :2] = rng.standard_normal((20, 2))
+  X[20:, 2:4] = rng.standard_normal((20, 2))
+  X_prime = X.copy()
+  X_prime[-1] = rng.standard_normal(6)
+
+  def run(key, rows):
+    res = dpjax_dpese(key, rows, epsilon=1.0, delta=0.02, k=2)
+    return jnp.where(res.ok, jnp.round(jnp.abs(res.basis[0, 0]), 1), -1.0)
+
+  rep = audit.audit(jax.random.key(14), run, X, X_prime, delta=0.02, epsilon_claimed=1.0,
+                    trials=n, vectorized=False)
+  _check("DPESE", 1.0, rep.epsilon_lower_bound, n)
+
+
 def _canary_step(basis=None):
   """One full-batch DP-SGD step on a linear model; the canary's gradient is e_0 (norm C)."""
   d, C, sigma = 8, 1.0, 1.0
@@ -200,7 +221,7 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
             "stability histogram (discrete)", "stability histogram (laplace)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
-            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB",
+            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
             "DP-SGD step", "subspace DP-SGD step"}
 
 

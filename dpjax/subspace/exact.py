@@ -1,0 +1,229 @@
+"""DPESE — the DP Exact Subspace Estimator ([SS21] Algorithm 1; ALGORITHMS.md §2.1).
+
+For data of which all but ℓ rows lie in one k-dimensional subspace, DPESE outputs that subspace
+exactly with ``n = O(ℓ + ln(1/δ)/ε)`` rows, whatever d. Every k-dim subspace gets the score
+``u(s) = |X ∩ s| − max_{t ⊊ s} |X ∩ t|`` (sensitivity 1); the top candidate is released by the
+thresholded GAP-MAX (§1.6) with exact integer noise, or ⊥.
+
+Candidate enumeration is host-side (NumPy, float64) and exponential in k: the work estimate from
+the public ``(n, k)`` is checked against a cap before anything runs. Intended for small ``n``
+(≲ 100) and ``k`` (≲ 4).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax import _validation as v
+from dpjax.mechanisms.gap_max import gap_max
+from dpjax.mechanisms.truncated_laplace import truncated_laplace_params
+from dpjax.subspace.result import SubspaceResult
+
+DEFAULT_MAX_WORK = 10_000_000
+
+
+class Candidates(NamedTuple):
+  """Distinct k-dim subspaces spanned by k rows, in enumeration order (first spanning k-subset).
+
+  Attributes:
+    members: ``(C, n)`` bool membership of every row in every candidate (after zero rows are
+      dropped).
+    scores: ``(C,)`` int32 scores ``|X ∩ s| − max_{t ⊊ s} |X ∩ t|``.
+  """
+  members: np.ndarray
+  scores: np.ndarray
+
+
+def work_estimate(n: int, k: int) -> int:
+  """``C(n, k) · C(n, k − 1)``: candidate × hyperplane pairs, from public ``(n, k)`` only."""
+  return math.comb(n, k) * math.comb(n, k - 1)
+
+
+def enumerate_candidates(X: np.ndarray, k: int, *, tol: float = 1e-9) -> Candidates:
+  """Enumerates and scores every distinct k-dim subspace spanned by k rows (non-private).
+
+  Membership: ``‖x − B Bᵀ x‖ ≤ tol·‖x‖`` with B an orthonormal basis of the candidate; proper
+  subspaces: hyperplanes of the candidate spanned by k − 1 member rows (any proper subspace
+  spanned by members extends to one with at least as many members); for k = 1 only ``{0}``,
+  which holds no (non-zero) row. Candidates are deduplicated by member set.
+  """
+  X = np.asarray(X, np.float64)
+  n = X.shape[0]
+  norms = np.linalg.norm(X, axis=1)
+  seen: dict[bytes, int] = {}
+  members_list, scores = [], []
+  for subset in itertools.combinations(range(n), k):
+    rows = X[list(subset)]
+    q, r = np.linalg.qr(rows.T)
+    if np.min(np.abs(np.diag(r))) <= tol * max(1.0, np.max(norms[list(subset)])):
+      continue                                              # rank < k
+    member = _members(X, q, norms, tol)
+    # Refit the basis to all members once: a nearly collinear spanning k-subset gives a tilted
+    # basis and a spurious near-copy of the candidate; the refit makes their member sets agree.
+    _, _, vt = np.linalg.svd(X[member], full_matrices=False)
+    q = vt[:k].T
+    member = _members(X, q, norms, tol) | member
+    key = np.packbits(member).tobytes()
+    if key in seen:
+      continue
+    seen[key] = len(scores)
+    members_list.append(member)
+    scores.append(int(member.sum()) - _max_hyperplane_count(X[member] @ q, k, tol))
+  if not scores:
+    return Candidates(np.zeros((0, n), bool), np.zeros((0,), np.int32))
+  return Candidates(np.stack(members_list), np.asarray(scores, np.int32))
+
+
+def _members(X, q, norms, tol):
+  residual = np.linalg.norm(X - (X @ q) @ q.T, axis=1)
+  return residual <= tol * np.maximum(norms, 1e-300)
+
+
+def _max_hyperplane_count(Y: np.ndarray, k: int, tol: float) -> int:
+  """Max over hyperplanes spanned by k−1 rows of ``Y (c, k)`` of the rows they contain."""
+  if k == 1:
+    return 0
+  c = Y.shape[0]
+  combos = np.asarray(list(itertools.combinations(range(c), k - 1)), np.int64)
+  spans = Y[combos]                                         # (C', k−1, k)
+  _, svals, vt = np.linalg.svd(spans)
+  full_rank = svals[:, -1] > tol * np.maximum(svals[:, 0], 1e-300)
+  normals = vt[:, -1, :]                                    # (C', k): normal within R^k
+  inside = np.abs(Y @ normals.T) <= tol * np.linalg.norm(Y, axis=1)[:, None]
+  counts = np.where(full_rank, inside.sum(axis=0), 0)
+  return int(counts.max(initial=0))
+
+
+def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float | None = None,
+          snap_scale: float | None = None, max_work: int = DEFAULT_MAX_WORK,
+          unsafe_paper_variant: bool = False, ell: int | None = None) -> SubspaceResult:
+  """Learns a subspace that contains all but a few rows, exactly, with DPESE.
+
+  Default (thresholded GAP-MAX, ALGORITHMS.md §2.1 [DERIVED]): score every distinct k-dim
+  subspace spanned by k rows, take the top two scores u1 ≥ u2 (u2 = 0 with one candidate),
+  ``g = max(0, u1 − u2 − 1)``, and release the top subspace iff ``g + Z ≥ K`` with ``Z`` exact
+  discrete truncated Laplace (:func:`dpjax.mechanisms.gap_max`), else ⊥.
+
+  Privacy guarantee: (ε, δ)-DP under replace-one, for exact membership. Each score has
+  sensitivity 1 (one row cannot both raise ``|X ∩ s|`` and lower the max over proper subspaces);
+  subspaces not enumerated score 0, so the top two are those of the whole Grassmannian; GAP-MAX's
+  argument then applies. With floating-point membership (``tol``) the predicate is still a fixed
+  per-row test, but exactness of "the same subspace" is heuristic (§2.1 Numerics).
+
+  Released value: the canonical projection (top-k eigenprojection of ``Σ_{members} x xᵀ``, not of
+  one k-subset) snapped to the grid ``s(Z + ω)`` with a public random offset ω per entry, then the
+  nearest rank-k projection (§1.10 rule 3, PROPOSED): neighbours that agree in exact arithmetic
+  then release the same floats except with probability ≤ δ/10 for ``s ≥ 10 d e_F/δ``
+  (``e_F = 100 d 2^{-53} κ``, κ ≤ 100 assumed for the default ``snap_scale``: pass a larger
+  ``snap_scale`` for ill-conditioned data; its cost is ≈ d·s in ‖Π̂ − Π‖). The GAP-MAX step
+  uses δ/1.1 and the snapping δ/11 of the stated δ. This is a numerical-analysis argument, not a
+  proof; exact (rational) data are the rigorous route.
+
+  ``unsafe_paper_variant=True`` runs the algorithm as printed in [SS21] (a NULL candidate with score
+  ``ℓ + 4 ln(1/δ)/ε + 1``, TLap noise on every candidate's gap, argmax). It is NOT (ε, δ)-DP for
+  data-dependent candidate sets: with two competing subspaces every gap is 0 and the output is a
+  near-uniform draw from candidates, a fraction ≈ k/n of which exist only because of one row
+  (ALGORITHMS.md §2.1 CAUTION; tests/subspace/test_exact.py demonstrates it). For replication
+  only.
+
+  Args:
+    key: PRNG key.
+    X: ``(n, d)`` float data (rows are individuals); integer/rational-valued data are best.
+    epsilon, delta: the budget; δ < 1/2.
+    k: subspace dimension.
+    tol: relative membership tolerance (public; default 1e-4 for float32 input — rows carry
+      float32 rounding — and 1e-9 for float64).
+    snap_scale: the snapping grid step s (default from the rule above).
+    max_work: cap on :func:`work_estimate` (raise it knowingly).
+    unsafe_paper_variant, ell: see above (ℓ is only used by the paper's NULL score).
+
+  Returns:
+    :class:`SubspaceResult`; ``info`` has the number of candidates and the work estimate.
+
+  Raises:
+    ValueError: bad arguments, or the work estimate above ``max_work``.
+  """
+  key = v.check_key(key)
+  X = v.check_data(X, "X")
+  if tol is None:
+    tol = 1e-9 if X.dtype == jnp.float64 else 1e-4
+  X = np.asarray(X, np.float64)
+  n, d = X.shape
+  k = v.check_int(k, "k", low=1, high=d)
+  epsilon = v.check_epsilon(epsilon)
+  delta = v.check_delta(delta, upper=0.5)
+  tol = v.check_positive(tol, "tol")
+  max_work = v.check_int(max_work, "max_work", low=1)
+  work = work_estimate(n, k)
+  if work > max_work:
+    raise ValueError(f"DPESE's enumeration would take about {work:.3g} candidate-hyperplane "
+                     f"evaluations for n={n}, k={k}, above max_work={max_work:.3g}; use fewer "
+                     "rows, a smaller k, DPASE, or raise max_work knowingly.")
+  X = X[np.linalg.norm(X, axis=1) > 0]          # zero rows lie in every subspace: no information
+  candidates = enumerate_candidates(X, k, tol=tol)
+  k_noise, k_snap = jax.random.split(key)
+  info = {"num_candidates": int(candidates.scores.size), "work_estimate": work}
+  if unsafe_paper_variant:
+    if ell is None:
+      raise ValueError("unsafe_paper_variant needs ell (the robustness parameter ℓ).")
+    index = paper_variant_select(k_noise, candidates.scores, epsilon=epsilon, delta=delta,
+                                 ell=v.check_int(ell, "ell", low=0))
+    ok = index >= 0
+    return _release(k_snap, X, candidates, int(index), bool(ok), k, d, epsilon, delta,
+                    snap_scale, info, "unsafe_paper_variant")
+  if candidates.scores.size == 0:
+    ok, index = False, 0                        # no k independent rows: ⊥, same as a low gap
+  else:
+    res = gap_max(k_noise, jnp.asarray(candidates.scores), epsilon=epsilon,
+                              delta=delta / 1.1)
+    ok, index = bool(res.ok), int(res.index)
+  return _release(k_snap, X, candidates, index, ok, k, d, epsilon, delta, snap_scale, info,
+                  "replace_one")
+
+
+def paper_variant_select(key: jax.Array, scores, *, epsilon: float, delta: float,
+                         ell: int) -> jax.Array:
+  """The printed [SS21] Algorithm 1 selection: index of the output candidate, −1 for NULL.
+
+  ``ŝ = argmax_{s ∈ Y ∪ {NULL}} [max{0, u(s) − u(s2) − 1} + ξ(s)]``, ``ξ ~ TLap(2, ε, δ)``.
+  NOT DP for data-dependent candidate sets (see :func:`dpese`); exposed for replication and for
+  the privacy test that shows the failure.
+  """
+  scores = jnp.asarray(scores, jnp.float32)
+  params = truncated_laplace_params(2.0, epsilon, delta)
+  null_score = ell + 4.0 * math.log(1.0 / delta) / epsilon + 1.0
+  all_scores = jnp.concatenate([scores, jnp.array([null_score], jnp.float32)])
+  second = jnp.sort(all_scores)[-2] if all_scores.size > 1 else jnp.float32(0.0)
+  gaps = jnp.maximum(0.0, all_scores - second - 1.0)
+  from dpjax.mechanisms.truncated_laplace import _truncated_laplace
+  noise = _truncated_laplace(key, all_scores.shape, params.scale, params.bound, jnp.float32)
+  winner = jnp.argmax(gaps + noise)
+  return jnp.where(winner == scores.size, -1, winner)
+
+
+def _release(key, X, candidates, index, ok, k, d, epsilon, delta, snap_scale, info,
+             neighbouring):
+  if not ok:
+    return SubspaceResult(ok=jnp.asarray(False), basis=jnp.zeros((d, k)), epsilon=epsilon,
+                          delta=delta, neighbouring=neighbouring, info=info)
+  rows = X[candidates.members[index]]
+  _, vecs = np.linalg.eigh(rows.T @ rows)
+  projection = vecs[:, -k:] @ vecs[:, -k:].T                # canonical: all member rows
+  if snap_scale is None:
+    e_f = 100 * d * 2.0**-53 * 1e2
+    snap_scale = 10 * d * e_f / (delta / 11.0)
+  s = v.check_positive(snap_scale, "snap_scale")
+  offset = np.asarray(jax.random.uniform(key, (d, d), jnp.float32), np.float64)
+  snapped = s * (np.round(projection / s - offset) + offset)
+  snapped = (snapped + snapped.T) / 2
+  _, vecs = np.linalg.eigh(snapped)
+  basis = jnp.asarray(vecs[:, ::-1][:, :k], jnp.result_type(float))
+  info = dict(info, snap_scale=s)
+  return SubspaceResult(ok=jnp.asarray(True), basis=basis, epsilon=epsilon, delta=delta,
+                        neighbouring=neighbouring, info=info)
