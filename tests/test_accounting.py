@@ -1,4 +1,4 @@
-"""Accounting equals dp_accounting's own figures; budgets compose as stated."""
+"""Accounting equals dp_accounting's own figures; calibration is tight; budgets compose as stated."""
 
 import math
 
@@ -29,6 +29,27 @@ def test_calibrated_noise_multiplier_is_the_smallest_meeting_the_target():
   assert accounting.dpsgd_epsilon(sigma * 0.99, 0.05, 300, 1e-5) > 2.0
 
 
+def test_event_is_the_self_composed_poisson_sampled_gaussian():
+  expected = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(0.9)), 40)
+  assert accounting.dpsgd_event(0.9, 0.02, 40) == expected
+
+
+def test_pld_calibration_is_tight_and_below_rdp():
+  sigma = accounting.calibrate_noise_multiplier(1.5, 1e-5, 0.1, 50, accountant="pld")
+  assert accounting.dpsgd_epsilon(sigma, 0.1, 50, 1e-5, accountant="pld") <= 1.5
+  assert accounting.dpsgd_epsilon(sigma * 0.99, 0.1, 50, 1e-5, accountant="pld") > 1.5
+  assert sigma < accounting.calibrate_noise_multiplier(1.5, 1e-5, 0.1, 50)   # PLD is tighter
+
+
+def test_calibration_edges_loose_and_impossible_targets():
+  # A target so loose that σ = 0.1 meets it: 0.1 is returned (valid, documented floor).
+  sigma = accounting.calibrate_noise_multiplier(500.0, 1e-5, 1.0, 1)
+  assert sigma == 0.1 and accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5) <= 500.0
+  with pytest.raises(ValueError, match="target_epsilon"):
+    accounting.calibrate_noise_multiplier(1e-3, 1e-5, 1.0, 100_000)
+
+
 def test_plan_splits_and_totals_add_up():
   plan = accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=0.05, steps=300,
                                       subspace_epsilon=0.5, subspace_delta=1e-6)
@@ -48,6 +69,11 @@ def test_compose_and_convert():
     accounting.compose_basic(a, accounting.PrivacySpend(1.0, 1e-6, "replace_one"))
   r = accounting.replace_one_from_add_remove(1.0, 1e-6)
   assert r == accounting.PrivacySpend(2.0, (1 + math.e) * 1e-6, "replace_one")
+  assert accounting.replace_one_from_add_remove(0.5, 0.0) == (1.0, 0.0, "replace_one")
+  with pytest.raises(TypeError, match="PrivacySpend"):
+    accounting.compose_basic(a, (1.0, 1e-6, "add_remove"))
+  with pytest.raises(ValueError, match="at least one"):
+    accounting.compose_basic()
 
 
 @pytest.mark.parametrize("call,match", [
@@ -61,6 +87,15 @@ def test_compose_and_convert():
     (lambda: accounting.plan_dpsgd_budget(1.0, 1e-5, sampling_prob=0.1, steps=10,
                                           subspace_delta=2e-5), "subspace_delta"),
     (lambda: accounting.calibrate_noise_multiplier(-1.0, 1e-5, 0.1, 10), "target_epsilon"),
+    (lambda: accounting.calibrate_noise_multiplier(1.0, 0.0, 0.1, 10), "target_delta"),
+    (lambda: accounting.calibrate_noise_multiplier(1.0, 1e-5, 0.0, 10), "sampling_prob"),
+    (lambda: accounting.calibrate_noise_multiplier(1.0, 1e-5, 0.1, 10, accountant="x"),
+     "accountant"),
+    (lambda: accounting.dpsgd_event(1.0, 0.1, 2.5), "steps"),
+    (lambda: accounting.plan_dpsgd_budget(1.0, 1e-5, sampling_prob=0.1, steps=10,
+                                          subspace_epsilon=-0.1), "subspace_epsilon"),
+    (lambda: accounting.replace_one_from_add_remove(-1.0, 1e-6), "epsilon"),
+    (lambda: accounting.replace_one_from_add_remove(1.0, 1.0), "delta"),
 ])
 def test_bad_inputs(call, match):
   with pytest.raises((ValueError, TypeError), match=match):

@@ -1,11 +1,18 @@
-"""Where a gradient subspace comes from: private (DPASE), public data, or none (ALGORITHMS.md §6.2)."""
+"""Where a gradient subspace comes from: private data (DPASE) or public data (ALGORITHMS.md §6.2).
+
+``None`` (no subspace) means plain DP-SGD. Bases are over the flattened parameters
+(``jax.flatten_util.ravel_pytree`` order), shape ``(p, k)``, ready for
+:func:`dpjax.sgd.subspace_dp_gaussian_noise`.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from dpjax import _validation as v
@@ -13,90 +20,183 @@ from dpjax import linalg
 from dpjax.subspace.approximate import dpase
 from dpjax.subspace.result import SubspaceResult
 
+ADD_REMOVE = "add_remove"     # == dpjax.accounting.ADD_REMOVE (no import: sgd sits above it)
+
 
 def _num_examples(data) -> int:
   leaves = jax.tree_util.tree_leaves(data)
   if not leaves:
     raise ValueError("data must be a non-empty pytree of arrays with a leading example axis.")
+  if any(jnp.ndim(x) == 0 for x in leaves):
+    raise ValueError("every leaf of data must have a leading example axis; got a scalar leaf.")
   sizes = {int(jnp.shape(x)[0]) for x in leaves}
   if len(sizes) != 1:
     raise ValueError(f"all leaves of data must share the leading (example) axis, got sizes "
                      f"{sorted(sizes)}.")
-  return sizes.pop()
+  n = sizes.pop()
+  if n < 1:
+    raise ValueError("data must hold at least one example.")
+  return n
+
+
+def _num_params(params) -> int:
+  leaves = jax.tree_util.tree_leaves(params)
+  if not leaves:
+    raise ValueError("params must be a non-empty pytree of arrays.")
+  return int(sum(np.size(x) for x in leaves))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _chunk_grads(loss_fn, params, chunk):
+  grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(params, chunk)
+  return jax.vmap(lambda g: ravel_pytree(g)[0])(grads)
 
 
 def flat_per_example_grads(loss_fn: Callable, params, data, *,
                            chunk_size: int = 256) -> jax.Array:
   """``(N, p)`` matrix of flattened per-example gradients at ``params`` (one row per example).
 
-  Computed in chunks of ``chunk_size`` examples (padded to a fixed shape, one compilation) to
-  bound memory.
+  Computed in chunks of ``chunk_size`` examples, the last one padded to the same shape (one
+  compilation per ``loss_fn``), so memory is ``O(chunk_size · p)`` besides the output. Not
+  private by itself: feed it to a DP learner, or use it on public data only.
+
+  Args:
+    loss_fn: ``loss_fn(params, example) -> scalar`` for one example (hashable: it is a static
+      argument of the jitted chunk).
+    params: pytree of parameters (p entries in all).
+    data: pytree of arrays with a shared leading example axis N ≥ 1.
+    chunk_size: examples per jitted chunk, ≥ 1.
+
+  Returns:
+    ``(N, p)`` array, rows in ``ravel_pytree`` order, in the gradients' dtype.
+
+  Raises:
+    ValueError: empty ``data`` / ``params``, leaves without a shared leading axis.
+    TypeError: ``chunk_size`` not an integer, ``loss_fn`` not callable.
   """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
   chunk_size = v.check_int(chunk_size, "chunk_size", low=1)
   n = _num_examples(data)
-
-  @jax.jit
-  def chunk_grads(chunk):
-    grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(params, chunk)
-    return jax.vmap(lambda g: ravel_pytree(g)[0])(grads)
-
+  _num_params(params)
+  data = jax.tree_util.tree_map(jnp.asarray, data)
+  size = min(chunk_size, n)
   rows = []
-  for start in range(0, n, chunk_size):
-    idx = jnp.minimum(jnp.arange(start, start + chunk_size), n - 1)
-    rows.append(chunk_grads(jax.tree_util.tree_map(lambda x: x[idx], data))
-                [: min(chunk_size, n - start)])
-  return jnp.concatenate(rows, axis=0)
+  for start in range(0, n, size):
+    idx = np.minimum(np.arange(start, start + size), n - 1)
+    chunk = jax.tree_util.tree_map(lambda x: x[idx], data)
+    rows.append(_chunk_grads(loss_fn, params, chunk)[: min(size, n - start)])
+  return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("clip_norm",))
+def _sanitise_rows(G, clip_norm):
+  # Row-wise, data-independent maps: they keep DPASE's guarantee (one row in, one row out).
+  finite = jnp.all(jnp.isfinite(G), axis=1, keepdims=True)
+  G = jnp.where(finite, G, jnp.zeros_like(G))
+  if clip_norm is None:
+    return G
+  norms = jnp.linalg.norm(G, axis=1, keepdims=True)
+  return G * (clip_norm / jnp.maximum(norms, clip_norm)).astype(G.dtype)
 
 
 def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *, k: int,
                               epsilon: float, delta: float, gamma: float | None = None,
+                              clip_norm: float | None = None,
                               **dpase_kwargs) -> SubspaceResult:
   """A rank-k gradient subspace learned privately with DPASE from per-example gradients.
 
-  One gradient per individual, at ``params`` (e.g. the initial parameters, which must not depend
-  on the private data), then :func:`dpjax.subspace.dpase` with ``partition="random_labels"``.
+  One gradient per individual at ``params``, then :func:`dpjax.subspace.dpase` with
+  ``partition="random_labels"``. Each gradient row is first sanitised by a fixed row-wise map:
+  rows with a NaN/inf entry become zero (so that no data-dependent error can be raised), and,
+  if ``clip_norm`` is given, rows are clipped to ℓ2 norm ≤ ``clip_norm`` (for utility only:
+  DPASE needs no norm bound for privacy).
 
-  Guarantee: (ε, δ)-DP under add/remove-one (and replace-one): each individual's gradient lands
-  in one DPASE subset, and DPASE's random-label partition makes adding or removing a row change
-  exactly one subset. Privacy is worst case: gradients need not be Gaussian. [CAUTION, §6.2]
-  DPASE's utility needs a strong eigen-gap that real networks rarely have: expect ⊥
-  (``result.ok == False``) and then train without a subspace, never with a non-private one.
+  Guarantee: (ε, δ)-DP under **add/remove-one** (and replace-one) for the rows of ``data``,
+  provided each individual contributes exactly one row and ``params`` does not depend on
+  ``data``. Each row's gradient is a function of that row alone, so adding or removing a row
+  adds or removes one gradient row; DPASE assigns rows to its subsets by independent uniform
+  public labels, so that changes exactly one subset, hence one item of its stability
+  histogram, which is (ε, δ)-DP for that change (ALGORITHMS.md §6.2 route (c)). Privacy is
+  worst case: gradients need not be Gaussian. N is treated as public (DPASE's parameters use it).
+
+  [CAUTION, §6.2] DPASE's utility needs a strong multiplicative eigen-gap (a ``γ ≲ 1/d``-type
+  condition with d = p) that real networks rarely meet: expect ⊥ (``result.ok == False``) and then train without a
+  subspace or with a public one — never with a non-private subspace of these data.
 
   Args:
-    key: PRNG key.
+    key: PRNG key (consumed by DPASE).
     loss_fn: ``loss_fn(params, example) -> scalar`` for one example.
-    params: the parameters at which gradients are taken.
-    data: pytree of arrays with a leading example axis N.
-    k: subspace dimension, ``1 <= k <= p``.
-    epsilon, delta: the subspace's budget (ε_s, δ_s).
-    gamma: DPASE's public gap parameter (or pass ``cell_length=``).
-    **dpase_kwargs: forwarded to :func:`dpjax.subspace.dpase`.
+    params: the parameters at which gradients are taken (p entries in all).
+    data: pytree of arrays with a leading example axis N, one example per individual.
+    k: subspace dimension, ``1 ≤ k ≤ p``.
+    epsilon: ε_s > 0 for the subspace.
+    delta: δ_s ∈ (0, 1) for the subspace.
+    gamma: DPASE's public gap parameter (or pass ``cell_length=`` in ``dpase_kwargs``).
+    clip_norm: optional ℓ2 bound > 0 applied to each gradient row before DPASE.
+    **dpase_kwargs: forwarded to :func:`dpjax.subspace.dpase` (``num_subsets``,
+      ``cell_length``, ...). ``partition`` is fixed to "random_labels".
 
   Returns:
-    :class:`SubspaceResult` with a ``(p, k)`` basis over the flattened parameters.
+    :class:`SubspaceResult` with a ``(p, k)`` basis over the flattened parameters (zeros on ⊥),
+    ``epsilon``/``delta`` spent whatever the outcome, ``neighbouring == "add_remove"``.
+
+  Raises:
+    TypeError: ``key`` not a PRNG key, ``k`` not an integer.
+    ValueError: ``k ∉ [1, p]``, a ``partition`` other than "random_labels", bad ``clip_norm``,
+      and DPASE's own errors (ε, δ, γ, too few rows).
+
+  References:
+    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021 (DPASE, Algorithm 2).
   """
-  v.check_key(key)
-  dpase_kwargs.setdefault("partition", "random_labels")
-  G = flat_per_example_grads(loss_fn, params, data)
-  return dpase(key, G, epsilon=epsilon, delta=delta, k=k, gamma=gamma, **dpase_kwargs)
+  key = v.check_key(key)
+  k = v.check_int(k, "k", low=1, high=_num_params(params))
+  if dpase_kwargs.get("partition", "random_labels") != "random_labels":
+    raise ValueError("partition must be 'random_labels' (the add/remove-one guarantee needs "
+                     f"it), got partition={dpase_kwargs['partition']!r}.")
+  dpase_kwargs["partition"] = "random_labels"
+  if clip_norm is not None:
+    clip_norm = v.check_positive(clip_norm, "clip_norm")
+  G = _sanitise_rows(flat_per_example_grads(loss_fn, params, data), clip_norm)
+  result = dpase(key, G, epsilon=epsilon, delta=delta, k=k, gamma=gamma, **dpase_kwargs)
+  if result.neighbouring != ADD_REMOVE:  # pragma: no cover - guards a change in dpase
+    raise RuntimeError(f"dpase returned a guarantee under {result.neighbouring!r}, expected "
+                       f"{ADD_REMOVE!r}.")
+  return result
 
 
 def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
                              k: int) -> SubspaceResult:
   """The top-k right singular subspace of the per-example gradients of PUBLIC data.
 
-  GEP / PDP-SGD style. It costs no privacy budget only because ``public_data`` is public: never
-  pass private rows here.
+  GEP / PDP-SGD style: the top-k eigenvectors of ``Σ_j ∇ℓ_j ∇ℓ_jᵀ`` over the public examples.
+  It costs no privacy budget ONLY because ``public_data`` is public (drawn independently of the
+  private training set, which must not overlap it); the returned ``epsilon = delta = 0`` states
+  exactly that. Never pass private rows here.
+
+  Args:
+    loss_fn: ``loss_fn(params, example) -> scalar`` for one example.
+    params: the parameters at which gradients are taken (p entries in all).
+    public_data: pytree of arrays with a leading example axis m ≥ k.
+    k: subspace dimension, ``1 ≤ k ≤ p``.
 
   Returns:
-    :class:`SubspaceResult` with ``ok=True``, ``epsilon=delta=0`` and
-    ``neighbouring="public_data"``.
+    :class:`SubspaceResult` with ``ok=True``, a ``(p, k)`` orthonormal basis, ``epsilon=0``,
+    ``delta=0``, ``neighbouring="public_data"`` and ``info={"num_public": m}``.
+
+  Raises:
+    TypeError: ``k`` not an integer.
+    ValueError: ``k ∉ [1, p]``, fewer than k public examples, non-finite public gradients.
+
+  References:
+    Zhou, Wu & Banerjee, PDP-SGD, ICLR 2021; Yu et al., GEP, ICLR 2021.
   """
+  k = v.check_int(k, "k", low=1, high=_num_params(params))
+  m = _num_examples(public_data)
+  if m < k:
+    raise ValueError(f"public_data needs at least k={k} examples, got {m}.")
   G = flat_per_example_grads(loss_fn, params, public_data)
-  k = v.check_int(k, "k", low=1, high=G.shape[1])
-  if G.shape[0] < k:
-    raise ValueError(f"public_data needs at least k={k} examples, got {G.shape[0]}.")
   G = v.check_data(G, "public per-example gradients")
   basis = linalg.top_k_right_singular_vectors(G, k)
   return SubspaceResult(ok=jnp.asarray(True), basis=basis, epsilon=0.0, delta=0.0,
-                        neighbouring="public_data", info={"num_public": int(G.shape[0])})
+                        neighbouring="public_data", info={"num_public": int(m)})

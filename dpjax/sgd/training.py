@@ -98,11 +98,26 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     :class:`TrainResult`.
 
   Raises:
-    ValueError / TypeError: NaN/inf in data, bad budget, sizes, fractions, missing k / public
-      data / gamma.
+    TypeError: ``key`` not a PRNG key, ``loss_fn`` not callable, ``optimizer`` not an optax
+      transformation, non-integer ``steps`` / ``k`` / ``microbatch_size``.
+    ValueError: NaN/inf in ``data`` or ``public_data``; ε ≤ 0, δ ∉ (0, 1); ``L > N``; C ≤ 0;
+      ``k ∉ [1, p]``; fractions ∉ (0, 1); missing ``k`` / ``public_data`` / ``gamma``; an
+      unknown ``subspace``; ``refresh_every`` without a public subspace; no σ meets the budget.
+    dpjax.accounting.BudgetExceededError: the plan does not fit ``ledger`` (nothing has run).
+
+  References:
+    Abadi et al., "Deep Learning with Differential Privacy", CCS 2016 (DP-SGD); Singhal &
+    Steinke, NeurIPS 2021 (DPASE); Zhou, Wu & Banerjee, ICLR 2021 (PDP-SGD, public subspace).
   """
   key = v.check_key(key)
   v.check_choice(subspace, "subspace", SUBSPACES)
+  epsilon = v.check_epsilon(epsilon)
+  delta = v.check_delta(delta)
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+  if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+    raise TypeError("optimizer must be an optax GradientTransformation (with init and update), "
+                    f"got {type(optimizer).__name__}.")
   n = subspace_sources._num_examples(data)
   v.check_finite_tree(data, "data")
   if public_data is not None:
@@ -117,6 +132,19 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     k = v.check_int(k, "k", low=1, high=p)
   if subspace == "public" and public_data is None:
     raise ValueError("subspace='public' needs public_data.")
+  sub_eps = sub_delta = 0.0
+  if subspace == "private":
+    sub_eps = epsilon * v.check_probability(subspace_epsilon_fraction,
+                                            "subspace_epsilon_fraction", open_high=True)
+    sub_delta = delta * v.check_probability(subspace_delta_fraction, "subspace_delta_fraction",
+                                            open_high=True)
+  dpase_kwargs = dict(dpase_kwargs or {})
+  if subspace == "private" and gamma is None and dpase_kwargs.get("cell_length") is None:
+    raise ValueError("subspace='private' needs gamma (DPASE's public gap parameter) or "
+                     "dpase_kwargs={'cell_length': ...}.")
+  if dpase_kwargs.get("partition", "random_labels") != "random_labels":
+    raise ValueError("dpase_kwargs['partition'] must be 'random_labels' (the add/remove-one "
+                     f"guarantee needs it), got {dpase_kwargs['partition']!r}.")
   if refresh_every is not None:
     if subspace != "public":
       raise ValueError("refresh_every is only supported with subspace='public'.")
@@ -127,12 +155,6 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   eval_every = v.check_int(eval_every or steps, "eval_every", low=1)
   q = batch / n
 
-  sub_eps = sub_delta = 0.0
-  if subspace == "private":
-    sub_eps = epsilon * v.check_probability(subspace_epsilon_fraction,
-                                            "subspace_epsilon_fraction", open_high=True)
-    sub_delta = delta * v.check_probability(subspace_delta_fraction, "subspace_delta_fraction",
-                                            open_high=True)
   budget = accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=q, steps=steps,
                                         subspace_epsilon=sub_eps, subspace_delta=sub_delta,
                                         accountant=accountant)
@@ -147,7 +169,10 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   if subspace == "private":
     result = subspace_sources.private_gradient_subspace(
         k_subspace, loss_fn, params, data, k=k, epsilon=budget.subspace_epsilon,
-        delta=budget.subspace_delta, gamma=gamma, **(dpase_kwargs or {}))
+        delta=budget.subspace_delta, gamma=gamma, **dpase_kwargs)
+    if result.neighbouring != accounting.ADD_REMOVE:  # pragma: no cover - guarded upstream
+      raise RuntimeError("the private subspace must hold under add/remove-one to compose with "
+                         f"DP-SGD, got {result.neighbouring!r}.")
     subspace_ok = bool(result.ok)
     if subspace_ok:
       basis = result.basis
@@ -172,8 +197,11 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   opt_state = make_tx(basis).init(params)
   grad_sum = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm)
 
+  # The data are an argument, not a closure constant, so they are not baked into the program.
+  data = jax.tree_util.tree_map(jnp.asarray, data)
+
   @jax.jit
-  def accumulate(total, params, indices, mask):
+  def accumulate(total, params, data, indices, mask):
     chunk = jax.tree_util.tree_map(lambda x: x[indices], data)
     return jax.tree_util.tree_map(jnp.add, total, grad_sum(params, chunk, mask))
 
@@ -189,7 +217,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     indices, mask = sampling.poisson_microbatches(step_key, n, q, microbatch_size)
     total = jax.tree_util.tree_map(jnp.zeros_like, params)
     for idx, msk in zip(indices, mask):
-      total = accumulate(total, params, idx, msk)
+      total = accumulate(total, params, data, idx, msk)
     params, opt_state = apply(params, opt_state, total, basis)
     if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
       basis = subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis

@@ -41,17 +41,37 @@ def _check(clip_norm, noise_multiplier, expected_batch_size, key):
 
 def dp_gaussian_noise(*, clip_norm: float, noise_multiplier: float, expected_batch_size: float,
                       key: jax.Array) -> optax.GradientTransformation:
-  """``update(summed) = (summed + N(0, σ²C² I_p)) / L`` on every leaf.
+  """``update(S) = (S + N(0, σ²C² I_p)) / L`` on every leaf: the DP-SGD privatiser.
+
+  ``S`` is the sum of per-example gradients clipped to ℓ2 norm C
+  (:func:`dpjax.sgd.clipped_grad_sum`). Privacy: under add/remove-one, S has ℓ2-sensitivity C,
+  so each update is the Gaussian mechanism with noise multiplier σ; with Poisson sampling it is
+  the sampled Gaussian mechanism that :func:`dpjax.accounting.dpsgd_epsilon` accounts. Dividing
+  by the public L (not the realised batch size, which is private under Poisson sampling) and the
+  optimiser that follows are post-processing.
+
+  Example::
+
+      tx = optax.chain(dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.1,
+                                         expected_batch_size=256, key=key), optax.adam(1e-3))
 
   Args:
     clip_norm: C > 0, the bound the summed per-example gradients were clipped to.
-    noise_multiplier: σ ≥ 0.
-    expected_batch_size: L > 0, the public expected batch size ``q N`` (not the realised size,
-      which is private under Poisson sampling).
-    key: PRNG key, kept in the state and split at each update.
+    noise_multiplier: σ ≥ 0 (σ = 0 gives no privacy; useful for tests).
+    expected_batch_size: L > 0, the public expected batch size ``q N``.
+    key: PRNG key, kept in the state (:class:`DPNoiseState`) and split at every update, never
+      reused.
 
   Returns:
-    An ``optax.GradientTransformation``. Its updates have the params' structure.
+    An ``optax.GradientTransformation``; updates have the structure and dtypes of ``S``, the
+    noise is drawn in each leaf's dtype.
+
+  Raises:
+    ValueError: C ≤ 0, σ < 0, L ≤ 0 (or any of them not finite).
+    TypeError: ``key`` not a PRNG key, non-numeric arguments.
+
+  References:
+    Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
   """
   clip_norm, sigma, batch = _check(clip_norm, noise_multiplier, expected_batch_size, key)
   return _gaussian_noise(sigma * clip_norm, batch, key)
@@ -79,18 +99,41 @@ def _gaussian_noise(std, batch, key) -> optax.GradientTransformation:
 def subspace_dp_gaussian_noise(basis: jax.Array, *, clip_norm: float, noise_multiplier: float,
                                expected_batch_size: float,
                                key: jax.Array) -> optax.GradientTransformation:
-  """Noise in a k-dim subspace: ``update(S) = V (Vᵀ S + N(0, σ²C² I_k)) / L``.
+  """Noise in a k-dim subspace only: ``update(S) = unravel(V (Vᵀ s + N(0, σ²C² I_k)) / L)``.
 
-  ``S`` is flattened with ``ravel_pytree`` (p parameters) and ``V (p, k)`` has orthonormal
-  columns. Privacy per step is that of DP-SGD: ``Vᵀ`` is linear and non-expansive, so the
-  released k-vector ``Vᵀ S`` has ℓ2-sensitivity ≤ C and gets ``N(0, σ²C² I_k)``; mapping back by
-  V is post-processing (ALGORITHMS.md §6.2). The noise energy is ``σ²C²k/L²`` instead of
-  ``σ²C²p/L²``; the price is the discarded residual ``(I − VVᵀ)S``. ``V`` must be public or a DP
-  release (e.g. DPASE's basis) whose cost is composed in.
+  ``s = ravel_pytree(S)`` flattens the summed clipped gradients (p parameters) and ``V (p, k)``
+  has orthonormal columns. Privacy per step is that of DP-SGD, under add/remove-one: ``Vᵀ`` is
+  linear and non-expansive (‖Vᵀx‖ ≤ ‖x‖) and commutes with the sum, so the released k-vector
+  ``Vᵀ s`` has ℓ2-sensitivity ≤ C and gets ``N(0, σ²C² I_k)``; mapping back by V and dividing
+  by L are post-processing (ALGORITHMS.md §6.2). Account it with the same
+  :func:`dpjax.accounting.dpsgd_event`. The noise energy is ``σ²C²k/L²`` instead of
+  ``σ²C²p/L²``; the price is the discarded residual ``(I − VVᵀ)s``.
+
+  ``V`` must be public or a DP release (e.g. DPASE's basis from
+  :func:`dpjax.sgd.private_gradient_subspace`) whose cost is composed in; a basis computed
+  non-privately from the training data voids the guarantee.
+
+  Args:
+    basis: ``(p, k)`` float array with orthonormal columns, ``1 ≤ k ≤ p``; p must equal the
+      number of parameters (checked at ``init``).
+    clip_norm: C > 0.
+    noise_multiplier: σ ≥ 0.
+    expected_batch_size: L > 0, the public expected batch size.
+    key: PRNG key, kept in the state and split at every update.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose updates lie in ``span(V)`` (as pytrees like S).
 
   Raises:
-    ValueError: ``basis`` not 2-D or its columns not orthonormal (‖VᵀV − I‖ > 1e-3); and as
+    ValueError: ``basis`` not 2-D with ``1 ≤ k ≤ p``, not finite, or its columns not
+      orthonormal (``max |VᵀV − I| > 1e-3``); at ``init``, p ≠ the parameter count; and as
       :func:`dp_gaussian_noise`.
+    TypeError: as :func:`dp_gaussian_noise`; ``basis`` not a float array.
+
+  References:
+    Zhou, Wu & Banerjee, "Bypassing the Ambient Dimension: Private SGD with Gradient Subspace
+    Identification" (PDP-SGD), ICLR 2021; Yu et al., "Do Not Let Privacy Overbill Utility:
+    Gradient Embedding Perturbation" (GEP), ICLR 2021.
   """
   clip_norm, sigma, batch = _check(clip_norm, noise_multiplier, expected_batch_size, key)
   basis = check_basis(basis)
@@ -121,12 +164,30 @@ def _subspace_noise(basis, std, batch, key) -> optax.GradientTransformation:
 def dp_aggregate(*, clip_norm: float, noise_multiplier: float, expected_batch_size: float,
                  key: jax.Array,
                  basis: jax.Array | None = None) -> optax.GradientTransformationExtraArgs:
-  """Per-example gradients in, privatised average out (optax.contrib-style aggregator).
+  """Per-example gradients in, privatised average out (an optax.contrib-style aggregator).
 
   ``update(per_example_grads, state, params=None, *, mask=None)``: clip each example's gradient
-  (leading batch axis) to global norm C, sum the rows with ``mask`` (``(B,)``, 0 for padding),
-  then apply :func:`dp_gaussian_noise`, or :func:`subspace_dp_gaussian_noise` when ``basis`` is
-  given. Divides by the expected batch size L, not the realised one.
+  (leaves with a leading batch axis B) to global ℓ2 norm C, sum the rows weighted by ``mask``
+  (``(B,)``, 0/False for padding; default all ones), then apply :func:`dp_gaussian_noise`, or
+  :func:`subspace_dp_gaussian_noise` when ``basis`` is given. Unlike
+  ``optax.contrib.differentially_private_aggregate`` it divides by the public expected batch
+  size L, not by the realised one. Privacy: as the noise transform it wraps (add/remove-one,
+  sensitivity C). Prefer :func:`dpjax.sgd.clipped_grad_sum` + the noise transform when you can:
+  it never materialises the ``(B, p)`` per-example gradients.
+
+  Args:
+    clip_norm: C > 0.
+    noise_multiplier: σ ≥ 0.
+    expected_batch_size: L > 0.
+    key: PRNG key, kept in the state.
+    basis: optional ``(p, k)`` orthonormal basis (see :func:`subspace_dp_gaussian_noise`).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; its updates have the params' structure.
+
+  Raises:
+    As :func:`dp_gaussian_noise` / :func:`subspace_dp_gaussian_noise`; at ``update``,
+    ``ValueError`` if ``mask`` is not ``(B,)``.
   """
   if basis is None:
     inner = dp_gaussian_noise(clip_norm=clip_norm, noise_multiplier=noise_multiplier,
@@ -135,12 +196,16 @@ def dp_aggregate(*, clip_norm: float, noise_multiplier: float, expected_batch_si
     inner = subspace_dp_gaussian_noise(basis, clip_norm=clip_norm,
                                        noise_multiplier=noise_multiplier,
                                        expected_batch_size=expected_batch_size, key=key)
+  clip_norm = float(clip_norm)
 
   def update_fn(updates, state, params=None, *, mask=None, **extra_args):
     del extra_args
     clipped = per_example.clip_per_example(updates, clip_norm)
     size = jax.tree_util.tree_leaves(clipped)[0].shape[0]
     weights = jnp.ones(size) if mask is None else jnp.asarray(mask)
+    if weights.shape != (size,):
+      raise ValueError(f"mask must have shape ({size},) (one entry per example), got "
+                       f"{tuple(weights.shape)}.")
     summed = jax.tree_util.tree_map(
         lambda g: jnp.tensordot(weights.astype(g.dtype), g, axes=1), clipped)
     return inner.update(summed, state, params)
@@ -149,14 +214,27 @@ def dp_aggregate(*, clip_norm: float, noise_multiplier: float, expected_batch_si
 
 
 def check_basis(basis, name: str = "basis", *, tol: float = 1e-3) -> jax.Array:
-  """Validates a ``(p, k)`` basis with orthonormal columns (host check)."""
-  basis = jnp.asarray(basis)
+  """Validates a ``(p, k)`` basis with orthonormal columns on the host; returns it as an array.
+
+  Raises:
+    ValueError: not 2-D, ``k ∉ [1, p]``, non-finite entries, or ``max |VᵀV − I| > tol``.
+    TypeError: not a float array.
+  """
+  try:
+    basis = jnp.asarray(basis)
+  except TypeError as exc:
+    raise TypeError(f"{name} must be a (p, k) float array, got {type(basis).__name__}.") from exc
   if basis.ndim != 2 or basis.shape[1] == 0 or basis.shape[1] > basis.shape[0]:
     raise ValueError(f"{name} must have shape (p, k) with 1 <= k <= p, got "
                      f"{tuple(basis.shape)}.")
   if not jnp.issubdtype(basis.dtype, jnp.floating):
     raise TypeError(f"{name} must be a float array, got dtype={basis.dtype}.")
-  gram = np.asarray(basis.T @ basis, np.float64)
-  if not np.all(np.isfinite(gram)) or np.abs(gram - np.eye(basis.shape[1])).max() > tol:
-    raise ValueError(f"{name} must have orthonormal columns (‖VᵀV − I‖ <= {tol}).")
+  b = np.asarray(basis, np.float64)
+  if not np.all(np.isfinite(b)):
+    raise ValueError(f"{name} contains NaN or infinite entries.")
+  gram = b.T @ b
+  err = float(np.abs(gram - np.eye(basis.shape[1])).max())
+  if err > tol:
+    raise ValueError(f"{name} must have orthonormal columns (max |VᵀV − I| <= {tol}), got "
+                     f"max |VᵀV − I| = {err:.3g}.")
   return basis

@@ -77,7 +77,8 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
                      num_reference_points: int | None = None,
                      cell_length: float | None = None, ell_rule: str = "paper_proof",
                      c0: float | None = None, noise: str = "discrete",
-                     alpha: float | None = 0.1) -> DPASEParameters:
+                     alpha: float | None = 0.1,
+                     float_eps: float = float(np.finfo(np.float32).eps)) -> DPASEParameters:
   """Computes DPASE's public parameters (ALGORITHMS.md §2.2, PROPOSED constants).
 
   Every default can be overridden; none of them affects privacy, only the ⊥ rate and accuracy.
@@ -95,6 +96,10 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
     ``"l1_safe"``: ``ℓ = 2 q √d r̂ sqrt(2 ln 2t) / 0.1`` (cells sized for the ℓ1-extent of a cluster,
     fewer ⊥, larger error); ``"paper_formula"``: ``ℓ = c0 γ sqrt(dk)(√k + sqrt(ln(kt)))/√m``.
     ``cell_length`` given explicitly wins over any rule. See also :func:`calibrate_cell_length`.
+  * Numerical floor (PROPOSED): ``ξ̂ ≥ 10⁴·float_eps`` (the machine epsilon of the data's dtype).
+    The per-subset subspaces are computed in floating point (the Gram route squares the
+    condition number), so they differ by rounding even when the data lie exactly in a subspace;
+    cells sized below that spread split the cluster and give ⊥ however many rows there are.
   * Accuracy cap (PROPOSED, on unless ``alpha=None``): the released point is uniform in its cell,
     so the final PCA sees an error matrix with entries of size ≈ ℓ/√6 and, by Wedin's bound,
     ``sin θ ≲ ‖E‖/(s_k(P) − ‖E‖)`` with ``‖E‖ ≈ ℓ(√q + √d)/√6`` and ``s_k(P) ≈ √q − √k``. A
@@ -147,6 +152,7 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
     xi = 1.0
   else:
     xi = noise_norm / denominator
+  xi = max(xi, 1e4 * v.check_positive(float_eps, "float_eps"))
   x = math.log(q * t / _BETA_S)
   radius = xi * math.sqrt(2 * k + 2 * math.sqrt(2 * k * x) + 2 * x)
   if ell_rule == "paper_proof":
@@ -246,7 +252,7 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
                             num_subsets=num_subsets,
                             num_reference_points=num_reference_points,
                             cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise,
-                            alpha=alpha)
+                            alpha=alpha, float_eps=float(jnp.finfo(X.dtype).eps))
   t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
   neighbouring = "replace_one" if partition == "permutation" else "add_remove"
   if ledger is not None:

@@ -72,6 +72,7 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
   noise = dpase_kwargs.pop("noise", "discrete")
   grouping = dpase_kwargs.pop("grouping", "auto")
   dpase_kwargs.setdefault("alpha", alpha / 3.0)
+  dpase_kwargs.setdefault("float_eps", float(jnp.finfo(X.dtype).eps))
   params = approximate.dpase_parameters(block, d, k, epsilon=epsilon, delta=delta, gamma=gamma,
                                         noise=noise, **dpase_kwargs)
   if ledger is not None:

@@ -61,12 +61,16 @@ def test_same_key_same_output_different_key_different_output():
 
 
 def test_success_rate_on_model_data_with_confidence_bound():
-  """Over independent datasets and keys, P[‖Π̂ − Π‖ ≤ 0.1] is high: the CI's lower end ≥ 0.7."""
+  """Over independent datasets and keys, P[‖Π̂ − Π‖ ≤ 0.1] is high: the CI's lower end ≥ 0.7.
+
+  The cell length is capped for α = 0.05 (the cap is a typical-case bound, so a margin of 2 makes
+  the 0.1 statement hold with high probability rather than on average).
+  """
   errors = []
   for seed in range(12):
     X, model = _model(seed=100 + seed)
     res = approximate.dpase(jax.random.key(200 + seed), X, epsilon=EPS, delta=DELTA, k=K,
-                            gamma=GAMMA)
+                            gamma=GAMMA, alpha=0.05)
     errors.append(float(metrics.projection_distance(res.basis, model.basis))
                   if bool(res.ok) else math.inf)
   summary = metrics.success_rate(errors, alpha=0.1)

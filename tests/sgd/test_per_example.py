@@ -1,0 +1,145 @@
+"""Per-example gradients, global-norm clipping and the fused clipped sum (ALGORITHMS.md §6.1)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from dpjax.sgd import per_example as pe
+
+
+def _mlp_params(key):
+  k1, k2 = jax.random.split(key)
+  return {"hidden": {"w": jax.random.normal(k1, (5, 4)), "b": jnp.zeros(4)},
+          "out": {"w": jax.random.normal(k2, (4, 3)), "b": jnp.zeros(3)}}
+
+
+def _loss(params, example):
+  x, y = example
+  h = jnp.tanh(x @ params["hidden"]["w"] + params["hidden"]["b"])
+  logits = h @ params["out"]["w"] + params["out"]["b"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+def _batch(key, n=12):
+  kx, ky = jax.random.split(key)
+  return jax.random.normal(kx, (n, 5)) * 3, jax.random.randint(ky, (n,), 0, 3)
+
+
+def _flat_rows(tree):
+  return np.stack([np.asarray(ravel_pytree(jax.tree_util.tree_map(lambda x: x[i], tree))[0])
+                   for i in range(jax.tree_util.tree_leaves(tree)[0].shape[0])])
+
+
+def test_vectorised_per_example_grads_equal_a_loop_of_single_example_grads():
+  # Opacus-style: vmap(grad) against a Python loop of batch-of-one jax.grad, on a nested pytree.
+  params, (X, y) = _mlp_params(jax.random.key(0)), _batch(jax.random.key(1))
+  batched = jax.jit(pe.per_example_grads(_loss))(params, (X, y))
+  assert jax.tree_util.tree_structure(batched) == jax.tree_util.tree_structure(params)
+  for i in range(X.shape[0]):
+    single = jax.grad(_loss)(params, (X[i], y[i]))
+    jax.tree_util.tree_map(
+        lambda b, s: np.testing.assert_allclose(np.asarray(b[i]), np.asarray(s), rtol=1e-4,
+                                                atol=1e-6), batched, single)
+
+
+def test_global_norms_span_the_whole_pytree():
+  params, batch = _mlp_params(jax.random.key(2)), _batch(jax.random.key(3))
+  grads = pe.per_example_grads(_loss)(params, batch)
+  expected = np.linalg.norm(_flat_rows(grads), axis=1)
+  np.testing.assert_allclose(np.asarray(pe.global_norms(grads)), expected, rtol=1e-5)
+
+
+def test_clipped_norms_are_bounded_and_small_ones_unchanged():
+  params, batch = _mlp_params(jax.random.key(4)), _batch(jax.random.key(5))
+  grads = pe.per_example_grads(_loss)(params, batch)
+  norms = np.asarray(pe.global_norms(grads))
+  C = float(np.median(norms))
+  clipped = pe.clip_per_example(grads, C)
+  new = np.linalg.norm(_flat_rows(clipped), axis=1)
+  assert np.all(new <= C * (1 + 1e-5))
+  small = norms <= C
+  assert small.any() and (~small).any()
+  np.testing.assert_array_equal(_flat_rows(clipped)[small], _flat_rows(grads)[small])
+  np.testing.assert_allclose(new[~small], C, rtol=1e-5)            # large ones land on C
+  # Clipping scales: the direction of every gradient is kept.
+  cos = np.sum(_flat_rows(clipped) * _flat_rows(grads), 1) / (new * norms)
+  np.testing.assert_allclose(cos, 1.0, rtol=1e-5)
+
+
+def test_edge_cases_zero_nonfinite_and_huge_gradients():
+  g = {"a": jnp.array([[0.0, 0.0], [jnp.nan, 1.0], [jnp.inf, 0.0], [3e30, 4e30], [0.3, 0.4]]),
+       "b": jnp.array([0.0, 0.0, 0.0, 0.0, 0.0])}
+  out = pe.clip_per_example(g, 1.0)
+  a = np.asarray(out["a"])
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(np.asarray(out["b"])))
+  np.testing.assert_array_equal(a[0], [0.0, 0.0])                  # zero stays zero, no NaN
+  np.testing.assert_array_equal(a[1:3], 0.0)                       # non-finite → dropped (zero)
+  np.testing.assert_allclose(a[3], [0.6, 0.8], rtol=1e-5)          # ‖g‖² overflows float32
+  np.testing.assert_allclose(a[4], [0.3, 0.4], rtol=1e-6)          # below C: unchanged
+
+
+def test_clipped_grad_sum_is_the_masked_sum_of_clipped_grads():
+  params, batch = _mlp_params(jax.random.key(6)), _batch(jax.random.key(7))
+  mask = jnp.arange(12) % 3 != 0
+  fused = jax.jit(pe.clipped_grad_sum(_loss, clip_norm=0.5))(params, batch, mask)
+  rows = _flat_rows(pe.clip_per_example(pe.per_example_grads(_loss)(params, batch), 0.5))
+  expected = rows[np.asarray(mask)].sum(0)
+  np.testing.assert_allclose(np.asarray(ravel_pytree(fused)[0]), expected, atol=1e-5)
+
+
+def test_padded_rows_are_ignored_whatever_they_hold():
+  params, (X, y) = _mlp_params(jax.random.key(8)), _batch(jax.random.key(9))
+  fn = jax.jit(pe.clipped_grad_sum(_loss, clip_norm=1.0))
+  mask = jnp.arange(12) < 7
+  garbage = X.at[7:].set(jnp.nan)                                  # padded rows: NaN inputs
+  a = fn(params, (X, y), mask)
+  b = fn(params, (garbage, y), mask)
+  c = fn(params, (X[:7], y[:7]), jnp.ones(7, bool))
+  for u, w in [(a, b), (a, c)]:
+    np.testing.assert_allclose(np.asarray(ravel_pytree(u)[0]), np.asarray(ravel_pytree(w)[0]),
+                               atol=1e-6)
+
+
+def test_one_example_moves_the_sum_by_at_most_c():
+  # Add/remove-one sensitivity: removing any single example changes the sum by ≤ C.
+  params, batch = _mlp_params(jax.random.key(10)), _batch(jax.random.key(11))
+  fn = jax.jit(pe.clipped_grad_sum(_loss, clip_norm=0.7))
+  full = ravel_pytree(fn(params, batch, jnp.ones(12)))[0]
+  for i in range(12):
+    without = ravel_pytree(fn(params, batch, jnp.ones(12).at[i].set(0.0)))[0]
+    assert float(jnp.linalg.norm(full - without)) <= 0.7 * (1 + 1e-5)
+
+
+def test_pre_clipping_transform_clips_after_projecting():
+  params, batch = _mlp_params(jax.random.key(12)), _batch(jax.random.key(13))
+  p = ravel_pytree(params)[0].size
+  V = jnp.linalg.qr(jax.random.normal(jax.random.key(14), (p, 3)))[0]
+  project = lambda g: V.T @ ravel_pytree(g)[0]
+  fn = jax.jit(pe.clipped_grad_sum(_loss, clip_norm=0.1, pre_clipping_transform=project))
+  out = fn(params, batch, jnp.ones(12))
+  assert out.shape == (3,)
+  coords = _flat_rows(pe.per_example_grads(_loss)(params, batch)) @ np.asarray(V)
+  norms = np.linalg.norm(coords, axis=1, keepdims=True)
+  expected = (coords * np.minimum(1.0, 0.1 / norms)).sum(0)
+  np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: pe.clip_per_example({"a": jnp.ones((2, 2))}, 0.0), ValueError, "clip_norm"),
+    (lambda: pe.clip_per_example({"a": jnp.ones((2, 2))}, -1.0), ValueError, "clip_norm"),
+    (lambda: pe.clip_per_example({"a": jnp.ones((2, 2))}, float("inf")), ValueError,
+     "clip_norm"),
+    (lambda: pe.clip_per_example({"a": jnp.ones((2, 2)), "b": jnp.ones(3)}, 1.0), ValueError,
+     "leading batch axis"),
+    (lambda: pe.clipped_grad_sum(_loss, clip_norm=-0.1), ValueError, "clip_norm"),
+    (lambda: pe.clipped_grad_sum(_loss, clip_norm=1.0, pre_clipping_transform=3), TypeError,
+     "pre_clipping_transform"),
+    (lambda: pe.per_example_grads("loss"), TypeError, "loss_fn"),
+    (lambda: pe.global_norms({}), ValueError, "grads"),
+])
+def test_bad_inputs(call, exc, match):
+  with pytest.raises(exc, match=match):
+    call()

@@ -1,0 +1,111 @@
+"""Gradient-subspace sources: per-example gradient matrices, public and private (DPASE) bases."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from dpjax import data, metrics
+from dpjax.sgd import per_example, subspace_sources as ss
+
+# The private source runs the real DPASE (written alongside); skip only if that module is absent.
+approximate = pytest.importorskip("dpjax.subspace.approximate")
+
+
+def _loss(w, example):
+  x, y = example
+  return optax.sigmoid_binary_cross_entropy(x @ w, y)
+
+
+def _tree_loss(params, example):
+  x, y = example
+  return optax.sigmoid_binary_cross_entropy(x @ params["w"] + params["b"], y)
+
+
+def _logistic(n, d=20, k=3, seed=0):
+  X, B = data.exact_subspace_data(jax.random.key(seed), n, d, k)    # gradients lie in span(B)
+  y = (X @ B[:, 0] > 0).astype(jnp.float32)
+  return X, y, B
+
+
+def test_flat_per_example_grads_match_vmap_and_do_not_depend_on_chunking():
+  X, y, _ = _logistic(37)
+  params = {"w": jax.random.normal(jax.random.key(1), (20,)) * 0.1, "b": jnp.ones(())}
+  G = ss.flat_per_example_grads(_tree_loss, params, (X, y), chunk_size=8)
+  assert G.shape == (37, 21) and G.dtype == jnp.float32
+  batched = per_example.per_example_grads(_tree_loss)(params, (X, y))
+  expected = jax.vmap(lambda g: ravel_pytree(g)[0])(batched)
+  np.testing.assert_allclose(np.asarray(G), np.asarray(expected), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(ss.flat_per_example_grads(_tree_loss, params, (X, y))),
+                             np.asarray(G), rtol=1e-6, atol=1e-7)
+
+
+def test_public_subspace_captures_an_exactly_low_rank_gradient_space():
+  X, y, B = _logistic(100)
+  res = ss.public_gradient_subspace(_loss, jnp.zeros(20), (X, y), k=3)
+  assert bool(res.ok) and res.epsilon == 0.0 and res.delta == 0.0
+  assert res.neighbouring == "public_data" and res.info == {"num_public": 100}
+  assert res.basis.shape == (20, 3)
+  np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(3), atol=1e-4)
+  assert float(metrics.projection_distance(res.basis, B)) < 1e-3
+
+
+def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_remove():
+  X, y, B = _logistic(8_000)
+  res = ss.private_gradient_subspace(jax.random.key(5), _loss, jnp.zeros(20), (X, y), k=3,
+                                     epsilon=1.0, delta=1e-6, gamma=1e-6)
+  assert res.neighbouring == "add_remove" and res.info["partition"] == "random_labels"
+  assert (res.epsilon, res.delta) == (1.0, 1e-6)
+  assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
+
+
+def test_private_subspace_is_bottom_on_isotropic_gradients_and_still_pays():
+  X = jax.random.normal(jax.random.key(6), (3_000, 30))
+  y = (X[:, 0] > 0).astype(jnp.float32)
+  res = ss.private_gradient_subspace(jax.random.key(7), _loss, jnp.zeros(30), (X, y), k=2,
+                                     epsilon=0.5, delta=1e-6, gamma=1e-3)
+  assert not bool(res.ok) and (res.epsilon, res.delta) == (0.5, 1e-6)
+  assert float(jnp.abs(res.basis).max()) == 0.0            # ⊥ carries no information
+
+
+def test_private_subspace_survives_non_finite_gradients_and_clips_rows():
+  X, y, B = _logistic(8_000)
+  X = X.at[:3].set(jnp.inf)                                   # a few poisoned rows
+  res = ss.private_gradient_subspace(jax.random.key(8), _loss, jnp.zeros(20), (X, y), k=3,
+                                     epsilon=1.0, delta=1e-6, gamma=1e-6, clip_norm=0.5)
+  assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
+  G = ss._sanitise_rows(jnp.array([[3.0, 4.0], [jnp.nan, 1.0], [0.3, 0.4]]), 1.0)
+  np.testing.assert_allclose(np.asarray(G), [[0.6, 0.8], [0.0, 0.0], [0.3, 0.4]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda X, y: ss.public_gradient_subspace(_loss, jnp.zeros(20), (X, y), k=21), ValueError,
+     "k"),
+    (lambda X, y: ss.public_gradient_subspace(_loss, jnp.zeros(20), (X[:2], y[:2]), k=3),
+     ValueError, "public_data"),
+    (lambda X, y: ss.public_gradient_subspace(_loss, jnp.zeros(20), (X, y), k=1.5), TypeError,
+     "k"),
+    (lambda X, y: ss.private_gradient_subspace(jax.random.key(0), _loss, jnp.zeros(20), (X, y),
+                                               k=0, epsilon=1.0, delta=1e-6, gamma=0.1),
+     ValueError, "k"),
+    (lambda X, y: ss.private_gradient_subspace(jax.random.key(0), _loss, jnp.zeros(20), (X, y),
+                                               k=2, epsilon=1.0, delta=1e-6, gamma=0.1,
+                                               partition="permutation"), ValueError,
+     "random_labels"),
+    (lambda X, y: ss.private_gradient_subspace(jax.random.key(0), _loss, jnp.zeros(20), (X, y),
+                                               k=2, epsilon=1.0, delta=1e-6, gamma=0.1,
+                                               clip_norm=0.0), ValueError, "clip_norm"),
+    (lambda X, y: ss.private_gradient_subspace(0, _loss, jnp.zeros(20), (X, y), k=2,
+                                               epsilon=1.0, delta=1e-6, gamma=0.1), TypeError,
+     "key"),
+    (lambda X, y: ss.flat_per_example_grads(_loss, jnp.zeros(20), (X, y[:5])), ValueError,
+     "leading"),
+    (lambda X, y: ss.flat_per_example_grads(_loss, jnp.zeros(20), (X, y), chunk_size=0),
+     ValueError, "chunk_size"),
+])
+def test_bad_inputs(call, exc, match):
+  X, y, _ = _logistic(50)
+  with pytest.raises(exc, match=match):
+    call(X, y)

@@ -1,0 +1,161 @@
+"""optax noise transformations: DP-SGD and subspace DP-SGD (ALGORITHMS.md §6.1, §6.2)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+from scipy import stats
+
+from dpjax.sgd import per_example, transforms
+
+
+def _basis(key, p, k):
+  return jnp.linalg.qr(jax.random.normal(key, (p, k)))[0]
+
+
+def _noise_over_keys(tx, updates, trials, seed):
+  """One update per fresh state key (vmapped): samples of the output distribution."""
+  keys = jax.random.split(jax.random.key(seed), trials)
+  return jax.vmap(lambda k: ravel_pytree(tx.update(updates, transforms.DPNoiseState(k))[0])[0]
+                  )(keys)
+
+
+def _chi2_ok(total, dof, level=1e-4):
+  return stats.chi2.sf(total, dof) > level and stats.chi2.cdf(total, dof) > level
+
+
+def test_no_noise_gives_exactly_the_sum_over_expected_batch_size():
+  summed = {"a": jnp.arange(3.0) * 8.0, "b": {"c": jnp.ones((2, 2)) * 3.0}}
+  tx = transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=0.0,
+                                    expected_batch_size=4.0, key=jax.random.key(0))
+  out, state = tx.update(summed, tx.init(summed))
+  jax.tree_util.tree_map(lambda o, s: np.testing.assert_array_equal(o, s / 4.0), out, summed)
+  assert isinstance(state, transforms.DPNoiseState)
+
+
+def test_noise_std_over_keys_is_sigma_c_over_l():
+  sigma, C, L, trials = 1.5, 2.0, 10.0, 4_000
+  zeros = {"w": jnp.zeros((2, 2)), "b": jnp.zeros(1)}
+  tx = transforms.dp_gaussian_noise(clip_norm=C, noise_multiplier=sigma, expected_batch_size=L,
+                                    key=jax.random.key(1))
+  samples = np.asarray(_noise_over_keys(tx, zeros, trials, seed=2), np.float64)  # (trials, 5)
+  std = sigma * C / L
+  assert np.all(np.abs(samples.mean(0)) < 5 * std / np.sqrt(trials))
+  for j in range(samples.shape[1]):          # (n−1) s²/σ² ~ χ²(n−1) for every coordinate
+    assert _chi2_ok((trials - 1) * samples[:, j].var(ddof=1) / std**2, trials - 1)
+  assert np.abs(np.corrcoef(samples.T) - np.eye(5)).max() < 0.1    # independent coordinates
+
+
+def test_the_key_is_split_every_step_never_reused():
+  zeros = jnp.zeros(1_000)
+  tx = transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0,
+                                    key=jax.random.key(3))
+  s0 = tx.init(zeros)
+  out1, s1 = tx.update(zeros, s0)
+  out2, s2 = tx.update(zeros, s1)
+  assert not jnp.array_equal(jax.random.key_data(s0.key), jax.random.key_data(s1.key))
+  assert abs(float(jnp.corrcoef(out1, out2)[0, 1])) < 0.15
+  again, _ = tx.update(zeros, s0)
+  assert jnp.array_equal(out1, again)                     # deterministic given the state
+
+
+def test_subspace_output_lies_in_span_and_has_k_dims_of_noise_energy():
+  p, k, L, sigma, C, trials = 60, 4, 5.0, 2.0, 0.5, 2_000
+  V = _basis(jax.random.key(4), p, k)
+  params = {"w": jnp.zeros((6, 8)), "b": jnp.zeros(12)}
+  tx = transforms.subspace_dp_gaussian_noise(V, clip_norm=C, noise_multiplier=sigma,
+                                             expected_batch_size=L, key=jax.random.key(5))
+  tx.init(params)
+  out = np.asarray(_noise_over_keys(tx, params, trials, seed=6), np.float64)   # (trials, p)
+  Vn = np.asarray(V, np.float64)
+  residual = out - out @ Vn @ Vn.T
+  assert np.abs(residual).max() < 1e-5                     # (I − VVᵀ) out ≈ 0
+  energy = np.sum(out**2, axis=1) * L**2 / (sigma * C) ** 2  # ~ χ²(k) each, NOT χ²(p)
+  assert _chi2_ok(energy.sum(), k * trials)
+  assert energy.mean() < 2 * k < p
+
+
+def test_subspace_transform_projects_the_signal():
+  V = jnp.eye(6)[:, :2]
+  tx = transforms.subspace_dp_gaussian_noise(V, clip_norm=1.0, noise_multiplier=0.0,
+                                             expected_batch_size=2.0, key=jax.random.key(0))
+  g = {"x": jnp.arange(1.0, 5.0), "y": jnp.array([5.0, 6.0])}
+  out, _ = tx.update(g, tx.init(g))
+  np.testing.assert_allclose(np.asarray(ravel_pytree(out)[0]), [0.5, 1.0, 0, 0, 0, 0])
+
+
+def test_dp_aggregate_divides_by_expected_not_realised_batch_size():
+  grads = {"w": jnp.arange(16 * 3, dtype=jnp.float32).reshape(16, 3) / 40.0}
+  mask = jnp.arange(16) < 3                                # realised batch: 3 examples
+  tx = transforms.dp_aggregate(clip_norm=0.3, noise_multiplier=0.0, expected_batch_size=8.0,
+                               key=jax.random.key(0))
+  out, _ = tx.update(grads, tx.init({"w": jnp.zeros(3)}), mask=mask)
+  clipped = per_example.clip_per_example(grads, 0.3)["w"][:3].sum(0)
+  np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(clipped) / 8.0, rtol=1e-6)
+  assert not np.allclose(np.asarray(out["w"]), np.asarray(clipped) / 3.0)
+
+
+def test_dp_aggregate_with_a_basis_and_inside_jit_and_chain():
+  p = 3
+  V = _basis(jax.random.key(7), p, 1)
+  grads = {"w": jax.random.normal(jax.random.key(8), (10, p))}
+  agg = transforms.dp_aggregate(clip_norm=1.0, noise_multiplier=0.0, expected_batch_size=5.0,
+                                key=jax.random.key(0), basis=V)
+  params = {"w": jnp.zeros(p)}
+  out, _ = jax.jit(lambda g, s: agg.update(g, s))(grads, agg.init(params))
+  summed = per_example.clip_per_example(grads, 1.0)["w"].sum(0)
+  np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(V @ (V.T @ summed) / 5.0),
+                             rtol=1e-5, atol=1e-6)
+  tx = optax.chain(transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.0,
+                                                expected_batch_size=5.0, key=jax.random.key(9)),
+                   optax.sgd(0.1))
+  step = jax.jit(lambda s, st: tx.update(s, st, params))
+  (u1, st1), (u2, _) = step(params, tx.init(params)), step(params, tx.init(params))
+  assert jnp.array_equal(u1["w"], u2["w"])
+  assert not jnp.array_equal(step(params, st1)[0]["w"], u1["w"])
+
+
+_K = jax.random.key(0)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: transforms.dp_gaussian_noise(clip_norm=0.0, noise_multiplier=1.0,
+                                          expected_batch_size=1.0, key=_K), ValueError,
+     "clip_norm"),
+    (lambda: transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=-1.0,
+                                          expected_batch_size=1.0, key=_K), ValueError,
+     "noise_multiplier"),
+    (lambda: transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.0,
+                                          expected_batch_size=0.0, key=_K), ValueError,
+     "expected_batch_size"),
+    (lambda: transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.0,
+                                          expected_batch_size=1.0, key=3), TypeError, "key"),
+    (lambda: transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.0,
+                                          expected_batch_size=1.0,
+                                          key=jnp.zeros(2, jnp.float32)), TypeError, "key"),
+    (lambda: transforms.subspace_dp_gaussian_noise(jnp.ones((5, 2)), clip_norm=1.0,
+                                                   noise_multiplier=1.0, expected_batch_size=1.0,
+                                                   key=_K), ValueError, "orthonormal"),
+    (lambda: transforms.subspace_dp_gaussian_noise(jnp.eye(3)[:, 0], clip_norm=1.0,
+                                                   noise_multiplier=1.0, expected_batch_size=1.0,
+                                                   key=_K), ValueError, "basis"),
+    (lambda: transforms.subspace_dp_gaussian_noise(jnp.ones((2, 3)) / 2, clip_norm=1.0,
+                                                   noise_multiplier=1.0, expected_batch_size=1.0,
+                                                   key=_K), ValueError, "1 <= k <= p"),
+    (lambda: transforms.subspace_dp_gaussian_noise(jnp.eye(3, dtype=jnp.int32), clip_norm=1.0,
+                                                   noise_multiplier=1.0, expected_batch_size=1.0,
+                                                   key=_K), TypeError, "basis"),
+    (lambda: transforms.subspace_dp_gaussian_noise(jnp.eye(3), clip_norm=1.0,
+                                                   noise_multiplier=1.0, expected_batch_size=1.0,
+                                                   key=_K).init(jnp.zeros(4)), ValueError,
+     "basis"),
+    (lambda: transforms.dp_aggregate(clip_norm=1.0, noise_multiplier=1.0,
+                                     expected_batch_size=1.0, key=_K).update(
+                                         jnp.ones((4, 2)), transforms.DPNoiseState(_K),
+                                         mask=jnp.ones(3)), ValueError, "mask"),
+])
+def test_bad_inputs(call, exc, match):
+  with pytest.raises(exc, match=match):
+    call()
