@@ -195,8 +195,8 @@ def _bracket(eps_at, target: float, start: float, factor: float) -> tuple[float,
   while eps_at(high) > target:
     if high >= _SIGMA_CEILING:
       raise ValueError(f"no noise_multiplier <= {_SIGMA_CEILING:g} reaches "
-                       f"target_epsilon={target}; lower the number of steps or the sampling probability, or "
-                       "raise the budget.")
+                       f"target_epsilon={target}; lower the number of steps or the sampling "
+                       "probability, or raise the budget.")
     high = min(high * factor, _SIGMA_CEILING)
   if high <= _SIGMA_FLOOR:
     return _SIGMA_FLOOR, _SIGMA_FLOOR

@@ -1,4 +1,4 @@
-"""Accounting equals dp_accounting's own figures; calibration is tight; budgets compose as stated."""
+"""Accounting equals dp_accounting's own figures; calibration is tight; budgets add up."""
 
 import math
 

@@ -27,3 +27,12 @@ def test_quickstart_notebook_runs():
   code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
   ns = _run(code, "quickstart.ipynb")
   assert ns["out"].subspace_ok is True and ns["out"].history[-1]["accuracy"] > 0.9
+
+
+def test_private_subspaces_notebook_runs_reduced(monkeypatch):
+  monkeypatch.setenv("DPJAX_NOTEBOOK_QUICK", "1")
+  nb = json.loads((ROOT / "notebooks" / "private_subspaces.ipynb").read_text())
+  code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+  ns = _run(code, "private_subspaces.ipynb")
+  assert bool(ns["res"].ok)                                  # DPASEB answered
+  assert all(r[1] < 0.1 for r in ns["rows"])                 # DPASE accurate at every d

@@ -14,32 +14,70 @@ import jax.numpy as jnp
 
 from dpjax import _validation as v
 from dpjax.mechanisms import exact as exact_lib
+from dpjax.mechanisms.laplace import check_shape
+
+# The exact sampler needs num = ⌈scale·2^10⌉ ≤ 2^25 (its uint32 arithmetic); the geometric one
+# keeps |Z| < 2^31 except with probability e^{−2^11}.
+MAX_EXACT_SCALE = 2.0**15
+MAX_FAST_SCALE = 2.0**20
+
+
+def effective_scale(scale: float) -> float:
+  """The scale the exact sampler really uses: ``scale`` rounded UP to a multiple of 2^-10.
+
+  Rounding up only adds noise, so an ε-DP calibration stays ε-DP; tail probabilities (e.g. a
+  histogram threshold) must be computed at this scale (:func:`discrete_laplace_tail` of it).
+  """
+  num, den = exact_lib.rational_scale(scale)
+  return num / den
 
 
 def discrete_laplace(key: jax.Array, shape=(), *, scale: float, exact: bool = True) -> jax.Array:
-  """Samples the discrete Laplace distribution ``P(Z = z) = (1−p)/(1+p) · p^{|z|}``, ``p = e^{−1/scale}``.
+  """Samples ``DLap(σ)``: ``P(Z = z) = (1−p)/(1+p) · p^{|z|}`` on ℤ, ``p = e^{−1/σ}``.
 
-  ``exact=True`` (default): Canonne–Kamath–Steinke's sampler with integer arithmetic only
-  (:mod:`dpjax.mechanisms.exact`), at the scale rounded UP to a multiple of 2^-10 (never less
-  noise). ``exact=False``: the difference of two geometric variables drawn with floating-point
-  logarithms (Inusah & Kozubowski 2006) — faster, but its probabilities are only approximately
-  right. Mean 0, variance ``2p/(1−p)²``.
+  Mean 0, variance ``2p/(1−p)²``. ``exact=True`` (default): the Canonne–Kamath–Steinke sampler
+  with integer arithmetic only (:mod:`dpjax.mechanisms.exact`), at ``σ`` rounded UP to a
+  multiple of 2^-10 (:func:`effective_scale`; never less noise). ``exact=False``: the difference
+  ``G₁ − G₂`` of two geometric variables on {0, 1, …} with ``P(G = g) = (1−p)p^g``, drawn by
+  inverse CDF with floating-point logarithms (``G = ⌊−σ ln U⌋``) — faster, exactly at ``σ``, but
+  its probabilities are only approximately right (float rounding; tail cut near ``17σ`` in
+  float32).
+
+  A sampler; the ε-DP guarantee comes from :func:`discrete_laplace_mechanism`.
 
   Args:
-    key: PRNG key.
-    shape: output shape.
-    scale: ``σ > 0``; the mechanism for an integer statistic of ℓ1-sensitivity Δ uses
-      ``scale = Δ/ε``.
+    key: JAX PRNG key.
+    shape: output shape, a tuple of non-negative ints.
+    scale: ``σ > 0``; an integer statistic of ℓ1-sensitivity Δ uses ``σ = Δ/ε``. At most
+      ``2^15`` for the exact sampler and ``2^20`` for the fast one (tiny scales are fine:
+      ``p`` underflows to 0 and every draw is 0).
+    exact: exact integer sampler (default) or the floating-point geometric difference.
 
   Returns:
     int32 array of ``shape``.
 
+  Raises:
+    TypeError: non-key ``key`` or bad ``shape``.
+    ValueError: ``scale`` not finite and > 0, or above the sampler's limit.
+
   References:
-    ALGORITHMS.md §1.4; He, Vershynin & Zhu, Def. 2.4.
+    ALGORITHMS.md §1.4; Inusah & Kozubowski (2006); Canonne, Kamath & Steinke, "The discrete
+    Gaussian for differential privacy", NeurIPS 2020, Algorithms 1–2; He, Vershynin & Zhu,
+    Def. 2.4.
   """
   v.check_key(key)
+  shape = check_shape(shape)
+  scale = _check_scale(scale, exact)
+  return _discrete_laplace(key, shape, scale, exact)
+
+
+def _check_scale(scale, exact: bool) -> float:
   scale = v.check_positive(scale, "scale")
-  return _discrete_laplace(key, tuple(shape), scale, exact)
+  limit = MAX_EXACT_SCALE if exact else MAX_FAST_SCALE
+  if scale > limit:
+    raise ValueError(f"scale must be a finite number in (0, {limit:g}] for "
+                     f"exact={exact}, got scale={scale!r}.")
+  return scale
 
 
 def _discrete_laplace(key, shape, scale: float, exact: bool = True):
@@ -47,33 +85,41 @@ def _discrete_laplace(key, shape, scale: float, exact: bool = True):
   if exact:
     num, den = exact_lib.rational_scale(scale)
     return exact_lib.exact_discrete_laplace(key, shape, num, den)
-  p_stop = -jnp.expm1(-1.0 / jnp.asarray(scale, jnp.float32))   # 1 − p, no cancellation
+  # G = ⌊−σ ln U⌋, U ∈ (0, 1], is geometric on {0, 1, …}: P(G ≥ g) = P(U ≤ p^g) = p^g. (The
+  # same law as jax.random.geometric(key, 1 − p) − 1, without its NaN at p → 0.)
+  dtype = jnp.result_type(float)
   k1, k2 = jax.random.split(key)
-  g1 = jax.random.geometric(k1, p_stop, shape, dtype=jnp.int32)   # counts trials: ≥ 1
-  g2 = jax.random.geometric(k2, p_stop, shape, dtype=jnp.int32)
+  u1 = 1.0 - jax.random.uniform(k1, shape, dtype)             # (0, 1]
+  u2 = 1.0 - jax.random.uniform(k2, shape, dtype)
+  g1 = jnp.floor(-scale * jnp.log(u1)).astype(jnp.int32)
+  g2 = jnp.floor(-scale * jnp.log(u2)).astype(jnp.int32)
   return (g1 - g2).astype(jnp.int32)
 
 
 def discrete_laplace_mechanism(key: jax.Array, value, *, sensitivity: int,
                                epsilon: float) -> jax.Array:
-  """Releases an integer statistic with discrete Laplace noise of scale ``Δ/ε``.
+  """Releases an integer statistic plus ``DLap(Δ/ε)`` noise (exact sampler), per coordinate.
 
-  Guarantee: ε-DP for any neighbouring relation under which the integer statistic ``value`` has
-  ℓ1-sensitivity ``sensitivity`` — neighbouring probabilities differ by a factor ``p^{−|Δz|}``
-  and ``Σ|Δz| ≤ Δ`` (ALGORITHMS.md §1.4). The noise is sampled exactly (integer arithmetic).
+  Guarantee: ε-DP under any neighbouring relation for which the integer statistic ``value`` has
+  ℓ1-sensitivity ``sensitivity``: the probabilities of an output under neighbours differ by a
+  factor ``p^{−Σ|Δz|} ≤ p^{−Δ} ≤ e^ε`` (ALGORITHMS.md §1.4; the scale is rounded up, which only
+  lowers the factor). The output is an integer, so no floating-point side channel (§1.10).
 
   Args:
-    key: PRNG key.
-    value: integer array (any shape).
-    sensitivity: ℓ1-sensitivity Δ (integer ≥ 1).
-    epsilon: ε > 0.
+    key: JAX PRNG key.
+    value: integer array of any shape (cast to int32).
+    sensitivity: ℓ1-sensitivity Δ, an integer ≥ 1.
+    epsilon: ``ε > 0`` with ``Δ/ε ≤ 2^15``.
 
   Returns:
-    int32 array like ``value``.
+    int32 array shaped like ``value``.
 
   Raises:
-    TypeError: ``value`` is not an integer array, or ``key`` is not a key.
-    ValueError: ε ≤ 0 or Δ < 1.
+    TypeError: ``value`` is not an integer array, ``key`` not a key, ``sensitivity`` not an int.
+    ValueError: ε not finite and > 0, Δ < 1, or ``Δ/ε`` above the sampler's limit.
+
+  References:
+    ALGORITHMS.md §1.4; [CKS20].
   """
   v.check_key(key)
   epsilon = v.check_epsilon(epsilon)
@@ -81,12 +127,32 @@ def discrete_laplace_mechanism(key: jax.Array, value, *, sensitivity: int,
   value = jnp.asarray(value)
   if not jnp.issubdtype(value.dtype, jnp.integer):
     raise TypeError(f"value must be an integer array, got dtype={value.dtype}.")
-  return value.astype(jnp.int32) + _discrete_laplace(key, value.shape, sensitivity / epsilon)
+  scale = sensitivity / epsilon
+  if scale > MAX_EXACT_SCALE:
+    raise ValueError(f"epsilon must be at least sensitivity/{MAX_EXACT_SCALE:g} = "
+                     f"{sensitivity / MAX_EXACT_SCALE:g}, got epsilon={epsilon!r}.")
+  return value.astype(jnp.int32) + _discrete_laplace(key, value.shape, scale)
 
 
 def discrete_laplace_tail(z: int, scale: float) -> float:
-  """``P[Z ≥ z] = p^z / (1 + p)`` for integer ``z ≥ 1`` (host, float64)."""
+  """``P[Z ≥ z] = p^z/(1 + p)`` for ``Z ~ DLap(scale)``, ``p = e^{−1/scale}``, integer z ≥ 1.
+
+  Host, float64. (For the exact sampler pass :func:`effective_scale` of the nominal scale.)
+
+  Args:
+    z: integer ≥ 1.
+    scale: ``σ > 0``.
+
+  Returns:
+    The tail probability as a Python float.
+
+  Raises:
+    TypeError: ``z`` not an integer. ValueError: z < 1, bad ``scale``.
+
+  References:
+    ALGORITHMS.md §1.4.
+  """
   z = v.check_int(z, "z", low=1)
   scale = v.check_positive(scale, "scale")
-  p = math.exp(-1.0 / scale)
-  return p**z / (1.0 + p)
+  log_p = -1.0 / scale
+  return math.exp(z * log_p) / (1.0 + math.exp(log_p))

@@ -10,28 +10,46 @@ from dpjax import _validation as v
 
 def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon: float,
                           monotone: bool = False) -> jax.Array:
-  """Samples index y with probability ``∝ exp(ε u(y) / (2Δu))`` by Gumbel-max (exact).
+  """Samples index y with probability ``∝ exp(ε u(y)/(2Δu))`` by Gumbel-max (exact in law).
 
-  Guarantee: ε-DP under the caller's neighbouring relation when each score has sensitivity
-  ``Δu``; with ``monotone=True`` (all scores move in the same direction between neighbours) the
-  factor 2 is dropped [McSherry–Talwar 2007].
+  ``argmax_y (ε u(y)/(2Δu) + G_y)`` with ``G_y ~ Gumbel(0, 1)`` i.i.d. has exactly the softmax
+  law; the scores are shifted by their maximum first (which changes nothing in law) so large
+  scores keep their float precision.
+
+  Guarantee: ε-DP under the caller's neighbouring relation when each candidate's score has
+  sensitivity ``Δu`` under it (the normaliser moves by at most ``e^{ε/2}`` and the numerator by
+  at most ``e^{ε/2}``). With ``monotone=True`` (on every neighbouring pair all scores move in the
+  same direction) the factor 2 is dropped [McSherry–Talwar 2007]. The candidate list must be
+  data-independent (fixed order; the index is the output).
 
   Args:
-    key: PRNG key.
-    scores: ``(C,)`` finite real scores of the candidates (data-independent candidate order).
-    sensitivity: Δu > 0.
-    epsilon: ε > 0.
+    key: JAX PRNG key.
+    scores: ``(C,)`` finite real (or integer) scores, C ≥ 1.
+    sensitivity: ``Δu > 0``.
+    epsilon: ``ε > 0``.
     monotone: see above.
 
   Returns:
-    int32 scalar index.
+    int32 scalar index in ``[0, C)``.
+
+  Raises:
+    TypeError: non-key ``key``, non-numeric or bool ``scores``.
+    ValueError: ``scores`` not of shape (C,), C ≥ 1; NaN/inf scores; bad ε or Δu.
+
+  References:
+    ALGORITHMS.md §1.7; McSherry & Talwar, "Mechanism design via differential privacy",
+    FOCS 2007.
   """
   v.check_key(key)
   epsilon = v.check_epsilon(epsilon)
   sensitivity = v.check_positive(sensitivity, "sensitivity")
   scores = jnp.asarray(scores)
+  if scores.dtype == jnp.bool_ or not (jnp.issubdtype(scores.dtype, jnp.integer)
+                                      or jnp.issubdtype(scores.dtype, jnp.floating)):
+    raise TypeError(f"scores must be real or integer, got dtype={scores.dtype}.")
   if scores.ndim != 1 or scores.shape[0] == 0:
-    raise ValueError(f"scores must have shape (C,) with C >= 1, got {tuple(scores.shape)}.")
+    raise ValueError(f"scores must have shape (C,) with C >= 1, got shape "
+                     f"{tuple(scores.shape)}.")
   if not bool(jnp.all(jnp.isfinite(scores))):
     raise ValueError("scores contain NaN or infinite entries.")
   factor = epsilon / (sensitivity if monotone else 2.0 * sensitivity)
@@ -40,4 +58,7 @@ def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon
 
 @jax.jit
 def _gumbel_max(key, scores, factor):
-  return jnp.argmax(factor * scores + jax.random.gumbel(key, scores.shape)).astype(jnp.int32)
+  """Jitted core: ``argmax(factor·(scores − max) + Gumbel)`` as int32."""
+  logits = factor * (scores - jnp.max(scores))
+  gumbel = jax.random.gumbel(key, scores.shape, scores.dtype)
+  return jnp.argmax(logits + gumbel).astype(jnp.int32)

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from dpjax import _validation as v
 from dpjax.mechanisms import discrete
@@ -22,22 +24,24 @@ NEIGHBOURING = ("replace_one", "add_remove")
 NOISES = ("discrete", "laplace")
 GROUPINGS = ("auto", "pairwise", "hash")
 _PAIRWISE_LIMIT = 50_000_000          # t·t·D booleans above which "auto" hashes instead
+_CHUNK_ELEMENTS = 1 << 22             # (t, chunk) words per step of the O(tD) passes
 
 
 class StableHistogram(NamedTuple):
-  """The released part of a stability-based histogram (a pytree; length-t static arrays).
+  """The released part of a stability-based histogram (a pytree of length-t static arrays).
 
-  Rows are ordered: released bins first, by decreasing noisy count, ties broken by fresh
-  randomness (never by the position of an item in the input). Rows that are not released hold a
-  fixed placeholder (bin 0, count 0) and carry no information; only ``(bins[i], noisy_counts[i])``
-  with ``released[i]`` are DP releases.
+  Only the pairs ``(bins[i], noisy_counts[i])`` with ``released[i]`` carry information (they are
+  the DP release); the other rows hold a fixed placeholder (bin all zeros, count 0). Rows are
+  ordered: released bins first, by decreasing noisy count, ties broken by fresh randomness (never
+  by the position of an item in the input, which the privacy proof does not cover).
 
   Attributes:
     bins: ``(t, D)`` int32 bin keys.
-    noisy_counts: ``(t,)`` noisy counts (int32 for discrete noise, float for Laplace).
+    noisy_counts: ``(t,)`` noisy counts (int32 for discrete noise, JAX's default float for
+      Laplace noise).
     released: ``(t,)`` bool.
-    threshold: the public release threshold τ (release iff noisy count ≥ τ for discrete noise,
-      > τ for Laplace noise).
+    threshold: the public release threshold τ, a Python float (release iff noisy count ≥ τ for
+      discrete noise, > τ for Laplace noise).
   """
   bins: jax.Array
   noisy_counts: jax.Array
@@ -45,9 +49,20 @@ class StableHistogram(NamedTuple):
   threshold: float
 
 
-def _sensitivity(neighbouring: str) -> float:
+def _sensitivity(neighbouring: str) -> int:
   # Replace-one moves one item between two bins (ℓ1 change 2); add/remove changes one bin by 1.
-  return 2.0 if neighbouring == "replace_one" else 1.0
+  return 2 if neighbouring == "replace_one" else 1
+
+
+def _noise_scale(epsilon: float, neighbouring: str, noise: str) -> float:
+  """The scale the sampler really uses (discrete: rounded up, :func:`discrete.effective_scale`)."""
+  scale = _sensitivity(neighbouring) / epsilon
+  if noise == "discrete":
+    if scale > discrete.MAX_EXACT_SCALE:
+      raise ValueError(f"epsilon must be at least {_sensitivity(neighbouring)}/"
+                       f"{discrete.MAX_EXACT_SCALE:g} for discrete noise, got epsilon={epsilon!r}.")
+    scale = discrete.effective_scale(scale)
+  return scale
 
 
 def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "replace_one",
@@ -56,26 +71,44 @@ def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "re
 
   With Δ = 2 (replace-one) or 1 (add/remove-one):
 
-  * Laplace noise ``Lap(Δ/ε)``, release iff ``c + Z > τ``: ``τ = 1 + (Δ/ε) ln(1/(2δ))``, so a
-    singleton bin passes with probability ``½ e^{−(τ−1)ε/Δ} = δ``.
-  * Discrete Laplace noise ``DLap(Δ/ε)`` (``p = e^{−ε/Δ}``; sampled exactly, at the scale rounded
-    up to a multiple of 2^-10, which only lowers the release probability), release iff
-    ``c + Z ≥ τ``:
-    ``τ = 1 + ⌈(Δ/ε) ln(1/(δ(1 + p)))⌉``, so a singleton passes with probability
-    ``p^{τ−1}/(1 + p) ≤ δ``.
+  * Laplace noise ``Lap(Δ/ε)``, release iff ``c + Z > τ``:
+    ``τ = 1 + (Δ/ε) ln(1/(2δ))``, so a singleton bin passes with probability
+    ``½ e^{−(τ−1)ε/Δ} = δ`` exactly (τ is not taken below 1: for δ ≥ ½ it passes w.p. ½ ≤ δ).
+  * Discrete Laplace noise ``DLap(σ)``, ``p = e^{−1/σ}``, release iff ``c + Z ≥ τ``:
+    ``τ = 1 + ⌈σ ln(1/(δ(1 + p)))⌉``, so a singleton passes with probability
+    ``P[Z ≥ τ − 1] = p^{τ−1}/(1 + p) ≤ δ``. Here ``σ`` is the scale the exact sampler uses:
+    ``Δ/ε`` rounded up to a multiple of 2^-10 (:func:`dpjax.mechanisms.discrete.effective_scale`;
+    equal to ``Δ/ε`` for ε = 1, 0.5, 0.25, …). Computing τ at the rounded scale matters: more
+    noise raises a singleton's pass probability.
+
+  Args:
+    epsilon: ``ε > 0``.
+    delta: ``δ ∈ (0, 1)``.
+    neighbouring: ``"replace_one"`` (default) or ``"add_remove"``.
+    noise: ``"discrete"`` (default) or ``"laplace"``.
+
+  Returns:
+    τ as a Python float (an integer value for discrete noise).
 
   Raises:
-    ValueError: ε ≤ 0, δ ∉ (0, 1), or an unknown ``neighbouring`` / ``noise``.
+    ValueError: ε not finite and > 0, δ ∉ (0, 1), unknown ``neighbouring`` / ``noise``, or
+      discrete noise with ``Δ/ε > 2^15``.
+
+  References:
+    ALGORITHMS.md §1.5 (threshold re-derived there), §1.4 (discrete Laplace tail).
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
   v.check_choice(neighbouring, "neighbouring", NEIGHBOURING)
   v.check_choice(noise, "noise", NOISES)
-  scale = _sensitivity(neighbouring) / epsilon
+  scale = _noise_scale(epsilon, neighbouring, noise)
   if noise == "laplace":
-    return 1.0 + scale * math.log(1.0 / (2.0 * delta))
+    return 1.0 + scale * max(0.0, math.log(1.0 / (2.0 * delta)))
   p = math.exp(-1.0 / scale)
-  return 1.0 + math.ceil(scale * math.log(1.0 / (delta * (1.0 + p))))
+  steps = max(0, math.ceil(scale * math.log(1.0 / (delta * (1.0 + p)))))
+  while steps >= 1 and discrete.discrete_laplace_tail(steps, scale) > delta:   # float guard
+    steps += 1
+  return float(1 + steps)
 
 
 def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
@@ -83,92 +116,180 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
                      grouping: str = "auto") -> StableHistogram:
   """Releases the popular bins of ``items`` with the stability-based histogram.
 
-  Guarantee: (ε, δ)-DP under ``neighbouring``: "replace_one" (one item replaced: two bin counts
-  change by 1, noise scale 2/ε) or "add_remove" (one item added or removed, scale 1/ε). On bins
-  non-empty in both datasets the noisy counts are ε-DP (Laplace / discrete Laplace with
-  sensitivity Δ); a bin non-empty in only one holds exactly one item and is released with
-  probability ≤ δ (:func:`histogram_threshold`); thresholding and ordering by noisy count are
-  post-processing (ALGORITHMS.md §1.5).
+  Counts ``c_b`` of every non-empty bin (distinct row of ``items``) get ONE noise draw each
+  (never one per item), and a bin is released iff its noisy count clears
+  :func:`histogram_threshold`.
 
-  Exactly one noise value is drawn per distinct bin (never per item). Equal rows are grouped under
-  ``jit`` with static shapes: ``"pairwise"`` compares all pairs (``t·t·D`` booleans);
-  ``"hash"`` compares two random 32-bit linear hashes per row, then verifies each row against its
-  group's first row exactly (``O(tD)``; a row whose hash collides with a different row becomes its
-  own group, which happens with probability about ``t²·2^{−64}``); ``"auto"`` picks pairwise when
-  ``t·t·D ≤ 5·10⁷``.
+  Guarantee: (ε, δ)-DP under ``neighbouring``:
+
+  * ``"replace_one"``: one item replaced, the others fixed (t public). Two bin counts change by
+    1 (ℓ1 change 2): noise scale 2/ε.
+  * ``"add_remove"``: one item added or removed. One count changes by 1: scale 1/ε.
+
+  On bins non-empty in both datasets the noisy counts are ε-DP (Laplace / discrete Laplace with
+  sensitivity Δ); a bin non-empty in only one holds exactly one item and is released with
+  probability ≤ δ; thresholding and ordering by noisy count (ties by fresh randomness) are
+  post-processing (ALGORITHMS.md §1.5). Only the released ``(bin, noisy count)`` pairs carry
+  information; see :class:`StableHistogram`.
+
+  Grouping of equal rows under ``jit`` with static shapes: ``"pairwise"`` compares all pairs of
+  rows (``t·t·D`` booleans, in chunks over D when that exceeds 5·10⁷); ``"hash"`` compares two
+  independent random 32-bit hashes per row (``t·t`` pairs), then verifies each row against its
+  group's first row exactly (``O(tD)``). A row whose hash pair collides with that of a different
+  row becomes its own group; each hash is ``Σ_j a_j·mix(x_j ⊕ b_j) mod 2^32`` with random
+  ``a, b`` drawn from ``key`` and a fixed bijective 32-bit mixer, so a collision has probability
+  about ``t²·2^{−64}``. ``"auto"`` picks pairwise when ``t·t·D ≤ 5·10⁷``. The representative of a
+  group is its first row; the grouping method does not change the output.
 
   Args:
-    key: PRNG key.
-    items: ``(t, D)`` integer array; row ``i`` is the bin key of item ``i``.
-    epsilon: ε > 0.
-    delta: δ ∈ (0, 1).
-    neighbouring: "replace_one" (default) or "add_remove".
-    noise: "discrete" (default: integer noise sampled exactly with integer arithmetic, so the
-      release has no floating-point side channel; ALGORITHMS.md §1.10) or "laplace" (float).
-    grouping: "auto", "pairwise" or "hash".
+    key: JAX PRNG key.
+    items: ``(t, D)`` integer array, t ≥ 1, D ≥ 1; row ``i`` is the bin key (in ℤ^D) of item
+      ``i``. Values must fit in int32.
+    epsilon: ``ε > 0``.
+    delta: ``δ ∈ (0, 1)``.
+    neighbouring: ``"replace_one"`` (default) or ``"add_remove"``.
+    noise: ``"discrete"`` (default: integer noise sampled exactly with integer arithmetic, so
+      the release has no floating-point side channel; ALGORITHMS.md §1.10) or ``"laplace"``
+      (floating point).
+    grouping: ``"auto"`` (default), ``"pairwise"`` or ``"hash"``.
 
   Returns:
-    :class:`StableHistogram`.
+    :class:`StableHistogram` with ``bins (t, D) int32``, ``noisy_counts (t,)``,
+    ``released (t,) bool`` and the public ``threshold``.
 
   Raises:
-    TypeError: ``items`` not an integer array, or ``key`` not a key.
-    ValueError: ``items`` not 2-D or empty, ε ≤ 0, δ ∉ (0, 1), unknown option.
+    TypeError: ``items`` not an integer array, or ``key`` not a PRNG key.
+    ValueError: ``items`` not 2-D, empty, or out of int32 range; ε not finite and > 0;
+      δ ∉ (0, 1); unknown ``neighbouring``, ``noise`` or ``grouping``.
+
+  References:
+    ALGORITHMS.md §1.5; Bun, Nissim & Stemmer (2016); Vadhan (2017); [SS21] Lemma A.15.
   """
   v.check_key(key)
-  items = jnp.asarray(items)
-  if not jnp.issubdtype(items.dtype, jnp.integer):
-    raise TypeError(f"items must be an integer array of bin keys, got dtype={items.dtype}.")
-  if items.ndim != 2 or items.shape[0] == 0 or items.shape[1] == 0:
-    raise ValueError(f"items must have shape (t, D) with t, D >= 1, got {tuple(items.shape)}.")
+  items = _check_items(items)
   v.check_choice(grouping, "grouping", GROUPINGS)
   threshold = histogram_threshold(epsilon, delta, neighbouring=neighbouring, noise=noise)
-  scale = _sensitivity(neighbouring) / float(epsilon)
+  scale = _noise_scale(float(epsilon), neighbouring, noise)
   t, d = items.shape
   if grouping == "auto":
     grouping = "pairwise" if t * t * d <= _PAIRWISE_LIMIT else "hash"
-  bins, counts, released = _stable_histogram(key, items.astype(jnp.int32), scale, threshold,
-                                             noise, grouping)
+  bins, counts, released = _stable_histogram(key, items, scale, threshold, noise, grouping)
   return StableHistogram(bins, counts, released, threshold)
 
 
 def top_bin(hist: StableHistogram) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(ok, bin (D,), noisy_count)`` of the released bin with the largest noisy count."""
+  """``(ok, bin (D,), noisy_count)``: the first row, i.e. the released bin with the largest
+  noisy count; ``ok = hist.released[0]`` is False (and the rest placeholders) if none is."""
   return hist.released[0], hist.bins[0], hist.noisy_counts[0]
 
 
+def _check_items(items) -> jax.Array:
+  items = jnp.asarray(items)
+  if items.dtype == jnp.bool_ or not jnp.issubdtype(items.dtype, jnp.integer):
+    raise TypeError(f"items must be an integer array of bin keys, got dtype={items.dtype}.")
+  if items.ndim != 2 or items.shape[0] == 0 or items.shape[1] == 0:
+    raise ValueError(f"items must have shape (t, D) with t, D >= 1, got shape "
+                     f"{tuple(items.shape)}.")
+  info = jnp.iinfo(items.dtype)
+  int32 = np.iinfo(np.int32)
+  if info.min < int32.min or info.max > int32.max:
+    try:
+      low, high = int(jnp.min(items)), int(jnp.max(items))
+    except jax.errors.ConcretizationTypeError:       # traced: the caller vouches for the range
+      low, high = int32.min, int32.max
+    if low < int32.min or high > int32.max:
+      raise ValueError(f"items must fit in int32, got values in [{low}, {high}].")
+  return items.astype(jnp.int32)
+
+
+def _column_chunks(t: int, d: int, per_column: int) -> int:
+  """Columns per chunk so that a chunk holds about ``_CHUNK_ELEMENTS`` words."""
+  return int(max(1, min(d, _CHUNK_ELEMENTS // max(1, t * per_column))))
+
+
+def _reduce_columns(items, chunk: int, fn, init):
+  """``acc = fn(acc, items[:, j:j+chunk])`` over column chunks (a fori_loop plus a remainder)."""
+  d = items.shape[1]
+  full, rest = divmod(d, chunk)
+  acc = init
+  if full:
+    def body(i, acc):
+      return fn(acc, lax.dynamic_slice_in_dim(items, i * chunk, chunk, axis=1), i * chunk)
+    acc = lax.fori_loop(0, full, body, acc) if full > 1 else body(0, acc)
+  if rest:
+    acc = fn(acc, items[:, full * chunk:], full * chunk)
+  return acc
+
+
 def _group_pairwise(items):
-  equal = jnp.all(items[:, None, :] == items[None, :, :], axis=-1)      # (t, t)
-  return jnp.argmax(equal, axis=1)                                       # first equal row
+  """Index of the first row equal to each row: ``argmax_j all(items[i] == items[j])``."""
+  t, d = items.shape
+  chunk = int(max(1, min(d, _PAIRWISE_LIMIT // (t * t))))
+
+  def step(equal, block, _):
+    return equal & jnp.all(block[:, None, :] == block[None, :, :], axis=-1)
+  equal = _reduce_columns(items, chunk, step, jnp.ones((t, t), jnp.bool_))
+  return jnp.argmax(equal, axis=1)
+
+
+def _mix32(x):
+  """MurmurHash3's 32-bit finaliser: a fixed bijection of uint32 that spreads every bit."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
 
 
 def _group_hash(key, items):
-  coefficients = jax.random.bits(key, (2, items.shape[1]), jnp.uint32)
-  hashes = jnp.sum(items.astype(jnp.uint32)[None] * coefficients[:, None, :], axis=-1,
-                   dtype=jnp.uint32)                                     # (2, t), mod 2^32
-  equal = jnp.all(hashes[:, :, None] == hashes[:, None, :], axis=0)
+  """As :func:`_group_pairwise`, via two random 32-bit hashes and an exact O(tD) check."""
+  t, d = items.shape
+  k_a, k_b = jax.random.split(key)
+  coefficients = jax.random.bits(k_a, (2, d), jnp.uint32)
+  offsets = jax.random.bits(k_b, (2, d), jnp.uint32)
+  chunk = _column_chunks(t, d, 2)
+
+  def hash_step(acc, block, start):
+    width = block.shape[1]
+    a = lax.dynamic_slice_in_dim(coefficients, start, width, axis=1)
+    b = lax.dynamic_slice_in_dim(offsets, start, width, axis=1)
+    mixed = _mix32(block.astype(jnp.uint32)[None] ^ b[:, None, :])            # (2, t, width)
+    return acc + jnp.sum(mixed * a[:, None, :], axis=-1, dtype=jnp.uint32)    # mod 2^32
+  hashes = _reduce_columns(items, chunk, hash_step, jnp.zeros((2, t), jnp.uint32))
+  equal = (hashes[0][:, None] == hashes[0][None, :]) & (hashes[1][:, None] == hashes[1][None, :])
   first = jnp.argmax(equal, axis=1)
-  verified = jnp.all(items == items[first], axis=1)
-  return jnp.where(verified, first, jnp.arange(items.shape[0]))
+
+  def verify_step(ok, block, _):
+    return ok & jnp.all(block == block[first], axis=1)
+  verified = _reduce_columns(items, _column_chunks(t, d, 2), verify_step, jnp.ones(t, jnp.bool_))
+  return jnp.where(verified, first, jnp.arange(t))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "threshold", "noise", "grouping"))
 def _stable_histogram(key, items, scale, threshold, noise, grouping):
+  """Jitted core: ``scale`` and ``threshold`` are public Python floats (static)."""
   t = items.shape[0]
   k_hash, k_noise, k_tie = jax.random.split(key, 3)
   group = _group_pairwise(items) if grouping == "pairwise" else _group_hash(k_hash, items)
   representative = group == jnp.arange(t)
   counts = jnp.zeros(t, jnp.int32).at[group].add(1)          # count stored at the first row
+  # One draw per row position, used only at representatives: one draw per distinct bin.
   if noise == "discrete":
     noisy = counts + discrete._discrete_laplace(k_noise, (t,), scale)
-    passes = noisy >= threshold
+    passes = noisy >= int(threshold)
+    sort_key = -noisy
   else:
-    noisy = counts + scale * jax.random.laplace(k_noise, (t,))
+    dtype = jnp.result_type(float)
+    noisy = counts.astype(dtype) + (scale * jax.random.laplace(k_noise, (t,), dtype)).astype(dtype)
     passes = noisy > threshold
+    sort_key = -noisy
   released = representative & passes
-  # Order: released first, larger noisy count first, ties by fresh uniform priorities.
-  tie = jax.random.uniform(k_tie, (t,))
-  order = jnp.lexsort((tie, -noisy.astype(jnp.float32), ~released))
+  # Released first, larger noisy count first; ties by a fresh uniform permutation (stable sort
+  # of randomly permuted rows), never by row position.
+  perm = jax.random.permutation(k_tie, t)
+  _, _, order = lax.sort(((~released[perm]).astype(jnp.int32), sort_key[perm], perm),
+                         num_keys=2, is_stable=True)
   released = released[order]
-  bins = jnp.where(released[:, None], items[order], 0)
+  bins = jnp.where(released[:, None], items[order], 0).astype(jnp.int32)
   noisy = jnp.where(released, noisy[order], jnp.zeros((), noisy.dtype))
   return bins, noisy, released

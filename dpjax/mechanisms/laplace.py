@@ -1,66 +1,150 @@
-"""The Laplace mechanism (ALGORITHMS.md §1.1)."""
+"""The Laplace mechanism (ALGORITHMS.md §1.1).
+
+Also holds the small host-side argument checks shared by the other noise samplers of
+:mod:`dpjax.mechanisms` (output shapes, float dtypes, released values).
+"""
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import _validation as v
 
 
 def laplace_scale(sensitivity: float, epsilon: float) -> float:
-  """The noise scale ``b = Δ₁/ε`` (host, float64). Raises ValueError on Δ ≤ 0 or ε ≤ 0."""
+  """The Laplace noise scale ``b = Δ₁/ε`` that makes a release ε-DP (host, float64).
+
+  Args:
+    sensitivity: ℓ1-sensitivity ``Δ₁ > 0`` of the statistic under the neighbouring relation.
+    epsilon: privacy parameter ``ε > 0`` (nats).
+
+  Returns:
+    ``b`` as a Python float.
+
+  Raises:
+    ValueError: ``sensitivity`` or ``epsilon`` is not a finite number > 0 (NaN included).
+    TypeError: either is not a real scalar.
+
+  References:
+    ALGORITHMS.md §1.1; Dwork & Roth (2014), Thm 3.6.
+  """
   return v.check_positive(sensitivity, "sensitivity") / v.check_epsilon(epsilon)
 
 
 def laplace_noise(key: jax.Array, shape=(), *, scale: float, dtype=None) -> jax.Array:
-  """I.i.d. ``Lap(b)`` samples (density ``e^{−|x|/b}/(2b)``) of the given shape and dtype."""
+  """I.i.d. ``Lap(b)`` samples, density ``e^{−|x|/b}/(2b)``.
+
+  On its own this is just a sampler; the privacy guarantee comes from calibrating ``scale`` with
+  :func:`laplace_scale` and adding the noise to a statistic (see :func:`laplace_mechanism`).
+
+  Args:
+    key: JAX PRNG key (consumed; split before reusing).
+    shape: output shape, a tuple of non-negative ints.
+    scale: ``b > 0``.
+    dtype: float dtype (default: JAX's default float, float32 unless x64 is enabled).
+
+  Returns:
+    Array of ``shape`` and ``dtype``.
+
+  Raises:
+    TypeError: ``key`` is not a PRNG key, ``shape`` is not a tuple of ints, ``dtype`` is not a
+      float dtype.
+    ValueError: ``scale`` is not a finite number > 0, or ``shape`` has a negative entry.
+
+  References:
+    ALGORITHMS.md §1.1 (floating-point caveat §1.10).
+  """
   v.check_key(key)
+  shape = check_shape(shape)
   scale = v.check_positive(scale, "scale")
-  return scale * jax.random.laplace(key, tuple(shape), dtype or jnp.result_type(float))
+  dtype = check_float_dtype(dtype)
+  return (scale * jax.random.laplace(key, shape, dtype)).astype(dtype)
 
 
 def laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: float,
                       secure: bool = True, bound: float | None = None):
-  """Releases ``value + Lap(Δ₁/ε)`` independently in every coordinate.
+  """Releases ``value + Lap(Δ₁/ε)``, independent noise in every coordinate.
 
-  Guarantee: ε-DP under the caller's neighbouring relation when ``value`` has ℓ1-sensitivity
-  ``sensitivity`` under it: the density ratio at any output is ``≤ exp(ε ‖f(X) − f(X')‖₁/Δ₁)``.
+  Guarantee: ε-DP under whatever neighbouring relation the caller uses, provided ``value`` has
+  ℓ1-sensitivity ``sensitivity`` under it: the output density ratio between neighbours is
+  ``exp(ε ‖f(X) − f(X')‖₁/Δ₁) ≤ e^ε`` (ALGORITHMS.md §1.1).
 
-  Floating point (ALGORITHMS.md §1.10): with ``secure=True`` (default, for released statistics)
-  the release goes through Mironov's snapping mechanism (:mod:`dpjax.mechanisms.snapping`):
-  host-side float64, clamped to ``[−bound, bound]``, output on a public power-of-two grid, ε-DP
-  including the floating-point effects. ``secure=False`` adds raw ``jax.random.laplace`` noise in
-  the value's dtype (jittable, e.g. inside training loops) and is open to Mironov's attack.
+  Floating point (ALGORITHMS.md §1.10 rule 2): with ``secure=True`` (default, for released
+  statistics) the release goes through Mironov's snapping mechanism
+  (:mod:`dpjax.mechanisms.snapping`): host-side float64, clamped to ``[−bound, bound]``, output on
+  a public power-of-two grid, ε-DP including the floating-point effects (per coordinate with
+  sensitivity Δ₁ each). ``secure=False`` adds raw ``jax.random.laplace`` noise in the value's
+  dtype (jittable, e.g. inside training loops); that is ε-DP in real arithmetic only and open to
+  Mironov's attack on floating-point Laplace noise.
 
   Args:
-    key: PRNG key.
-    value: float array (any shape).
-    sensitivity: ℓ1-sensitivity Δ₁ > 0 (per coordinate for ``secure=True``).
-    epsilon: ε > 0.
-    secure: snap (default) or add raw float noise.
-    bound: public clamp for snapping (default ``2^32 λ``).
+    key: JAX PRNG key.
+    value: float array of any shape, the exact statistic ``f(X)``.
+    sensitivity: ℓ1-sensitivity ``Δ₁ > 0``.
+    epsilon: ``ε > 0``.
+    secure: snap (default) or add raw floating-point noise.
+    bound: public clamp for snapping (default ``2^32 λ``); ignored when ``secure=False``.
 
   Returns:
-    float64 NumPy array (``secure=True``) or a JAX array in ``value``'s dtype.
+    ``secure=True``: float64 ``np.ndarray`` shaped like ``value``. ``secure=False``: a JAX array
+    with ``value``'s shape and dtype.
 
   Raises:
-    TypeError: non-float ``value`` or non-key ``key``.
-    ValueError: NaN/inf in ``value``, Δ ≤ 0, ε ≤ 0.
+    TypeError: ``value`` is not a float array, ``key`` is not a PRNG key.
+    ValueError: NaN/inf in ``value``; ``sensitivity`` or ``epsilon`` not finite and > 0.
+
+  References:
+    ALGORITHMS.md §1.1, §1.10; Mironov (2012), "On significance of the least significant bits
+    for differential privacy".
   """
   v.check_key(key)
-  value = _float_value(value)
+  value = check_float_value(value)
   if secure:
     from dpjax.mechanisms.snapping import snapping_mechanism
     return snapping_mechanism(key, value, sensitivity=sensitivity, epsilon=epsilon, bound=bound)
   b = laplace_scale(sensitivity, epsilon)
-  return value + b * jax.random.laplace(key, value.shape, value.dtype)
+  return value + (b * jax.random.laplace(key, value.shape, value.dtype)).astype(value.dtype)
 
 
-def _float_value(value) -> jax.Array:
+# --- host-side checks shared by the samplers of this package -----------------------------------
+
+def check_shape(shape, name: str = "shape") -> tuple[int, ...]:
+  """Returns ``shape`` as a tuple of ints; raises unless it is one with entries ≥ 0."""
+  if isinstance(shape, (numbers.Integral, np.integer)) and not isinstance(shape, bool):
+    shape = (shape,)
+  if not isinstance(shape, (tuple, list)) or any(
+      isinstance(s, bool) or not isinstance(s, (numbers.Integral, np.integer)) for s in shape):
+    raise TypeError(f"{name} must be a tuple of non-negative ints, got {name}={shape!r}.")
+  if any(int(s) < 0 for s in shape):
+    raise ValueError(f"{name} must be a tuple of non-negative ints, got {name}={shape!r}.")
+  return tuple(int(s) for s in shape)
+
+
+def check_float_dtype(dtype, name: str = "dtype"):
+  """Returns the float dtype to sample in (JAX's default float for ``None``)."""
+  if dtype is None:
+    return jnp.dtype(jnp.result_type(float))
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError as exc:
+    raise TypeError(f"{name} must be a floating dtype, got {name}={dtype!r}.") from exc
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"{name} must be a floating dtype, got {name}={dtype!r}.")
+  return dt
+
+
+def check_float_value(value, name: str = "value") -> jax.Array:
+  """Returns ``value`` as a JAX float array; raises on other dtypes and on NaN/inf entries."""
   value = jnp.asarray(value)
   if not jnp.issubdtype(value.dtype, jnp.floating):
-    raise TypeError(f"value must be a float array, got dtype={value.dtype}.")
+    raise TypeError(f"{name} must be a float array, got dtype={value.dtype}.")
   if not bool(jnp.all(jnp.isfinite(value))):
-    raise ValueError("value contains NaN or infinite entries.")
+    raise ValueError(f"{name} contains NaN or infinite entries.")
   return value
+
+
+_float_value = check_float_value      # old private name, kept for existing imports

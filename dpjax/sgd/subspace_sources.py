@@ -121,8 +121,9 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
   worst case: gradients need not be Gaussian. N is treated as public (DPASE's parameters use it).
 
   [CAUTION, §6.2] DPASE's utility needs a strong multiplicative eigen-gap (a ``γ ≲ 1/d``-type
-  condition with d = p) that real networks rarely meet: expect ⊥ (``result.ok == False``) and then train without a
-  subspace or with a public one — never with a non-private subspace of these data.
+  condition with d = p) that real networks rarely meet: expect ⊥ (``result.ok == False``) and
+  then train without a subspace or with a public one — never with a non-private subspace of
+  these data.
 
   Args:
     key: PRNG key (consumed by DPASE).

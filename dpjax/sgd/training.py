@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dpjax import _validation as v
@@ -186,44 +188,66 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     subspace_ok = True
 
   std = budget.noise_multiplier * clip_norm
-
-  def make_tx(basis):
-    noise = (transforms._gaussian_noise(std, batch, k_noise) if basis is None
-             else transforms._subspace_noise(basis, std, batch, k_noise))
-    return optax.chain(noise, optimizer)
-
   if basis is not None:
     basis = transforms.check_basis(basis)
-  opt_state = make_tx(basis).init(params)
-  grad_sum = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm)
-
-  # The data are an argument, not a closure constant, so they are not baked into the program.
+  opt_state = _make_tx(optimizer, basis, std, batch, k_noise).init(params)
+  # The data are an argument, not a closure constant, so they are not baked into the program;
+  # the jitted steps live at module level, so repeated runs reuse their compilations.
   data = jax.tree_util.tree_map(jnp.asarray, data)
-
-  @jax.jit
-  def accumulate(total, params, data, indices, mask):
-    chunk = jax.tree_util.tree_map(lambda x: x[indices], data)
-    return jax.tree_util.tree_map(jnp.add, total, grad_sum(params, chunk, mask))
-
-  @jax.jit
-  def apply(params, opt_state, summed, basis):
-    # The basis is an argument, so a refreshed public basis reuses the compiled step; the noise
-    # state (its key) carries over.
-    updates, opt_state = make_tx(basis).update(summed, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  # Traced scalars (no recompilation per σ); σC is rounded UP to float32, never below the
+  # accounted value.
+  std32 = np.float32(std)
+  if float(std32) < std:
+    std32 = np.nextafter(std32, np.float32(np.inf))
+  std, batch = jnp.asarray(std32), jnp.asarray(batch, jnp.float32)
+  apply = _jitted_apply(optimizer)
 
   history = []
   for step, step_key in enumerate(_progress(jax.random.split(k_sample, steps), progress)):
     indices, mask = sampling.poisson_microbatches(step_key, n, q, microbatch_size)
     total = jax.tree_util.tree_map(jnp.zeros_like, params)
     for idx, msk in zip(indices, mask):
-      total = accumulate(total, params, data, idx, msk)
-    params, opt_state = apply(params, opt_state, total, basis)
+      total = _accumulate(total, params, data, idx, msk, loss_fn=loss_fn, clip_norm=clip_norm)
+    params, opt_state = apply(params, opt_state, total, basis, std, batch)
     if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
       basis = subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
     if eval_fn is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
       history.append({"step": step + 1, **eval_fn(params)})
   return TrainResult(params, budget, subspace_ok, history)
+
+
+def _make_tx(optimizer, basis, std, batch, key) -> optax.GradientTransformation:
+  noise = (transforms._gaussian_noise(std, batch, key) if basis is None
+           else transforms._subspace_noise(basis, std, batch, key))
+  return optax.chain(noise, optimizer)
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "clip_norm"))
+def _accumulate(total, params, data, indices, mask, *, loss_fn, clip_norm):
+  """``total + Σ_i mask_i clip_C(∇ℓ(params, data[indices_i]))`` for one micro-batch."""
+  chunk = jax.tree_util.tree_map(lambda x: x[indices], data)
+  summed = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm)(params, chunk, mask)
+  return jax.tree_util.tree_map(jnp.add, total, summed)
+
+
+def _apply_impl(params, opt_state, summed, basis, std, batch, *, optimizer):
+  """Noise (full or in span(basis)), divide by L, optimiser, apply. The noise key lives in
+  ``opt_state`` (the key given to ``_make_tx`` is only used by ``init``), so a refreshed public
+  basis or another run with the same shapes reuses the compiled step."""
+  updates, opt_state = _make_tx(optimizer, basis, std, batch, None).update(summed, opt_state,
+                                                                           params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+_apply = jax.jit(_apply_impl, static_argnames=("optimizer",))
+
+
+def _jitted_apply(optimizer):
+  try:
+    hash(optimizer)
+  except TypeError:  # an unhashable optimizer cannot be a static argument: compile per run
+    return jax.jit(functools.partial(_apply_impl, optimizer=optimizer))
+  return functools.partial(_apply, optimizer=optimizer)
 
 
 def _record_plan(ledger, budget: accounting.DPSGDBudget) -> None:

@@ -89,8 +89,9 @@ def _gaussian_noise(std, batch, key) -> optax.GradientTransformation:
     next_key, noise_key = jax.random.split(state.key)
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     keys = jax.random.split(noise_key, len(leaves))
-    noisy = [(g + std * jax.random.normal(k, g.shape, g.dtype)) / batch
-             for g, k in zip(leaves, keys)]
+    # std and L may be traced scalars; cast them so that every leaf keeps its dtype.
+    noisy = [(g + jnp.asarray(std, g.dtype) * jax.random.normal(k, g.shape, g.dtype))
+             / jnp.asarray(batch, g.dtype) for g, k in zip(leaves, keys)]
     return jax.tree_util.tree_unflatten(treedef, noisy), DPNoiseState(next_key)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -155,8 +156,9 @@ def _subspace_noise(basis, std, batch, key) -> optax.GradientTransformation:
     next_key, noise_key = jax.random.split(state.key)
     flat, unravel = ravel_pytree(updates)
     V = basis.astype(flat.dtype)
-    coefficients = V.T @ flat + std * jax.random.normal(noise_key, (V.shape[1],), flat.dtype)
-    return unravel(V @ coefficients / batch), DPNoiseState(next_key)
+    noise = jax.random.normal(noise_key, (V.shape[1],), flat.dtype)
+    coefficients = V.T @ flat + jnp.asarray(std, flat.dtype) * noise
+    return unravel(V @ coefficients / jnp.asarray(batch, flat.dtype)), DPNoiseState(next_key)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -120,7 +120,7 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
   one k-subset) snapped to the grid ``s(Z + ω)`` with a public random offset ω per entry, then the
   nearest rank-k projection (§1.10 rule 3, PROPOSED): neighbours that agree in exact arithmetic
   then release the same floats except with probability ≤ δ/10 for ``s ≥ 10 d e_F/δ``
-  (``e_F = 100 d 2^{-53} κ``, κ ≤ 100 assumed for the default ``snap_scale``: pass a larger
+  (``e_F = 100 d 2^{-53} κ``, κ = 1 assumed for the default ``snap_scale``: pass a larger
   ``snap_scale`` for ill-conditioned data; its cost is ≈ d·s in ‖Π̂ − Π‖). The GAP-MAX step
   uses δ/1.1 and the snapping δ/11 of the stated δ. This is a numerical-analysis argument, not a
   proof; exact (rational) data are the rigorous route.
@@ -216,7 +216,7 @@ def _release(key, X, candidates, index, ok, k, d, epsilon, delta, snap_scale, in
   _, vecs = np.linalg.eigh(rows.T @ rows)
   projection = vecs[:, -k:] @ vecs[:, -k:].T                # canonical: all member rows
   if snap_scale is None:
-    e_f = 100 * d * 2.0**-53 * 1e2
+    e_f = 100 * d * 2.0**-53           # κ = 1: well-conditioned member rows
     snap_scale = 10 * d * e_f / (delta / 11.0)
   s = v.check_positive(snap_scale, "snap_scale")
   offset = np.asarray(jax.random.uniform(key, (d, d), jnp.float32), np.float64)
