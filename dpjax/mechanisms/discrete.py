@@ -7,6 +7,7 @@ floating-point attacks on real-valued Laplace noise do not apply.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -84,9 +85,20 @@ def _discrete_laplace(key, shape, scale: float, exact: bool = True):
   """Unvalidated, traceable core of :func:`discrete_laplace` (``scale`` a Python float)."""
   if exact:
     num, den = exact_lib.rational_scale(scale)
-    return exact_lib.exact_discrete_laplace(key, shape, num, den)
-  # G = ⌊−σ ln U⌋, U ∈ (0, 1], is geometric on {0, 1, …}: P(G ≥ g) = P(U ≤ p^g) = p^g. (The
-  # same law as jax.random.geometric(key, 1 − p) − 1, without its NaN at p → 0.)
+    return _exact_jit(key, tuple(shape), num, den)
+  return _fast_jit(key, tuple(shape), scale)
+
+
+# Jitted once per (shape, scale): repeated eager calls reuse the compiled sampler (inside an
+# outer jit these simply inline).
+_exact_jit = jax.jit(exact_lib.exact_discrete_laplace, static_argnums=(1, 2, 3))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _fast_jit(key, shape, scale):
+  """``G₁ − G₂`` with ``G = ⌊−σ ln U⌋``, ``U ∈ (0, 1]``: geometric on {0, 1, …} with
+  ``P(G ≥ g) = P(U ≤ p^g) = p^g`` (the law of ``jax.random.geometric(key, 1 − p) − 1``, without
+  its NaN as ``p → 0``)."""
   dtype = jnp.result_type(float)
   k1, k2 = jax.random.split(key)
   u1 = 1.0 - jax.random.uniform(k1, shape, dtype)             # (0, 1]

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import _validation as v
 from dpjax.mechanisms import discrete, exact
@@ -108,22 +109,26 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
     truncated CDP", STOC 2018; [SS21] Lemma A.16.
   """
   v.check_key(key)
-  scores = jnp.asarray(scores)
-  if scores.dtype == jnp.bool_ or not (jnp.issubdtype(scores.dtype, jnp.integer)
+  if not isinstance(scores, jax.Array):
+    scores = np.asarray(scores)              # keep int64 values as they are for the range check
+  if scores.dtype == np.bool_ or not (np.issubdtype(scores.dtype, np.integer)
                                       or jnp.issubdtype(scores.dtype, jnp.floating)):
     raise TypeError(f"scores must be real or integer, got dtype={scores.dtype}.")
   if scores.ndim != 1 or scores.shape[0] == 0:
     raise ValueError(f"scores must have shape (C,) with C >= 1, got shape "
                      f"{tuple(scores.shape)}.")
-  if not bool(jnp.all(jnp.isfinite(scores))):
-    raise ValueError("scores contain NaN or infinite entries.")
-  if jnp.issubdtype(scores.dtype, jnp.integer):
-    low, high = int(jnp.min(scores)), int(jnp.max(scores))
+  if np.issubdtype(scores.dtype, np.integer):
+    low, high = int(scores.min()), int(scores.max())
     if low < -(2**29) or high > 2**29:
       raise ValueError(f"integer scores must lie in [-2^29, 2^29], got values in "
                        f"[{low}, {high}].")
+    scores = jnp.asarray(scores.astype(np.int32) if isinstance(scores, np.ndarray)
+                         else scores.astype(jnp.int32))
     bound, num, den = integer_gap_max_bound(epsilon, delta)
-    return _integer_gap_max(key, scores.astype(jnp.int32), num, den, bound)
+    return _integer_gap_max(key, scores, num, den, bound)
+  scores = jnp.asarray(scores)
+  if not bool(jnp.all(jnp.isfinite(scores))):
+    raise ValueError("scores contain NaN or infinite entries.")
   params = truncated_laplace_params(2.0, epsilon, delta)
   return _gap_max(key, scores, params.scale, params.bound)
 

@@ -184,21 +184,24 @@ def top_bin(hist: StableHistogram) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _check_items(items) -> jax.Array:
-  items = jnp.asarray(items)
-  if items.dtype == jnp.bool_ or not jnp.issubdtype(items.dtype, jnp.integer):
-    raise TypeError(f"items must be an integer array of bin keys, got dtype={items.dtype}.")
+  if not isinstance(items, jax.Array):
+    items = np.asarray(items)                # keep int64 / uint values as they are for the check
+  dtype = items.dtype
+  if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+    raise TypeError(f"items must be an integer array of bin keys, got dtype={dtype}.")
   if items.ndim != 2 or items.shape[0] == 0 or items.shape[1] == 0:
     raise ValueError(f"items must have shape (t, D) with t, D >= 1, got shape "
                      f"{tuple(items.shape)}.")
-  info = jnp.iinfo(items.dtype)
-  int32 = np.iinfo(np.int32)
+  info, int32 = np.iinfo(dtype), np.iinfo(np.int32)
   if info.min < int32.min or info.max > int32.max:
     try:
-      low, high = int(jnp.min(items)), int(jnp.max(items))
+      low, high = int(items.min()), int(items.max())
     except jax.errors.ConcretizationTypeError:       # traced: the caller vouches for the range
       low, high = int32.min, int32.max
     if low < int32.min or high > int32.max:
       raise ValueError(f"items must fit in int32, got values in [{low}, {high}].")
+  if isinstance(items, np.ndarray):
+    return jnp.asarray(items.astype(np.int32))
   return items.astype(jnp.int32)
 
 
@@ -265,9 +268,9 @@ def _group_hash(key, items):
   return jnp.where(verified, first, jnp.arange(t))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "threshold", "noise", "grouping"))
+@functools.partial(jax.jit, static_argnames=("scale", "noise", "grouping"))
 def _stable_histogram(key, items, scale, threshold, noise, grouping):
-  """Jitted core: ``scale`` and ``threshold`` are public Python floats (static)."""
+  """Jitted core: ``scale`` a public Python float (static), ``threshold`` a public scalar."""
   t = items.shape[0]
   k_hash, k_noise, k_tie = jax.random.split(key, 3)
   group = _group_pairwise(items) if grouping == "pairwise" else _group_hash(k_hash, items)
@@ -276,7 +279,7 @@ def _stable_histogram(key, items, scale, threshold, noise, grouping):
   # One draw per row position, used only at representatives: one draw per distinct bin.
   if noise == "discrete":
     noisy = counts + discrete._discrete_laplace(k_noise, (t,), scale)
-    passes = noisy >= int(threshold)
+    passes = noisy >= jnp.ceil(threshold).astype(jnp.int32)      # τ is an integer here
     sort_key = -noisy
   else:
     dtype = jnp.result_type(float)

@@ -6,86 +6,205 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from dpjax import mechanisms as M
+from dpjax.mechanisms import discrete, histogram
 from dpjax.metrics import clopper_pearson
 
 
-def test_thresholds_match_the_spec():
-  assert math.isclose(M.histogram_threshold(1.0, 1e-6, noise="laplace"),
-                      1 + 2 * math.log(1 / 2e-6))
-  assert math.isclose(M.histogram_threshold(1.0, 1e-6, neighbouring="add_remove", noise="laplace"),
-                      1 + math.log(1 / 2e-6))
-  p = math.exp(-0.5)
-  assert M.histogram_threshold(1.0, 1e-6) == 1 + math.ceil(2 * math.log(1 / (1e-6 * (1 + p))))
+def _singleton_pass_probability(epsilon, delta, neighbouring, noise):
+  """Exact probability that a bin holding one item is released."""
+  tau = M.histogram_threshold(epsilon, delta, neighbouring=neighbouring, noise=noise)
+  sens = 2 if neighbouring == "replace_one" else 1
+  if noise == "laplace":
+    return 0.5 * math.exp(-(tau - 1) * epsilon / sens)         # P[1 + Lap(Δ/ε) > τ]
+  return discrete.discrete_laplace_tail(int(tau) - 1, discrete.effective_scale(sens / epsilon))
+
+
+def test_thresholds_follow_the_formulas():
+  d = 1e-6
+  assert math.isclose(M.histogram_threshold(1.0, d, noise="laplace"), 1 + 2 * math.log(1 / (2 * d)))
+  assert math.isclose(M.histogram_threshold(0.5, d, neighbouring="add_remove", noise="laplace"),
+                      1 + 2 * math.log(1 / (2 * d)))
+  p = math.exp(-1 / 2)
+  assert M.histogram_threshold(1.0, d) == 1 + math.ceil(2 * math.log(1 / (d * (1 + p))))
+  p = math.exp(-1)
+  assert M.histogram_threshold(1.0, d, neighbouring="add_remove") == 1 + math.ceil(
+      math.log(1 / (d * (1 + p))))
+  assert isinstance(M.histogram_threshold(1.0, d), float)
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 0.3, 1.0, 2.5])
+@pytest.mark.parametrize("delta", [1e-9, 1e-5, 0.05])
+@pytest.mark.parametrize("neighbouring", ["replace_one", "add_remove"])
+def test_singleton_passes_with_probability_at_most_and_close_to_delta(epsilon, delta,
+                                                                      neighbouring):
+  lap = _singleton_pass_probability(epsilon, delta, neighbouring, "laplace")
+  assert math.isclose(lap, delta, rel_tol=1e-9)
+  dis = _singleton_pass_probability(epsilon, delta, neighbouring, "discrete")
+  p = math.exp(-1 / discrete.effective_scale((2 if neighbouring == "replace_one" else 1)
+                                             / epsilon))
+  assert p * delta < dis <= delta                 # τ is the smallest integer threshold that works
+
+
+TRIALS = 2_000                                       # one batch size: compiled programs are reused
+SINGLETONS = jnp.arange(4, dtype=jnp.int32)[:, None] * 1000     # four singleton bins
+
+
+def _released_per_trial(seed, items, **kwargs):
+  keys = jax.random.split(jax.random.key(seed), TRIALS)
+  return jax.vmap(lambda k: M.stable_histogram(k, items, epsilon=1.0, **kwargs))(keys)
 
 
 @pytest.mark.parametrize("noise,neighbouring", [("discrete", "replace_one"),
                                                 ("laplace", "replace_one"),
                                                 ("discrete", "add_remove")])
-def test_singleton_bin_release_rate_is_at_most_delta(noise, neighbouring):
-  """A bin holding one item (the one a neighbour removes) is released w.p. ≤ δ."""
-  delta, eps = 0.05, 1.0
-  items = jnp.arange(4, dtype=jnp.int32)[:, None]          # four singleton bins
-  keys = jax.random.split(jax.random.key(0), 4_000)
-  released = jax.vmap(lambda k: M.stable_histogram(k, items, epsilon=eps, delta=delta,
-                                                   noise=noise, neighbouring=neighbouring
-                                                   ).released.sum())(keys)
-  rate = float(released.sum()) / (4 * 4_000)
-  low, _ = clopper_pearson(int(released.sum()), 4 * 4_000, 0.999)
-  assert low <= delta                                       # not significantly above δ
-  assert rate > delta / 10                                  # and the threshold is not silly-high
+def test_singleton_release_frequency_matches_the_exact_probability(noise, neighbouring):
+  eps, delta = 1.0, 0.05
+  hist = _released_per_trial(0, SINGLETONS, delta=delta, noise=noise, neighbouring=neighbouring)
+  hits, n = int(hist.released.sum()), 4 * TRIALS
+  exact = _singleton_pass_probability(eps, delta, neighbouring, noise)
+  low, high = clopper_pearson(hits, n, 0.999)
+  assert low <= exact <= high and exact <= delta
 
 
-def test_popular_bin_released_first_with_its_key():
-  items = jnp.array([[1, 2]] * 30 + [[5, 5]] * 3 + [[7, 0]], jnp.int32)
-  hist = M.stable_histogram(jax.random.key(1), items, epsilon=1.0, delta=1e-6)
-  ok, bin_key, count = M.top_bin(hist)
-  assert bool(ok) and bin_key.tolist() == [1, 2] and abs(int(count) - 30) < 15
-  assert int(hist.released.sum()) == 1                      # small bins stay hidden
-  assert jnp.all(hist.bins[1:] == 0) and jnp.all(hist.noisy_counts[1:] == 0)
+def test_popular_bin_is_released_first_and_small_bins_stay_hidden():
+  items = jnp.array([[1, 2]] * 80 + [[5, 5]] * 3 + [[7, 0]], jnp.int32)
+  keys = jax.random.split(jax.random.key(1), 50)
+  hist = jax.vmap(lambda k: M.stable_histogram(k, items, epsilon=1.0, delta=1e-6))(keys)
+  ok, bin_key, count = M.top_bin(jax.tree_util.tree_map(lambda x: x[0], hist))
+  assert bool(ok) and bin_key.tolist() == [1, 2] and abs(int(count) - 80) < 20
+  assert bool(jnp.all(hist.released[:, 0])) and bool(jnp.all(hist.bins[:, 0] == jnp.array([1, 2])))
+  assert bool(jnp.all(hist.released.sum(axis=1) == 1))          # 3 items never clear τ = 28
+  assert bool(jnp.all(hist.bins[:, 1:] == 0)) and bool(jnp.all(hist.noisy_counts[:, 1:] == 0))
 
 
-def test_one_noise_draw_per_bin_not_per_item():
-  """With all t items equal, the noisy count is t plus ONE discrete-Laplace draw."""
-  t, eps = 50, 1.0
-  items = jnp.zeros((t, 3), jnp.int32)
-  keys = jax.random.split(jax.random.key(2), 3_000)
-  hist = jax.vmap(lambda k: M.stable_histogram(k, items, epsilon=eps, delta=1e-6))(keys)
-  assert bool(jnp.all(hist.released.sum(axis=1) == 1))
-  noise = np.asarray(hist.noisy_counts[:, 0], np.float64) - t
-  p = math.exp(-eps / 2)
-  one_draw_var = 2 * p / (1 - p) ** 2                       # ≈ 7.9; t draws would be 50× that
-  assert 0.85 * one_draw_var < noise.var() < 1.15 * one_draw_var
+def test_nothing_released_gives_placeholders():
+  hist = _released_per_trial(2, SINGLETONS, delta=1e-9)
+  assert not bool(jnp.any(hist.released))
+  ok, bin_key, count = M.top_bin(jax.tree_util.tree_map(lambda x: x[0], hist))
+  assert not bool(ok) and bin_key.tolist() == [0] and int(count) == 0
+  assert hist.bins.shape == (TRIALS, 4, 1) and hist.bins.dtype == jnp.int32
+  assert hist.noisy_counts.dtype == jnp.int32 and hist.released.dtype == jnp.bool_
+  assert bool(jnp.all(hist.bins == 0)) and bool(jnp.all(hist.noisy_counts == 0))
+
+
+@pytest.mark.parametrize("noise", ["discrete", "laplace"])
+def test_one_noise_draw_per_bin_not_per_item(noise):
+  """With all t items equal, one row is released and its count is t plus ONE noise draw."""
+  t, eps = 24, 1.0
+  hist = _released_per_trial(3, jnp.full((t, 1), 9, jnp.int32), delta=0.3, noise=noise)
+  assert bool(jnp.all(hist.released.sum(axis=1) == 1)) and bool(jnp.all(hist.released[:, 0]))
+  assert bool(jnp.all(hist.bins[:, 0, 0] == 9))
+  noise_draws = np.asarray(hist.noisy_counts[:, 0], np.float64) - t
+  if noise == "discrete":
+    p = math.exp(-eps / 2)
+    one_draw_var = 2 * p / (1 - p) ** 2                      # ≈ 7.9; t draws would be 24× that
+    support = np.arange(-12, 13)
+    probs = (1 - p) / (1 + p) * p ** np.abs(support)
+    probs[0] = probs[-1] = p**12 / (1 + p)
+    observed = np.bincount(np.clip(noise_draws.astype(int), -12, 12) + 12, minlength=25)
+    assert stats.chisquare(observed, probs * TRIALS).pvalue > 1e-3
+  else:
+    one_draw_var = 2 * (2 / eps) ** 2
+    assert stats.kstest(noise_draws, stats.laplace(scale=2 / eps).cdf).pvalue > 1e-3
+  assert 0.8 < noise_draws.var() / one_draw_var < 1.2
+
+
+def _items_with_duplicates(key, t, d, high):
+  a = jax.random.randint(key, (t // 2, d), 0, high).astype(jnp.int32)
+  return jnp.concatenate([a, a[: t - t // 2][::-1]])
+
+
+MIXED = jnp.concatenate([_items_with_duplicates(jax.random.key(5), 90, 4, 3),
+                         jnp.tile(jnp.array([[0, 1, 2, 0]], jnp.int32), (30, 1))])
 
 
 def test_pairwise_and_hash_grouping_agree():
-  key = jax.random.key(3)
-  items = jax.random.randint(jax.random.key(4), (60, 5), 0, 2).astype(jnp.int32)
-  items = jnp.concatenate([items, jnp.tile(items[:1], (40, 1))])
-  a = M.stable_histogram(key, items, epsilon=1.0, delta=1e-3, grouping="pairwise")
-  b = M.stable_histogram(key, items, epsilon=1.0, delta=1e-3, grouping="hash")
-  assert jnp.array_equal(a.bins, b.bins) and jnp.array_equal(a.noisy_counts, b.noisy_counts)
+  key = jax.random.key(4)
+  a = M.stable_histogram(key, MIXED, epsilon=1.0, delta=1e-2, grouping="pairwise")
+  b = M.stable_histogram(key, MIXED, epsilon=1.0, delta=1e-2, grouping="hash")
+  c = M.stable_histogram(key, MIXED, epsilon=1.0, delta=1e-2)                  # auto
+  for x in (b, c):
+    assert all(jnp.array_equal(u, w) for u, w in zip(a[:3], x[:3]))
+  assert int(a.released.sum()) >= 1 and a.bins[0].tolist() == [0, 1, 2, 0]
+
+
+def test_grouping_matches_numpy_unique_including_chunked_and_adversarial_keys(monkeypatch):
+  # Keys that differ by large powers of two (a plain linear hash mod 2^32 would be weak there),
+  # int32 extremes, and many duplicates; chunking over D forced by tiny limits.
+  base = np.array([[0, 0, 0, 0, 0, 0, 0], [2**31 - 1, 0, 0, 0, 0, 0, 0],
+                   [-(2**31), 0, 0, 0, 0, 0, 0], [0, 2**30, 0, 0, 0, 0, 2**30],
+                   [0, 0, 0, 0, 0, 0, 2**31 - 2**16], [1 << 24, 1 << 25, 0, 0, 0, 0, 0],
+                   [0, 0, 0, 0, 0, 0, 1]], np.int32)
+  rng = np.random.default_rng(0)
+  items = base[rng.integers(0, len(base), 37)]
+  monkeypatch.setattr(histogram, "_PAIRWISE_LIMIT", 37 * 37 * 3)
+  monkeypatch.setattr(histogram, "_CHUNK_ELEMENTS", 37 * 2 * 2)
+  _, first_index, counts = np.unique(items, axis=0, return_index=True, return_counts=True)
+  expected_group = {tuple(items[i]): i for i in sorted(first_index)}
+  for grouping in ("pairwise", "hash"):
+    group_fn = (histogram._group_pairwise if grouping == "pairwise" else
+                lambda x: histogram._group_hash(jax.random.key(6), x))
+    group = np.asarray(jax.jit(group_fn)(jnp.asarray(items)))
+    assert [group[i] for i in range(len(items))] == [expected_group[tuple(r)] for r in items]
+  hist = M.stable_histogram(jax.random.key(7), items, epsilon=1.0, delta=0.4, grouping="hash")
+  released = np.asarray(hist.bins)[np.asarray(hist.released)]
+  assert len({tuple(r) for r in released}) == len(released)        # no bin released twice
+  assert {tuple(r) for r in released} <= set(expected_group)
+
+
+def test_hash_grouping_on_wide_items_via_auto():
+  t, d = 40, 40_000                                   # t·t·D = 6.4e7 > 5e7: "auto" hashes
+  items = jnp.zeros((t, d), jnp.int32).at[::2, -1].set(1)
+  hist = M.stable_histogram(jax.random.key(8), items, epsilon=2.0, delta=1e-3)
+  assert int(hist.released.sum()) == 2
+  last = sorted(int(x) for x in hist.bins[:2, -1])
+  assert last == [0, 1] and bool(jnp.all(hist.bins[:2, :-1] == 0))
+
+
+def test_released_rows_sorted_and_ties_broken_by_fresh_randomness():
+  items = jnp.array([[1]] * 12 + [[2]] * 12, jnp.int32)
+  for data in (items, items[::-1]):
+    hist = _released_per_trial(9, data, delta=0.3)
+    counts, released = np.asarray(hist.noisy_counts), np.asarray(hist.released)
+    both = released[:, 0] & released[:, 1]
+    assert both.mean() > 0.98 and np.all(counts[both, 0] >= counts[both, 1])
+    tied = both & (counts[:, 0] == counts[:, 1])
+    first_is_one = int(np.sum(np.asarray(hist.bins[:, 0, 0])[tied] == 1))
+    low, high = clopper_pearson(first_is_one, int(tied.sum()), 0.999)
+    assert tied.sum() > 150 and low <= 0.5 <= high       # not the position of the first item
 
 
 def test_deterministic_and_jittable():
-  items = jnp.array([[1], [1], [2]] * 20, jnp.int32)
-  f = jax.jit(lambda k: M.stable_histogram(k, items, epsilon=1.0, delta=1e-3).noisy_counts)
-  assert jnp.array_equal(f(jax.random.key(5)), f(jax.random.key(5)))
-  a = M.stable_histogram(jax.random.key(5), items, epsilon=1.0, delta=1e-3)
-  assert jnp.array_equal(a.noisy_counts, f(jax.random.key(5)))
+  f = jax.jit(lambda k: M.stable_histogram(k, MIXED, epsilon=1.0, delta=1e-2).noisy_counts)
+  assert jnp.array_equal(f(jax.random.key(10)), f(jax.random.key(10)))
+  a = M.stable_histogram(jax.random.key(10), MIXED, epsilon=1.0, delta=1e-2)
+  assert jnp.array_equal(a.noisy_counts, f(jax.random.key(10)))
+  b = M.stable_histogram(jax.random.key(10), MIXED, epsilon=1.0, delta=1e-2)
+  assert all(jnp.array_equal(u, w) for u, w in zip(a[:3], b[:3]))
+  c = M.stable_histogram(jax.random.key(11), MIXED, epsilon=1.0, delta=1e-2)
+  assert not jnp.array_equal(a.noisy_counts, c.noisy_counts)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(items=jnp.ones((3, 2))), TypeError, "integer"),
-    (dict(items=jnp.ones((3,), jnp.int32)), ValueError, "shape"),
+    (dict(items=jnp.ones((3, 2))), TypeError, "items"),
+    (dict(items=jnp.ones((3, 2), jnp.bool_)), TypeError, "items"),
+    (dict(items=jnp.ones((3,), jnp.int32)), ValueError, "items"),
+    (dict(items=jnp.ones((0, 2), jnp.int32)), ValueError, "items"),
+    (dict(items=np.array([[2**40]], np.int64)), ValueError, "items"),
     (dict(epsilon=0.0), ValueError, "epsilon"),
+    (dict(epsilon=float("nan")), ValueError, "epsilon"),
     (dict(delta=2.0), ValueError, "delta"),
+    (dict(delta=0.0), ValueError, "delta"),
     (dict(neighbouring="swap"), ValueError, "neighbouring"),
     (dict(noise="gauss"), ValueError, "noise"),
     (dict(grouping="sort"), ValueError, "grouping"),
+    (dict(key=0), TypeError, "key"),
 ])
 def test_bad_inputs(kwargs, exc, match):
-  args = dict(items=jnp.ones((3, 2), jnp.int32), epsilon=1.0, delta=1e-3) | kwargs
+  args = dict(key=jax.random.key(0), items=jnp.ones((3, 2), jnp.int32), epsilon=1.0,
+              delta=1e-3) | kwargs
   with pytest.raises(exc, match=match):
-    M.stable_histogram(jax.random.key(0), **args)
+    M.stable_histogram(args.pop("key"), args.pop("items"), **args)

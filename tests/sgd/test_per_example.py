@@ -28,9 +28,14 @@ def _batch(key, n=12):
   return jax.random.normal(kx, (n, 5)) * 3, jax.random.randint(ky, (n,), 0, 3)
 
 
+@jax.jit
+def _flat(tree):
+  return jax.vmap(lambda g: ravel_pytree(g)[0])(tree)
+
+
 def _flat_rows(tree):
-  return np.stack([np.asarray(ravel_pytree(jax.tree_util.tree_map(lambda x: x[i], tree))[0])
-                   for i in range(jax.tree_util.tree_leaves(tree)[0].shape[0])])
+  """``(B, p)`` NumPy matrix of the per-example pytrees, flattened."""
+  return np.asarray(_flat(tree))
 
 
 def test_vectorised_per_example_grads_equal_a_loop_of_single_example_grads():
@@ -38,8 +43,9 @@ def test_vectorised_per_example_grads_equal_a_loop_of_single_example_grads():
   params, (X, y) = _mlp_params(jax.random.key(0)), _batch(jax.random.key(1))
   batched = jax.jit(pe.per_example_grads(_loss))(params, (X, y))
   assert jax.tree_util.tree_structure(batched) == jax.tree_util.tree_structure(params)
+  single_grad = jax.jit(jax.grad(_loss))
   for i in range(X.shape[0]):
-    single = jax.grad(_loss)(params, (X[i], y[i]))
+    single = single_grad(params, (X[i], y[i]))
     jax.tree_util.tree_map(
         lambda b, s: np.testing.assert_allclose(np.asarray(b[i]), np.asarray(s), rtol=1e-4,
                                                 atol=1e-6), batched, single)

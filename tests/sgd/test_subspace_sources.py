@@ -24,6 +24,10 @@ def _tree_loss(params, example):
   return optax.sigmoid_binary_cross_entropy(x @ params["w"] + params["b"], y)
 
 
+# Same shapes and DPASE parameters as tests/sgd/test_training.py (one compilation).
+EPS_S, DELTA_S = 1.0, 1e-5 * 0.1
+
+
 def _logistic(n, d=20, k=3, seed=0):
   X, B = data.exact_subspace_data(jax.random.key(seed), n, d, k)    # gradients lie in span(B)
   y = (X @ B[:, 0] > 0).astype(jnp.float32)
@@ -55,18 +59,18 @@ def test_public_subspace_captures_an_exactly_low_rank_gradient_space():
 def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_remove():
   X, y, B = _logistic(8_000)
   res = ss.private_gradient_subspace(jax.random.key(5), _loss, jnp.zeros(20), (X, y), k=3,
-                                     epsilon=1.0, delta=1e-6, gamma=1e-6)
+                                     epsilon=EPS_S, delta=DELTA_S, gamma=1e-6)
   assert res.neighbouring == "add_remove" and res.info["partition"] == "random_labels"
-  assert (res.epsilon, res.delta) == (1.0, 1e-6)
+  assert (res.epsilon, res.delta) == (EPS_S, DELTA_S)
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
 
 
 def test_private_subspace_is_bottom_on_isotropic_gradients_and_still_pays():
-  X = jax.random.normal(jax.random.key(6), (3_000, 30))
+  X = jax.random.normal(jax.random.key(6), (8_000, 20))
   y = (X[:, 0] > 0).astype(jnp.float32)
-  res = ss.private_gradient_subspace(jax.random.key(7), _loss, jnp.zeros(30), (X, y), k=2,
-                                     epsilon=0.5, delta=1e-6, gamma=1e-3)
-  assert not bool(res.ok) and (res.epsilon, res.delta) == (0.5, 1e-6)
+  res = ss.private_gradient_subspace(jax.random.key(7), _loss, jnp.zeros(20), (X, y), k=3,
+                                     epsilon=EPS_S, delta=DELTA_S, gamma=1e-6)
+  assert not bool(res.ok) and (res.epsilon, res.delta) == (EPS_S, DELTA_S)
   assert float(jnp.abs(res.basis).max()) == 0.0            # ⊥ carries no information
 
 
@@ -74,7 +78,7 @@ def test_private_subspace_survives_non_finite_gradients_and_clips_rows():
   X, y, B = _logistic(8_000)
   X = X.at[:3].set(jnp.inf)                                   # a few poisoned rows
   res = ss.private_gradient_subspace(jax.random.key(8), _loss, jnp.zeros(20), (X, y), k=3,
-                                     epsilon=1.0, delta=1e-6, gamma=1e-6, clip_norm=0.5)
+                                     epsilon=EPS_S, delta=DELTA_S, gamma=1e-6, clip_norm=0.5)
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
   G = ss._sanitise_rows(jnp.array([[3.0, 4.0], [jnp.nan, 1.0], [0.3, 0.4]]), 1.0)
   np.testing.assert_allclose(np.asarray(G), [[0.6, 0.8], [0.0, 0.0], [0.3, 0.4]], rtol=1e-6)

@@ -1,5 +1,10 @@
-"""The private training loop (ALGORITHMS.md §6): budgets, subspace sources, fallbacks."""
+"""The private training loop (ALGORITHMS.md §6): budgets, subspace sources, fallbacks.
 
+All runs share one data shape, loss, clip norm and optimiser so that the jitted steps (and DPASE)
+compile once for the whole module.
+"""
+
+import functools
 import warnings
 
 import jax
@@ -10,11 +15,27 @@ import pytest
 
 from dpjax import accounting, data, sgd
 
+N, D, K = 8_000, 20, 3
+OPT = optax.sgd(0.5)
+# The private subspace gets ε_s = 0.25·4 = 1 and δ_s = 0.1·1e-5, as in test_subspace_sources.
+PRIVATE = dict(epsilon=4.0, delta=1e-5, subspace_epsilon_fraction=0.25, gamma=1e-6)
 
-def _logistic_problem(n=2_000, d=20, k=3):
-  X, B = data.exact_subspace_data(jax.random.key(0), n, d, k)   # gradients lie in span(B)
+
+@functools.lru_cache(maxsize=None)
+def _low_rank():
+  """Logistic regression on x = B z: every per-example gradient lies in span(B).
+
+  Returns ``(X, y)`` private rows, ``(X_pub, y_pub)`` disjoint public rows, and ``B``.
+  """
+  X, B = data.exact_subspace_data(jax.random.key(0), N + 200, D, K)
   y = (X @ B[:, 0] > 0).astype(jnp.float32)
-  return X, y, B
+  return (X[:N], y[:N]), (X[N:], y[N:]), B
+
+
+@functools.lru_cache(maxsize=None)
+def _isotropic():
+  X = jax.random.normal(jax.random.key(3), (N, D))
+  return X, (X[:, 0] > 0).astype(jnp.float32)
 
 
 def _loss(w, example):
@@ -26,18 +47,22 @@ def _full_loss(w, X, y):
   return float(jnp.mean(jax.vmap(_loss, in_axes=(None, 0))(w, (X, y))))
 
 
+def _train(key, train_data, **kwargs):
+  args = dict(epsilon=4.0, delta=1e-5, steps=2, expected_batch_size=200, clip_norm=1.0) | kwargs
+  return sgd.train_dp_sgd(jax.random.key(key), _loss, jnp.zeros(D), train_data, OPT, **args)
+
+
 @pytest.mark.parametrize("subspace", ["none", "public"])
 def test_training_decreases_the_loss_within_budget(subspace):
-  X, y, B = _logistic_problem()
-  w0 = jnp.zeros(20)
-  out = sgd.train_dp_sgd(jax.random.key(1), _loss, w0, (X[200:], y[200:]), optax.sgd(0.5),
-                         epsilon=4.0, delta=1e-5, steps=40, expected_batch_size=200,
-                         clip_norm=1.0, subspace=subspace, k=3, public_data=(X[:200], y[:200]),
-                         eval_fn=lambda w: {"loss": _full_loss(w, X, y)}, eval_every=20)
-  assert out.budget.epsilon <= 4.0 + 1e-9 and out.budget.delta <= 1e-5
-  assert out.budget.neighbouring == "add_remove"
-  assert _full_loss(out.params, X, y) < 0.8 * _full_loss(w0, X, y)
-  assert [h["step"] for h in out.history] == [20, 40]
+  (X, y), public, B = _low_rank()
+  out = _train(1, (X, y), steps=30, subspace=subspace, k=K, public_data=public,
+               eval_fn=lambda w: {"loss": _full_loss(w, X, y)}, eval_every=15)
+  assert out.budget.epsilon <= 4.0 + 1e-9 and out.budget.delta <= 1e-5 * (1 + 1e-12)
+  assert out.budget.neighbouring == "add_remove" and out.budget.steps == 30
+  assert out.budget.sampling_prob == pytest.approx(200 / N)
+  assert _full_loss(out.params, X, y) < 0.8 * _full_loss(jnp.zeros(D), X, y)
+  assert [h["step"] for h in out.history] == [15, 30]
+  assert out.history[-1]["loss"] < out.history[0]["loss"] * 1.1
   assert out.subspace_ok == (None if subspace == "none" else True)
   if subspace == "public":       # noise and signal only in the public span(B) ∋ w
     residual = out.params - B @ (B.T @ out.params)
@@ -45,55 +70,46 @@ def test_training_decreases_the_loss_within_budget(subspace):
 
 
 def test_training_is_deterministic_for_a_fixed_key():
-  X, y, _ = _logistic_problem(n=500)
-  run = lambda seed: sgd.train_dp_sgd(jax.random.key(seed), _loss, jnp.zeros(20), (X, y),
-                                      optax.sgd(0.1), epsilon=1.0, delta=1e-5, steps=5,
-                                      expected_batch_size=50, clip_norm=1.0).params
-  first = run(2)
-  assert jnp.array_equal(first, run(2)) and not jnp.array_equal(first, run(3))
-
-
-def test_private_subspace_bottom_falls_back_to_plain_dp_sgd_and_pays():
-  """Isotropic gradients: DPASE says ⊥, training continues privately, the budget is spent."""
-  X = jax.random.normal(jax.random.key(3), (3_000, 30))
-  y = (X[:, 0] > 0).astype(jnp.float32)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out = sgd.train_dp_sgd(jax.random.key(4), _loss, jnp.zeros(30), (X, y), optax.sgd(0.5),
-                           epsilon=2.0, delta=1e-5, steps=10, expected_batch_size=100,
-                           clip_norm=1.0, subspace="private", k=2, gamma=1e-3,
-                           subspace_epsilon_fraction=0.25)
-  assert out.subspace_ok is False
-  assert any("⊥" in str(w.message) for w in caught)
-  assert out.budget.subspace_epsilon == pytest.approx(0.5) and out.budget.epsilon <= 2.0 + 1e-9
-  # The σ that runs is the one planned with the subspace's share taken out.
-  assert out.budget == accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=100 / 3_000,
-                                                    steps=10, subspace_epsilon=0.5,
-                                                    subspace_delta=1e-5 * 0.1)
+  train, _, _ = _low_rank()
+  first = _train(2, train, steps=5).params
+  assert jnp.array_equal(first, _train(2, train, steps=5).params)
+  assert not jnp.array_equal(first, _train(3, train, steps=5).params)
 
 
 def test_microbatching_does_not_change_the_step():
   """Same key → same Poisson samples; splitting them into micro-batches only re-associates sums."""
-  X, y, _ = _logistic_problem(n=400)
-  run = lambda mb: sgd.train_dp_sgd(jax.random.key(7), _loss, jnp.zeros(20), (X, y),
-                                    optax.sgd(0.5), epsilon=3.0, delta=1e-5, steps=3,
-                                    expected_batch_size=40, clip_norm=1.0, microbatch_size=mb,
-                                    progress=True)
-  np.testing.assert_allclose(np.asarray(run(7).params), np.asarray(run(None).params), atol=1e-5)
+  train, _, _ = _low_rank()
+  a = _train(7, train, steps=3, microbatch_size=64, progress=True).params
+  b = _train(7, train, steps=3).params
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_private_subspace_is_used_when_dpase_answers():
-  X, y, B = _logistic_problem(n=8_000)
-  out = sgd.train_dp_sgd(jax.random.key(8), _loss, jnp.zeros(20), (X, y), optax.sgd(0.5),
-                         epsilon=4.0, delta=1e-5, steps=2, expected_batch_size=400,
-                         clip_norm=1.0, subspace="private", k=3, gamma=1e-6)
+  train, _, B = _low_rank()
+  out = _train(8, train, subspace="private", k=K, **PRIVATE)
   assert out.subspace_ok is True
   b = out.budget
-  assert b.subspace_epsilon == pytest.approx(0.4) and b.subspace_delta == pytest.approx(1e-6)
+  assert b.subspace_epsilon == pytest.approx(1.0) and b.subspace_delta == pytest.approx(1e-6)
   assert b.epsilon == pytest.approx(b.subspace_epsilon + b.sgd_epsilon) and b.epsilon <= 4.0
-  # Every update lies in the learned span; the learned span is span(B), so w stays near it.
+  assert b.delta == pytest.approx(1e-5)
+  # Every update lies in the learned span, which is close to span(B).
   residual = out.params - B @ (B.T @ out.params)
   assert float(jnp.linalg.norm(residual)) < 0.1 * float(jnp.linalg.norm(out.params))
+
+
+def test_private_subspace_bottom_falls_back_to_plain_dp_sgd_and_pays():
+  """Isotropic gradients: DPASE says ⊥, training continues privately, the budget is spent."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = _train(4, _isotropic(), steps=3, subspace="private", k=K, **PRIVATE)
+  assert out.subspace_ok is False
+  assert any("⊥" in str(w.message) for w in caught)
+  assert out.budget.subspace_epsilon == pytest.approx(1.0) and out.budget.epsilon <= 4.0 + 1e-9
+  # The σ that runs is the one planned with the subspace's share taken out.
+  assert out.budget == accounting.plan_dpsgd_budget(4.0, 1e-5, sampling_prob=200 / N, steps=3,
+                                                    subspace_epsilon=4.0 * 0.25,
+                                                    subspace_delta=1e-5 * 0.1)
+  assert bool(jnp.all(jnp.isfinite(out.params))) and float(jnp.linalg.norm(out.params)) > 0
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -108,7 +124,7 @@ def test_private_subspace_is_used_when_dpase_answers():
     (dict(subspace="private", k=2, subspace_epsilon_fraction=1.0), "subspace_epsilon_fraction"),
     (dict(subspace="private", k=2, subspace_delta_fraction=0.0), "subspace_delta_fraction"),
     (dict(subspace="private", k=2), "gamma"),
-    (dict(subspace="private", k=21, gamma=0.1), "k"),
+    (dict(subspace="private", k=D + 1, gamma=0.1), "k"),
     (dict(subspace="private", k=2, gamma=0.1, dpase_kwargs={"partition": "permutation"}),
      "random_labels"),
     (dict(steps=0), "steps"),
@@ -117,8 +133,14 @@ def test_private_subspace_is_used_when_dpase_answers():
     (dict(key=5), "key"),
 ])
 def test_bad_arguments(kwargs, match):
-  X, y, _ = _logistic_problem(n=300)
+  X, y = _low_rank()[0]
   args = dict(epsilon=1.0, delta=1e-5, steps=2, expected_batch_size=30, clip_norm=1.0) | kwargs
-  key, optimizer = args.pop("key", jax.random.key(0)), args.pop("optimizer", optax.sgd(0.1))
+  key, optimizer = args.pop("key", jax.random.key(0)), args.pop("optimizer", OPT)
   with pytest.raises((ValueError, TypeError), match=match):
-    sgd.train_dp_sgd(key, _loss, jnp.zeros(20), (X, y), optimizer, **args)
+    sgd.train_dp_sgd(key, _loss, jnp.zeros(D), (X, y), optimizer, **args)
+
+
+def test_non_finite_data_is_refused_before_anything_runs():
+  X, y = _low_rank()[0]
+  with pytest.raises(ValueError, match="data"):
+    _train(0, (X.at[5, 0].set(jnp.nan), y))

@@ -1,0 +1,120 @@
+"""The Gaussian mechanism (ALGORITHMS.md §1.2): analytic and classic calibrations, sampler law."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import special, stats
+
+from dpjax import mechanisms as M
+from dpjax.mechanisms import gaussian
+
+N = 20_000
+CASES = [(0.1, 1e-5, 1.0), (0.5, 1e-5, 1.0), (0.9, 1e-12, 3.0), (1.0, 1e-6, 2.0),
+         (4.0, 1e-8, 1.0), (10.0, 1e-5, 0.5), (0.01, 0.3, 1.0)]
+
+
+def _bw_delta(sigma, eps, delta_sens):
+  """Balle–Wang's exact δ(σ) with SciPy (log-space for the second term)."""
+  a, b = delta_sens / (2 * sigma), eps * sigma / delta_sens
+  return stats.norm.cdf(a - b) - math.exp(eps + stats.norm.logcdf(-a - b))
+
+
+def _assert_scale_is_right(samples, sigma):
+  samples = np.asarray(samples, np.float64)
+  def p(s):
+    return stats.kstest(samples, stats.norm(scale=s).cdf).pvalue
+  assert p(sigma) > 1e-3
+  assert p(sigma * 2 / 3) < 1e-6 and p(sigma * 3 / 2) < 1e-6
+
+
+def test_host_log_ndtr_matches_scipy_in_both_tails():
+  xs = np.concatenate([-np.logspace(3, -3, 200), [0.0], np.logspace(-3, 1.6, 100)])
+  ours = np.array([gaussian._log_ndtr(float(x)) for x in xs])
+  ref = special.log_ndtr(xs)
+  np.testing.assert_allclose(ours, ref, rtol=1e-12, atol=1e-300)
+
+
+@pytest.mark.parametrize("eps,delta,sens", CASES)
+def test_analytic_sigma_is_the_smallest_sigma_meeting_balle_wang(eps, delta, sens):
+  sigma = M.analytic_gaussian_sigma(eps, delta, sens)
+  assert isinstance(sigma, float)
+  assert _bw_delta(sigma, eps, sens) <= delta * (1 + 1e-9)            # meets the condition
+  assert _bw_delta(sigma * (1 - 1e-7), eps, sens) > delta              # and is the smallest
+  assert math.isclose(M.analytic_gaussian_sigma(eps, delta, 1.0) * sens, sigma, rel_tol=1e-12)
+
+
+def test_analytic_known_value_and_below_classic():
+  assert math.isclose(M.analytic_gaussian_sigma(1.0, 1e-5), 3.7306, abs_tol=1e-4)
+  for eps, delta, sens in CASES:
+    if eps < 1:
+      classic = M.classic_gaussian_sigma(eps, delta, sens)
+      assert classic == pytest.approx(sens * math.sqrt(2 * math.log(1.25 / delta)) / eps)
+      assert M.analytic_gaussian_sigma(eps, delta, sens) < classic
+
+
+def test_classic_refuses_epsilon_at_least_one():
+  with pytest.raises(ValueError, match="epsilon"):
+    M.classic_gaussian_sigma(1.0, 1e-5)
+  with pytest.raises(ValueError, match="epsilon"):
+    M.gaussian_mechanism(jax.random.key(0), jnp.zeros(3), sensitivity=1.0, epsilon=2.0,
+                         delta=1e-5, calibration="classic")
+
+
+def test_noise_has_the_normal_law():
+  z = M.gaussian_noise(jax.random.key(1), (N,), sigma=1.7)
+  assert z.shape == (N,) and z.dtype == jnp.float32
+  _assert_scale_is_right(z, 1.7)
+  assert jnp.all(M.gaussian_noise(jax.random.key(1), (4,), sigma=0.0) == 0)
+
+
+@pytest.mark.parametrize("calibration", ["analytic", "classic"])
+def test_mechanism_uses_the_calibrated_sigma(calibration):
+  eps, delta = 0.5, 1e-5
+  sigma = (M.analytic_gaussian_sigma if calibration == "analytic"
+           else M.classic_gaussian_sigma)(eps, delta, 2.0)
+  value = jnp.full((N,), 4.0)
+  out = M.gaussian_mechanism(jax.random.key(2), value, sensitivity=2.0, epsilon=eps,
+                             delta=delta, calibration=calibration)
+  assert out.dtype == jnp.float32
+  _assert_scale_is_right(out - value, sigma)
+
+
+def test_float64_and_key_hygiene():
+  with jax.enable_x64(True):
+    out = M.gaussian_mechanism(jax.random.key(3), jnp.zeros(5, jnp.float64), sensitivity=1.0,
+                               epsilon=1.0, delta=1e-5)
+    assert out.dtype == jnp.float64
+  a = M.gaussian_noise(jax.random.key(4), (6,), sigma=1.0)
+  assert jnp.array_equal(a, M.gaussian_noise(jax.random.key(4), (6,), sigma=1.0))
+  assert not jnp.array_equal(a, M.gaussian_noise(jax.random.key(5), (6,), sigma=1.0))
+
+
+KEY = jax.random.key(0)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: M.analytic_gaussian_sigma(0.0, 1e-5), ValueError, "epsilon"),
+    (lambda: M.analytic_gaussian_sigma(float("nan"), 1e-5), ValueError, "epsilon"),
+    (lambda: M.analytic_gaussian_sigma(1.0, 0.0), ValueError, "delta"),
+    (lambda: M.analytic_gaussian_sigma(1.0, 1.0), ValueError, "delta"),
+    (lambda: M.analytic_gaussian_sigma(1.0, float("nan")), ValueError, "delta"),
+    (lambda: M.analytic_gaussian_sigma(1.0, 1e-5, 0.0), ValueError, "sensitivity"),
+    (lambda: M.classic_gaussian_sigma(0.5, 1.5), ValueError, "delta"),
+    (lambda: M.gaussian_noise(KEY, (2,), sigma=-1.0), ValueError, "sigma"),
+    (lambda: M.gaussian_noise(KEY, (2,), sigma=1.0, dtype=jnp.int8), TypeError, "dtype"),
+    (lambda: M.gaussian_noise(None, (2,), sigma=1.0), TypeError, "key"),
+    (lambda: M.gaussian_mechanism(KEY, jnp.ones(2), sensitivity=1.0, epsilon=1.0, delta=1.5),
+     ValueError, "delta"),
+    (lambda: M.gaussian_mechanism(KEY, jnp.ones(2), sensitivity=1.0, epsilon=1.0, delta=1e-5,
+                                  calibration="rdp"), ValueError, "calibration"),
+    (lambda: M.gaussian_mechanism(KEY, jnp.ones(2, jnp.int32), sensitivity=1.0, epsilon=1.0,
+                                  delta=1e-5), TypeError, "value"),
+    (lambda: M.gaussian_mechanism(KEY, jnp.array([jnp.inf]), sensitivity=1.0, epsilon=1.0,
+                                  delta=1e-5), ValueError, "value"),
+])
+def test_bad_inputs_raise_naming_the_argument(call, exc, match):
+  with pytest.raises(exc, match=match):
+    call()
