@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 
 from dpjax import _validation as v
 from dpjax.mechanisms.laplace import check_float_dtype, check_float_value, check_shape
