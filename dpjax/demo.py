@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import warnings
@@ -230,6 +231,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--eval-every", type=int, default=25)
   parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
   args = parser.parse_args(argv)
+  # dp_accounting logs every fractional RDP order it drops (the ε stays an upper bound); keep
+  # the main job's output readable.
+  logging.getLogger("absl").setLevel(logging.ERROR)
   if args.epsilon <= 0:
     parser.error(f"--epsilon must be > 0, got {args.epsilon}")
   if not 0 < args.delta < 1:
