@@ -138,3 +138,23 @@ def check_finite_tree(tree, name: str) -> None:
     arr = jnp.asarray(leaf)
     if jnp.issubdtype(arr.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(arr))):
       raise ValueError(f"{name} contains NaN or infinite entries; remove or impute them first.")
+
+
+def check_scores(scores, name: str = "scores"):
+  """Validates a ``(C,)`` vector of real or integer candidate scores, ``C >= 1``.
+
+  Returns NumPy input as NumPy (so int64 values stay exact for range checks) and JAX input as is.
+
+  Raises:
+    TypeError: bool or non-numeric dtype.
+    ValueError: not of shape ``(C,)`` with ``C >= 1``.
+  """
+  if not isinstance(scores, jax.Array):
+    scores = np.asarray(scores)
+  if scores.dtype == np.bool_ or not (np.issubdtype(scores.dtype, np.integer)
+                                      or jnp.issubdtype(scores.dtype, jnp.floating)):
+    raise TypeError(f"{name} must be real or integer, got dtype={scores.dtype}.")
+  if scores.ndim != 1 or scores.shape[0] == 0:
+    raise ValueError(f"{name} must have shape (C,) with C >= 1, got shape "
+                     f"{tuple(scores.shape)}.")
+  return scores

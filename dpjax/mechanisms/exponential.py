@@ -43,13 +43,7 @@ def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon
   v.check_key(key)
   epsilon = v.check_epsilon(epsilon)
   sensitivity = v.check_positive(sensitivity, "sensitivity")
-  scores = jnp.asarray(scores)
-  if scores.dtype == jnp.bool_ or not (jnp.issubdtype(scores.dtype, jnp.integer)
-                                      or jnp.issubdtype(scores.dtype, jnp.floating)):
-    raise TypeError(f"scores must be real or integer, got dtype={scores.dtype}.")
-  if scores.ndim != 1 or scores.shape[0] == 0:
-    raise ValueError(f"scores must have shape (C,) with C >= 1, got shape "
-                     f"{tuple(scores.shape)}.")
+  scores = jnp.asarray(v.check_scores(scores))
   if not bool(jnp.all(jnp.isfinite(scores))):
     raise ValueError("scores contain NaN or infinite entries.")
   factor = epsilon / (sensitivity if monotone else 2.0 * sensitivity)

@@ -109,14 +109,7 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
     truncated CDP", STOC 2018; [SS21] Lemma A.16.
   """
   v.check_key(key)
-  if not isinstance(scores, jax.Array):
-    scores = np.asarray(scores)              # keep int64 values as they are for the range check
-  if scores.dtype == np.bool_ or not (np.issubdtype(scores.dtype, np.integer)
-                                      or jnp.issubdtype(scores.dtype, jnp.floating)):
-    raise TypeError(f"scores must be real or integer, got dtype={scores.dtype}.")
-  if scores.ndim != 1 or scores.shape[0] == 0:
-    raise ValueError(f"scores must have shape (C,) with C >= 1, got shape "
-                     f"{tuple(scores.shape)}.")
+  scores = v.check_scores(scores)           # NumPy input stays NumPy: int64 range check
   if np.issubdtype(scores.dtype, np.integer):
     low, high = int(scores.min()), int(scores.max())
     if low < -(2**29) or high > 2**29:

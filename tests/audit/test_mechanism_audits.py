@@ -16,6 +16,7 @@ import pytest
 from dpjax import accounting, audit, data, linalg, sgd
 from dpjax import mechanisms as M
 from dpjax.subspace import approximate
+from dpjax.subspace import analyze_gauss as dpjax_analyze_gauss
 from dpjax.subspace import dpaseb as dpjax_dpaseb
 from dpjax.subspace.exact import dpese as dpjax_dpese
 
@@ -184,6 +185,21 @@ def test_dpese_two_competing_planes(audit_trials):
   _check("DPESE", 1.0, rep.epsilon_lower_bound, n)
 
 
+def test_analyze_gauss_replaced_row(audit_trials):
+  """Rows along e1; X' replaces one by a row of norm C along e0 (the change of XᵀX is 2C²)."""
+  n = audit_trials(3_000, 50_000)
+  X = jnp.zeros((10, 3)).at[:, 1].set(1.0)
+  X_prime = X.at[0].set(jnp.array([1.0, 0.0, 0.0]))
+
+  def run(key, rows):
+    res = dpjax_analyze_gauss(key, rows, epsilon=1.0, delta=1e-5, k=1, clip_norm=1.0)
+    return jnp.round(jnp.abs(res.basis[0, 0]), 1)
+
+  rep = audit.audit(jax.random.key(15), run, X, X_prime, delta=1e-5, epsilon_claimed=1.0,
+                    trials=n)
+  _check("Analyze Gauss", 1.0, rep.epsilon_lower_bound, n)
+
+
 def _canary_step(basis=None):
   """One full-batch DP-SGD step on a linear model; the canary's gradient is e_0 (norm C)."""
   d, C, sigma = 8, 1.0, 1.0
@@ -221,7 +237,7 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
             "stability histogram (discrete)", "stability histogram (laplace)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
-            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
+            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE", "Analyze Gauss",
             "DP-SGD step", "subspace DP-SGD step"}
 
 
