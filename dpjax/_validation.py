@@ -117,6 +117,16 @@ def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.A
   return out
 
 
+def check_data64(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> np.ndarray:
+  """:func:`check_data` at full precision: float64 input stays float64 whatever JAX's x64 flag.
+
+  Returns a float64 NumPy array (for estimators whose utility needs float64, e.g. covariances
+  with condition numbers up to 1e12 or means of 1e6).
+  """
+  with jax.enable_x64(True):
+    return np.asarray(check_data(X, name, ndim=ndim, min_rows=min_rows), np.float64)
+
+
 def _real_scalar(value, name: str) -> float:
   if isinstance(value, bool):
     raise TypeError(f"{name} must be a real number, got {name}={value!r}.")

@@ -70,3 +70,67 @@ def success_rate(errors, alpha: float, confidence: float = 0.95) -> dict:
   hits = int(np.sum(errors <= alpha))
   low, high = clopper_pearson(hits, errors.size, confidence)
   return {"rate": hits / errors.size, "low": low, "high": high, "trials": int(errors.size)}
+
+
+# --- Gaussians and covariances ([AL22] §3.8; host-side float64) ---------------------------------
+
+def _whitener(Sigma: np.ndarray) -> np.ndarray:
+  w, V = np.linalg.eigh((Sigma + Sigma.T) / 2)
+  if w[0] <= 0:
+    raise ValueError("Sigma must be positive definite for a whitened error.")
+  return (V / np.sqrt(w)) @ V.T
+
+
+def covariance_error(Sigma_hat, Sigma, ord=2) -> float:
+  """``‖Σ^{-1/2} Σ̂ Σ^{-1/2} − I‖`` (spectral by default, ``ord="fro"`` for Frobenius).
+
+  Affine invariant; the error measure of [AL22] Thm 5.4–5.6 (Frobenius ≤ α gives TV O(α)).
+  Σ must be positive definite (restrict both to ``range(Σ)`` first for singular Σ).
+  """
+  S = np.asarray(Sigma, np.float64)
+  W = _whitener(S)
+  return float(np.linalg.norm(W @ np.asarray(Sigma_hat, np.float64) @ W - np.eye(S.shape[0]), ord))
+
+
+def mahalanobis_error(mu_hat, mu, Sigma) -> float:
+  """``‖Σ^{-1/2}(μ̂ − μ)‖₂`` for positive definite Σ."""
+  W = _whitener(np.asarray(Sigma, np.float64))
+  return float(np.linalg.norm(W @ (np.asarray(mu_hat, np.float64) - np.asarray(mu, np.float64))))
+
+
+def gaussian_kl(mu1, Sigma1, mu2, Sigma2) -> float:
+  """``KL(N(μ1, Σ1) ‖ N(μ2, Σ2))`` ([AL22] Fact 2.1), both covariances positive definite."""
+  S1, S2 = (np.asarray(S, np.float64) for S in (Sigma1, Sigma2))
+  diff = np.asarray(mu2, np.float64) - np.asarray(mu1, np.float64)
+  _, logdet1 = np.linalg.slogdet(S1)
+  _, logdet2 = np.linalg.slogdet(S2)
+  return float(0.5 * (np.trace(np.linalg.solve(S2, S1)) - S1.shape[0]
+                      + diff @ np.linalg.solve(S2, diff) + logdet2 - logdet1))
+
+
+def gaussian_tv(key: jax.Array, mu1, Sigma1, mu2, Sigma2, num_samples: int = 100_000) -> dict:
+  """TV between two non-degenerate Gaussians: Monte Carlo and the Pinsker bound ([AL22] §3.8).
+
+  ``TV = E_{x∼P}[(1 − q(x)/p(x))_+]`` estimated from ``num_samples`` draws of P (log-densities in
+  float64), with its standard error, and ``sqrt(KL(P‖Q)/2)`` (Pinsker, an upper bound).
+
+  Returns:
+    ``{"tv": float, "stderr": float, "pinsker": float}``.
+  """
+  S1, S2 = (np.asarray(S, np.float64) for S in (Sigma1, Sigma2))
+  m1, m2 = np.asarray(mu1, np.float64), np.asarray(mu2, np.float64)
+  L1 = np.linalg.cholesky(S1)
+  z = np.asarray(jax.random.normal(key, (num_samples, S1.shape[0])), np.float64)
+  x = m1 + z @ L1.T
+  log_p = _gaussian_logpdf(x, m1, S1)
+  log_q = _gaussian_logpdf(x, m2, S2)
+  vals = np.maximum(0.0, -np.expm1(np.minimum(log_q - log_p, 700.0)))
+  return {"tv": float(vals.mean()), "stderr": float(vals.std() / np.sqrt(num_samples)),
+          "pinsker": float(np.sqrt(max(gaussian_kl(m1, S1, m2, S2), 0.0) / 2.0))}
+
+
+def _gaussian_logpdf(x, mu, Sigma):
+  L = np.linalg.cholesky(Sigma)
+  y = np.linalg.solve(L, (x - mu).T)
+  return -0.5 * np.sum(y * y, axis=0) - np.sum(np.log(np.diag(L))) \
+      - 0.5 * x.shape[1] * np.log(2 * np.pi)

@@ -22,6 +22,14 @@ def test_readme_example_runs():
   assert ns["out"].budget.epsilon <= 2.0 + 1e-9
 
 
+def test_readme_covariance_example_runs():
+  text = (ROOT / "README.md").read_text()
+  code = re.findall(r"```python\n(.*?)```", text, re.S)[1]
+  ns = _run(code, "README.md#covariance")
+  assert bool(ns["cov"].ok) and ns["metrics"].covariance_error(ns["cov"].estimate,
+                                                               ns["Sigma"]) < 0.1
+
+
 def test_quickstart_notebook_runs():
   nb = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text())
   code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")

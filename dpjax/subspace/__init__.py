@@ -5,5 +5,5 @@ from dpjax.subspace.approximate import (CellLengthCalibration, DPASEParameters,
                                         num_subsets_for)
 from dpjax.subspace.baselines import analyze_gauss, pca_subspace
 from dpjax.subspace.boosted import dpaseb, num_blocks_for
-from dpjax.subspace.exact import dpese
+from dpjax.subspace.exact import al_subspace, al_subspace_parameters, dpese
 from dpjax.subspace.result import SubspaceResult

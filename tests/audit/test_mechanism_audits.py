@@ -18,6 +18,7 @@ from dpjax import mechanisms as M
 from dpjax.subspace import approximate
 from dpjax.subspace import analyze_gauss as dpjax_analyze_gauss
 from dpjax.subspace import dpaseb as dpjax_dpaseb
+from dpjax.subspace.exact import al_subspace_core, al_subspace_parameters
 from dpjax.subspace.exact import dpese as dpjax_dpese
 
 pytestmark = pytest.mark.audit
@@ -185,6 +186,37 @@ def test_dpese_two_competing_planes(audit_trials):
   _check("DPESE", 1.0, rep.epsilon_lower_bound, n)
 
 
+def test_al_subspace(audit_trials):
+  """Groups of one row (k = n = 15, d = 3), so the winning count c* is the number of rows on the
+  line e0 whatever the permutation; X' replaces one of them by a generic row (c* − 1). Pairs at
+  the δ edge (c* = ⌊k/2⌋ + 2 vs + 1: ok with probability δ/1.1 vs never) and where the TLap
+  test's privacy profile is tightest (ε part, both directions). Feature: ⊥, or the released axis.
+  """
+  n = audit_trials(20_000, 200_000)
+  eps, delta, k, d = 1.0, 0.02, 15, 3
+  params = al_subspace_parameters(k, d, epsilon=eps, delta=delta, num_groups=k)
+  rng = np.random.default_rng(16)
+  generic = rng.standard_normal((k, d))
+  on_line = np.zeros((k, d))
+  on_line[:, 0] = rng.uniform(0.5, 3.0, k) * rng.choice([-1.0, 1.0], k)
+
+  def run(key, rows):
+    ok, proj = al_subspace_core(key, rows, params)
+    return jnp.where(ok, 1 + jnp.argmax(jnp.diagonal(proj)), 0)
+
+  best = 0.0
+  for i, above in enumerate((1, 3, 5)):            # c* − (⌊k/2⌋ + 1) on X
+    c = params.majority + above
+    X = np.concatenate([on_line[:c], generic[c:]])
+    X_prime = X.copy()
+    X_prime[c - 1] = generic[c - 1]
+    with jax.enable_x64(True):
+      rep = audit.audit(jax.random.key(17 + i), run, jnp.asarray(X), jnp.asarray(X_prime),
+                        delta=delta, epsilon_claimed=eps, trials=n)
+    best = max(best, rep.epsilon_lower_bound)
+  _check("AL exact subspace", eps, best, n)
+
+
 def test_analyze_gauss_replaced_row(audit_trials):
   """Rows along e1; X' replaces one by a row of norm C along e0 (the change of XᵀX is 2C²)."""
   n = audit_trials(3_000, 50_000)
@@ -237,8 +269,8 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
             "stability histogram (discrete)", "stability histogram (laplace)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
-            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE", "Analyze Gauss",
-            "DP-SGD step", "subspace DP-SGD step"}
+            "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
+            "AL exact subspace", "Analyze Gauss", "DP-SGD step", "subspace DP-SGD step"}
 
 
 def test_zz_every_mechanism_was_audited():

@@ -1,0 +1,235 @@
+"""The full Ashtiani–Liaw Gaussian learner ([AL22] §5.1, Thm 5.7; ALGORITHMS.md §3.6).
+
+Learns ``N(μ, Σ)`` with Σ possibly singular and μ, Σ unbounded, in four steps on disjoint
+batches of rows (fixed by position, public):
+
+1. **Subspace.** Pair differences ``x_{2i} − x_{2i+1} ~ N(0, 2Σ)``;
+   :func:`dpjax.subspace.al_subspace` releases ``range(Σ)`` (basis V, rank r).
+2. **Covariance in the subspace.** ``(x_{2i} − x_{2i+1})ᵀV/√2 ~ N(0, VᵀΣV)`` (full rank r);
+   :func:`~dpjax.covariance.covariance.learn_covariance` (AL preconditioner + CoinPress) → Σ̂_r.
+3. **Mean in the subspace.** ``w_i = Σ̂_r^{-1/2} Vᵀ x_i`` has covariance within a constant factor
+   of I: Euclidean PPME (:func:`~dpjax.covariance.populous_mean.ppme_mean`) on one half gives a
+   centre with a public error radius, CoinPress (:func:`~dpjax.covariance.coinpress.
+   coinpress_mean`) on the other refines it (the spec's "or CoinPress" route).
+4. **Mean outside the subspace.** ``U_⊥ᵀ x_i`` equals ``U_⊥ᵀμ`` up to the released subspace's
+   snapping error and rounding. A stability histogram of ``⌊log2‖x_i‖_∞ / 8 + ω⌋`` on one half
+   releases the scale S of the rows; Euclidean PPME on the other half, with a public radius that
+   covers the snapping error (``2·d·s·‖x − μ‖`` bounded through the released Σ̂_r) and the
+   rounding (``2^{-40}S``), releases ``U_⊥ᵀμ``.
+
+Output: ``μ̃ = V Σ̂_r^{1/2} μ̂_w + U_⊥ û_⊥``, ``Σ̃ = V Σ̂_r Vᵀ``.
+
+Privacy guarantee: (ε, δ)-DP under replace-one. Every step is (ε, δ)-DP on its own batch (the
+sub-steps of 3 and 4 use disjoint halves), later steps see earlier batches only through DP
+releases, and one replaced row lies in exactly one batch: adaptive parallel composition. ⊥ in any
+step stops the pipeline and ``failed_step`` names it.
+
+The paper's Thm 5.7 promises TV error α with ``n = Õ(d²/α² + d²√ln(1/δ)/(αε) + …)``. In floating
+point the released subspace is exact only up to its public snapping grid (``info["subspace"]
+["snap_scale"]``), so the mean outside the subspace carries an error of that order: TV between
+singular Gaussians with different affine supports is 1, so measure the in-subspace TV and the
+orthogonal error separately (:func:`dpjax.metrics.gaussian_tv` does the former).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from dpjax import _validation as v
+from dpjax.covariance.coinpress import coinpress_mean
+from dpjax.covariance.covariance import (_sqrt_and_inverse_sqrt, learn_covariance,
+                                         pair_differences)
+from dpjax.covariance.populous_mean import min_groups_for_test, ppme_mean
+from dpjax.mechanisms.histogram import histogram_threshold, stable_histogram, top_bin
+from dpjax.subspace.exact import al_subspace, al_subspace_parameters
+
+STEPS = ("subspace", "covariance", "mean", "orthogonal_mean")
+
+
+class GaussianResult(NamedTuple):
+  """Outcome of :func:`learn_gaussian`.
+
+  Attributes:
+    ok: False if any step returned ⊥.
+    mean: ``(d,)`` float64 μ̃ (zeros on ⊥).
+    covariance: ``(d, d)`` float64 Σ̃ (zeros on ⊥).
+    failed_step: None, or the first step that returned ⊥ (one of :data:`STEPS`).
+    epsilon, delta: the budget spent (the whole, whatever the outcome).
+    neighbouring: ``"replace_one"``.
+    info: batch sizes, each step's public parameters, the released rank.
+  """
+  ok: bool
+  mean: np.ndarray
+  covariance: np.ndarray
+  failed_step: str | None
+  epsilon: float
+  delta: float
+  neighbouring: str
+  info: dict[str, Any]
+
+
+def gaussian_batch_sizes(n: int, d: int, *, epsilon: float, delta: float,
+                         covariance_share: float = 2.0 / 3.0) -> tuple[int, int, int, int]:
+  """Default rows per step: the minimum the subspace and orthogonal steps need (with a factor 2
+  margin), the rest split ``covariance_share : 1 − covariance_share`` between steps 2 and 3.
+
+  Raises:
+    ValueError: n too small for steps 1 and 4.
+  """
+  k_sub = al_subspace_parameters(10**12, d, epsilon=epsilon, delta=delta).min_groups
+  n1 = 2 * 2 * k_sub * d                                  # pairs, and a factor 2 margin
+  k4 = min_groups_for_test(epsilon / 4, delta / 2)
+  tau = histogram_threshold(epsilon, delta)
+  n4 = 2 * max(8 * k4, int(4 * tau))                      # halves: PPME groups of ≥ 8, histogram
+  rest = n - n1 - n4
+  if rest < 4:
+    raise ValueError(f"learn_gaussian needs more than {n1 + n4 + 4} rows for d={d}, "
+                     f"epsilon={epsilon}, delta={delta}, got n={n}.")
+  n2 = int(rest * covariance_share)
+  return n1, n2, rest - n2, n4
+
+
+def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
+                   batch_sizes: tuple[int, int, int, int] | None = None,
+                   covariance_kwargs: dict | None = None, beta: float = 0.05,
+                   subspace_kwargs: dict | None = None) -> GaussianResult:
+  """Learns ``N(μ, Σ)`` (Σ possibly singular, μ and Σ unbounded) privately ([AL22] Thm 5.7).
+
+  Args:
+    key: PRNG key.
+    X: ``(n, d)`` rows ~ N(μ, Σ) (individuals).
+    epsilon, delta: the budget (δ < 1/2).
+    batch_sizes: rows for steps 1–4 (default :func:`gaussian_batch_sizes`); their sum ≤ n.
+    covariance_kwargs: extra :func:`~dpjax.covariance.covariance.learn_covariance` arguments
+      for step 2 (e.g. ``num_groups``, ``min_group_size``).
+    beta: failure probability used for the public radii of steps 3 and 4.
+    subspace_kwargs: extra :func:`~dpjax.subspace.al_subspace` arguments (e.g. ``snap_scale``).
+
+  Returns:
+    :class:`GaussianResult`.
+
+  Raises:
+    ValueError: bad input, n too small for a step (the message says which and how many rows).
+
+  References:
+    [AL22] §5.1, Thm 5.7; ALGORITHMS.md §3.6.
+  """
+  key = v.check_key(key)
+  X = v.check_data64(X, "X")
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta, upper=0.5)
+  beta = v.check_probability(beta, "beta", open_high=True)
+  n, d = X.shape
+  sizes = (gaussian_batch_sizes(n, d, epsilon=epsilon, delta=delta) if batch_sizes is None
+           else tuple(v.check_int(s, "batch_sizes[i]", low=2) for s in batch_sizes))
+  if len(sizes) != 4 or sum(sizes) > n:
+    raise ValueError(f"batch_sizes must be 4 sizes summing to <= n={n}, got {sizes}.")
+  ends = np.cumsum(sizes)
+  B1, B2, B3, B4 = (X[e - s:e] for s, e in zip(sizes, ends))
+  keys = jax.random.split(key, 6)
+  info: dict[str, Any] = {"batch_sizes": sizes}
+  fail = lambda step: GaussianResult(False, np.zeros(d), np.zeros((d, d)), step,  # noqa: E731
+                                     epsilon, delta, "replace_one", info)
+
+  # 1. Subspace (float64 basis: the released projection is applied to rows of any scale).
+  with jax.enable_x64(True):
+    sub = al_subspace(keys[0], B1[0::2][: sizes[0] // 2] - B1[1::2][: sizes[0] // 2],
+                      epsilon=epsilon, delta=delta, **(subspace_kwargs or {}))
+  info["subspace"] = sub.info
+  if not bool(sub.ok):
+    return fail("subspace")
+  V = np.asarray(sub.basis, np.float64)
+  r = V.shape[1]
+  U_perp = _orthogonal_complement(V)
+  info["rank"] = r
+
+  # 2–3. Covariance and mean in the subspace.
+  mean_in, Sigma_r = np.zeros(d), np.zeros((r, r))
+  if r > 0:
+    cov = learn_covariance(keys[1], pair_differences(B2) @ V, epsilon=epsilon, delta=delta,
+                           **(covariance_kwargs or {}))
+    info["covariance"] = cov.info
+    if not bool(cov.ok):
+      return fail("covariance")
+    Sigma_r = np.asarray(cov.estimate)
+    root, inv_root = _sqrt_and_inverse_sqrt(Sigma_r)
+    W = B3 @ V @ inv_root
+    mu_w, info["mean"] = _whitened_mean(keys[2], keys[3], W, epsilon, delta, beta)
+    if mu_w is None:
+      return fail("mean")
+    mean_in = V @ (root @ mu_w)
+
+  # 4. Mean outside the subspace.
+  mean_out = np.zeros(d)
+  if r < d:
+    trace = float(np.trace(Sigma_r)) * 2.0                 # ≥ tr Σ up to the refinement error
+    spread = 2.0 * d * sub.info["snap_scale"] * math.sqrt(trace) * (
+        1.0 + math.sqrt(2.0 * math.log(2.0 * sizes[3] / beta)))
+    u, info["orthogonal_mean"] = _constant_mean(keys[4], keys[5], B4, U_perp, spread,
+                                                epsilon, delta)
+    if u is None:
+      return fail("orthogonal_mean")
+    mean_out = U_perp @ u
+  return GaussianResult(True, mean_in + mean_out, V @ Sigma_r @ V.T, None, epsilon, delta,
+                        "replace_one", info)
+
+
+def _whitened_mean(k_coarse, k_fine, W, epsilon, delta, beta):
+  """Step 3: PPME centre on one half, CoinPress on the other; rows with covariance ≈ I."""
+  n, r = W.shape
+  half = n // 2
+  k = max(min_groups_for_test(epsilon / 4, delta / 2), 40)
+  if half // k < 2:
+    raise ValueError(f"learn_gaussian's mean step needs at least {4 * k} rows, got {n}.")
+  m = half // k
+  K = 2.0                                                  # covariance of W within a factor 2
+  group_error = math.sqrt(K / m) * (math.sqrt(r) + math.sqrt(2.0 * math.log(2.0 * k / beta)))
+  coarse = ppme_mean(k_coarse, W[:half], epsilon=epsilon, delta=delta, num_groups=k,
+                     radius=2.0 * group_error)
+  info = {"ppme": coarse.info}
+  if not bool(coarse.ok):
+    return None, info
+  sigma = coarse.info["sigma"]
+  radius = group_error + sigma * (math.sqrt(r) + math.sqrt(2.0 * math.log(1.0 / beta)))
+  scale = math.sqrt(K)
+  fine = coinpress_mean(k_fine, W[half:] / scale, epsilon=epsilon, delta=delta,
+                        center=np.asarray(coarse.estimate) / scale, radius=radius / scale)
+  info["coinpress"] = fine.info
+  return np.asarray(fine.estimate) * scale, info
+
+
+def _constant_mean(k_scale, k_ppme, B, U_perp, spread, epsilon, delta):
+  """Step 4: the (nearly) constant ``U_⊥ᵀ x_i`` via a scale histogram and Euclidean PPME."""
+  half = B.shape[0] // 2
+  offset = float(jax.random.uniform(jax.random.fold_in(k_scale, 1), ()))
+  magnitude = np.maximum(np.max(np.abs(B[:half]), axis=1), np.finfo(np.float64).tiny)
+  octave = np.floor(np.log2(magnitude) / 8.0 + offset).astype(np.int32)[:, None]
+  hist = stable_histogram(k_scale, octave, epsilon=epsilon, delta=delta)
+  ok, bin_, _ = top_bin(hist)
+  info: dict[str, Any] = {}
+  if not bool(ok):
+    return None, info
+  scale = 2.0 ** (8.0 * (int(bin_[0]) + 1 - offset))       # upper edge of the released octave
+  k = max(min_groups_for_test(epsilon / 4, delta / 2), 40)
+  U = B[half:] @ U_perp
+  if U.shape[0] // k < 2:
+    raise ValueError(f"learn_gaussian's orthogonal-mean step needs at least {4 * k} rows.")
+  radius = 2.0 * spread + 2.0 ** -40 * scale * math.sqrt(U.shape[1])
+  res = ppme_mean(k_ppme, U, epsilon=epsilon, delta=delta, num_groups=k, radius=radius)
+  info.update(scale=scale, ppme=res.info)
+  return (np.asarray(res.estimate) if bool(res.ok) else None), info
+
+
+def _orthogonal_complement(V: np.ndarray) -> np.ndarray:
+  d, r = V.shape
+  if r == 0:
+    return np.eye(d)
+  q, _ = np.linalg.qr(np.concatenate([V, np.eye(d)], axis=1))
+  basis = q[:, r:d]
+  basis -= V @ (V.T @ basis)                               # re-orthogonalise against V
+  q, _ = np.linalg.qr(basis)
+  return q
+

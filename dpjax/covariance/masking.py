@@ -1,0 +1,195 @@
+"""The covariance masking mechanism ``M_η(Σ) = S (I + ηG)(I + ηG)ᵀ Sᵀ`` ([AL22] Lemma 5.1/5.2).
+
+A masking mechanism is not DP by itself: it makes two inputs within semimetric distance γ
+(ALGORITHMS.md §3.1) (ε, δ)-indistinguishable, and PPME (``populous_mean.py``) supplies the
+stability that moves its input by at most γ when one row changes.
+
+``S`` is any square root of Σ (``S Sᵀ = Σ``; Cholesky here): for orthogonal U,
+``U(I + ηG)(I + ηG)ᵀUᵀ`` has the law of ``(I + ηG)(I + ηG)ᵀ`` (G is rotation invariant on both
+sides), so the output distribution does not depend on the choice. The mechanism is the Gaussian
+mechanism on the d² numbers ``S(I + ηG)`` whose noise covariance is shaped by Σ itself, followed by
+the post-processing ``Y ↦ YYᵀ``.
+
+Calibration [DERIVED, ALGORITHMS.md §3.4; the paper's universal constant was not recovered]:
+for ``dist(Σ, Σ') ≤ γ ≤ ½``, ``g = γ/(1 − γ)`` and ``x = ln(3/δ)``, ``M_η(Σ)`` and ``M_η(Σ')`` are
+(ε, δ)-indistinguishable when
+
+    F(γ, η) = d²g²/2 + √2 d g √x + g x + d g²/(2η²) + √(2dx) g/η  ≤  ε .
+
+Proof (checked for this module). By affine invariance compare ``I + ηG`` with
+``Λ^{1/2}(I + ηG)``, Λ diagonal with entries λ in ``[1/(1+γ), 1+γ] ⊂ [1 − γ, 1 + γ]`` (the same
+interval in both directions, because dist is symmetric). Row i is ``N(e_i, η²I)`` against
+``N(√λ e_i, λη²I)``; with ``y = e_i + ηz`` the log-density ratio is
+``(d/2) ln λ + (1/λ − 1)‖z‖²/2 + (1 − √λ)²/(2λη²) + (1 − √λ) z_i/(λη)``. Writing u = 1/λ − 1
+(|u| ≤ g), the mean of the first two terms is ``(d/2)(u − ln(1 + u)) ≤ d g²/4`` and the third is
+``(1/√λ − 1)²/(2η²) ≤ g²/(8η²)``: summed over d rows, below the ``d²g²/2 + dg²/(2η²)`` of F.
+The centred χ² part ``Σ_i (u_i/2)(‖z_i‖² − d)`` has d² terms with weights ``|u_i|/2 ≤ g/2``:
+Laurent–Massart on its positive and negative parts bounds it by ``√2 d g √x + g x`` except with
+probability 2e^{−x}; the Gaussian part ``Σ_i (1 − √λ_i) z_{ii}/(λ_i η)`` has variance
+``≤ d g²/η²`` (``|1 − √λ|/λ ≤ g``), so it is ``≤ √(2dx) g/η`` except with probability e^{−x}.
+So the privacy loss is ``≤ F`` except with probability ``3e^{−x} = δ``, in either direction, which
+gives (ε, δ)-indistinguishability. The audit suite checks it empirically.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dpjax import _validation as v
+
+
+class MaskingCalibration(NamedTuple):
+  """The public calibration of :func:`covariance_mask` for one ``(d, γ, ε, δ)``.
+
+  Attributes:
+    eta: the smallest private noise level ``η_min`` (any larger η is also private).
+    gamma: the sensitivity γ (semimetric distance between neighbouring inputs).
+    epsilon, delta: the masking budget.
+    fixed_loss: ``C_0 = d²g²/2 + √2 d g √x + g x``, the η-independent part of F (< ε).
+  """
+  eta: float
+  gamma: float
+  epsilon: float
+  delta: float
+  fixed_loss: float
+
+
+def masking_privacy_loss(d: int, gamma: float, eta: float, delta: float) -> float:
+  """``F(γ, η)`` of the module docstring: the loss bound that holds except with probability δ.
+
+  Args:
+    d: dimension.
+    gamma: semimetric distance between the two inputs, ``0 < γ ≤ 1/2``.
+    eta: the mechanism's noise level, > 0.
+    delta: failure probability in (0, 1).
+
+  Returns:
+    F (nats); the mechanism is (F, δ)-indistinguishable on inputs at distance ≤ γ.
+  """
+  d, gamma, delta, eta = _check(d, gamma, delta, eta=eta)
+  g, x = gamma / (1.0 - gamma), math.log(3.0 / delta)
+  return (_fixed_loss(d, g, x) + d * g * g / (2.0 * eta * eta)
+          + math.sqrt(2.0 * d * x) * g / eta)
+
+
+def calibrate_masking(d: int, gamma: float, epsilon: float, delta: float) -> MaskingCalibration:
+  """The smallest η with ``F(γ, η) ≤ ε`` (closed form in ``1/η``; ALGORITHMS.md §3.4).
+
+  ``F = C_0 + (d g²/2) y² + √(2dx) g y`` with ``y = 1/η`` is increasing in y, so the admissible
+  set is ``η ≥ η_min = d g / (√(2dx + 2d(ε − C_0)) − √(2dx))``. η_min is rounded up by one part
+  in 10⁹ so that the float evaluation of F at it stays ≤ ε.
+
+  Args:
+    d: dimension.
+    gamma: sensitivity in the semimetric, ``0 < γ ≤ 1/2``.
+    epsilon, delta: the masking budget.
+
+  Returns:
+    :class:`MaskingCalibration`.
+
+  Raises:
+    ValueError: γ ∉ (0, 1/2], or ``C_0(γ) ≥ ε`` (no η is private: γ is too large for this
+      (d, ε, δ); PPME needs more groups).
+  """
+  d, gamma, delta, _ = _check(d, gamma, delta)
+  epsilon = v.check_epsilon(epsilon)
+  g, x = gamma / (1.0 - gamma), math.log(3.0 / delta)
+  c0 = _fixed_loss(d, g, x)
+  if c0 >= epsilon:
+    raise ValueError(f"no masking noise level is private: the η-independent loss C_0={c0:.4g} "
+                     f"≥ epsilon={epsilon:g} at gamma={gamma:.3g}, d={d}, delta={delta:g}; "
+                     "gamma must shrink (more PPME groups).")
+  root = math.sqrt(2.0 * d * x)
+  eta = d * g / (math.sqrt(2.0 * d * x + 2.0 * d * (epsilon - c0)) - root) * (1.0 + 1e-9)
+  return MaskingCalibration(eta, gamma, epsilon, delta, c0)
+
+
+def masking_concentration(d: int, eta: float, beta: float) -> float:
+  """α with ``P[dist(M_η(Σ), Σ) > α] ≤ β`` for every Σ ([AL22] Lemma 5.2, explicit form).
+
+  ``dist(M_η(Σ), Σ) = dist(WWᵀ, I)`` with ``W = I + ηG``; ``‖G‖ ≤ Γ = 2√d + √(2 ln(1/β))``
+  except with probability β (Davidson–Szarek), so the singular values of W lie in
+  ``[1 − ηΓ, 1 + ηΓ]`` and ``α = max((1 + ηΓ)² − 1, (1 − ηΓ)^{−2} − 1)``; ``inf`` if ``ηΓ ≥ 1``.
+
+  Args:
+    d: dimension. eta: noise level > 0. beta: failure probability in (0, 1).
+
+  Returns:
+    α (a semimetric distance).
+  """
+  d = v.check_int(d, "d", low=1)
+  eta = v.check_positive(eta, "eta")
+  beta = v.check_probability(beta, "beta", open_high=True)
+  t = eta * (2.0 * math.sqrt(d) + math.sqrt(2.0 * math.log(1.0 / beta)))
+  if t >= 1.0:
+    return math.inf
+  return max((1.0 + t) ** 2 - 1.0, (1.0 - t) ** -2 - 1.0)
+
+
+def covariance_mask(key: jax.Array, Sigma, *, eta: float) -> jax.Array:
+  """Samples ``M_η(Σ) = S (I + ηG)(I + ηG)ᵀ Sᵀ`` with ``S = cholesky(Σ)``, G i.i.d. N(0, 1).
+
+  Guarantee: a (γ, F(γ, η), δ)-masking mechanism for the semimetric of §3.1 (see the module
+  docstring; :func:`calibrate_masking` picks η for a target ε). Not DP on its own: the caller must
+  bound the semimetric distance between the inputs on neighbouring datasets (PPME does).
+
+  Args:
+    key: PRNG key.
+    Sigma: ``(d, d)`` symmetric positive definite, or a batch ``(b, d, d)`` (independent noise per
+      matrix, one ``vmap``). Use float64 for ill-conditioned inputs.
+    eta: noise level > 0 (public).
+
+  Returns:
+    Array of Sigma's shape and dtype, symmetric.
+
+  Raises:
+    TypeError: bad key. ValueError: wrong shape, non-finite entries, η ≤ 0, or a batch member
+      that is not positive definite.
+
+  References:
+    [AL22] Lemma 5.1/5.2 and App. D; ALGORITHMS.md §3.4.
+  """
+  v.check_key(key)
+  Sigma = v.check_data(Sigma, "Sigma", ndim=jnp.ndim(Sigma) if jnp.ndim(Sigma) in (2, 3) else 2)
+  if Sigma.shape[-1] != Sigma.shape[-2]:
+    raise ValueError(f"Sigma must be square, got shape {tuple(Sigma.shape)}.")
+  eta = v.check_positive(eta, "eta")
+  batch = Sigma if Sigma.ndim == 3 else Sigma[None]
+  L = jnp.linalg.cholesky(batch)
+  if not bool(jnp.all(jnp.isfinite(L))):
+    raise ValueError("Sigma must be positive definite (its Cholesky factorisation failed).")
+  out = jax.vmap(_mask_factor, in_axes=(0, 0, None))(
+      jax.random.split(key, batch.shape[0]), L, eta)
+  return out if Sigma.ndim == 3 else out[0]
+
+
+def mask_covariance(key: jax.Array, Sigma: jax.Array, eta) -> jax.Array:
+  """Traceable core of :func:`covariance_mask` for one matrix (no validation; Σ must be PD)."""
+  return _mask_factor(key, jnp.linalg.cholesky((Sigma + Sigma.T) / 2), eta)
+
+
+def _mask_factor(key, L, eta):
+  d = L.shape[-1]
+  W = jnp.eye(d, dtype=L.dtype) + eta * jax.random.normal(key, (d, d), L.dtype)
+  Y = L @ W
+  out = Y @ Y.T
+  return (out + out.T) / 2
+
+
+def _fixed_loss(d: int, g: float, x: float) -> float:
+  return d * d * g * g / 2.0 + math.sqrt(2.0) * d * g * math.sqrt(x) + g * x
+
+
+def _check(d, gamma, delta, eta=None):
+  d = v.check_int(d, "d", low=1)
+  gamma = v.check_positive(gamma, "gamma")
+  if gamma > 0.5:
+    raise ValueError(f"gamma must lie in (0, 1/2] for the masking calibration, got {gamma=}.")
+  delta = v.check_delta(delta)
+  if eta is not None:
+    eta = v.check_positive(eta, "eta")
+  return d, gamma, delta, eta

@@ -1,0 +1,277 @@
+"""PPME — the Private Populous Mean Estimator ([AL22] Algorithm 1, Lemma 3.6; ALGORITHMS.md §3.2).
+
+Split the rows into k groups, run a non-private estimator on each (one ``vmap``), count for every
+candidate the fraction ``q_i`` of candidates within distance r of it, test privately that the
+average fraction ``Q`` is high, average the candidates with weights that ramp linearly from 0 at
+``q = a`` to 1 at ``q = b``, and release a masked version of the average:
+
+    Q̂ = Q + TLap(2/k, ε1, δ1);   ⊥ unless Q̂ > c0 + A1
+    w̃_i = clip((q_i − a)/(b − a), 0, 1),   Ŷ = Σ w̃_i Y_i / Σ w̃_i,   output M(Ŷ)
+
+Privacy [DERIVED for the thresholds; checked while implementing]. Under replace-one (one row
+changes one group, the partition of rows into groups being public): Q moves by ≤ 2(k−1)/k² < 2/k,
+so the test is (ε1, δ1)-DP and fails surely unless Q > c0 on one side. Then, with the constraints
+``(a + b − 1)k ≥ 2``, ``c0 > b``, ``k(c0 − b)/(1 − b) ≥ 1``, ``c0 − 2/k > a``:
+(1) the ramp dominates ``(q − a)/(1 − a)``, so both weight sums exceed
+``W_min = k(c0 − 2/k − a)/(1 − a)``; (2) more than one group has ``q ≥ b`` on the side with
+``Q > c0``, so an unchanged reference group c has ``q_c ≥ b − 1/k`` on both; (3) every group with
+positive weight shares a neighbour with c (``N_i + N_c > (a + b − 1)k − 1 ≥ 1``), so it lies within
+two hops of ``Y_c``; (4) two hops mean ``‖Y_i − Y_c‖ ≤ ρ = 2r`` (Euclidean) or
+``‖Y_c^{-1/2} Y_i Y_c^{-1/2} − I‖ ≤ ρ = 2r + r²`` (covariance; the eigenvalues lie in
+``[(1+r)^{-2}, (1+r)²]``); (5) the weight vectors differ by ``D = Σ|w̃_i − w̃'_i| < 1 + 1/(b − a)``
+and ``‖w − w'‖₁ ≤ 2D/W_min``, so the averages differ by at most ``ρ(2D + 2)/W_min``;
+(6) covariance: both averages are within ρ of I after whitening by ``Y_c``, so the semimetric
+distance is at most that divided by ``1 − ρ``. Hence the sensitivity handed to the masking
+mechanism is ``γ = (4 + 2/(b − a))·ρ/W_min`` (Euclidean) or ``γ = (4 + 2/(b − a))·ρ/((1 − ρ)W_min)``
+(covariance), 14ρ/W_min for the default thresholds, and PPME is (ε1 + ε2, δ1 + δ2)-DP when the
+mask is a (γ, ε2, δ2)-masking mechanism. Where the predicate is evaluated in floating point the
+radius used for γ is ``r(1 + radius_margin)`` (``semimetric.py``).
+
+The module is generic over the non-private estimator, the neighbour-count function (semimetric)
+and the mask; :func:`ppme_mean` is the Euclidean instance with Gaussian masking (§3.7's
+robust-mean form when the estimator is robust); ``covariance.py`` holds the covariance instance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax import _validation as v
+from dpjax.covariance import semimetric
+from dpjax.covariance.result import PrivateEstimate
+from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
+from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
+
+DEFAULT_RADIUS_MARGIN = 1e-2
+
+
+class PopulousThresholds(NamedTuple):
+  """PPME's thresholds [PROPOSED defaults, ALGORITHMS.md §3.2]: weight ramp ``a → b``, test ``c0``."""
+  a: float = 0.6
+  b: float = 0.8
+  c0: float = 0.9
+
+
+class PPMECalibration(NamedTuple):
+  """Public constants of one PPME run.
+
+  Attributes:
+    num_groups: k.
+    test_scale, test_bound: ``TLap(2/k, ε1, δ1)``'s scale λ and bound A1.
+    pass_level: the test passes iff ``Q̂ > pass_level = c0 + A1``.
+    weight_floor: ``W_min``.
+    rho: the two-hop radius ρ.
+    gamma: the masking sensitivity γ.
+  """
+  num_groups: int
+  test_scale: float
+  test_bound: float
+  pass_level: float
+  weight_floor: float
+  rho: float
+  gamma: float
+
+
+def check_thresholds(thresholds: PopulousThresholds, num_groups: int) -> PopulousThresholds:
+  """Checks the constraints PPME's privacy proof needs; raises ``ValueError`` naming the one broken.
+
+  ``0 ≤ a < b < c0 < 1``, ``(a + b − 1)k ≥ 2``, ``k(c0 − b)/(1 − b) ≥ 1``, ``c0 − 2/k > a``.
+  """
+  a, b, c0 = (float(x) for x in thresholds)
+  k = v.check_int(num_groups, "num_groups", low=2)
+  if not 0.0 <= a < b < c0 < 1.0:
+    raise ValueError(f"PPME thresholds need 0 <= a < b < c0 < 1, got a={a}, b={b}, c0={c0}.")
+  if (a + b - 1.0) * k < 2.0:
+    raise ValueError(f"PPME needs (a + b - 1)·num_groups >= 2, got ({a} + {b} - 1)·{k}; use more "
+                     "groups or larger thresholds.")
+  if k * (c0 - b) / (1.0 - b) < 1.0:
+    raise ValueError(f"PPME needs num_groups·(c0 - b)/(1 - b) >= 1, got {k}·({c0} - {b})/(1 - {b}).")
+  if c0 - 2.0 / k <= a:
+    raise ValueError(f"PPME needs c0 - 2/num_groups > a, got {c0} - 2/{k} <= {a}.")
+  return PopulousThresholds(a, b, c0)
+
+
+def ppme_calibration(num_groups: int, radius: float, epsilon_test: float, delta_test: float, *,
+                     space: str, thresholds: PopulousThresholds = PopulousThresholds(),
+                     radius_margin: float = DEFAULT_RADIUS_MARGIN) -> PPMECalibration:
+  """The test constants and the masking sensitivity γ of PPME (module docstring; all public).
+
+  Args:
+    num_groups: k.
+    radius: closeness radius r > 0 (covariance: ``2r + r² < 1`` required).
+    epsilon_test, delta_test: the budget of the test (ε1, δ1).
+    space: ``"euclidean"`` or ``"covariance"``.
+    thresholds: :class:`PopulousThresholds`.
+    radius_margin: relative slack for floating-point predicates (γ uses ``r(1 + margin)``).
+
+  Returns:
+    :class:`PPMECalibration`.
+
+  Raises:
+    ValueError: broken threshold constraints, bad budget, or ``ρ ≥ 1`` (covariance).
+  """
+  a, b, c0 = check_thresholds(thresholds, num_groups)
+  radius = v.check_positive(radius, "radius")
+  v.check_choice(space, "space", ("euclidean", "covariance"))
+  margin = v.check_positive(radius_margin, "radius_margin", allow_zero=True)
+  k = num_groups
+  tlap = truncated_laplace_params(2.0 / k, epsilon_test, delta_test)
+  w_min = k * (c0 - 2.0 / k - a) / (1.0 - a)
+  r = radius * (1.0 + margin)
+  factor = 4.0 + 2.0 / (b - a)                        # 2 + 2D with D < 1 + 1/(b − a)
+  if space == "euclidean":
+    rho = 2.0 * r
+    gamma = factor * rho / w_min
+  else:
+    rho = 2.0 * r + r * r
+    if rho >= 1.0:
+      raise ValueError(f"covariance PPME needs 2r + r² < 1 (r < 0.414), got radius={radius}.")
+    gamma = factor * rho / ((1.0 - rho) * w_min)
+  return PPMECalibration(k, tlap.scale, tlap.bound, c0 + tlap.bound, w_min, rho, gamma)
+
+
+def min_groups_for_test(epsilon_test: float, delta_test: float,
+                        thresholds: PopulousThresholds = PopulousThresholds()) -> int:
+  """Smallest k with ``A1 ≤ (1 − c0)/2`` (utility: the test then passes surely when all
+  candidates agree, [AL22] Lemma 3.6 with our constants): ``k ≥ 4 ln(1 + (e^{ε1}−1)/(2δ1))/((1 − c0)ε1)``.
+  """
+  epsilon_test = v.check_epsilon(epsilon_test, "epsilon_test")
+  delta_test = v.check_delta(delta_test, "delta_test")
+  unit = truncated_laplace_params(1.0, epsilon_test, delta_test).bound      # A for Δ = 1
+  k = max(2, math.ceil(2.0 * unit * 2.0 / (1.0 - thresholds.c0) - 1e-9))
+  while True:
+    try:
+      check_thresholds(thresholds, k)
+      return k
+    except ValueError:
+      k += 1
+
+
+def populous_mean(key: jax.Array, groups: jax.Array, *, estimator: Callable,
+                  neighbour_counts: Callable, mask: Callable, calibration: PPMECalibration,
+                  thresholds: PopulousThresholds, placeholder: jax.Array):
+  """Traceable generic PPME on rows already split into groups (no validation).
+
+  Args:
+    key: PRNG key.
+    groups: ``(k, m, d)`` rows, one group per leading index.
+    estimator: ``(m, d) -> Y`` (non-private; batched with one ``vmap``).
+    neighbour_counts: ``(k, ...) -> (k,)`` int counts ``N_i`` (j = i included) under the
+      semimetric's predicate.
+    mask: ``(key, Ŷ) -> M(Ŷ)``, a (γ, ε2, δ2)-masking mechanism for ``calibration.gamma``.
+    calibration: :func:`ppme_calibration`.
+    thresholds: the same :class:`PopulousThresholds` as the calibration.
+    placeholder: a valid input for ``mask`` used on ⊥ (the output is then replaced by zeros).
+
+  Returns:
+    ``(ok, estimate)``: a bool scalar and ``M(Ŷ)`` (zeros of the same shape on ⊥).
+  """
+  k = groups.shape[0]
+  candidates = jax.vmap(estimator)(groups)
+  q = neighbour_counts(candidates).astype(candidates.dtype) / k
+  k_test, k_mask = jax.random.split(key)
+  noise = _truncated_laplace(k_test, (), calibration.test_scale, calibration.test_bound,
+                             candidates.dtype)
+  ok = jnp.mean(q) + noise > calibration.pass_level
+  weights = jnp.clip((q - thresholds.a) / (thresholds.b - thresholds.a), 0.0, 1.0)
+  total = jnp.sum(weights)
+  weights = weights / jnp.where(total > 0, total, 1.0)
+  average = jnp.tensordot(weights, candidates, axes=1)
+  released = mask(k_mask, jnp.where(ok, average, placeholder))
+  return ok, jnp.where(ok, released, jnp.zeros_like(released))
+
+
+def split_groups(key: jax.Array, X: jax.Array, num_groups: int) -> jax.Array:
+  """Rows into ``(k, ⌊n/k⌋, d)`` groups by a public uniformly random permutation.
+
+  Replace-one keeps ``n`` fixed, so the permutation (public randomness) sends the replaced row to
+  exactly one group; the ``n mod k`` rows left over are dropped.
+  """
+  n, d = X.shape
+  m = n // num_groups
+  perm = jax.random.permutation(key, n)[: num_groups * m]
+  return X[perm].reshape(num_groups, m, d)
+
+
+def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: int,
+              radius: float, estimator: Callable | None = None, test_fraction: float = 0.25,
+              thresholds: PopulousThresholds = PopulousThresholds(),
+              radius_margin: float = DEFAULT_RADIUS_MARGIN) -> PrivateEstimate:
+  """Private mean with PPME in ℓ2 and Gaussian masking ([AL22] Algorithm 1; §3.7 Lemma 7.2).
+
+  Each of the k groups (public random partition) gives ``Est(group) ∈ R^d`` (default the group
+  mean; pass a robust estimator, e.g. ``dpjax.covariance.filtering.filtered_mean``, for the
+  robust variant); candidates within ``radius`` of each other count as neighbours; the weighted
+  average gets ``N(0, σ² I)`` with σ the analytic Gaussian-mechanism σ for ℓ2-sensitivity γ.
+  The mean is unbounded: no clipping bound on the data is needed, only a radius that the group
+  estimates of one dataset fall within of each other (e.g. ``≈ 2·(√d + 3)·σ_max/√m`` for Gaussian
+  data with covariance ⪯ σ_max² I, groups of m rows).
+
+  Privacy guarantee: (ε, δ)-DP under replace-one: ε1 = ``test_fraction``·ε and δ1 = δ/2 for the
+  test, the rest for the Gaussian mask, which is a (γ, ε2, δ2)-masking mechanism for
+  ``γ = (4 + 2/(b − a))·2r/W_min`` (module docstring).
+
+  Utility ([AL22] Lemma 3.6): if every group estimate lies within r/2 of μ and
+  ``k ≥`` :func:`min_groups_for_test`, the test passes surely and the output is within
+  ``max_i ‖Y_i − μ‖ + σ(√d + √(2 ln(1/β)))`` of μ w.p. ≥ 1 − β.
+
+  Args:
+    key: PRNG key.
+    X: ``(n, d)`` float rows (individuals); ``n ≥ 2·num_groups``.
+    epsilon, delta: the budget (δ < 1).
+    num_groups: k (public), satisfying the :class:`PopulousThresholds` constraints.
+    radius: closeness radius r > 0 (public, in X's units).
+    estimator: ``(m, d) -> (d,)`` non-private estimator, jittable (default: the mean).
+    test_fraction: share of ε spent on the test.
+    thresholds: ``(a, b, c0)``.
+    radius_margin: slack on r for the float predicate.
+
+  Returns:
+    :class:`PrivateEstimate` with ``estimate (d,)`` float64 NumPy (computed under
+    ``jax.enable_x64``: means of 1e6 keep their digits); ``info`` holds k, m, r, γ, σ.
+
+  Raises:
+    TypeError/ValueError: bad key or data, ε ≤ 0, δ ∉ (0, 1), broken threshold constraints,
+      or fewer than 2 rows per group.
+
+  References:
+    [AL22] Algorithm 1, Lemma 3.6, Lemma 7.2, Algorithm 5; ALGORITHMS.md §3.2, §3.7.
+  """
+  key = v.check_key(key)
+  X = v.check_data64(X, "X")
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  n, d = X.shape
+  k = v.check_int(num_groups, "num_groups", low=2)
+  if n // k < 2:
+    raise ValueError(f"ppme_mean needs at least 2 rows per group: n={n} < 2·num_groups={2 * k}.")
+  frac = v.check_probability(test_fraction, "test_fraction", open_high=True)
+  eps1, eps2, delta1, delta2 = epsilon * frac, epsilon * (1 - frac), delta / 2, delta / 2
+  cal = ppme_calibration(k, radius, eps1, delta1, space="euclidean", thresholds=thresholds,
+                         radius_margin=radius_margin)
+  sigma = analytic_gaussian_sigma(eps2, delta2, cal.gamma)
+  estimator = (lambda rows: jnp.mean(rows, axis=0)) if estimator is None else estimator
+  r = float(radius)
+
+  def mask(k_mask, y):
+    return y + sigma * jax.random.normal(k_mask, y.shape, y.dtype)
+
+  @jax.jit
+  def run(key, X):
+    k_split, k_run = jax.random.split(key)
+    groups = split_groups(k_split, X, k)
+    return populous_mean(
+        k_run, groups, estimator=estimator,
+        neighbour_counts=lambda Y: semimetric.euclidean_neighbour_counts(Y, r),
+        mask=mask, calibration=cal, thresholds=check_thresholds(thresholds, k),
+        placeholder=jnp.zeros((d,), X.dtype))
+
+  with jax.enable_x64(True):
+    ok, estimate = run(key, jnp.asarray(X))
+  info = {"num_groups": k, "group_size": n // k, "radius": r, "gamma": cal.gamma,
+          "sigma": sigma, "pass_level": cal.pass_level}
+  return PrivateEstimate(ok, np.asarray(estimate), epsilon, delta, "replace_one", info)

@@ -1,0 +1,98 @@
+"""Robust private estimators for corrupted Gaussian samples ([AL22] §6–7; ALGORITHMS.md §3.7).
+
+Model: an η_c-corrupted sample (an adversary sees the i.i.d. rows and replaces up to an η_c
+fraction arbitrarily). PPME runs a robust non-private estimator on every group
+(``filtering.py``); with a public random partition each group receives about an η_c fraction of
+the corrupted rows, which the filter tolerates, and groups that receive many more behave as bad
+candidates that PPME's weights ignore while they stay a minority (below ``1 − b`` of the groups).
+
+Privacy is that of PPME, whatever the estimator: the estimator only has to be a deterministic
+function of its group's rows. Both learners are therefore (ε, δ)-DP under replace-one, exactly
+as :func:`~dpjax.covariance.populous_mean.ppme_mean` and
+:func:`~dpjax.covariance.covariance.al_covariance`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from dpjax import _validation as v
+from dpjax.covariance.covariance import al_covariance
+from dpjax.covariance.filtering import filtered_covariance, filtered_mean
+from dpjax.covariance.populous_mean import ppme_mean
+from dpjax.covariance.result import PrivateEstimate
+
+
+def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: float,
+                num_groups: int, radius: float, **ppme_kwargs) -> PrivateEstimate:
+  """Private robust mean of ``N(μ, I)`` from an η_c-corrupted sample ([AL22] Algorithm 5).
+
+  Euclidean PPME with :func:`~dpjax.covariance.filtering.filtered_mean` on every group and the
+  Gaussian masking mechanism ([AL22] Lemma 7.2; σ the analytic Gaussian σ for ℓ2-sensitivity
+  ``γ = (4 + 2/(b − a))·2r/W_min``, 28r/W_min with the default thresholds).
+
+  Privacy guarantee: (ε, δ)-DP under replace-one (as :func:`ppme_mean`).
+
+  Args:
+    key: PRNG key.
+    X: ``(n, d)`` rows: an η_c-corrupted sample of N(μ, I) (whiten first for other known
+      covariances; μ unbounded).
+    epsilon, delta: the budget.
+    corruption: η_c ∈ [0, 0.5), the fraction the per-group filter is tuned for (public).
+    num_groups: k (public).
+    radius: closeness radius r for group estimates (public): about twice the filtered estimate's
+      error, ``2·(√(d/m) + C·η_c·√ln(1/η_c))`` for groups of m rows.
+    **ppme_kwargs: :func:`ppme_mean`'s ``test_fraction``, ``thresholds``, ``radius_margin``.
+
+  Returns:
+    :class:`PrivateEstimate` with ``estimate (d,)``.
+
+  References:
+    [AL22] Algorithm 5, Thm 7.4, Lemma 7.2; ALGORITHMS.md §3.7.
+  """
+  corruption = _check_corruption(corruption)
+  estimator = functools.partial(filtered_mean, corruption=corruption)
+  res = ppme_mean(key, X, epsilon=epsilon, delta=delta, num_groups=num_groups, radius=radius,
+                  estimator=estimator, **ppme_kwargs)
+  return res._replace(info=dict(res.info, corruption=corruption))
+
+
+def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corruption: float,
+                      **covariance_kwargs) -> PrivateEstimate:
+  """Private robust covariance of ``N(0, Σ)`` from an η_c-corrupted sample ([AL22] Algorithm 4).
+
+  :func:`~dpjax.covariance.covariance.al_covariance` with
+  :func:`~dpjax.covariance.filtering.filtered_covariance` as the group estimator; Σ unbounded.
+  The calibration is the non-robust one (its group-size rule simulates clean data: pass
+  ``min_group_size`` large enough for the filter's error at η_c to stay well inside the radius).
+
+  Privacy guarantee: (ε, δ)-DP under replace-one (as :func:`al_covariance`).
+
+  Args:
+    key: PRNG key.
+    X: ``(n, d)`` rows, an η_c-corrupted sample of N(0, Σ).
+    epsilon, delta: the budget.
+    corruption: η_c ∈ [0, 0.5) (public).
+    **covariance_kwargs: :func:`al_covariance` arguments (``radius``, ``num_groups``,
+      ``min_group_size``, ...).
+
+  Returns:
+    :class:`PrivateEstimate` with ``estimate (d, d)``.
+
+  References:
+    [AL22] Algorithm 4, Thm 6.3, Prop 6.2; ALGORITHMS.md §3.7.
+  """
+  corruption = _check_corruption(corruption)
+  estimator = functools.partial(filtered_covariance, corruption=corruption)
+  res = al_covariance(key, X, epsilon=epsilon, delta=delta, estimator=estimator,
+                      **covariance_kwargs)
+  return res._replace(info=dict(res.info, corruption=corruption))
+
+
+def _check_corruption(corruption) -> float:
+  value = v.check_positive(corruption, "corruption", allow_zero=True)
+  if value >= 0.5:
+    raise ValueError(f"corruption must lie in [0, 0.5), got corruption={corruption!r}.")
+  return value

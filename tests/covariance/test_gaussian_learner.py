@@ -1,0 +1,124 @@
+"""learn_covariance (AL + CoinPress) and learn_gaussian (ALGORITHMS.md §3.5–3.6) on model data."""
+
+import jax
+import numpy as np
+import pytest
+
+from dpjax import metrics
+from dpjax.covariance import (covariance_calibration, gaussian_batch_sizes, learn_covariance,
+                              learn_gaussian)
+
+EPS, DELTA = 20.0, 1e-6
+
+
+def _sigma(rng, d, rank, lo=-4.0, hi=4.0):
+  U, _ = np.linalg.qr(rng.normal(size=(d, d)))
+  ev = np.zeros(d)
+  ev[:rank] = 10.0 ** np.linspace(lo, hi, rank)
+  return U, ev
+
+
+def _rows(rng, n, U, ev, mu):
+  return mu + (rng.normal(size=(n, U.shape[0])) * np.sqrt(ev)) @ U.T
+
+
+@pytest.fixture(scope="module")
+def singular_gaussian():
+  rng = np.random.default_rng(0)
+  d, r = 4, 2
+  U, ev = _sigma(rng, d, r)
+  mu = rng.normal(size=d) * 1e6                         # unbounded mean
+  small = dict(min_group_size=500)                      # utility knob only (keeps the test fast)
+  need = 4 * covariance_calibration(r, EPS, DELTA, eta_accuracy=0.5, **small).required_n
+  n = int(need / (2 / 3) * 1.05) + 60_000
+  X = _rows(rng, n, U, ev, mu)
+  return X, U, ev, mu, r, learn_gaussian(jax.random.key(1), X, epsilon=EPS, delta=DELTA,
+                                         covariance_kwargs=small)
+
+
+def test_learn_gaussian_recovers_a_singular_gaussian_with_a_huge_mean(singular_gaussian):
+  X, U, ev, mu, r, res = singular_gaussian
+  assert res.ok and res.failed_step is None and res.info["rank"] == r
+  assert res.neighbouring == "replace_one" and res.epsilon == EPS and res.delta == DELTA
+  Ur, Sr = U[:, :r], np.diag(ev[:r])
+  cov_err = metrics.covariance_error(Ur.T @ res.covariance @ Ur, Sr)
+  mean_err = metrics.mahalanobis_error(Ur.T @ res.mean, Ur.T @ mu, Sr)
+  # Released covariance lives in the released subspace: nothing outside range(Σ) beyond the
+  # snapping grid of the subspace step.
+  outside = np.linalg.norm(U[:, r:].T @ res.covariance @ U[:, r:])
+  assert cov_err < 0.05, cov_err
+  assert mean_err < 0.05, mean_err
+  assert outside <= 1e-3 * ev.max()
+  tv = metrics.gaussian_tv(jax.random.key(2), Ur.T @ mu, Sr, Ur.T @ res.mean,
+                           Ur.T @ res.covariance @ Ur, num_samples=20_000)
+  assert tv["tv"] < 0.05 and tv["pinsker"] < 0.1, tv
+  # The mean outside the subspace, relative to the scale of the data (‖μ‖ ≈ 1e6).
+  assert np.linalg.norm(U[:, r:].T @ (res.mean - mu)) <= 1e-6 * np.linalg.norm(mu)
+
+
+def test_learn_gaussian_names_the_failed_step_on_heavy_tails():
+  rng = np.random.default_rng(3)
+  d = 3
+  small = dict(min_group_size=50)
+  need = 4 * covariance_calibration(d, EPS, DELTA, eta_accuracy=0.5, **small).required_n
+  n = int(need / (2 / 3) * 1.05) + 60_000
+  X = rng.standard_cauchy(size=(n, d))                  # group covariances scatter wildly
+  res = learn_gaussian(jax.random.key(4), X, epsilon=EPS, delta=DELTA, covariance_kwargs=small)
+  assert not res.ok and res.failed_step == "covariance"
+  assert np.all(res.mean == 0) and np.all(res.covariance == 0)
+
+
+def test_learn_gaussian_subspace_bottom_on_disagreeing_groups():
+  # Sparse rows: about half the subspace step's groups see only zeros, the rest a line.
+  d = 3
+  n1, n2, n3, n4 = gaussian_batch_sizes(200_000, d, epsilon=EPS, delta=DELTA)
+  X = np.zeros((200_000, d))
+  k = 4 * 3                                             # a handful of non-zero rows
+  X[np.arange(0, n1, n1 // k)[:k]] = np.array([1.0, 2.0, 3.0])
+  res = learn_gaussian(jax.random.key(5), X, epsilon=EPS, delta=DELTA)
+  assert not res.ok and res.failed_step == "subspace"
+
+
+def test_learn_covariance_refinement_beats_the_preconditioner():
+  rng = np.random.default_rng(6)
+  d = 3
+  U, ev = _sigma(rng, d, d, -6.0, 6.0)                  # condition number 1e12
+  n = 2 * covariance_calibration(d, EPS, DELTA, eta_accuracy=0.5).required_n
+  X = _rows(rng, n, U, ev, 0.0)
+  Sigma = U @ np.diag(ev) @ U.T
+  coarse = learn_covariance(jax.random.key(7), X, epsilon=EPS, delta=DELTA, refine=False)
+  again = learn_covariance(jax.random.key(7), X, epsilon=EPS, delta=DELTA, refine=False)
+  np.testing.assert_array_equal(coarse.estimate, again.estimate)       # fixed key: same output
+  fine = learn_covariance(jax.random.key(7), X, epsilon=EPS, delta=DELTA)
+  assert coarse.ok and fine.ok and fine.info["refined"]
+  e_coarse = metrics.covariance_error(coarse.estimate, Sigma)
+  e_fine = metrics.covariance_error(fine.estimate, Sigma)
+  assert e_coarse <= coarse.info["coarse"]["mask_accuracy"] + 0.5
+  assert e_fine < 0.1 and e_fine < e_coarse / 3, (e_coarse, e_fine)
+  np.testing.assert_allclose(fine.estimate, fine.estimate.T)
+  assert np.linalg.eigvalsh(fine.estimate)[0] > 0
+
+
+def test_learn_covariance_raises_with_the_required_n():
+  X = np.random.default_rng(8).normal(size=(5_000, 3))
+  with pytest.raises(ValueError, match=r"needs n >= \d+"):
+    learn_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(epsilon=0.0), "epsilon"), (dict(delta=0.7), "delta"),
+    (dict(batch_sizes=(10, 10, 10)), "batch_sizes"), (dict(beta=0.0), "beta")])
+def test_learn_gaussian_rejects_bad_arguments(bad, match):
+  X = np.random.default_rng(9).normal(size=(400_000, 3))
+  kwargs = dict(epsilon=EPS, delta=DELTA) | bad
+  with pytest.raises(ValueError, match=match):
+    learn_gaussian(jax.random.key(0), X, **kwargs)
+
+
+def test_learn_gaussian_rejects_nan_and_too_few_rows():
+  X = np.ones((1000, 3))
+  X[0, 0] = np.nan
+  with pytest.raises(ValueError, match="NaN"):
+    learn_gaussian(jax.random.key(0), X, epsilon=EPS, delta=DELTA)
+  with pytest.raises(ValueError, match="rows"):
+    learn_gaussian(jax.random.key(0), np.ones((50, 3)), epsilon=EPS, delta=DELTA)
