@@ -44,3 +44,36 @@ def test_clopper_pearson_matches_scipy_binomtest():
 def test_success_rate_counts_bottom_as_failure():
   out = metrics.success_rate([0.01, np.inf, 0.5, 0.05], alpha=0.1)
   assert out["rate"] == 0.5 and out["trials"] == 4 and out["low"] < 0.5 < out["high"]
+
+
+def test_covariance_and_mahalanobis_errors_are_affine_invariant():
+  rng = np.random.default_rng(0)
+  d = 4
+  A = rng.normal(size=(d, d))
+  Sigma = A @ A.T + 0.1 * np.eye(d)
+  E = rng.normal(size=(d, d)) * 0.05
+  Sigma_hat = Sigma + (E + E.T) / 2
+  T = rng.normal(size=(d, d)) * np.array([10.0, 1.0, 0.1, 1.0])      # a badly scaled map
+  for ord_ in (2, "fro"):
+    e1 = metrics.covariance_error(Sigma_hat, Sigma, ord=ord_)
+    e2 = metrics.covariance_error(T @ Sigma_hat @ T.T, T @ Sigma @ T.T, ord=ord_)
+    assert e1 == pytest.approx(e2, rel=1e-6)
+  mu, mu_hat = rng.normal(size=d), rng.normal(size=d)
+  assert metrics.mahalanobis_error(mu_hat, mu, Sigma) == pytest.approx(
+      metrics.mahalanobis_error(T @ mu_hat, T @ mu, T @ Sigma @ T.T), rel=1e-6)
+  assert metrics.covariance_error(Sigma, Sigma) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_gaussian_kl_and_tv_match_closed_forms():
+  # Equal covariances: KL = ½‖Σ^{-1/2}Δμ‖², TV = 2Φ(‖Σ^{-1/2}Δμ‖/2) − 1.
+  from scipy import stats
+  Sigma = np.diag([4.0, 1.0, 0.25])
+  mu1, mu2 = np.zeros(3), np.array([1.0, 0.0, 0.0])
+  maha = 0.5
+  assert metrics.gaussian_kl(mu1, Sigma, mu2, Sigma) == pytest.approx(0.5 * maha**2)
+  out = metrics.gaussian_tv(jax.random.key(0), mu1, Sigma, mu2, Sigma, num_samples=200_000)
+  exact = 2 * stats.norm.cdf(maha / 2) - 1
+  assert abs(out["tv"] - exact) < 5 * out["stderr"] + 1e-3
+  assert out["tv"] <= out["pinsker"] + 5 * out["stderr"]
+  same = metrics.gaussian_tv(jax.random.key(1), mu1, Sigma, mu1, Sigma, num_samples=1000)
+  assert same["tv"] == 0.0 and same["pinsker"] == 0.0

@@ -1,6 +1,7 @@
 """Ashtiani–Liaw: private covariances and Gaussians with no bound on the scale or the condition
 number (ALGORITHMS.md §3), with CoinPress refinement and robust variants."""
 
+from dpjax.covariance import filtering
 from dpjax.covariance.coinpress import CoinPressResult, coinpress_covariance, coinpress_mean
 from dpjax.covariance.covariance import (CovarianceCalibration, al_covariance,
                                          covariance_calibration, learn_covariance,
@@ -11,5 +12,6 @@ from dpjax.covariance.masking import (MaskingCalibration, calibrate_masking, cov
 from dpjax.covariance.populous_mean import (PopulousThresholds, min_groups_for_test,
                                             ppme_calibration, ppme_mean)
 from dpjax.covariance.result import PrivateEstimate
+from dpjax.covariance.robust import robust_covariance, robust_mean
 from dpjax.covariance.semimetric import (closeness_matrix, euclidean_neighbour_counts,
                                          neighbour_counts, psd_distance)

@@ -296,16 +296,17 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
                           space="covariance", thresholds=thresholds,
                           radius_margin=calibration_kwargs.get("radius_margin",
                                                                DEFAULT_RADIUS_MARGIN))
+  vectorize = estimator is None                 # a user estimator may iterate: one group at a time
   estimator = second_moment if estimator is None else estimator
   with jax.enable_x64(True):
     X64 = jnp.asarray(X, jnp.float64)
     ok, estimate = _al_covariance(key, X64, cal.num_groups, cal.radius, cal.eta, ppme,
-                                  thresholds, estimator, unknown_mean)
+                                  thresholds, estimator, unknown_mean, vectorize)
   info = dict(cal._asdict(), group_size=(n // (2 if unknown_mean else 1)) // cal.num_groups)
   return PrivateEstimate(ok, np.asarray(estimate), float(epsilon), float(delta), "replace_one", info)
 
 
-def _al_covariance(key, X, k, radius, eta, ppme, thresholds, estimator, unknown_mean):
+def _al_covariance(key, X, k, radius, eta, ppme, thresholds, estimator, unknown_mean, vectorize):
   d = X.shape[1]
 
   @jax.jit
@@ -317,7 +318,8 @@ def _al_covariance(key, X, k, radius, eta, ppme, thresholds, estimator, unknown_
         k_run, groups, estimator=estimator,
         neighbour_counts=lambda Y: semimetric.neighbour_counts(Y, radius),
         mask=lambda k_mask, S: masking.mask_covariance(k_mask, S, eta),
-        calibration=ppme, thresholds=thresholds, placeholder=jnp.eye(d, dtype=X.dtype))
+        calibration=ppme, thresholds=thresholds, placeholder=jnp.eye(d, dtype=X.dtype),
+        vectorize=vectorize)
 
   return run(key, X)
 

@@ -154,7 +154,8 @@ def min_groups_for_test(epsilon_test: float, delta_test: float,
 
 def populous_mean(key: jax.Array, groups: jax.Array, *, estimator: Callable,
                   neighbour_counts: Callable, mask: Callable, calibration: PPMECalibration,
-                  thresholds: PopulousThresholds, placeholder: jax.Array):
+                  thresholds: PopulousThresholds, placeholder: jax.Array,
+                  vectorize: bool = True):
   """Traceable generic PPME on rows already split into groups (no validation).
 
   Args:
@@ -167,12 +168,17 @@ def populous_mean(key: jax.Array, groups: jax.Array, *, estimator: Callable,
     calibration: :func:`ppme_calibration`.
     thresholds: the same :class:`PopulousThresholds` as the calibration.
     placeholder: a valid input for ``mask`` used on ⊥ (the output is then replaced by zeros).
+    vectorize: batch the estimator with one ``vmap`` (direct computations such as means and
+      second moments: each candidate's floats depend on its own group only). Pass False for
+      estimators with data-dependent iterations (eigensolvers, filters): a batched iterative
+      solver may run until every batch member converges, which would let one group's rows move
+      another group's candidate at rounding level; ``lax.map`` runs them one by one.
 
   Returns:
     ``(ok, estimate)``: a bool scalar and ``M(Ŷ)`` (zeros of the same shape on ⊥).
   """
   k = groups.shape[0]
-  candidates = jax.vmap(estimator)(groups)
+  candidates = jax.vmap(estimator)(groups) if vectorize else jax.lax.map(estimator, groups)
   q = neighbour_counts(candidates).astype(candidates.dtype) / k
   k_test, k_mask = jax.random.split(key)
   noise = _truncated_laplace(k_test, (), calibration.test_scale, calibration.test_bound,
@@ -254,6 +260,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
   cal = ppme_calibration(k, radius, eps1, delta1, space="euclidean", thresholds=thresholds,
                          radius_margin=radius_margin)
   sigma = analytic_gaussian_sigma(eps2, delta2, cal.gamma)
+  vectorize = estimator is None                 # a user estimator may iterate: one group at a time
   estimator = (lambda rows: jnp.mean(rows, axis=0)) if estimator is None else estimator
   r = float(radius)
 
@@ -268,7 +275,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
         k_run, groups, estimator=estimator,
         neighbour_counts=lambda Y: semimetric.euclidean_neighbour_counts(Y, r),
         mask=mask, calibration=cal, thresholds=check_thresholds(thresholds, k),
-        placeholder=jnp.zeros((d,), X.dtype))
+        placeholder=jnp.zeros((d,), X.dtype), vectorize=vectorize)
 
   with jax.enable_x64(True):
     ok, estimate = run(key, jnp.asarray(X))

@@ -15,6 +15,11 @@ import pytest
 
 from dpjax import accounting, audit, data, linalg, sgd
 from dpjax import mechanisms as M
+from dpjax.covariance import covariance as cov_lib
+from dpjax.covariance import masking as cov_masking
+from dpjax.covariance import populous_mean as ppme_lib
+from dpjax.covariance import semimetric
+from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
 from dpjax.subspace import approximate
 from dpjax.subspace import analyze_gauss as dpjax_analyze_gauss
 from dpjax.subspace import dpaseb as dpjax_dpaseb
@@ -266,11 +271,171 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
          rep.epsilon_lower_bound, n)
 
 
+# ------------------------------------------------------------------ Ashtiani–Liaw: PPME, masking
+
+
+def _ppme_counts(n_a, n_b, n_c, k):
+  """q = N/k for the three-cluster layout of the PPME audits (A–B and B–C close, A–C far)."""
+  q_a, q_b, q_c = (n_a + n_b) / k, (n_a + n_b + n_c) / k, (n_b + n_c) / k
+  return (n_a * q_a + n_b * q_b + n_c * q_c) / k
+
+
+def _ppme_samples(key, run, data, data_prime, trials):
+  """(ok, released) for ``trials`` keys on each dataset; the data are not batched, so the
+  candidates and their neighbour counts are computed once and only the noise is vmapped."""
+  out = []
+  for k, x in zip(jax.random.split(key), (data, data_prime)):
+    ok, est = jax.jit(jax.vmap(run, in_axes=(0, None)))(jax.random.split(k, trials), x)
+    out.append((np.asarray(ok), np.asarray(est)))
+  return out
+
+
+def _ppme_audit(key, run, data, data_prime, trials, feature, delta):
+  (ok_a, est_a), (ok_b, est_b) = _ppme_samples(key, run, data, data_prime, trials)
+  # Whole release: ⊥ mapped to a sentinel above every released value, so that the threshold
+  # events "output ≤ c" are sub-events of "passed" and the ⊥ event is "output > c".
+  whole = audit.epsilon_lower_bound(np.where(ok_a, feature(est_a), 1e3),
+                                    np.where(ok_b, feature(est_b), 1e3), delta=delta[0])[0]
+  bit = audit.epsilon_lower_bound(ok_a.astype(np.int32), ok_b.astype(np.int32),
+                                  delta=delta[1])[0]
+  return whole, bit, (ok_a.mean(), ok_b.mean())
+
+
+def test_ppme_euclidean_group_moved_far_away(audit_trials):
+  """PPME's traceable core on designed candidates (one per group, estimator = that row) on a
+  line: A (60 groups) at 0, B (130) at 0.9r, C (10) at 1.8r, so q_A = 0.95, q_B = 1 and C sits on
+  the weight ramp (q_C = 0.7). X' moves one B group far away: its q drops from 1 to 1/k, every
+  other q by 1/k (the maximal ΔQ = 2(k−1)/k²), C's weights shrink and the average moves. Q and Q'
+  straddle the pass level c0 + A1, where the TLap test spends its whole ε1. Mask: the library's
+  Gaussian calibration for γ. Claims: the release (ε, δ); the pass/⊥ bit alone (ε1, δ1).
+  """
+  n = audit_trials(40_000, 1_000_000)
+  eps, delta, frac, k, r, d = 2.0, 0.02, 0.25, 200, 1.0, 2
+  eps1, eps2, delta1, delta2 = eps * frac, eps * (1 - frac), delta / 2, delta / 2
+  cal = ppme_lib.ppme_calibration(k, r, eps1, delta1, space="euclidean")
+  sigma = analytic_gaussian_sigma(eps2, delta2, cal.gamma)
+  n_a, n_b, n_c = 60, 130, 10
+  pos = np.concatenate([np.zeros(n_a), np.full(n_b, 0.9 * r), np.full(n_c, 1.8 * r)])
+  X = np.zeros((k, d))
+  X[:, 0] = pos
+  X_prime = X.copy()
+  X_prime[n_a, 0] = 1e3 * r                                 # one B group moved far away
+  Q, Q_prime = _ppme_counts(n_a, n_b, n_c, k), _ppme_counts(n_a, n_b - 1, n_c, k) + 1 / k**2
+  assert Q_prime < cal.pass_level < Q + cal.test_bound     # both pass with probability in (0, 1)
+
+  def run(key, cand):
+    return ppme_lib.populous_mean(
+        key, cand[:, None, :], estimator=lambda rows: rows[0],
+        neighbour_counts=lambda Y: semimetric.euclidean_neighbour_counts(Y, r),
+        mask=lambda km, y: y + sigma * jax.random.normal(km, y.shape, y.dtype),
+        calibration=cal, thresholds=ppme_lib.PopulousThresholds(),
+        placeholder=jnp.zeros(d, cand.dtype))
+
+  with jax.enable_x64(True):
+    for cand, q in ((X, Q), (X_prime, Q_prime)):          # the layout is what the predicate sees
+      counts = semimetric.euclidean_neighbour_counts(jnp.asarray(cand), r)
+      assert float(jnp.mean(counts)) / k == pytest.approx(q, rel=1e-12)
+    whole, bit, rates = _ppme_audit(jax.random.key(20), run, jnp.asarray(X), jnp.asarray(X_prime),
+                                    n, lambda est: est[:, 0], (delta, delta1))
+  assert 0.1 < min(rates) and max(rates) < 0.9           # the test is on its edge
+  _check("PPME test bit (euclidean)", eps1, bit, n)
+  _check("PPME (euclidean)", eps, whole, n)
+
+
+def _masking_pair(key, d, gamma, eps, delta, trials, eta_factor=1.0):
+  """M_η on Σ = I and Λ = diag(1 + γ, 1/(1 + γ), 1, …) (dist(I, Λ) = γ exactly), η = η_min/factor;
+  feature log(M00/M11), which carries the shift 2 ln(1 + γ) of the two scaled axes."""
+  eta = cov_masking.calibrate_masking(d, gamma, eps, delta).eta / eta_factor
+  lam = np.ones(d)
+  lam[0], lam[1] = 1 + gamma, 1 / (1 + gamma)
+
+  def feature(k, S):
+    M = cov_masking.mask_covariance(k, S, eta)
+    return jnp.log(M[0, 0] / M[1, 1])
+
+  with jax.enable_x64(True):
+    assert float(semimetric.psd_distance(jnp.eye(d), jnp.diag(jnp.asarray(lam)))) == \
+        pytest.approx(gamma, rel=1e-9)
+    rep = audit.audit(key, feature, jnp.eye(d), jnp.diag(jnp.asarray(lam)), delta=delta,
+                      epsilon_claimed=eps, trials=trials)
+  return rep.epsilon_lower_bound
+
+
+# Small γ: F's η-independent part C0 is negligible and the calibration is at its tightest in η;
+# larger γ with d = 3: C0 takes a large share of ε.
+MASKING_CONFIGS = [(2, 0.002, 2.0, 1e-3), (3, 0.05, 2.0, 1e-2)]
+
+
+def test_covariance_masking_at_distance_gamma(audit_trials):
+  """Two covariances at semimetric distance exactly γ, η = calibrate_masking(d, γ, ε, δ).eta."""
+  n = audit_trials(50_000, 1_000_000)
+  lbs = [_masking_pair(jax.random.key(30 + i), *cfg, n) for i, cfg in enumerate(MASKING_CONFIGS)]
+  _check("covariance masking", 2.0, max(lbs), n)
+
+
+def test_covariance_masking_audit_catches_too_little_noise(audit_trials):
+  """Negative control (not in EXPECTED): η five times below η_min must be caught. At the first
+  configuration the calibration is tight within a factor ≈ 4 in η, so η/5 genuinely violates
+  (ε, δ) and the audit sees it."""
+  n = audit_trials(100_000, 1_000_000)
+  d, gamma, eps, delta = MASKING_CONFIGS[0]
+  lb = _masking_pair(jax.random.key(40), d, gamma, eps, delta, n, eta_factor=5.0)
+  assert lb > eps, f"the audit missed η = η_min/5: empirical ε ≥ {lb:.3f} ≤ claimed {eps}"
+
+
+def test_al_covariance_row_replaced_by_a_huge_row(audit_trials):
+  """The covariance learner's traceable parts (second-moment candidates, the Cholesky closeness
+  predicate, the covariance mask at the public calibration) on a fixed partition into k groups of
+  d + 1 rows. Candidates are multiples of I: A (60) = I, B (124) = 1.2 I, C (16) = 1.44 I
+  (dist 0.2 < r = 0.25 between neighbours, 0.44 between A and C), so Q straddles the pass level
+  as in the Euclidean audit. X' replaces ONE row (the zero row of a B group) by 1e3·e0: that
+  group's covariance leaves every neighbourhood. Feature: log of the released (0, 0) entry.
+  """
+  n = audit_trials(20_000, 500_000)
+  d, k, eps, delta = 2, 200, 4.0, 0.02
+  cal = cov_lib.covariance_calibration(d, eps, delta, num_groups=k, min_group_size=d + 1)
+  ppme = ppme_lib.ppme_calibration(k, cal.radius, cal.epsilon_test, cal.delta_test,
+                                   space="covariance")
+  n_a, n_b, n_c = 60, 124, 16
+  scale = np.concatenate([np.ones(n_a), np.full(n_b, 1.2), np.full(n_c, 1.44)])
+  groups = np.zeros((k, d + 1, d))
+  groups[:, :d, :] = np.sqrt(scale * (d + 1))[:, None, None] * np.eye(d)   # second moment = c·I
+  groups_prime = groups.copy()
+  groups_prime[n_a, d, 0] = 1e3
+  Q, Q_prime = _ppme_counts(n_a, n_b, n_c, k), _ppme_counts(n_a, n_b - 1, n_c, k) + 1 / k**2
+  assert Q_prime < ppme.pass_level < Q + ppme.test_bound
+
+  def run(key, g):
+    return ppme_lib.populous_mean(
+        key, g, estimator=cov_lib.second_moment,
+        neighbour_counts=lambda Y: semimetric.neighbour_counts(Y, cal.radius),
+        mask=lambda km, S: cov_masking.mask_covariance(km, S, cal.eta),
+        calibration=ppme, thresholds=ppme_lib.PopulousThresholds(),
+        placeholder=jnp.eye(d, dtype=g.dtype))
+
+  with jax.enable_x64(True):
+    Y = jax.vmap(cov_lib.second_moment)(jnp.asarray(groups))
+    np.testing.assert_allclose(np.asarray(Y), scale[:, None, None] * np.eye(d), rtol=1e-12)
+    for g, q in ((groups, Q), (groups_prime, Q_prime)):
+      counts = semimetric.neighbour_counts(jax.vmap(cov_lib.second_moment)(jnp.asarray(g)),
+                                           cal.radius)
+      assert float(jnp.mean(counts)) / k == pytest.approx(q, rel=1e-12)
+    whole, bit, rates = _ppme_audit(jax.random.key(50), run, jnp.asarray(groups),
+                                    jnp.asarray(groups_prime), n,
+                                    lambda est: np.log(np.where(est[:, 0, 0] > 0, est[:, 0, 0], 1.0)),
+                                    (delta, cal.delta_test))
+  assert 0.1 < min(rates) and max(rates) < 0.9
+  _check("AL covariance test bit", cal.epsilon_test, bit, n)
+  _check("AL covariance", eps, whole, n)
+
+
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
             "stability histogram (discrete)", "stability histogram (laplace)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
             "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
-            "AL exact subspace", "Analyze Gauss", "DP-SGD step", "subspace DP-SGD step"}
+            "AL exact subspace", "Analyze Gauss", "DP-SGD step", "subspace DP-SGD step",
+            "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
+            "AL covariance", "AL covariance test bit"}
 
 
 def test_zz_every_mechanism_was_audited():

@@ -1,0 +1,331 @@
+"""The covariance masking mechanism M_η(Σ) = S(I + ηG)(I + ηG)ᵀSᵀ (ALGORITHMS.md §3.4).
+
+Covers: the output law against its definition (moments in closed form, two-sample KS tests of
+whitened statistics against a direct NumPy simulation of W Wᵀ), the square-root invariance claim,
+the batched path, the calibration η_min of the DERIVED bound F, the concentration bound α(β), a
+Monte-Carlo check of the DERIVED privacy calibration on the row-wise Gaussians of the proof, and
+input validation. Probabilistic claims use fixed keys/seeds, several of them, with
+Clopper–Pearson or KS slack.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from dpjax.covariance import masking as mk
+from dpjax.covariance import semimetric
+from dpjax.metrics import clopper_pearson
+
+
+def _rand_cov(rng, d, cond):
+  q, _ = np.linalg.qr(rng.normal(size=(d, d)))
+  return (q * np.geomspace(1.0, cond, d)) @ q.T
+
+
+def _sym_sqrt(S, power=0.5):
+  w, V = np.linalg.eigh(S)
+  return (V * w ** power) @ V.T
+
+
+def _masks(key, Sigma, eta, n):
+  """n independent draws of M_η(Σ) through the validated, batched public path (float64)."""
+  with jax.enable_x64(True):
+    batch = jnp.broadcast_to(jnp.asarray(Sigma, jnp.float64), (n,) + Sigma.shape)
+    return np.asarray(mk.covariance_mask(key, batch, eta=eta))
+
+
+def _direct_wwt(rng, d, eta, n):
+  W = np.eye(d) + eta * rng.normal(size=(n, d, d))
+  return W @ np.swapaxes(W, 1, 2)
+
+
+def _stats(Z):
+  """Three statistics of a batch of symmetric matrices: trace, top eigenvalue, entry (0, 1)."""
+  return {"trace": np.trace(Z, axis1=1, axis2=2), "top": np.linalg.eigvalsh(Z)[:, -1],
+          "offdiag": Z[:, 0, 1]}
+
+
+SIGMA3 = _rand_cov(np.random.default_rng(123), 3, 50.0)      # fixed, non-diagonal
+
+
+# ---------------------------------------------------------------------- the output law
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mean_matches_closed_form(seed):
+  """E[S(I+ηG)(I+ηG)ᵀSᵀ] = S(I + η²·E[GGᵀ])Sᵀ = (1 + dη²)Σ (the cross terms have mean 0)."""
+  d, eta, n = 3, 0.3, 20_000
+  M = _masks(jax.random.key(seed), SIGMA3, eta, n)
+  mean, se = M.mean(axis=0), M.std(axis=0, ddof=1) / math.sqrt(n)
+  z = np.abs(mean - (1 + d * eta**2) * SIGMA3) / se
+  assert z.max() < 4.5, z
+  # The test discriminates: the plausible slip (1 + η²)Σ is far outside the noise.
+  z_wrong = np.abs(mean - (1 + eta**2) * SIGMA3) / se
+  assert z_wrong.max() > 20
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_whitened_output_has_the_law_of_w_wt(seed):
+  """Σ^{-1/2} M Σ^{-1/2} ~ (I + ηG)(I + ηG)ᵀ, compared with a direct NumPy simulation."""
+  d, eta, n = 3, 0.25, 4_000
+  M = _masks(jax.random.key(seed), SIGMA3, eta, n)
+  inv_half = _sym_sqrt(SIGMA3, -0.5)
+  Z = inv_half @ M @ inv_half
+  rng = np.random.default_rng(seed)
+  ref = _stats(_direct_wwt(rng, d, eta, n))
+  for name, values in _stats(Z).items():
+    assert stats.ks_2samp(values, ref[name]).pvalue > 1e-3, name
+  # Power: a 15% larger η is rejected on the trace.
+  wrong = _stats(_direct_wwt(rng, d, 1.15 * eta, n))["trace"]
+  assert stats.ks_2samp(_stats(Z)["trace"], wrong).pvalue < 1e-6
+
+
+def test_any_square_root_gives_the_same_law():
+  """Cholesky (the implementation), the symmetric root and a rotated root S = Σ^{1/2}U agree."""
+  d, eta, n = 3, 0.3, 4_000
+  rng = np.random.default_rng(7)
+  M = _masks(jax.random.key(7), SIGMA3, eta, n)
+  U, _ = np.linalg.qr(rng.normal(size=(d, d)))
+  for root in (_sym_sqrt(SIGMA3), _sym_sqrt(SIGMA3) @ U):
+    np.testing.assert_allclose(root @ root.T, SIGMA3, rtol=1e-10, atol=1e-12)
+    R = root @ _direct_wwt(rng, d, eta, n) @ root.T
+    for stat in (lambda A: A[:, 0, 0], lambda A: A[:, 1, 2], lambda A: np.trace(A, axis1=1,
+                                                                                 axis2=2)):
+      assert stats.ks_2samp(stat(M), stat(R)).pvalue > 1e-3
+
+
+def test_output_is_symmetric_positive_definite_and_keeps_dtype():
+  M = _masks(jax.random.key(8), SIGMA3, 0.5, 500)
+  np.testing.assert_array_equal(M, np.swapaxes(M, 1, 2))
+  assert (np.linalg.eigvalsh(M)[:, 0] > 0).all()
+  out32 = mk.covariance_mask(jax.random.key(8), jnp.asarray(SIGMA3, jnp.float32), eta=0.1)
+  assert out32.dtype == jnp.float32 and out32.shape == (3, 3)
+
+
+def test_batched_shape_independence_and_per_member_law():
+  d, eta, b, reps = 2, 0.4, 3, 1_200           # reps = 400·b: one batch shape, one compile
+  rng = np.random.default_rng(9)
+  sigmas = np.stack([_rand_cov(rng, d, c) for c in (1.0, 10.0, 1e4)])
+  with jax.enable_x64(True):
+    draw = jax.jit(jax.vmap(lambda k: mk.mask_covariance(k, jnp.eye(d), eta)))
+    out = mk.covariance_mask(jax.random.key(10), jnp.asarray(sigmas), eta=eta)
+    assert out.shape == (b, d, d)
+    # Identical members get independent noise.
+    same = mk.covariance_mask(jax.random.key(11), jnp.broadcast_to(jnp.eye(d), (b, d, d)),
+                              eta=eta)
+    assert len({float(x) for x in np.asarray(same)[:, 0, 0]}) == b
+    # One call on 400 copies of the three matrices: (400, b, d, d) after reshaping.
+    tiled = jnp.asarray(np.tile(sigmas, (400, 1, 1)))
+    many = np.asarray(mk.covariance_mask(jax.random.key(12), tiled, eta=eta)).reshape(
+        400, b, d, d)
+  # Member i has the law of the single-matrix mechanism on Σ_i: its mean is (1 + dη²)Σ_i.
+  mean, se = many.mean(0), many.std(0, ddof=1) / math.sqrt(len(many))
+  assert (np.abs(mean - (1 + d * eta**2) * sigmas) / se).max() < 4.5
+  # Independence across members: whitened (0, 0) entries are uncorrelated.
+  white = np.stack([_sym_sqrt(s, -0.5) @ many[:, i] @ _sym_sqrt(s, -0.5)
+                    for i, s in enumerate(sigmas)], axis=1)[:, :, 0, 0]
+  corr = np.corrcoef(white.T)[np.triu_indices(b, 1)]
+  assert np.abs(corr).max() < 4.5 / math.sqrt(len(many))
+  # The traceable core under vmap has the same law as the validated path.
+  with jax.enable_x64(True):
+    core = np.asarray(draw(jax.random.split(jax.random.key(13), reps)))
+  public = _masks(jax.random.key(14), np.eye(d), eta, reps)
+  assert stats.ks_2samp(core[:, 0, 0], public[:, 0, 0]).pvalue > 1e-3
+
+
+def test_mask_covariance_is_traceable():
+  with jax.enable_x64(True):
+    f = jax.jit(lambda k, S: mk.mask_covariance(k, S, 0.2))
+    out = f(jax.random.key(0), jnp.asarray(SIGMA3))
+    assert out.shape == (3, 3)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out).T)
+    # Deterministic for a fixed key; different keys differ.
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(f(jax.random.key(0),
+                                                                jnp.asarray(SIGMA3))))
+    assert not np.allclose(np.asarray(out), np.asarray(f(jax.random.key(1),
+                                                         jnp.asarray(SIGMA3))))
+
+
+# ---------------------------------------------------------------------- calibration
+
+
+def _c0(d, gamma, delta):
+  g, x = gamma / (1 - gamma), math.log(3 / delta)
+  return d * d * g * g / 2 + math.sqrt(2) * d * g * math.sqrt(x) + g * x
+
+
+GRID = [(d, g, e, dl) for d in (1, 2, 3, 10) for g in (1e-3, 0.01, 0.05, 0.5)
+        for e in (0.5, 1.0, 4.0) for dl in (1e-6, 1e-3, 0.05)]
+
+
+def test_calibrate_masking_gives_the_smallest_private_eta():
+  feasible = 0
+  for d, gamma, eps, delta in GRID:
+    c0 = _c0(d, gamma, delta)
+    if c0 >= eps:
+      with pytest.raises(ValueError, match="C_0"):
+        mk.calibrate_masking(d, gamma, eps, delta)
+      continue
+    feasible += 1
+    cal = mk.calibrate_masking(d, gamma, eps, delta)
+    assert cal.fixed_loss == pytest.approx(c0, rel=1e-12)
+    assert (cal.gamma, cal.epsilon, cal.delta) == (gamma, eps, delta)
+    assert mk.masking_privacy_loss(d, gamma, cal.eta, delta) <= eps
+    assert mk.masking_privacy_loss(d, gamma, 0.99 * cal.eta, delta) > eps
+    assert mk.masking_privacy_loss(d, gamma, 2 * cal.eta, delta) < eps      # larger η: private
+    # F → C_0 as η → ∞.
+    assert mk.masking_privacy_loss(d, gamma, 1e9, delta) == pytest.approx(c0, rel=1e-6)
+  assert 10 < feasible < len(GRID)
+
+
+def test_privacy_loss_bound_monotonicity():
+  d, delta = 3, 1e-4
+  etas = [0.01, 0.1, 1.0, 10.0]
+  gammas = [1e-3, 0.01, 0.1, 0.5]
+  F = np.array([[mk.masking_privacy_loss(d, g, e, delta) for e in etas] for g in gammas])
+  assert (np.diff(F, axis=1) < 0).all()          # decreasing in η
+  assert (np.diff(F, axis=0) > 0).all()          # increasing in γ
+  assert mk.masking_privacy_loss(d, 0.01, 0.1, 1e-6) > mk.masking_privacy_loss(d, 0.01, 0.1,
+                                                                               1e-3)
+
+
+def test_calibration_errors():
+  with pytest.raises(ValueError, match="gamma"):
+    mk.calibrate_masking(3, 0.51, 1.0, 1e-5)
+  with pytest.raises(ValueError, match="gamma"):
+    mk.calibrate_masking(3, 0.0, 1.0, 1e-5)
+  with pytest.raises(ValueError, match="C_0"):
+    mk.calibrate_masking(10, 0.3, 0.5, 1e-6)
+  with pytest.raises(ValueError, match="epsilon"):
+    mk.calibrate_masking(3, 0.01, 0.0, 1e-5)
+  for bad_delta in (0.0, 1.0, -1e-3):
+    with pytest.raises(ValueError, match="delta"):
+      mk.calibrate_masking(3, 0.01, 1.0, bad_delta)
+  with pytest.raises(ValueError, match="eta"):
+    mk.masking_privacy_loss(3, 0.01, 0.0, 1e-5)
+  with pytest.raises(ValueError, match="gamma"):
+    mk.masking_privacy_loss(3, 0.6, 0.1, 1e-5)
+  with pytest.raises(TypeError):
+    mk.calibrate_masking(2.5, 0.01, 1.0, 1e-5)
+  with pytest.raises(ValueError, match="beta"):
+    mk.masking_concentration(3, 0.1, 1.0)
+
+
+# ---------------------------------------------------------------------- concentration
+
+
+@pytest.mark.parametrize("d,eta,beta", [(2, 0.05, 0.05), (2, 0.1, 0.5), (4, 0.04, 0.2),
+                                        (4, 0.08, 0.5)])
+def test_concentration_bound_holds_empirically(d, eta, beta):
+  """P[dist(M_η(Σ), Σ) > α(β)] ≤ β: the Clopper–Pearson lower bound of the exceedance rate
+  must not exceed β (on an ill-conditioned Σ, float64)."""
+  alpha = mk.masking_concentration(d, eta, beta)
+  assert math.isfinite(alpha)
+  n = 4_000
+  rng = np.random.default_rng(d * 100 + int(eta * 1000))
+  Sigma = _rand_cov(rng, d, 1e6)
+  M = _masks(jax.random.key(d + int(beta * 100)), Sigma, eta, n)
+  with jax.enable_x64(True):
+    dist = np.asarray(jax.jit(jax.vmap(semimetric.psd_distance, in_axes=(None, 0)))(
+        jnp.asarray(Sigma), jnp.asarray(M)))
+  # Affine invariance: the same law as dist(WWᵀ, I).
+  ref = np.array([max(ev.max() - 1, 1 / ev.min() - 1)
+                  for ev in np.linalg.eigvalsh(_direct_wwt(rng, d, eta, n))])
+  assert stats.ks_2samp(dist, ref).pvalue > 1e-3
+  low, _ = clopper_pearson(int((dist > alpha).sum()), n, 0.999)
+  assert low <= beta
+
+
+def test_concentration_bound_shape():
+  d = 3
+  assert mk.masking_concentration(d, 0.02, 0.01) < mk.masking_concentration(d, 0.04, 0.01)
+  assert mk.masking_concentration(d, 0.02, 0.01) > mk.masking_concentration(d, 0.02, 0.2)
+  gamma_norm = 2 * math.sqrt(d) + math.sqrt(2 * math.log(1 / 0.05))
+  assert mk.masking_concentration(d, 1.0 / gamma_norm, 0.05) == math.inf
+  assert math.isfinite(mk.masking_concentration(d, 0.99 / gamma_norm, 0.05))
+
+
+# ------------------------------------------- Monte-Carlo check of the DERIVED calibration
+
+
+def _loss(rng, lam, eta, n):
+  """Privacy loss ln p(Y)/p'(Y) of Y = I + ηG (law p) against Y' = Λ^{1/2}(I + ηG) (law p'),
+  from the two Gaussian log-densities row by row (not from the docstring's formula), and the
+  docstring's closed form evaluated on the same draws."""
+  d = len(lam)
+  z = rng.normal(size=(n, d, d))
+  Y = np.eye(d) + eta * z
+  lam = np.asarray(lam)
+  # Row i: N(e_i, η²I) vs N(√λ_i e_i, λ_i η² I).
+  log_p = -np.sum((Y - np.eye(d)) ** 2, axis=(1, 2)) / (2 * eta**2)
+  diff = Y - np.sqrt(lam)[:, None] * np.eye(d)
+  log_q = (-np.sum(np.sum(diff**2, axis=2) / (2 * lam * eta**2), axis=1)
+           - (d / 2) * np.sum(np.log(lam)))
+  direct = log_p - log_q
+  zz = np.einsum("nii->ni", z)
+  formula = np.sum((d / 2) * np.log(lam) + (1 / lam - 1) * np.sum(z**2, axis=2) / 2
+                   + (1 - np.sqrt(lam)) ** 2 / (2 * lam * eta**2)
+                   + (1 - np.sqrt(lam)) * zz / (lam * eta), axis=1)
+  return direct, formula
+
+
+@pytest.mark.parametrize("gamma,eps,pattern", [(0.02, 1.0, "pair"), (0.1, 3.0, "pair"),
+                                               (0.02, 1.0, "all up"), (0.05, 2.0, "all down")])
+def test_derived_calibration_bounds_the_privacy_loss(gamma, eps, pattern):
+  """d = 3, two inputs at semimetric distance exactly γ, η = η_min(γ, ε, δ): the privacy loss
+  exceeds F = ε with probability ≤ δ in both directions, and the hockey-stick divergence
+  E[(1 − e^{ε − L})₊] (the exact (ε, δ) criterion) is ≤ δ. δ is large so that it is testable."""
+  d, delta, n = 3, 0.05, 200_000
+  lam = {"pair": [1 + gamma, 1 / (1 + gamma), 1.0], "all up": [1 + gamma] * d,
+         "all down": [1 / (1 + gamma)] * d}[pattern]
+  with jax.enable_x64(True):
+    assert _ref_dist(np.eye(d), np.diag(lam)) == pytest.approx(gamma, rel=1e-9)
+  cal = mk.calibrate_masking(d, gamma, eps, delta)
+  F = mk.masking_privacy_loss(d, gamma, cal.eta, delta)
+  assert F <= eps
+  rng = np.random.default_rng(int(gamma * 1000) + int(eps))
+  # Direction X vs X' (p = law at I), and X' vs X: by affine invariance, whitening by Λ^{-1/2}
+  # turns (Λ, I) into (I, Λ^{-1}).
+  for lam_dir in (np.asarray(lam), 1 / np.asarray(lam)):
+    direct, formula = _loss(rng, lam_dir, cal.eta, n)
+    np.testing.assert_allclose(formula, direct, rtol=1e-6, atol=1e-8)
+    _, high = clopper_pearson(int((direct > F).sum()), n, 0.999)
+    assert high <= delta
+    hockey = np.maximum(0.0, 1.0 - np.exp(eps - direct))
+    assert hockey.mean() + 5 * hockey.std() / math.sqrt(n) <= delta
+
+
+def _ref_dist(A, B):
+  return float(semimetric.psd_distance(jnp.asarray(A, jnp.float64), jnp.asarray(B, jnp.float64)))
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def test_covariance_mask_errors():
+  key = jax.random.key(0)
+  not_pd = np.diag([1.0, -1.0, 2.0])
+  with pytest.raises(ValueError, match="positive definite"):
+    mk.covariance_mask(key, not_pd, eta=0.1)
+  with pytest.raises(ValueError, match="positive definite"):
+    mk.covariance_mask(key, np.stack([np.eye(3), not_pd]), eta=0.1)
+  with pytest.raises(ValueError, match="NaN"):
+    mk.covariance_mask(key, np.full((2, 2), np.nan), eta=0.1)
+  with pytest.raises(ValueError, match="square"):
+    mk.covariance_mask(key, np.ones((2, 3)), eta=0.1)
+  with pytest.raises(ValueError, match="dimensions"):
+    mk.covariance_mask(key, np.ones(3), eta=0.1)
+  with pytest.raises(ValueError, match="dimensions"):
+    mk.covariance_mask(key, np.ones((2, 2, 2, 2)), eta=0.1)
+  for bad_eta in (0.0, -0.1, float("inf"), float("nan")):
+    with pytest.raises(ValueError, match="eta"):
+      mk.covariance_mask(key, np.eye(2), eta=bad_eta)
+  for bad_key in (0, np.zeros(3, np.uint32), "key"):
+    with pytest.raises(TypeError, match="key"):
+      mk.covariance_mask(bad_key, np.eye(2), eta=0.1)
+  with pytest.raises(TypeError):
+    mk.covariance_mask(key, np.eye(2, dtype=bool), eta=0.1)

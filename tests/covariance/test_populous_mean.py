@@ -1,0 +1,428 @@
+"""PPME (ALGORITHMS.md §3.2) and its two instances: the Euclidean mean with Gaussian masking
+(``ppme_mean``) and the Ashtiani–Liaw covariance learner (``al_covariance``, §3.5).
+
+Covers the threshold constraints, the calibration formulas (γ, test level, minimal k), the generic
+traceable core on designed candidates, pass-and-average / ⊥ behaviour of both instances on data
+(unbounded mean ‖μ‖ = 1e6; covariance of condition number 1e10), determinism, the sample-size
+planning functions and input validation. Compile time dominates, so shapes are reused.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpjax.covariance import covariance as cv
+from dpjax.covariance import populous_mean as pm
+from dpjax.covariance import semimetric
+from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
+
+DEFAULT = pm.PopulousThresholds()
+
+
+def _A1(k, eps1, delta1):
+  """TLap(2/k, ε1, δ1)'s bound, from the formula of §3.2."""
+  return 2.0 / (k * eps1) * math.log(1.0 + (math.exp(eps1) - 1.0) / (2.0 * delta1))
+
+
+def _rand_cov(rng, d, kappa):
+  q, _ = np.linalg.qr(rng.normal(size=(d, d)))
+  return (q * np.geomspace(1.0, kappa, d)) @ q.T
+
+
+# ------------------------------------------------------------------------ thresholds
+
+
+@pytest.mark.parametrize("thresholds,k,match", [
+    ((0.8, 0.6, 0.9), 100, "0 <= a < b < c0 < 1"),
+    ((0.6, 0.8, 1.0), 100, "0 <= a < b < c0 < 1"),
+    ((-0.1, 0.8, 0.9), 100, "0 <= a < b < c0 < 1"),
+    ((0.6, 0.9, 0.9), 100, "0 <= a < b < c0 < 1"),
+    ((0.3, 0.8, 0.9), 19, r"\(a \+ b - 1\)"),           # (0.1)·19 < 2; the others hold
+    ((0.6, 0.8, 0.801), 100, r"\(c0 - b\)/\(1 - b\)"),   # 100·0.001/0.2 < 1; the others hold
+    ((0.6, 0.8, 0.9), 6, r"c0 - 2/num_groups > a"),      # 0.9 − 1/3 ≤ 0.6; the others hold
+])
+def test_check_thresholds_names_the_broken_constraint(thresholds, k, match):
+  with pytest.raises(ValueError, match=match):
+    pm.check_thresholds(pm.PopulousThresholds(*thresholds), k)
+
+
+def test_check_thresholds_accepts_the_defaults_for_k_at_least_40():
+  for k in list(range(40, 200)) + [1000, 10**6]:
+    a, b, c0 = pm.check_thresholds(DEFAULT, k)
+    assert (a + b - 1) * k >= 2 and k * (c0 - b) / (1 - b) >= 1 and c0 - 2 / k > a
+  with pytest.raises(TypeError):
+    pm.check_thresholds(DEFAULT, 40.0)
+  with pytest.raises(ValueError):
+    pm.check_thresholds(DEFAULT, 1)
+
+
+# ------------------------------------------------------------------------ calibration
+
+
+@pytest.mark.parametrize("thresholds", [DEFAULT, pm.PopulousThresholds(0.5, 0.75, 0.85)])
+def test_ppme_calibration_formulas(thresholds):
+  a, b, c0 = thresholds
+  for k in (40, 333, 5000):
+    for radius in (0.05, 0.2, 1.0, 30.0):
+      for margin in (0.0, 1e-2):
+        for eps1, delta1 in ((0.5, 1e-6), (3.0, 0.01)):
+          w_min = k * (c0 - 2 / k - a) / (1 - a)
+          r = radius * (1 + margin)
+          cal = pm.ppme_calibration(k, radius, eps1, delta1, space="euclidean",
+                                    thresholds=thresholds, radius_margin=margin)
+          assert cal.num_groups == k
+          assert cal.weight_floor == pytest.approx(w_min, rel=1e-12)
+          assert cal.rho == pytest.approx(2 * r, rel=1e-12)
+          assert cal.gamma == pytest.approx((4 + 2 / (b - a)) * 2 * r / w_min, rel=1e-12)
+          assert cal.test_scale == pytest.approx(2 / (k * eps1), rel=1e-12)
+          assert cal.test_bound == pytest.approx(_A1(k, eps1, delta1), rel=1e-9)
+          assert cal.pass_level == pytest.approx(c0 + _A1(k, eps1, delta1), rel=1e-9)
+          if thresholds == DEFAULT:
+            assert cal.gamma == pytest.approx(14 * cal.rho / w_min, rel=1e-12)
+          if 2 * r + r * r < 1:
+            cov = pm.ppme_calibration(k, radius, eps1, delta1, space="covariance",
+                                      thresholds=thresholds, radius_margin=margin)
+            rho = 2 * r + r * r
+            assert cov.rho == pytest.approx(rho, rel=1e-12)
+            assert cov.gamma == pytest.approx((4 + 2 / (b - a)) * rho / ((1 - rho) * w_min),
+                                              rel=1e-12)
+            assert cov.pass_level == cal.pass_level
+          else:
+            with pytest.raises(ValueError, match="2r"):
+              pm.ppme_calibration(k, radius, eps1, delta1, space="covariance",
+                                  thresholds=thresholds, radius_margin=margin)
+
+
+def test_ppme_calibration_errors():
+  with pytest.raises(ValueError, match="space"):
+    pm.ppme_calibration(100, 1.0, 1.0, 1e-5, space="hyperbolic")
+  with pytest.raises(ValueError, match="radius"):
+    pm.ppme_calibration(100, 0.0, 1.0, 1e-5, space="euclidean")
+  with pytest.raises(ValueError, match="epsilon"):
+    pm.ppme_calibration(100, 1.0, 0.0, 1e-5, space="euclidean")
+  with pytest.raises(ValueError, match="delta"):
+    pm.ppme_calibration(100, 1.0, 1.0, 1.0, space="euclidean")
+  with pytest.raises(ValueError, match="0.414"):
+    pm.ppme_calibration(100, 0.42, 1.0, 1e-5, space="covariance")
+
+
+@pytest.mark.parametrize("thresholds", [DEFAULT, pm.PopulousThresholds(0.5, 0.75, 0.85)])
+def test_min_groups_for_test_is_minimal(thresholds):
+  half_gap = (1 - thresholds.c0) / 2
+  for eps1 in (0.1, 0.5, 1.0, 2.5, 10.0):
+    for delta1 in (1e-9, 1e-6, 1e-3, 0.1):
+      k = pm.min_groups_for_test(eps1, delta1, thresholds)
+      assert _A1(k, eps1, delta1) <= half_gap * (1 + 1e-9)
+      pm.check_thresholds(thresholds, k)
+      below_ok = _A1(k - 1, eps1, delta1) <= half_gap
+      try:
+        pm.check_thresholds(thresholds, k - 1)
+      except ValueError:
+        below_ok = False
+      assert not below_ok, (eps1, delta1, k)
+  assert pm.min_groups_for_test(0.5, 1e-6) > pm.min_groups_for_test(1.0, 1e-6)
+  assert pm.min_groups_for_test(1.0, 1e-9) > pm.min_groups_for_test(1.0, 1e-3)
+
+
+# ------------------------------------------------------------------ generic traceable core
+
+
+def _core(k, d, eps1, delta1, radius, *, mask=None):
+  """Jitted populous_mean on pre-built candidates ``(k, d)`` (estimator = the group's one row),
+  as ``run(key, candidates)``; one compile per configuration."""
+  cal = pm.ppme_calibration(k, radius, eps1, delta1, space="euclidean")
+  mask = (lambda kk, y: y) if mask is None else mask
+  run = jax.jit(lambda key, cand: pm.populous_mean(
+      key, cand[:, None, :], estimator=lambda rows: rows[0],
+      neighbour_counts=lambda Y: semimetric.euclidean_neighbour_counts(Y, radius),
+      mask=mask, calibration=cal, thresholds=DEFAULT, placeholder=jnp.zeros(d)))
+  return lambda key, cand: run(jax.random.key(key), jnp.asarray(cand, jnp.float32))
+
+
+def test_core_averages_agreeing_candidates_and_drops_outliers():
+  """Candidates within r/2 of a point pass surely (k ≥ min_groups) and are averaged with weight 1;
+  a few far outliers have q = 1/k, weight 0, and do not move the average (identity mask)."""
+  eps1, delta1 = 2.0, 1e-4
+  k = 2 * pm.min_groups_for_test(eps1, delta1)          # A1 ≤ (1 − c0)/4: room for outliers
+  rng = np.random.default_rng(0)
+  d, r = 3, 1.0
+  centre = rng.normal(size=d) * 100
+  inliers = centre + rng.uniform(-0.25, 0.25, size=(k, d))
+  run = _core(k, d, eps1, delta1, r)
+  for key in range(3):
+    ok, est = run(key, inliers)
+    assert bool(ok)
+    np.testing.assert_allclose(np.asarray(est), inliers.mean(0), rtol=1e-6)
+  num_out = max(1, k // 100)              # Q ≈ (1 − 1%)² stays above c0 + 2A1
+  cand = inliers.copy()
+  cand[:num_out] = centre + 1e3 * rng.normal(size=(num_out, d))
+  q = (k - num_out) / k
+  assert (k - num_out) * q / k > DEFAULT.c0 + 2 * _A1(k, eps1, delta1)
+  for key in range(3):
+    ok, est = run(key, cand)
+    assert bool(ok)
+    np.testing.assert_allclose(np.asarray(est), cand[num_out:].mean(0), rtol=1e-6)
+
+
+def test_core_returns_zeros_on_bottom_when_candidates_scatter():
+  eps1, delta1 = 2.0, 1e-4
+  k = pm.min_groups_for_test(eps1, delta1) + 3
+  cand = np.random.default_rng(1).normal(size=(k, 3)) * 100        # pairwise far apart
+  run = _core(k, 3, eps1, delta1, 1.0,
+              mask=lambda kk, y: y + 1.0 + jax.random.normal(kk, y.shape))
+  for key in range(3):
+    ok, est = run(key, cand)
+    assert not bool(ok)
+    np.testing.assert_array_equal(np.asarray(est), np.zeros(3))
+
+
+# ------------------------------------------------------------------ Euclidean instance
+
+EPS, DELTA = 10.0, 1e-5
+K_MEAN, M_MEAN, D_MEAN, BETA = 230, 50, 5, 1e-3
+
+
+def _mean_radius():
+  """All k group means lie within r/2 of μ w.p. ≥ 1 − β: ‖N(0, I/m)‖ ≤ (√d + t)/√m except
+  w.p. e^{−t²/2} (Gaussian Lipschitz concentration), union bound over k groups."""
+  t = math.sqrt(2 * math.log(K_MEAN / BETA))
+  return 2 * (math.sqrt(D_MEAN) + t) / math.sqrt(M_MEAN)
+
+
+def _mean_data(seed, norm=1e6):
+  rng = np.random.default_rng(seed)
+  mu = rng.normal(size=D_MEAN)
+  mu *= norm / np.linalg.norm(mu)
+  return mu + rng.normal(size=(K_MEAN * M_MEAN, D_MEAN)), mu
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ppme_mean_unbounded_mean_within_lemma_3_6_bound(seed):
+  """‖μ‖ = 1e6, no clipping bound. With k ≥ min_groups_for_test the test passes surely, and
+  ‖out − μ‖ ≤ r/2 + σ(√d + √(2 ln(1/β))) w.p. ≥ 1 − 2β ([AL22] Lemma 3.6, our constants)."""
+  assert K_MEAN >= pm.min_groups_for_test(EPS * 0.25, DELTA / 2)
+  X, mu = _mean_data(seed)
+  r = _mean_radius()
+  res = pm.ppme_mean(jax.random.key(seed), X, epsilon=EPS, delta=DELTA, num_groups=K_MEAN,
+                     radius=r)
+  assert bool(res.ok)
+  assert res.estimate.shape == (D_MEAN,)
+  sigma = res.info["sigma"]
+  bound = r / 2 + sigma * (math.sqrt(D_MEAN) + math.sqrt(2 * math.log(1 / BETA)))
+  err = np.linalg.norm(np.asarray(res.estimate, np.float64) - mu)
+  assert err <= bound, (err, bound)
+  if seed == 0:        # determinism: same key, same release; another key, another release
+    again = pm.ppme_mean(jax.random.key(seed), X, epsilon=EPS, delta=DELTA, num_groups=K_MEAN,
+                         radius=r)
+    np.testing.assert_array_equal(np.asarray(again.estimate), np.asarray(res.estimate))
+    other = pm.ppme_mean(jax.random.key(99), X, epsilon=EPS, delta=DELTA, num_groups=K_MEAN,
+                         radius=r)
+    assert not np.array_equal(np.asarray(other.estimate), np.asarray(res.estimate))
+  # The public info matches the public calibration.
+  cal = pm.ppme_calibration(K_MEAN, r, EPS * 0.25, DELTA / 2, space="euclidean")
+  assert res.info["gamma"] == pytest.approx(cal.gamma)
+  assert sigma == pytest.approx(analytic_gaussian_sigma(EPS * 0.75, DELTA / 2, cal.gamma))
+  assert (res.epsilon, res.delta, res.neighbouring) == (EPS, DELTA, "replace_one")
+
+
+def test_ppme_mean_bottom_on_far_apart_clusters():
+  """Rows from three clusters 1e4 apart: group means scatter, Q is small, ⊥ surely (zeros)."""
+  rng = np.random.default_rng(5)
+  X, _ = _mean_data(5)
+  centres = rng.normal(size=(3, D_MEAN)) * 1e4
+  X = X - X.mean(0) + centres[rng.integers(3, size=len(X))]
+  res = pm.ppme_mean(jax.random.key(0), X, epsilon=EPS, delta=DELTA, num_groups=K_MEAN,
+                     radius=_mean_radius())
+  assert not bool(res.ok)
+  np.testing.assert_array_equal(np.asarray(res.estimate), np.zeros(D_MEAN))
+
+
+def test_ppme_mean_errors():
+  X, _ = _mean_data(0)
+  key = jax.random.key(0)
+  kw = dict(epsilon=EPS, delta=DELTA, num_groups=K_MEAN, radius=1.0)
+  bad = X.copy()
+  bad[3, 1] = np.nan
+  with pytest.raises(ValueError, match="NaN"):
+    pm.ppme_mean(key, bad, **kw)
+  with pytest.raises(ValueError, match="dimensions"):
+    pm.ppme_mean(key, X[:, 0], **kw)
+  for eps in (0.0, -1.0, float("inf")):
+    with pytest.raises(ValueError, match="epsilon"):
+      pm.ppme_mean(key, X, **{**kw, "epsilon": eps})
+  for delta in (0.0, 1.0, 2.0):
+    with pytest.raises(ValueError, match="delta"):
+      pm.ppme_mean(key, X, **{**kw, "delta": delta})
+  with pytest.raises(ValueError, match="2 rows per group"):
+    pm.ppme_mean(key, X[:300], **kw)
+  with pytest.raises(ValueError, match="c0 - 2/num_groups"):
+    pm.ppme_mean(key, X, **{**kw, "num_groups": 6})
+  with pytest.raises(ValueError, match="radius"):
+    pm.ppme_mean(key, X, **{**kw, "radius": 0.0})
+  with pytest.raises(TypeError, match="key"):
+    pm.ppme_mean(0, X, **kw)
+
+
+def test_split_groups_is_a_partition():
+  X = jnp.arange(23.0 * 2).reshape(23, 2)
+  groups = pm.split_groups(jax.random.key(0), X, 5)
+  assert groups.shape == (5, 4, 2)
+  rows = np.asarray(groups).reshape(-1, 2)
+  assert len({tuple(r) for r in rows}) == 20                  # distinct rows, 3 dropped
+  assert set(map(tuple, rows)) <= set(map(tuple, np.asarray(X)))
+
+
+# ------------------------------------------------------------------ covariance instance
+
+D_COV, EPS_COV, DELTA_COV = 3, 10.0, 1e-5
+
+
+def _candidate_bound(cal):
+  """dist(group covariance, Σ) for every group w.p. ≥ 1 − β at the calibration's m: the singular
+  values of an m×d Gaussian matrix lie in √m(1 ± (√(d/m) + √(2 ln(2k/β)/m))) (Davidson–Szarek)."""
+  t = math.sqrt(cal.d / cal.min_group_size) + math.sqrt(
+      2 * math.log(2 * cal.num_groups / cal.beta) / cal.min_group_size)
+  return max((1 + t) ** 2 - 1, (1 - t) ** -2 - 1)
+
+
+@pytest.mark.parametrize("seed,unknown_mean", [(0, False), (1, True)])
+def test_al_covariance_ill_conditioned_passes_and_is_accurate(seed, unknown_mean):
+  """Σ with condition number 1e10 (and, for unknown_mean, ‖μ‖ = 1e6): the default calibration
+  passes and dist(Σ̃, Σ) is within the utility bound.
+
+  Bound: each candidate is within c := _candidate_bound of Σ (w.p. 1 − β), their convex
+  combination too (the whitened eigenvalues stay in the same interval), and the mask moves it by
+  ≤ α = mask_accuracy (w.p. 1 − β), so dist ≤ (1 + c)(1 + α) − 1 by the multiplicative triangle
+  inequality. The calibration's own figure uses c = r'' = candidate_accuracy, which holds for the
+  conservative concentration rule of m, not for the default simulated m; in practice the
+  candidates sit well inside 0.5 at the simulated m (Wishart fluctuations of size ~2√(d/m) ≈ 0.12
+  and averaging over ~k groups shrinks them further), so we also assert the practical figure
+  (1 + 0.5)(1 + α) − 1.
+  """
+  rng = np.random.default_rng(seed)
+  Sigma = _rand_cov(rng, D_COV, 1e10)
+  cal = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, unknown_mean=unknown_mean)
+  mu = rng.normal(size=D_COV) * 1e6 / math.sqrt(D_COV) if unknown_mean else 0.0
+  X = mu + rng.normal(size=(cal.required_n, D_COV)) @ np.linalg.cholesky(Sigma).T
+  res = cv.al_covariance(jax.random.key(seed), X, epsilon=EPS_COV, delta=DELTA_COV,
+                         unknown_mean=unknown_mean)
+  assert bool(res.ok)
+  assert res.estimate.shape == (D_COV, D_COV) and res.estimate.dtype == jnp.float64
+  with jax.enable_x64(True):
+    dist = float(semimetric.psd_distance(jnp.asarray(Sigma), res.estimate))
+  alpha = cal.mask_accuracy
+  assert math.isfinite(alpha)
+  assert dist <= (1 + _candidate_bound(cal)) * (1 + alpha) - 1
+  assert dist <= (1 + 0.5) * (1 + alpha) - 1
+  assert res.info["num_groups"] == cal.num_groups and res.info["eta"] == cal.eta
+  # (Determinism for a fixed key is checked on ppme_mean: every al_covariance call recompiles,
+  # ~4 s at this k, so it is not repeated here.)
+
+
+def test_al_covariance_bottom_on_wildly_scaled_rows():
+  """Each row scaled by 10^U(−4, 4): every group's covariance is dominated by its largest row, the
+  candidates scatter, ⊥ (zeros). User overrides of k and m keep the data small."""
+  rng = np.random.default_rng(3)
+  k, m = 300, 20
+  X = rng.normal(size=(k * m, D_COV)) * 10.0 ** rng.uniform(-4, 4, size=(k * m, 1))
+  res = cv.al_covariance(jax.random.key(0), X, epsilon=EPS_COV, delta=DELTA_COV, num_groups=k,
+                         min_group_size=m)
+  assert not bool(res.ok)
+  np.testing.assert_array_equal(np.asarray(res.estimate), np.zeros((D_COV, D_COV)))
+
+
+def test_al_covariance_reports_the_required_n():
+  cal = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV)
+  X = np.random.default_rng(0).normal(size=(1000, D_COV))
+  with pytest.raises(ValueError, match=f"n >= {cal.required_n}"):
+    cv.al_covariance(jax.random.key(0), X, epsilon=EPS_COV, delta=DELTA_COV)
+  assert cv.required_n(D_COV, EPS_COV, DELTA_COV) == cal.required_n
+  assert cal.required_n == cal.num_groups * cal.min_group_size
+  paired = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, unknown_mean=True)
+  assert paired.required_n == 2 * cal.required_n
+
+
+def test_required_n_grows_as_epsilon_shrinks_and_d_grows():
+  ns = [cv.required_n(D_COV, eps, DELTA_COV) for eps in (20.0, 10.0, 5.0, 2.0)]
+  assert all(a < b for a, b in zip(ns, ns[1:])), ns
+  # k grows with d (fixed m isolates the number of groups) ...
+  ks = [cv.required_n(d, EPS_COV, DELTA_COV, min_group_size=50) for d in range(1, 7)]
+  assert all(a < b for a, b in zip(ks, ks[1:])), ks
+  # ... and so does the concentration rule's m.
+  ns = [cv.required_n(d, EPS_COV, DELTA_COV, group_size_rule="concentration")
+        for d in range(1, 7)]
+  assert all(a < b for a, b in zip(ns, ns[1:])), ns
+
+
+def test_concentration_rule_asks_for_larger_groups_than_simulation():
+  sim = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV)
+  conc = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, group_size_rule="concentration")
+  assert conc.min_group_size > sim.min_group_size
+  assert conc.num_groups == sim.num_groups and conc.eta == sim.eta
+  # The default k meets step 2 of the calibration and k − 1 does not.
+  assert sim.eta * (2 * math.sqrt(D_COV) + math.sqrt(2 * math.log(1 / sim.beta))) <= 0.2
+  prev = pm.ppme_calibration(sim.num_groups - 1, sim.radius, sim.epsilon_test, sim.delta_test,
+                             space="covariance")
+  from dpjax.covariance import masking
+  try:
+    eta_prev = masking.calibrate_masking(D_COV, prev.gamma, sim.epsilon_mask,
+                                         sim.delta_mask).eta
+    assert eta_prev * (2 * math.sqrt(D_COV) + math.sqrt(2 * math.log(1 / sim.beta))) > 0.2
+  except ValueError:
+    pass
+
+
+def test_pair_differences_keep_the_covariance():
+  rng = np.random.default_rng(4)
+  d, n = 3, 200_001
+  Sigma = _rand_cov(rng, d, 100.0)
+  mu = rng.normal(size=d) * 1e3
+  X = mu + rng.normal(size=(n, d)) @ np.linalg.cholesky(Sigma).T
+  with jax.enable_x64(True):
+    D = np.asarray(cv.pair_differences(jnp.asarray(X)))
+  assert D.shape == (n // 2, d)
+  w, V = np.linalg.eigh(Sigma)
+  white = D @ ((V / np.sqrt(w)) @ V.T)
+  se = 1 / math.sqrt(len(D))
+  assert np.abs(white.mean(0)).max() < 5 * se                       # mean zero
+  second = white.T @ white / len(D)                                  # ≈ I: covariance kept
+  assert np.abs(second - np.eye(d)).max() < 5 * math.sqrt(2) * se
+  # One replaced row changes exactly one difference.
+  X2 = X.copy()
+  X2[7] = 0.0
+  with jax.enable_x64(True):
+    changed = np.any(np.asarray(cv.pair_differences(jnp.asarray(X2))) != D, axis=1)
+  assert changed.sum() == 1 and changed[3]
+  np.testing.assert_allclose(np.asarray(cv.second_moment(jnp.asarray(X[:10]))),
+                             X[:10].T @ X[:10] / 10, rtol=1e-6)
+
+
+def test_al_covariance_errors():
+  X = np.random.default_rng(0).normal(size=(100, D_COV))
+  key = jax.random.key(0)
+  kw = dict(epsilon=EPS_COV, delta=DELTA_COV)
+  bad = X.copy()
+  bad[0, 0] = np.nan
+  with pytest.raises(ValueError, match="NaN"):
+    cv.al_covariance(key, bad, **kw)
+  with pytest.raises(ValueError, match="dimensions"):
+    cv.al_covariance(key, X[:, 0], **kw)
+  with pytest.raises(ValueError, match="dimensions"):
+    cv.al_covariance(key, X[None], **kw)
+  for eps in (0.0, -2.0, float("nan")):
+    with pytest.raises(ValueError, match="epsilon"):
+      cv.al_covariance(key, X, **{**kw, "epsilon": eps})
+  for delta in (0.0, 1.0, 1.5):
+    with pytest.raises(ValueError, match="delta"):
+      cv.al_covariance(key, X, **{**kw, "delta": delta})
+  with pytest.raises(TypeError, match="key"):
+    cv.al_covariance(123, X, **kw)
+  with pytest.raises(ValueError, match="num_groups"):
+    cv.al_covariance(key, X, **kw, num_groups=20)                   # γ > 1/2
+  with pytest.raises(ValueError, match="min_group_size"):
+    cv.al_covariance(key, X, **kw, num_groups=300, min_group_size=D_COV)
+  with pytest.raises(ValueError, match="group_size_rule"):
+    cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, group_size_rule="guess")
