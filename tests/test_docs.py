@@ -44,3 +44,14 @@ def test_private_subspaces_notebook_runs_reduced(monkeypatch):
   ns = _run(code, "private_subspaces.ipynb")
   assert bool(ns["res"].ok)                                  # DPASEB answered
   assert all(r[1] < 0.1 for r in ns["rows"])                 # DPASE accurate at every d
+
+
+def test_private_gaussians_notebook_runs_reduced(monkeypatch):
+  monkeypatch.setenv("DPJAX_NOTEBOOK_QUICK", "1")
+  nb = json.loads((ROOT / "notebooks" / "private_gaussians.ipynb").read_text())
+  code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+  ns = _run(code, "private_gaussians.ipynb")
+  assert ns["baseline_error"] > 1.0                          # the guessed clip bound fails
+  assert bool(ns["refined"].ok) and ns["refined_error"] < min(0.05, ns["coarse_error"])
+  assert ns["gauss"].ok and ns["gauss_cov_error"] < 0.05     # full pipeline, singular Σ
+  assert ns["bad"].failed_step == "covariance" and ns["lines"].failed_step == "subspace"

@@ -121,6 +121,12 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
                                         thresholds=thresholds,
                                         radius_margin=radius_margin).gamma
   spread = 2.0 * math.sqrt(d) + math.sqrt(2.0 * math.log(1.0 / beta))
+  v.check_choice(group_size_rule, "group_size_rule", ("simulation", "concentration"))
+  needs_target = min_group_size is None and group_size_rule == "simulation"
+
+  def _simulation_target(k):
+    test = ppme_calibration(k, radius, eps1, delta1, space="covariance", thresholds=thresholds)
+    return thresholds.c0 + 2.0 * test.test_bound + 0.02
 
   def feasible(k, cap):
     try:
@@ -133,6 +139,8 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
       return None
     if cap is not None and cal.eta * spread > cap:
       return None
+    if needs_target and _simulation_target(k) >= 1.0:
+      return None                                       # the test could not pass surely
     return cal
 
   if num_groups is None:
@@ -159,13 +167,11 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
                        "more groups.")
     mask_cal = masking.calibrate_masking(d, gamma, eps2, delta2)
   r_candidate = radius / (2.0 + radius)
-  v.check_choice(group_size_rule, "group_size_rule", ("simulation", "concentration"))
   if min_group_size is None and group_size_rule == "concentration":
     root = (math.sqrt(d) + math.sqrt(2.0 * math.log(2.0 * k / beta))) * 3.0 / r_candidate
     m = math.ceil(root * root)
   elif min_group_size is None:
-    test = ppme_calibration(k, radius, eps1, delta1, space="covariance", thresholds=thresholds)
-    m = simulated_group_size(d, radius, thresholds.c0 + 2.0 * test.test_bound + 0.02)
+    m = simulated_group_size(d, radius, _simulation_target(k))
   else:
     m = v.check_int(min_group_size, "min_group_size", low=d + 1)
   alpha = masking.masking_concentration(d, mask_cal.eta, beta)
@@ -306,22 +312,19 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
   return PrivateEstimate(ok, np.asarray(estimate), float(epsilon), float(delta), "replace_one", info)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
 def _al_covariance(key, X, k, radius, eta, ppme, thresholds, estimator, unknown_mean, vectorize):
+  """al_covariance's traced body; public constants static, so repeated calls reuse the program."""
   d = X.shape[1]
-
-  @jax.jit
-  def run(key, X):
-    rows = pair_differences(X) if unknown_mean else X
-    k_split, k_run = jax.random.split(key)
-    groups = split_groups(k_split, rows, k)
-    return populous_mean(
-        k_run, groups, estimator=estimator,
-        neighbour_counts=lambda Y: semimetric.neighbour_counts(Y, radius),
-        mask=lambda k_mask, S: masking.mask_covariance(k_mask, S, eta),
-        calibration=ppme, thresholds=thresholds, placeholder=jnp.eye(d, dtype=X.dtype),
-        vectorize=vectorize)
-
-  return run(key, X)
+  rows = pair_differences(X) if unknown_mean else X
+  k_split, k_run = jax.random.split(key)
+  groups = split_groups(k_split, rows, k)
+  return populous_mean(
+      k_run, groups, estimator=estimator,
+      neighbour_counts=lambda Y: semimetric.neighbour_counts(Y, radius),
+      mask=lambda k_mask, S: masking.mask_covariance(k_mask, S, eta),
+      calibration=ppme, thresholds=thresholds, placeholder=jnp.eye(d, dtype=X.dtype),
+      vectorize=vectorize)
 
 
 def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,

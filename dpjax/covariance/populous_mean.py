@@ -34,6 +34,7 @@ robust-mean form when the estimator is robust); ``covariance.py`` holds the cova
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -261,24 +262,32 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
                          radius_margin=radius_margin)
   sigma = analytic_gaussian_sigma(eps2, delta2, cal.gamma)
   vectorize = estimator is None                 # a user estimator may iterate: one group at a time
-  estimator = (lambda rows: jnp.mean(rows, axis=0)) if estimator is None else estimator
+  estimator = _group_mean if estimator is None else estimator
   r = float(radius)
-
-  def mask(k_mask, y):
-    return y + sigma * jax.random.normal(k_mask, y.shape, y.dtype)
-
-  @jax.jit
-  def run(key, X):
-    k_split, k_run = jax.random.split(key)
-    groups = split_groups(k_split, X, k)
-    return populous_mean(
-        k_run, groups, estimator=estimator,
-        neighbour_counts=lambda Y: semimetric.euclidean_neighbour_counts(Y, r),
-        mask=mask, calibration=cal, thresholds=check_thresholds(thresholds, k),
-        placeholder=jnp.zeros((d,), X.dtype), vectorize=vectorize)
-
+  run = functools.partial(_ppme_mean_run, k=k, radius=r, sigma=sigma, calibration=cal,
+                          thresholds=check_thresholds(thresholds, k), estimator=estimator,
+                          vectorize=vectorize)
   with jax.enable_x64(True):
     ok, estimate = run(key, jnp.asarray(X))
   info = {"num_groups": k, "group_size": n // k, "radius": r, "gamma": cal.gamma,
           "sigma": sigma, "pass_level": cal.pass_level}
   return PrivateEstimate(ok, np.asarray(estimate), epsilon, delta, "replace_one", info)
+
+
+def _group_mean(rows):
+  return jnp.mean(rows, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "radius", "sigma", "calibration", "thresholds",
+                                             "estimator", "vectorize"))
+def _ppme_mean_run(key, X, *, k, radius, sigma, calibration, thresholds, estimator, vectorize):
+  """ppme_mean's traced body; the public constants are static so repeated calls reuse the
+  compiled program."""
+  k_split, k_run = jax.random.split(key)
+  groups = split_groups(k_split, X, k)
+  return populous_mean(
+      k_run, groups, estimator=estimator,
+      neighbour_counts=lambda Y: semimetric.euclidean_neighbour_counts(Y, radius),
+      mask=lambda k_mask, y: y + sigma * jax.random.normal(k_mask, y.shape, y.dtype),
+      calibration=calibration, thresholds=thresholds,
+      placeholder=jnp.zeros((X.shape[1],), X.dtype), vectorize=vectorize)

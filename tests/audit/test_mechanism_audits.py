@@ -334,7 +334,7 @@ def test_ppme_euclidean_group_moved_far_away(audit_trials):
   with jax.enable_x64(True):
     for cand, q in ((X, Q), (X_prime, Q_prime)):          # the layout is what the predicate sees
       counts = semimetric.euclidean_neighbour_counts(jnp.asarray(cand), r)
-      assert float(jnp.mean(counts)) / k == pytest.approx(q, rel=1e-12)
+      assert np.mean(np.asarray(counts)) / k == pytest.approx(q, rel=1e-12)
     whole, bit, rates = _ppme_audit(jax.random.key(20), run, jnp.asarray(X), jnp.asarray(X_prime),
                                     n, lambda est: est[:, 0], (delta, delta1))
   assert 0.1 < min(rates) and max(rates) < 0.9           # the test is on its edge
@@ -383,7 +383,7 @@ def test_covariance_masking_audit_catches_too_little_noise(audit_trials):
   assert lb > eps, f"the audit missed η = η_min/5: empirical ε ≥ {lb:.3f} ≤ claimed {eps}"
 
 
-def test_al_covariance_row_replaced_by_a_huge_row(audit_trials):
+def test_al_covariance_ppme_row_replaced_by_a_huge_row(audit_trials):
   """The covariance learner's traceable parts (second-moment candidates, the Cholesky closeness
   predicate, the covariance mask at the public calibration) on a fixed partition into k groups of
   d + 1 rows. Candidates are multiples of I: A (60) = I, B (124) = 1.2 I, C (16) = 1.44 I
@@ -419,10 +419,10 @@ def test_al_covariance_row_replaced_by_a_huge_row(audit_trials):
     for g, q in ((groups, Q), (groups_prime, Q_prime)):
       counts = semimetric.neighbour_counts(jax.vmap(cov_lib.second_moment)(jnp.asarray(g)),
                                            cal.radius)
-      assert float(jnp.mean(counts)) / k == pytest.approx(q, rel=1e-12)
+      assert np.mean(np.asarray(counts)) / k == pytest.approx(q, rel=1e-12)
+    log_m00 = lambda est: np.log(np.where(est[:, 0, 0] > 0, est[:, 0, 0], 1.0))   # noqa: E731
     whole, bit, rates = _ppme_audit(jax.random.key(50), run, jnp.asarray(groups),
-                                    jnp.asarray(groups_prime), n,
-                                    lambda est: np.log(np.where(est[:, 0, 0] > 0, est[:, 0, 0], 1.0)),
+                                    jnp.asarray(groups_prime), n, log_m00,
                                     (delta, cal.delta_test))
   assert 0.1 < min(rates) and max(rates) < 0.9
   _check("AL covariance test bit", cal.epsilon_test, bit, n)
