@@ -429,13 +429,38 @@ def test_al_covariance_ppme_row_replaced_by_a_huge_row(audit_trials):
   _check("AL covariance", eps, whole, n)
 
 
+def test_coinpress_mean(audit_trials):
+  """CoinPress mean (4 Gaussian steps composed, analytic calibration): one row moved from −∞ to
+  +∞, so it is clipped to opposite edges of the ball in every step (the full replace-one
+  sensitivity 2R_t/n); d = 1 for the strongest signal."""
+  from dpjax.covariance import coinpress
+  n = audit_trials(20_000, 400_000)
+  X = np.zeros((40, 1))
+  X[0, 0] = -1e6
+  X_prime = X.copy()
+  X_prime[0, 0] = 1e6
+  info = coinpress.coinpress_mean(jax.random.key(0), X, epsilon=1.0, delta=1e-5,
+                                  center=np.zeros(1), radius=10.0).info
+  with jax.enable_x64(True):
+    radii = jnp.asarray(info["clip_radii"], jnp.float64)
+    sigmas = jnp.asarray(info["sigmas"], jnp.float64)
+
+    def release(key, data):
+      keys = jax.random.split(key, n)
+      run = lambda k: coinpress._mean_core(k, jnp.asarray(data), jnp.zeros(1), radii, sigmas)
+      return np.asarray(jax.vmap(run)(keys)[0][:, 0])
+
+    a, b = _pair_of_samples(jax.random.key(31), release, X, X_prime)
+  _check("CoinPress mean", 1.0, audit.epsilon_lower_bound(a, b, delta=1e-5)[0], n)
+
+
 EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
             "stability histogram (discrete)", "stability histogram (laplace)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
             "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
             "AL exact subspace", "Analyze Gauss", "DP-SGD step", "subspace DP-SGD step",
             "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
-            "AL covariance", "AL covariance test bit"}
+            "AL covariance", "AL covariance test bit", "CoinPress mean"}
 
 
 def test_zz_every_mechanism_was_audited():
