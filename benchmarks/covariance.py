@@ -17,8 +17,8 @@ range(Σ), and the absolute mean error orthogonal to it), the calibration table 
 against a NumPy loop over pairs, measured in the same run (absolute times are machine-dependent).
 
     python benchmarks/covariance.py --quick --json results/covariance_quick.json \\
-        --plot results/covariance_quick.png        # d in {5, 10}, ≈ 4 min on 2 CPU cores
-    python benchmarks/covariance.py                # d in {5, 10, 20}, ≈ 30 min
+        --plot results/covariance_quick.png        # d in {5, 10}: ≈ 4.5 min on 2 busy CPU cores
+    python benchmarks/covariance.py                # d in {5, 10, 20}: ≈ 25 min, ≈ 10 GB RAM
 """
 
 from __future__ import annotations
@@ -259,7 +259,8 @@ def main(argv=None):
   quick = args.quick
   dims = (5, 10) if quick else (5, 10, 20)
   trials = args.trials or (2 if quick else 4)
-  # d = 20: 1× the minimum is 1.9e7 rows (1.5 GB per copy); larger multiples do not fit in RAM.
+  # d = 20: 1× the minimum is 1.9e7 rows (3 GB per float64 copy, and the learners make a few);
+  # larger multiples do not fit in this machine's 23 GB.
   multiples = {5: (1, 2) if quick else (1, 2, 4), 10: (1, 2) if quick else (1, 2, 4), 20: (1,)}
   trials_at = {5: trials, 10: trials, 20: max(1, trials // 2)}
   # learn_gaussian needs ≈ 6·required_n(d − 2, eta_accuracy=0.5) rows for its covariance step:
@@ -387,6 +388,7 @@ def _plot(cells, dims, path):
                   key=lambda c: c["n"])
     ax.plot([c["n"] for c in mine], [c["bottom_rate"] for c in mine], "o-", label=f"d = {d}")
   ax.set_xscale("log")
+  ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # decade labels only
   ax.set_ylim(-0.05, 1.05)
   ax.set_xlabel("n")
   ax.set_ylabel("⊥ rate (AL + CoinPress)")

@@ -14,8 +14,8 @@ batches of rows (fixed by position, public):
 4. **Mean outside the subspace.** ``U_⊥ᵀ x_i`` equals ``U_⊥ᵀμ`` up to the released subspace's
    snapping error and rounding. A stability histogram of ``⌊log2‖x_i‖_∞ / 8 + ω⌋`` on one half
    releases the scale S of the rows; Euclidean PPME on the other half, with a public radius that
-   covers the snapping error (``2·d·s·‖x − μ‖`` bounded through the released Σ̂_r) and the
-   rounding (``2^{-40}S``), releases ``U_⊥ᵀμ``.
+   covers the snapping error of the group means (``2·d·s·‖x̄ − μ‖``, bounded through the released
+   Σ̂_r) and the rounding (``2^{-40}S``), releases ``U_⊥ᵀμ``.
 
 Output: ``μ̃ = V Σ̂_r^{1/2} μ̂_w + U_⊥ û_⊥``, ``Σ̃ = V Σ̂_r Vᵀ``.
 
@@ -166,10 +166,9 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
   mean_out = np.zeros(d)
   if r < d:
     trace = float(np.trace(Sigma_r)) * 2.0                 # ≥ tr Σ up to the refinement error
-    spread = 2.0 * d * sub.info["snap_scale"] * math.sqrt(trace) * (
-        1.0 + math.sqrt(2.0 * math.log(2.0 * sizes[3] / beta)))
-    u, info["orthogonal_mean"] = _constant_mean(keys[4], keys[5], B4, U_perp, spread,
-                                                epsilon, delta)
+    tilt = 2.0 * d * sub.info["snap_scale"]                # ≥ ‖U_⊥ᵀ Π‖ for the snapped release
+    u, info["orthogonal_mean"] = _constant_mean(keys[4], keys[5], B4, U_perp, tilt, trace,
+                                                epsilon, delta, beta)
     if u is None:
       return fail("orthogonal_mean")
     mean_out = U_perp @ u
@@ -201,8 +200,13 @@ def _whitened_mean(k_coarse, k_fine, W, epsilon, delta, beta):
   return np.asarray(fine.estimate) * scale, info
 
 
-def _constant_mean(k_scale, k_ppme, B, U_perp, spread, epsilon, delta):
-  """Step 4: the (nearly) constant ``U_⊥ᵀ x_i`` via a scale histogram and Euclidean PPME."""
+def _constant_mean(k_scale, k_ppme, B, U_perp, tilt, trace, epsilon, delta, beta):
+  """Step 4: the (nearly) constant ``U_⊥ᵀ x_i`` via a scale histogram and Euclidean PPME.
+
+  A group mean of ``U_⊥ᵀ x`` differs from ``U_⊥ᵀ μ`` by ``U_⊥ᵀ Π (x̄ − μ)``, at most
+  ``tilt · √(tr Σ/m)(1 + √(2 ln(2k/β)))`` for all k groups of m rows w.p. ≥ 1 − β (Gaussian
+  norm concentration), plus rounding ≈ ``2^{-40}·S``; twice that is PPME's public radius.
+  """
   half = B.shape[0] // 2
   offset = float(jax.random.uniform(jax.random.fold_in(k_scale, 1), ()))
   magnitude = np.maximum(np.max(np.abs(B[:half]), axis=1), np.finfo(np.float64).tiny)
@@ -217,6 +221,8 @@ def _constant_mean(k_scale, k_ppme, B, U_perp, spread, epsilon, delta):
   U = B[half:] @ U_perp
   if U.shape[0] // k < 2:
     raise ValueError(f"learn_gaussian's orthogonal-mean step needs at least {4 * k} rows.")
+  m = U.shape[0] // k
+  spread = tilt * math.sqrt(trace / m) * (1.0 + math.sqrt(2.0 * math.log(2.0 * k / beta)))
   radius = 2.0 * spread + 2.0 ** -40 * scale * math.sqrt(U.shape[1])
   res = ppme_mean(k_ppme, U, epsilon=epsilon, delta=delta, num_groups=k, radius=radius)
   info.update(scale=scale, ppme=res.info)

@@ -66,7 +66,9 @@ def test_analyze_gauss_noise_is_symmetric_with_the_stated_std():
   V = _analyze_gauss(jax.random.key(6), jnp.zeros((5, d)), 3, 1.0, sigma)
   E = np.asarray(jnp.triu(noise) + jnp.triu(noise, 1).T)
   top = np.linalg.eigh(E)[1][:, ::-1][:, :3]
-  assert float(metrics.projection_distance(V, jnp.asarray(top, jnp.float32))) < 1e-3
+  # float32 eigenvectors against a float64 reference: error ≈ ulp·‖E‖/eigengap (1.1e-3 on
+  # jax 0.10's CPU eigh here), so the tolerance is 1e-2 — still far below a wrong key's ~1.
+  assert float(metrics.projection_distance(V, jnp.asarray(top, jnp.float32))) < 1e-2
 
 
 def test_pca_subspace_is_exact_and_labelled_non_private():
