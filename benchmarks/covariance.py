@@ -95,6 +95,11 @@ def summarise(what, d, n, errors, extra=None):
 def covariance_cells(d, grid, trials, epsilon, delta, seed):
   """AL alone, refined and baseline on one fresh ill-conditioned Σ per trial (nested prefixes)."""
   errs = {n: {"al": [], "refined": [], "baseline": [], "baseline_pd": []} for n in grid}
+  # Underpowered on purpose: groups of m/8 rows (a utility override; privacy is unchanged), so
+  # the candidates scatter and the private test should refuse (⊥) rather than answer badly.
+  small = covariance_calibration(d, epsilon, delta, eta_accuracy=0.5).min_group_size // 8
+  n_small = 2 * required_n(d, epsilon, delta, eta_accuracy=0.5, min_group_size=small)
+  under = []
   for trial in range(trials):
     rng = np.random.default_rng([seed, d, trial])
     Sigma, A, _ = random_factor(rng, d)
@@ -109,6 +114,8 @@ def covariance_cells(d, grid, trials, epsilon, delta, seed):
       B = clip_and_noise(rng, X[:n], bound=3.0 * math.sqrt(d), **kw)
       errs[n]["baseline"].append(metrics.covariance_error(B, Sigma))
       errs[n]["baseline_pd"].append(is_pd(B))
+      if i == 0:
+        under.append(err(learn_covariance(key, X[:n_small], min_group_size=small, **kw)))
     del X
   cells = []
   for n in grid:
@@ -117,6 +124,7 @@ def covariance_cells(d, grid, trials, epsilon, delta, seed):
     cells.append(summarise("AL + CoinPress", d, n, e["refined"]))
     cells.append(summarise("clip+noise B=3√d", d, n, e["baseline"],
                            {"pd_rate": float(np.mean(e["baseline_pd"]))}))
+  cells.append(summarise(f"underpowered m={small}", d, n_small, under))
   return cells
 
 
@@ -345,6 +353,7 @@ def main(argv=None):
          "baseline": {"spectral_error": strip(base, "median_error"),
                       "pd_rate": strip(base, "pd_rate"),
                       "identity": [c for c in cells if c["what"] == "clip+noise, Σ = I"]},
+         "underpowered": [c for c in cells if c["what"].startswith("underpowered")],
          "gaussian": gauss, "calibration": calib, "pairwise": speed, "cells": cells,
          "config": {"epsilon": eps, "delta": delta, "dims": list(dims), "trials": trials_at,
                     "multiples": {d: multiples[d] for d in dims}, "n_min": n_min,
@@ -384,8 +393,9 @@ def _plot(cells, dims, path):
   axes[0].legend(fontsize=8)
   ax = axes[-1]
   for d in dims:
-    mine = sorted((c for c in cells if c["d"] == d and c["what"] == "AL + CoinPress"),
-                  key=lambda c: c["n"])
+    mine = sorted((c for c in cells if c["d"] == d and (c["what"] == "AL + CoinPress" or
+                                                          c["what"].startswith("underpowered"))),
+                  key=lambda c: c["n"])                # leftmost point: groups of m/8 rows
     ax.plot([c["n"] for c in mine], [c["bottom_rate"] for c in mine], "o-", label=f"d = {d}")
   ax.set_xscale("log")
   ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())   # decade labels only
