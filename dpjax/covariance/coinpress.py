@@ -282,7 +282,7 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
     Biswas, Dong, Kamath & Ullman, NeurIPS 2020, Algorithms 1–2 (MVM, MVMRec).
   """
   key = v.check_key(key)
-  X64 = _as_float64_rows(X)
+  X64 = v.check_data64(X, "X", min_rows=2)
   n, d = X64.shape
   center64 = _check_center(center, d)
   radius = v.check_positive(radius, "radius")
@@ -436,7 +436,7 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
     Ashtiani & Liaw, COLT 2022, Thm 5.5 (refinement after a preconditioner).
   """
   key = v.check_key(key)
-  X64 = _as_float64_rows(X)
+  X64 = v.check_data64(X, "X", min_rows=2)
   n, d = X64.shape
   kappa = v.check_positive(kappa, "kappa")
   if kappa < 1.0:
@@ -593,14 +593,8 @@ def _covariance_steps(X, m0, gamma, sigmas, etas, noise):
 # --------------------------------------------------------------------------------------------
 
 
-def _as_float64_rows(X) -> np.ndarray:
-  """Validates X (2-D, n ≥ 2, finite, real) and returns it as a float64 NumPy array."""
-  return v.check_data64(X, "X", min_rows=2)
-
-
 def _check_center(center, d: int) -> np.ndarray:
-  with jax.enable_x64(True):
-    arr = np.asarray(v.check_data(center, "center", ndim=1), np.float64)
+  arr = v.check_data64(center, "center", ndim=1)
   if arr.shape != (d,):
     raise ValueError(f"center must have shape (d,) = ({d},) to match X, got shape {arr.shape}.")
   return arr

@@ -133,6 +133,26 @@ def _log_inv(eta: float) -> float:
   return math.inf if eta == 0.0 else math.log(1.0 / eta)
 
 
+def _check_score_threshold(score_threshold, default: float) -> float:
+  if score_threshold is None:
+    return default
+  return v.check_positive(score_threshold, "score_threshold", allow_zero=True, allow_inf=True)
+
+
+def _run_filter(core, X, score_threshold: float, stop_threshold: float, eta: float,
+                iterations: int, return_info: bool):
+  """Runs a jitted filter core in the working dtype; results come back in X's dtype."""
+  dtype = X.dtype
+  wd = _work_dtype(dtype)
+  estimate, info = core(X.astype(wd), jnp.asarray(score_threshold, wd),
+                        jnp.asarray(stop_threshold, wd), jnp.asarray(2.0 * eta * X.shape[0], wd),
+                        iterations)
+  estimate = estimate.astype(dtype)
+  if return_info:
+    return estimate, info._replace(weights=info.weights.astype(dtype))
+  return estimate
+
+
 # ------------------------------------------------------------------------------------------------
 # Shared traced helpers.
 
@@ -207,6 +227,31 @@ def _power_of_two_scale(X: jax.Array) -> jax.Array:
 def _second_moment(X: jax.Array, w: jax.Array) -> jax.Array:
   S = (X * w[:, None]).T @ X / jnp.sum(w)
   return 0.5 * (S + S.T)
+
+
+def _filter_loop(evaluate, n: int, init_estimate, score_threshold, stop_threshold, budget,
+                 iterations: int):
+  """The weighted filter shared by the mean and the covariance (fixed iteration count).
+
+  ``evaluate(w) -> (estimate, λ, raw_scores)`` gives the estimate at weights w, the top
+  eigenvalue of its certificate matrix and the rows' raw outlier scores. While ``λ`` exceeds
+  ``stop_threshold``, scores above ``score_threshold`` are down-weighted by
+  ``_capped_downweight``; the last of the ``iterations + 1`` passes only evaluates the final
+  weights. Returns ``(estimate, FilterInfo)``.
+  """
+  def body(i, carry):
+    w, steps, _, _ = carry
+    estimate, lam, raw = evaluate(w)
+    flag = (lam > stop_threshold) & (i < iterations)
+    f = jnp.where(flag, jnp.maximum(raw - score_threshold, 0.0), 0.0)
+    w, changed = _capped_downweight(w, f, budget)
+    return w, steps + changed.astype(jnp.int32), estimate, lam
+
+  dtype = init_estimate.dtype
+  init = (jnp.ones(n, dtype), jnp.int32(0), init_estimate, jnp.zeros((), dtype))
+  w, steps, estimate, lam = jax.lax.fori_loop(0, iterations + 1, body, init)
+  return estimate, FilterInfo(weights=w, top_eigenvalue=lam, stop_threshold=stop_threshold,
+                              certified=lam <= stop_threshold, steps=steps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,42 +344,24 @@ def filtered_mean(X, *, corruption: float, iterations: int | None = None,
   iterations = _check_iterations(iterations, 2 * d + 20)
   C = v.check_positive(stop_constant, "stop_constant", allow_zero=True)
   L = _log_inv(eta)
-  if score_threshold is None:
-    T = 2.0 * L
-  else:
-    T = v.check_positive(score_threshold, "score_threshold", allow_zero=True, allow_inf=True)
+  T = _check_score_threshold(score_threshold, 2.0 * L)
   stop = (1.0 + math.sqrt(d / n)) ** 2 + (C * eta * L if eta > 0 else 0.0)
-  dtype = X.dtype
-  wd = _work_dtype(dtype)
-  mu, info = _filtered_mean_core(X.astype(wd), jnp.asarray(T, wd), jnp.asarray(stop, wd),
-                                 jnp.asarray(2.0 * eta * n, wd), iterations)
-  mu = mu.astype(dtype)
-  if return_info:
-    return mu, info._replace(weights=info.weights.astype(dtype))
-  return mu
+  return _run_filter(_filtered_mean_core, X, T, stop, eta, iterations, return_info)
 
 
 @functools.partial(jax.jit, static_argnames=("iterations",))
 def _filtered_mean_core(X, score_threshold, stop_threshold, budget, iterations):
   n, d = X.shape
 
-  def body(i, carry):
-    # Iteration `iterations` (the last) only evaluates the final weights.
-    w, steps, _, _ = carry
+  def evaluate(w):
     mu = (w @ X) / jnp.sum(w)
     Xc = X - mu
     lam, vec = _top_eigenpair(_second_moment(Xc, w))
     proj = Xc @ vec
-    tau = (proj - _weighted_median(proj, w)) ** 2
-    flag = (lam > stop_threshold) & (i < iterations)
-    f = jnp.where(flag, jnp.maximum(tau - score_threshold, 0.0), 0.0)
-    w, changed = _capped_downweight(w, f, budget)
-    return w, steps + changed.astype(jnp.int32), mu, lam
+    return mu, lam, (proj - _weighted_median(proj, w)) ** 2
 
-  init = (jnp.ones(n, X.dtype), jnp.int32(0), jnp.zeros(d, X.dtype), jnp.zeros((), X.dtype))
-  w, steps, mu, lam = jax.lax.fori_loop(0, iterations + 1, body, init)
-  return mu, FilterInfo(weights=w, top_eigenvalue=lam, stop_threshold=stop_threshold,
-                        certified=lam <= stop_threshold, steps=steps)
+  return _filter_loop(evaluate, n, jnp.zeros(d, X.dtype), score_threshold, stop_threshold,
+                      budget, iterations)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,20 +451,10 @@ def filtered_covariance(X, *, corruption: float, iterations: int | None = None,
   iterations = _check_iterations(iterations, 2 * d + 20)
   C = v.check_positive(stop_constant, "stop_constant", allow_zero=True)
   L = _log_inv(eta)
-  if score_threshold is None:
-    T = L ** 2
-  else:
-    T = v.check_positive(score_threshold, "score_threshold", allow_zero=True, allow_inf=True)
+  T = _check_score_threshold(score_threshold, L ** 2)
   D = d * (d + 1) // 2
   stop = 2.0 * (1.0 + math.sqrt(D / n)) ** 2 + (C * eta * L ** 2 if eta > 0 else 0.0)
-  dtype = X.dtype
-  wd = _work_dtype(dtype)
-  S, info = _filtered_covariance_core(X.astype(wd), jnp.asarray(T, wd), jnp.asarray(stop, wd),
-                                      jnp.asarray(2.0 * eta * n, wd), iterations)
-  S = S.astype(dtype)
-  if return_info:
-    return S, info._replace(weights=info.weights.astype(dtype))
-  return S
+  return _run_filter(_filtered_covariance_core, X, T, stop, eta, iterations, return_info)
 
 
 @functools.partial(jax.jit, static_argnames=("iterations",))
@@ -449,23 +466,16 @@ def _filtered_covariance_core(X, score_threshold, stop_threshold, budget, iterat
   diag = jnp.asarray(diag, X.dtype)
   scale = jnp.asarray(scale, X.dtype)
 
-  def body(i, carry):
-    # Iteration `iterations` (the last) only evaluates the final weights.
-    w, steps, _, _ = carry
+  def evaluate(w):
     S = _second_moment(X, w)
     Z = X @ _inverse_sqrt(S)
     Y = (Z[:, rows] * Z[:, cols] - diag) * scale          # (n, D) rows svec(z zᵀ − I)
     lam, a = _top_eigenpair(_second_moment(Y, w))
     p = Y @ a
-    flag = (lam > stop_threshold) & (i < iterations)
-    f = jnp.where(flag, jnp.maximum(p * p - score_threshold, 0.0), 0.0)
-    w, changed = _capped_downweight(w, f, budget)
-    return w, steps + changed.astype(jnp.int32), S, lam
+    return S, lam, p * p
 
-  init = (jnp.ones(n, X.dtype), jnp.int32(0), jnp.zeros((d, d), X.dtype), jnp.zeros((), X.dtype))
-  w, steps, S, lam = jax.lax.fori_loop(0, iterations + 1, body, init)
-  info = FilterInfo(weights=w, top_eigenvalue=lam, stop_threshold=stop_threshold,
-                    certified=lam <= stop_threshold, steps=steps)
+  S, info = _filter_loop(evaluate, n, jnp.zeros((d, d), X.dtype), score_threshold,
+                         stop_threshold, budget, iterations)
   return S * unit**2, info
 
 

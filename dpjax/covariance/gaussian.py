@@ -3,7 +3,7 @@
 Learns ``N(μ, Σ)`` with Σ possibly singular and μ, Σ unbounded, in four steps on disjoint
 batches of rows (fixed by position, public):
 
-1. **Subspace.** Pair differences ``x_{2i} − x_{2i+1} ~ N(0, 2Σ)``;
+1. **Subspace.** Pair differences ``(x_{2i} − x_{2i+1})/√2 ~ N(0, Σ)``;
    :func:`dpjax.subspace.al_subspace` releases ``range(Σ)`` (basis V, rank r).
 2. **Covariance in the subspace.** ``(x_{2i} − x_{2i+1})ᵀV/√2 ~ N(0, VᵀΣV)`` (full rank r);
    :func:`~dpjax.covariance.covariance.learn_covariance` (AL preconditioner + CoinPress) → Σ̂_r.
@@ -136,8 +136,8 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
 
   # 1. Subspace (float64 basis: the released projection is applied to rows of any scale).
   with jax.enable_x64(True):
-    sub = al_subspace(keys[0], B1[0::2][: sizes[0] // 2] - B1[1::2][: sizes[0] // 2],
-                      epsilon=epsilon, delta=delta, **(subspace_kwargs or {}))
+    sub = al_subspace(keys[0], pair_differences(B1), epsilon=epsilon, delta=delta,
+                      **(subspace_kwargs or {}))
   info["subspace"] = sub.info
   if not bool(sub.ok):
     return fail("subspace")

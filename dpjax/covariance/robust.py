@@ -18,9 +18,8 @@ import functools
 
 import jax
 
-from dpjax import _validation as v
 from dpjax.covariance.covariance import al_covariance
-from dpjax.covariance.filtering import filtered_covariance, filtered_mean
+from dpjax.covariance.filtering import _check_corruption, filtered_covariance, filtered_mean
 from dpjax.covariance.populous_mean import ppme_mean
 from dpjax.covariance.result import PrivateEstimate
 
@@ -53,7 +52,7 @@ def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: 
     [AL22] Algorithm 5, Thm 7.4, Lemma 7.2; ALGORITHMS.md §3.7.
   """
   corruption = _check_corruption(corruption)
-  estimator = functools.partial(filtered_mean, corruption=corruption)
+  estimator = _group_estimator(filtered_mean, corruption)
   res = ppme_mean(key, X, epsilon=epsilon, delta=delta, num_groups=num_groups, radius=radius,
                   estimator=estimator, **ppme_kwargs)
   return res._replace(info=dict(res.info, corruption=corruption))
@@ -85,14 +84,14 @@ def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corrup
     [AL22] Algorithm 4, Thm 6.3, Prop 6.2; ALGORITHMS.md §3.7.
   """
   corruption = _check_corruption(corruption)
-  estimator = functools.partial(filtered_covariance, corruption=corruption)
+  estimator = _group_estimator(filtered_covariance, corruption)
   res = al_covariance(key, X, epsilon=epsilon, delta=delta, estimator=estimator,
                       **covariance_kwargs)
   return res._replace(info=dict(res.info, corruption=corruption))
 
 
-def _check_corruption(corruption) -> float:
-  value = v.check_positive(corruption, "corruption", allow_zero=True)
-  if value >= 0.5:
-    raise ValueError(f"corruption must lie in [0, 0.5), got corruption={corruption!r}.")
-  return value
+@functools.lru_cache(maxsize=64)
+def _group_estimator(filter_fn, corruption: float):
+  """One partial per (filter, η): the jitted PPME bodies take the estimator as a static argument,
+  so an equal object on every call reuses the compiled program instead of recompiling."""
+  return functools.partial(filter_fn, corruption=corruption)

@@ -22,8 +22,10 @@ each pair i < j once and uses the answer for both orders. Both conditions imply 
 are positive definite, so a singular candidate is close to nothing (itself included); the
 diagonal is ``True`` for every positive definite candidate. In exact arithmetic
 ``close(i, j) ⟺ dist(Y_i, Y_j) < r`` (the boundary has measure zero); in floating point
-Cholesky is backward stable, so the predicate is the exact one for inputs perturbed by a few ulps
-times d relative to ``‖Y‖``, which callers absorb by calibrating with ``r(1 + 1e-6)``. Nothing else
+Cholesky is backward stable, so the predicate is the exact one for inputs perturbed by about
+``d·u`` relative to ``‖Y‖`` (u the unit roundoff), i.e. by up to ``κ·d·u`` after whitening an
+ill-conditioned candidate; PPME absorbs this by calibrating γ with ``r(1 + radius_margin)``
+(default 1e-2, ``populous_mean.DEFAULT_RADIUS_MARGIN``; the spec's 1e-6 is too small). Nothing else
 about the candidates enters the predicate, which is what keeps one group's change from moving any
 other pair's answer.
 
