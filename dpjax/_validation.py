@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,12 @@ def check_key(key, name: str = "key") -> jax.Array:
 def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.Array:
   """Validates a real-valued data array and returns it as a floating JAX array.
 
+  Dtypes: float32 / float64 are kept (float64 needs JAX's x64 mode, as for any JAX array);
+  integers become the default float dtype; 16-bit floats (float16, bfloat16) are upcast to
+  float32, because the linear algebra the learners run (``eigh``, ``svd``, ``cholesky``) has no
+  16-bit kernels in jaxlib's LAPACK bindings. The upcast is exact and elementwise (a function of
+  each entry alone), so it changes no privacy argument.
+
   Raises:
     TypeError: if ``X`` is not numeric or has an integer/bool/complex dtype where a float is
       needed (integers are accepted and converted to the default float dtype).
@@ -112,6 +119,8 @@ def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.A
   out = jnp.asarray(arr)
   if not jnp.issubdtype(out.dtype, jnp.floating):
     out = out.astype(jnp.result_type(float))
+  elif jnp.finfo(out.dtype).bits < 32:
+    out = out.astype(jnp.float32)                 # float16 / bfloat16: no LAPACK kernels
   if not bool(jnp.all(jnp.isfinite(out))):
     raise ValueError(f"{name} contains NaN or infinite entries; remove or impute them first.")
   return out
@@ -168,3 +177,34 @@ def check_scores(scores, name: str = "scores"):
     raise ValueError(f"{name} must have shape (C,) with C >= 1, got shape "
                      f"{tuple(scores.shape)}.")
   return scores
+
+
+def probability_text(p: float) -> str:
+  """A probability for a message: ``0.6073``, ``1.97e-05``, or ``1 - 3.2e-08`` near 1."""
+  return f"1 - {1.0 - p:.2g}" if 0.999 < p < 1.0 else f"{p:.4g}"
+
+
+def check_test_can_pass(pass_probability: float, delta: float, *, sure: bool,
+                        refusal: str, warning: str, stacklevel: int = 3) -> None:
+  """Refuses or warns when a private test's best-case pass probability is small (public only).
+
+  A learner whose noisy test, even on the most favourable data, passes with probability
+  ``pass_probability`` (computed from public parameters) answers ⊥ silently in all but a
+  negligible fraction of runs when that probability is ≤ δ: refuse up front instead. Between
+  δ and 1 it still runs (the guarantee is unchanged) but warns. Nothing here sees data.
+
+  Args:
+    pass_probability: the best-case pass probability.
+    delta: the refusal level (the test's δ).
+    sure: True when the configuration is the recommended one (no warning).
+    refusal: the ``ValueError`` message.
+    warning: the ``UserWarning`` message.
+    stacklevel: for :func:`warnings.warn` (3: the caller of the function that calls this).
+
+  Raises:
+    ValueError: ``pass_probability <= delta`` (up to a relative 1e-9 for rounding).
+  """
+  if pass_probability <= delta * (1.0 + 1e-9):
+    raise ValueError(refusal)
+  if not sure:
+    warnings.warn(warning, UserWarning, stacklevel=stacklevel)

@@ -21,6 +21,19 @@ your own::
 
 The auditor can only *refute* a guarantee (a lower bound above the claim is evidence of a bug); a
 pass is evidence for the chosen neighbours and events only.
+
+Floating-point leaks (Mironov 2012; ALGORITHMS.md §1.10) need other events: the value ``c + Z`` of
+a float noise sample can only take values whose set depends on ``c``, so a single output value may
+identify the input. Two detectors look for this class of leak:
+
+* :func:`float_noise_support` + :func:`exact_output_audit` (exhaustive): every value a JAX float32
+  noise sampler can return (2^23 equally likely values, enumerated through JAX's own sampler code
+  with a counter PRNG) is pushed through the release, and the exact output distributions on
+  neighbouring inputs are compared value by value. Raw float32 Laplace noise on a count leaves
+  about a quarter of its output mass unreachable from the neighbouring count: ε = ∞.
+* :func:`grid_output_audit` (sampled, for samplers whose randomness cannot be enumerated, such as
+  the exact integer samplers and snapping): every sampled output must lie on the mechanism's
+  public grid, and the exact output values are audited as discrete events.
 """
 
 from __future__ import annotations
@@ -134,6 +147,230 @@ def audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any, *, delta: f
   a = sample_outputs(k1, mechanism, X, trials, featurize=featurize, vectorized=vectorized)
   b = sample_outputs(k2, mechanism, X_prime, trials, featurize=featurize, vectorized=vectorized)
   eps, event, direction, counts = epsilon_lower_bound(a, b, delta=delta, num_buckets=num_buckets,
+                                                      confidence=confidence)
+  passed = None if epsilon_claimed is None else bool(eps <= epsilon_claimed)
+  return AuditReport(eps, epsilon_claimed, float(delta), event, direction, counts, trials, passed)
+
+
+# --------------------------------------------------------------------------------------------
+# Floating-point leak detectors.
+# --------------------------------------------------------------------------------------------
+
+
+class OutputAuditReport(NamedTuple):
+  """The outcome of :func:`exact_output_audit`: exact, not statistical.
+
+  Attributes:
+    epsilon_lower_bound: the smallest ε for which the two exact output distributions are
+      (ε, δ)-indistinguishable in both directions (``inf`` if none is: more than δ of one
+      side's mass lies on outputs the other side never produces).
+    unmatched_mass: the larger, over both directions, of the probability of outputs that the
+      other input can never produce.
+    delta_at_claim: the larger hockey-stick divergence ``Σ_y max(0, P(y) − e^ε P'(y))`` at
+      ``epsilon_claimed`` (None without a claim).
+    epsilon_claimed: the claim being tested (None if not given).
+    delta: the δ used.
+    num_outputs: distinct output values over both inputs.
+    passed: ``delta_at_claim <= delta`` (None without a claim).
+  """
+  epsilon_lower_bound: float
+  unmatched_mass: float
+  delta_at_claim: float | None
+  epsilon_claimed: float | None
+  delta: float
+  num_outputs: int
+  passed: bool | None
+
+
+def _counter_prng(shift: int):
+  """A PRNG implementation whose ``random_bits`` returns ``iota << shift``: used once per shape,
+  it hands a sampler every mantissa pattern exactly once (never for privacy, only for audits)."""
+  from jax.extend import random as jex_random
+
+  def random_bits(key, bit_width, shape):
+    del key
+    if bit_width != 32:
+      raise ValueError(f"the counter PRNG only serves 32-bit draws, the sampler asked for "
+                       f"{bit_width} bits.")
+    size = math.prod(shape)
+    return (jax.lax.iota(jnp.uint32, size) << jnp.uint32(shift)).reshape(shape)
+
+  return jex_random.define_prng_impl(
+      key_shape=(1,), seed=lambda seed: jnp.zeros((1,), jnp.uint32),
+      split=lambda key, shape: jnp.zeros(tuple(shape) + (1,), jnp.uint32),
+      random_bits=random_bits, fold_in=lambda key, data: key, name="dpjax_audit_counter",
+      tag="dpjax_audit_counter")
+
+
+def float_noise_support(sampler: Callable, *, check_samples: int = 1 << 16) -> np.ndarray:
+  """Every value a JAX float32 noise sampler can return, each with probability 2^-23.
+
+  JAX's float32 samplers (``jax.random.uniform``, ``laplace``, ``normal``, ...) turn one 32-bit
+  word into a uniform float whose 23 mantissa bits are the word's top bits, then transform it.
+  This runs ``sampler(key, (2^23,), jnp.float32)`` — JAX's own code, so the transformation and
+  its rounding are exactly the library's — with a counter PRNG that supplies each of the 2^23
+  mantissa patterns once. As a check, ``check_samples`` draws with a real key must all lie in
+  the enumerated set.
+
+  Args:
+    sampler: ``sampler(key, shape, dtype) -> array`` drawing one 32-bit word per output (e.g.
+      ``jax.random.laplace``, ``jax.random.normal``).
+    check_samples: real draws verified against the enumeration (0 skips the check).
+
+  Returns:
+    ``(2^23,)`` float32 NumPy array: the sampler's outputs, one per equally likely word class.
+
+  Raises:
+    ValueError: the sampler uses other than one 32-bit word per output, or a real draw falls
+      outside the enumeration (the sampler is not of the supported kind).
+  """
+  size = 1 << 23
+  key = jax.random.key(0, impl=_counter_prng(9))
+  values = np.asarray(sampler(key, (size,), jnp.float32), np.float32)
+  if values.shape != (size,):
+    raise ValueError(f"the sampler returned shape {values.shape}, expected ({size},).")
+  if check_samples:
+    drawn = np.asarray(sampler(jax.random.key(12345), (check_samples,), jnp.float32),
+                       np.float32).view(np.uint32)
+    known = np.sort(values.view(np.uint32))
+    idx = np.minimum(np.searchsorted(known, drawn), known.size - 1)
+    if not np.all(known[idx] == drawn):
+      raise ValueError("a real draw of the sampler is not among the enumerated values: it does "
+                       "not map one 32-bit word to one float32 output.")
+  return values
+
+
+def _pmf(outputs: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Exact output distribution: sorted distinct outputs (keyed by their bit patterns, so −0.0
+  and 0.0 stay distinct) and their probabilities."""
+  flat = np.ascontiguousarray(np.asarray(outputs)).reshape(outputs.shape[0], -1)
+  width = flat.dtype.itemsize * flat.shape[1]
+  if width in (1, 2, 4, 8):
+    keys = flat.view(np.dtype(f"u{width}")).ravel()
+  else:
+    keys = flat.view(np.dtype((np.void, width))).ravel()
+  order = np.argsort(keys, kind="stable")     # a sort: NumPy's hashed unique is far slower here
+  keys, weights = keys[order], np.asarray(weights)[order]
+  first = np.concatenate([[True], keys[1:] != keys[:-1]])
+  return keys[first], np.add.reduceat(weights, np.flatnonzero(first))
+
+
+def _matched(keys: np.ndarray, other_keys: np.ndarray, other_probs: np.ndarray) -> np.ndarray:
+  """``Q(y)`` for every ``y`` in ``keys`` (0 where the other side never outputs y)."""
+  idx = np.minimum(np.searchsorted(other_keys, keys), other_keys.size - 1)
+  return np.where(other_keys[idx] == keys, other_probs[idx], 0.0)
+
+
+def _hockey_stick(p: np.ndarray, q: np.ndarray, epsilon: float) -> float:
+  """``Σ_y max(0, P(y) − e^ε Q(y))`` over aligned probability vectors."""
+  factor = math.exp(min(epsilon, 700.0))
+  return float(math.fsum(np.maximum(0.0, p - factor * q)))
+
+
+def _smallest_epsilon(p: np.ndarray, q: np.ndarray, delta: float) -> float:
+  """Smallest ε ≥ 0 with ``Σ max(0, P − e^ε Q) ≤ δ`` (inf if the mass Q never covers exceeds δ)."""
+  if math.fsum(p[q == 0.0]) > delta:
+    return math.inf
+  if _hockey_stick(p, q, 0.0) <= delta:
+    return 0.0
+  lo, hi = 0.0, 1.0
+  while _hockey_stick(p, q, hi) > delta:
+    lo, hi = hi, 2.0 * hi
+  for _ in range(60):
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if _hockey_stick(p, q, mid) > delta else (lo, mid)
+  return hi
+
+
+def exact_output_audit(noise: np.ndarray, release: Callable, value, value_prime, *,
+                       delta: float, epsilon_claimed: float | None = None,
+                       weights: np.ndarray | None = None) -> OutputAuditReport:
+  """Exact (ε, δ) of a release over an enumerated noise support, value by value.
+
+  ``release(value, noise)`` must be vectorised over the leading axis of ``noise`` and reproduce
+  the mechanism's arithmetic exactly (same dtype and operations). The output distribution on each
+  input is computed exactly from ``noise`` (equally likely values unless ``weights`` is given), and
+  the hockey-stick divergence is evaluated in both directions. Unlike :func:`audit` this is not a
+  lower bound: it is the mechanism's true privacy for this pair and this noise sampler.
+
+  Args:
+    noise: ``(N, ...)`` every value the noise can take (e.g. :func:`float_noise_support`).
+    release: ``(value, noise) -> (N, ...)`` outputs.
+    value, value_prime: the statistic on two neighbouring datasets.
+    delta: the claim's δ.
+    epsilon_claimed: the claim's ε (sets ``passed``).
+    weights: ``(N,)`` probabilities of the noise values (default uniform).
+
+  Returns:
+    :class:`OutputAuditReport`.
+  """
+  delta = v.check_probability(delta, "delta", open_low=False, open_high=True)
+  noise = np.asarray(noise)
+  n = noise.shape[0]
+  w = np.full(n, 1.0 / n) if weights is None else np.asarray(weights, np.float64)
+  if w.shape != (n,):
+    raise ValueError(f"weights must have shape ({n},), got {w.shape}.")
+  keys_a, probs_a = _pmf(np.asarray(release(value, noise)), w)
+  keys_b, probs_b = _pmf(np.asarray(release(value_prime, noise)), w)
+  if keys_a.dtype != keys_b.dtype:
+    raise ValueError("release returned outputs of different dtypes or shapes on the two inputs.")
+  forward = (probs_a, _matched(keys_a, keys_b, probs_b))         # P(y), Q(y) over y ∈ supp P
+  backward = (probs_b, _matched(keys_b, keys_a, probs_a))
+  unmatched = max(math.fsum(p[q == 0.0]) for p, q in (forward, backward))
+  eps = max(_smallest_epsilon(p, q, delta) for p, q in (forward, backward))
+  at_claim = passed = None
+  if epsilon_claimed is not None:
+    at_claim = max(_hockey_stick(p, q, epsilon_claimed) for p, q in (forward, backward))
+    passed = bool(at_claim <= delta * (1 + 1e-9))
+  num_outputs = int(keys_a.size + keys_b.size - np.count_nonzero(forward[1]))
+  return OutputAuditReport(eps, unmatched, at_claim, epsilon_claimed, float(delta), num_outputs,
+                           passed)
+
+
+def grid_output_audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any, *,
+                      grid_step: float, delta: float, epsilon_claimed: float | None = None,
+                      trials: int = 10_000, featurize: Callable | None = None,
+                      vectorized: bool = False, confidence: float = 0.95) -> AuditReport:
+  """Sampled float-leak detector for mechanisms that release values on a public grid.
+
+  Runs the mechanism ``trials`` times on each input, checks that every (featurized) output is an
+  exact multiple of ``grid_step`` — an off-grid value is a support leak and raises — and audits
+  the exact output values as discrete events (:func:`epsilon_lower_bound` on the integer grid
+  indices), so a value reachable from one input only shows up as an event the other never hits.
+
+  Args:
+    key: PRNG key.
+    mechanism: ``mechanism(key, data) -> output``.
+    X, X_prime: neighbouring inputs.
+    grid_step: the public grid the release promises (a power of two for dpjax's mechanisms).
+    delta: the claim's δ.
+    epsilon_claimed: the claim's ε.
+    trials: runs per dataset.
+    featurize: ``output -> scalar`` (default the output itself).
+    vectorized: ``vmap`` over keys (host-side mechanisms need the default False).
+    confidence: joint confidence of the lower bound.
+
+  Returns:
+    :class:`AuditReport` over the grid indices.
+
+  Raises:
+    AssertionError: an output is not on the grid (a float leak; the message shows it).
+  """
+  v.check_key(key)
+  step = v.check_positive(grid_step, "grid_step")
+  trials = v.check_int(trials, "trials", low=20)
+  k1, k2 = jax.random.split(key)
+  indices = []
+  for k, data in ((k1, X), (k2, X_prime)):
+    out = sample_outputs(k, mechanism, data, trials, featurize=featurize,
+                         vectorized=vectorized).astype(np.float64)
+    index = np.round(out / step)
+    off = out != index * step
+    if np.any(off):
+      raise AssertionError(f"{int(off.sum())} of {trials} outputs are not multiples of the "
+                           f"public grid step {step!r}, e.g. {out[off][:3]!r}: a float leak.")
+    indices.append(index.astype(np.int64))
+  eps, event, direction, counts = epsilon_lower_bound(indices[0], indices[1], delta=delta,
                                                       confidence=confidence)
   passed = None if epsilon_claimed is None else bool(eps <= epsilon_claimed)
   return AuditReport(eps, epsilon_claimed, float(delta), event, direction, counts, trials, passed)

@@ -22,6 +22,16 @@ def top_k_right_singular_vectors(X: jax.Array, k: int) -> jax.Array:
   of ``O(d³)``. Otherwise it takes ``eigh`` of the ``(d, d)`` matrix ``XᵀX``. Zero rows (used as
   padding) do not change the result.
 
+  Scale safety: the block is first divided by the power of two ``2^e`` with ``max |X_ij| = f·2^e``,
+  ``f ∈ [1/2, 1)`` (exact, and the subspace does not change when the whole block is scaled), so
+  its largest entry lies in ``[1/2, 1)`` and neither the Gram matrix nor the norms can overflow
+  or underflow, whatever the scale of ``X`` (e.g. float32 rows of size 1e±25). ``X·2^j`` gives
+  bit-identical output to ``X``. The power of two depends on this block alone: under ``vmap``
+  each block is scaled by its own.
+
+  Edge cases: an all-zero block (or one whose entries are all subnormal, which XLA on CPU flushes
+  to zero) gives a fixed canonical orthonormal basis, never NaN.
+
   Args:
     X: ``(m, d)`` float array; rows are individuals.
     k: number of singular vectors, ``1 <= k <= min(m, d)`` (static).
@@ -32,6 +42,7 @@ def top_k_right_singular_vectors(X: jax.Array, k: int) -> jax.Array:
     carry no information about ``X``).
   """
   m, d = X.shape
+  X = _normalise_scale(X)
   if m < d:
     gram = X @ X.T
     evals, evecs = jnp.linalg.eigh(gram)
@@ -48,6 +59,26 @@ def top_k_right_singular_vectors(X: jax.Array, k: int) -> jax.Array:
   Q, R = jnp.linalg.qr(V)
   signs = jnp.where(jnp.diagonal(R) < 0, -1.0, 1.0).astype(X.dtype)
   return Q * signs[None, :]
+
+
+def _normalise_scale(X: jax.Array) -> jax.Array:
+  """``X / 2^e`` with ``max |X_ij| = f·2^e``, ``f ∈ [1/2, 1)``: exact, so the largest entry lands in
+  ``[1/2, 1)``. A zero block is returned unchanged (``frexp(0)`` gives ``e = 0``)."""
+  _, e = jnp.frexp(jnp.max(jnp.abs(X)))
+  return times_power_of_two(X, -e)
+
+
+def times_power_of_two(x: jax.Array, n: jax.Array) -> jax.Array:
+  """``x · 2^n`` for an integer ``n`` (broadcast), exact unless the result under- or overflows.
+
+  The factor is applied as two halves ``2^⌊n/2⌋ · 2^{n − ⌊n/2⌋}`` of the same sign, so a shift
+  by up to twice the exponent range needs no intermediate subnormal or infinite factor (XLA on
+  CPU flushes subnormals to zero). A result beyond the dtype's range becomes ``±inf`` or 0.
+  """
+  n = jnp.asarray(n, jnp.int32)
+  half = n // 2
+  one = jnp.ones((), x.dtype)
+  return x * jnp.ldexp(one, half) * jnp.ldexp(one, n - half)
 
 
 def batched_top_k_subspaces(blocks: jax.Array, k: int) -> jax.Array:
@@ -98,3 +129,26 @@ def orthonormal_basis(key: jax.Array, d: int, k: int, dtype=None) -> jax.Array:
   G = jax.random.normal(key, (d, k), dtype=dtype or jnp.result_type(float))
   Q, R = jnp.linalg.qr(G)
   return Q * jnp.where(jnp.diagonal(R) < 0, -1.0, 1.0).astype(Q.dtype)[None, :]
+
+
+@jax.jit
+def symmetrize(S: jax.Array) -> jax.Array:
+  """An exactly symmetric copy of a matrix that is symmetric up to rounding (last two axes).
+
+  The lower triangle (diagonal included) is mirrored onto the upper one: a select, with no
+  arithmetic. Call it on a computed array (outside ``jit``; it is jitted on its own), as the
+  public estimators do on their outputs: inside a larger jitted program XLA fuses it with the
+  ops that produce S and may evaluate the same entry differently at the two mirrored positions
+  (LLVM contracts ``a·r + b·r`` into fused multiply-adds per access path; neither averaging nor
+  an ``optimization_barrier`` survives that), so only a materialised input makes the result
+  symmetric bit for bit.
+
+  Args:
+    S: ``(..., d, d)`` float array, symmetric up to rounding (e.g. a second moment or a
+      congruence ``A Σ Aᵀ``).
+
+  Returns:
+    An exactly symmetric array of the same shape and dtype.
+  """
+  lower = jnp.tril(jnp.ones(S.shape[-2:], bool))
+  return jnp.where(lower, S, jnp.swapaxes(S, -1, -2))

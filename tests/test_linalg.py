@@ -75,3 +75,74 @@ def test_orthonormal_basis_float64():
     V = linalg.orthonormal_basis(jax.random.key(0), 30, 4, jnp.float64)
     assert V.dtype == jnp.float64
     np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(4), atol=1e-12)
+
+
+# Scale safety (issue 10 §6): the block is divided by a power of two of its largest entry first.
+
+
+@pytest.mark.parametrize("m,d", [(8, 30), (40, 12)])  # Gram route and eigh route
+@pytest.mark.parametrize("power", [-100, 60, 100])
+def test_top_k_is_bit_identical_under_power_of_two_scaling(m, d, power):
+  X = jax.random.normal(jax.random.key(4), (m, d)) * jnp.linspace(3.0, 0.1, d)
+  scaled = X * jnp.float32(2.0**power)
+  assert bool(jnp.all(jnp.isfinite(scaled)))
+  a = linalg.top_k_right_singular_vectors(X, 3)
+  b = linalg.top_k_right_singular_vectors(scaled, 3)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("m,d", [(8, 30), (40, 12)])
+@pytest.mark.parametrize("scale", [1e25, 1e-25, 1e-36])
+def test_top_k_float32_rows_whose_gram_overflows_or_underflows(m, d, scale):
+  # (1e25)² and (1e-25)² are outside float32's range: the plain Gram route gave NaN or zeros.
+  X = np.asarray(jax.random.normal(jax.random.key(5), (m, d))) * np.linspace(3.0, 0.1, d)
+  V = linalg.top_k_right_singular_vectors(jnp.asarray(X * scale, jnp.float32), 3)
+  assert V.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(V)))
+  np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(3), atol=1e-5)
+  assert _span_distance(V, _numpy_top_k(X, 3)) < 1e-3
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-200, 1e300])
+def test_top_k_float64_rows_whose_gram_overflows_or_underflows(scale):
+  X = np.random.default_rng(6).standard_normal((8, 30)) * np.linspace(3.0, 0.1, 30)
+  with jax.enable_x64(True):
+    V = linalg.top_k_right_singular_vectors(jnp.asarray(X * scale, jnp.float64), 3)
+    assert V.dtype == jnp.float64 and bool(jnp.all(jnp.isfinite(V)))
+    assert _span_distance(V, _numpy_top_k(X, 3)) < 1e-9
+
+
+@pytest.mark.parametrize("m,d", [(5, 8), (8, 5)])
+def test_zero_block_gives_a_finite_orthonormal_basis(m, d):
+  V = linalg.top_k_right_singular_vectors(jnp.zeros((m, d)), 2)
+  assert bool(jnp.all(jnp.isfinite(V)))
+  np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(2), atol=1e-6)
+
+
+def test_times_power_of_two_is_exact_and_saturates():
+  x = jnp.asarray([1.5, -3.0, 0.0], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(linalg.times_power_of_two(x, 200 - 200)), x)
+  tiny = np.asarray(linalg.times_power_of_two(x, -140))        # below the normal range
+  assert np.all(np.isfinite(tiny)) and np.all(np.abs(tiny) <= np.finfo(np.float32).tiny)
+  big = np.asarray(linalg.times_power_of_two(jnp.float32(1.5), 130))
+  assert np.isinf(big)
+  np.testing.assert_array_equal(np.asarray(linalg.times_power_of_two(jnp.float32(0.75), 127)),
+                                np.float32(0.75 * 2.0**127))
+
+
+def test_symmetrize_is_exactly_symmetric_on_computed_arrays():
+  """Issue 10 §4: a jitted second moment comes out off-symmetric by an ulp (fused multiply-adds
+  round the mirrored entries differently); ``symmetrize`` on the computed array fixes it."""
+  @jax.jit
+  def second_moment(X, w):
+    S = (X * w[:, None]).T @ X / jnp.sum(w)
+    return 0.5 * (S + S.T) * 2.3
+
+  for seed in range(10):
+    X = jax.random.normal(jax.random.key(seed), (200, 9))
+    w = jax.random.uniform(jax.random.key(100 + seed), (200,))
+    raw = second_moment(X, w)
+    S = np.asarray(linalg.symmetrize(raw))
+    np.testing.assert_array_equal(S, S.T)
+    np.testing.assert_array_equal(np.tril(S), np.tril(np.asarray(raw)))   # the lower triangle kept
+  batch = np.asarray(linalg.symmetrize(jax.random.normal(jax.random.key(2), (3, 4, 4))))
+  np.testing.assert_array_equal(batch, np.swapaxes(batch, 1, 2))

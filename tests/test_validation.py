@@ -154,3 +154,255 @@ def test_noise_transforms_never_reuse_their_key():
   assert not np.array_equal(jax.random.key_data(state1.key), jax.random.key_data(KEY))
   # The returned key is not the one the noise came from: redrawing from it differs.
   assert not np.array_equal(first, jax.random.normal(state1.key, (4,)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 10 §6: wrong answers and deep crashes on bad input.
+
+_, MODEL = data.approximate_subspace_data(KEY, 2_000, 10, 2, gamma=1e-5)
+X_EXACT, B_EXACT = (np.asarray(a) for a in data.exact_subspace_data(jax.random.key(4), 20_000,
+                                                                      30, 2))
+
+
+def _distance(basis, truth):
+  basis, truth = np.asarray(basis, np.float64), np.asarray(truth, np.float64)
+  return float(np.linalg.norm(basis @ basis.T - truth @ truth.T, 2))
+
+
+@pytest.mark.parametrize("scale", [1e25, 1e-25])
+def test_dpase_float32_gram_overflow_or_underflow_gives_the_unscaled_answer(scale):
+  """Before: every subset's Gram matrix over/underflowed, all got the same garbage basis, they
+  "agreed" and DPASE answered ok=True with a random subspace (distance ≈ 1)."""
+  base = _dpase(key=jax.random.key(1))
+  res = _dpase(key=jax.random.key(1), X=X_GOOD * np.float32(scale))
+  assert bool(base.ok) and bool(res.ok)
+  assert res.basis.dtype == jnp.float32
+  assert _distance(res.basis, MODEL.basis) <= 0.1
+  assert abs(_distance(res.basis, MODEL.basis) - _distance(base.basis, MODEL.basis)) < 1e-3
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-200])
+def test_dpase_float64_gram_overflow_or_underflow_gives_the_unscaled_answer(scale):
+  with jax.enable_x64(True):
+    X = np.asarray(X_GOOD, np.float64)
+    base = _dpase(key=jax.random.key(1), X=X)
+    res = _dpase(key=jax.random.key(1), X=X * scale)
+    assert res.basis.dtype == jnp.float64
+  assert bool(base.ok) and bool(res.ok)
+  assert _distance(res.basis, MODEL.basis) <= 0.1
+  assert abs(_distance(res.basis, MODEL.basis) - _distance(base.basis, MODEL.basis)) < 1e-6
+
+
+def test_dpase_power_of_two_scale_is_bit_identical():
+  a, b = _dpase(key=jax.random.key(2)), _dpase(key=jax.random.key(2), X=X_GOOD * 2.0**-90)
+  assert bool(a.ok) == bool(b.ok)
+  np.testing.assert_array_equal(np.asarray(a.basis), np.asarray(b.basis))
+
+
+def _gauss(X, clip_norm, key=5):
+  return dpjax.subspace.analyze_gauss(jax.random.key(key), X, epsilon=1.0, delta=1e-6, k=2,
+                                      clip_norm=clip_norm)
+
+
+@pytest.mark.parametrize("scale", [1e25, 1e-25])
+def test_analyze_gauss_float32_rows_and_clip_norm_at_extreme_scales(scale):
+  """Before: at 1e25 every ‖x‖² overflowed, every row was clipped to zero and the answer was the
+  noise's subspace; at 1e-25 C² and XᵀX underflowed to 0 (same garbage, ok=True)."""
+  base = _gauss(X_EXACT, 3.0)
+  res = _gauss(X_EXACT * np.float32(scale), 3.0 * scale)
+  assert _distance(base.basis, B_EXACT) < 0.1
+  assert _distance(res.basis, B_EXACT) < 0.1 and _distance(res.basis, base.basis) < 1e-3
+  assert res.info["unit_sigma"] == base.info["unit_sigma"]
+
+
+def test_analyze_gauss_rows_far_above_the_clip_norm_keep_their_direction():
+  # Every row is clipped (‖x‖ ≈ 1e25 ≫ C = 3): the clipped rows still span B.
+  res = _gauss(X_EXACT * np.float32(1e25), 3.0)
+  assert _distance(res.basis, B_EXACT) < 0.1
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-200])
+def test_analyze_gauss_float64_extreme_scales(scale):
+  """Before: C² overflowed (OverflowError) or underflowed to 0 (a confusing sensitivity error)."""
+  with jax.enable_x64(True):
+    X = np.asarray(X_EXACT, np.float64)
+    base, res = _gauss(X, 3.0), _gauss(X * scale, 3.0 * scale)
+    assert res.basis.dtype == jnp.float64
+  assert _distance(res.basis, B_EXACT) < 0.1 and _distance(res.basis, base.basis) < 1e-6
+
+
+def test_analyze_gauss_power_of_two_scale_is_bit_identical():
+  a = _gauss(X_EXACT, 3.0)
+  b = _gauss(X_EXACT * np.float32(2.0**80), 3.0 * 2.0**80)
+  np.testing.assert_array_equal(np.asarray(a.basis), np.asarray(b.basis))
+
+
+@pytest.mark.parametrize("dtype,scale", [(np.float32, 1e25), (np.float32, 1e-25),
+                                         (np.float64, 1e200), (np.float64, 1e-200)])
+def test_pca_subspace_extreme_scales(dtype, scale):
+  """Before: NaN bases (overflow) or a wrong basis (underflow) with ok=True."""
+  X = X_EXACT[:500].astype(dtype) * scale
+  with jax.enable_x64(dtype == np.float64):
+    res = dpjax.subspace.pca_subspace(X, k=2)
+    assert res.basis.dtype == dtype and bool(jnp.all(jnp.isfinite(res.basis)))
+  assert _distance(res.basis, B_EXACT) < 1e-3
+
+
+def _loss_big(w, x):
+  return 1e25 * (x @ w)            # per-example gradient 1e25·x: its Gram overflows float32
+
+
+def _loss_tiny(w, x):
+  return 1e-25 * (x @ w)           # per-example gradient 1e-25·x: its Gram underflows
+
+
+@pytest.mark.parametrize("loss", [_loss_big, _loss_tiny])
+def test_public_gradient_subspace_extreme_gradient_scales(loss):
+  res = sgd.public_gradient_subspace(loss, jnp.zeros(30), jnp.asarray(X_EXACT[:50]), k=2)
+  assert bool(res.ok) and bool(jnp.all(jnp.isfinite(res.basis)))
+  assert _distance(res.basis, B_EXACT) < 1e-3
+
+
+HALF = [np.float16, jnp.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_check_data_upcasts_16_bit_floats(dtype):
+  from dpjax import _validation
+  out = _validation.check_data(np.ones((3, 2), dtype))
+  assert out.dtype == jnp.float32
+  out = _validation.check_data(jnp.ones((3, 2), dtype))
+  assert out.dtype == jnp.float32
+  with pytest.raises(ValueError, match="NaN"):
+    _validation.check_data(np.full((3, 2), np.inf, dtype))
+
+
+@pytest.mark.filterwarnings("ignore:DPASE")     # dpaseb's small blocks: ⊥ likely, still private
+@pytest.mark.parametrize("dtype", HALF)
+def test_learners_accept_16_bit_input(dtype):
+  """Before: float16/bfloat16 passed validation and crashed in jaxlib's LAPACK bindings
+  ("Unsupported dtype float16") in all five."""
+  X = X_GOOD.astype(dtype)
+  res = _dpase(X=X)
+  assert res.basis.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(res.basis)))
+  res = dpjax.subspace.dpaseb(KEY, X, epsilon=1.0, delta=1e-6, k=2, alpha=0.1, num_blocks=3,
+                              gamma=1e-5)
+  assert res.basis.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(res.basis)))
+  res = dpjax.subspace.analyze_gauss(KEY, X, epsilon=1.0, delta=1e-6, k=2, clip_norm=1.0)
+  assert res.basis.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(res.basis)))
+  res = dpjax.subspace.pca_subspace(X, k=2)
+  np.testing.assert_array_equal(
+      np.asarray(res.basis),
+      np.asarray(dpjax.subspace.pca_subspace(np.asarray(X, np.float32), k=2).basis))
+  from dpjax.covariance import masking
+  out = masking.covariance_mask(KEY, np.eye(3).astype(dtype), eta=0.1)
+  assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(out).T)
+
+
+def test_al_covariance_too_few_rows_fails_fast_and_names_the_numbers():
+  """Before: 442 s (busy machine; 58 s on an idle one) of group-size simulation at d = 30 before
+  the error. The cheap bound k·(d + 1) is known without simulating."""
+  import time
+  from dpjax.covariance import al_covariance
+  X = np.random.default_rng(0).standard_normal((1000, 30))
+  start = time.perf_counter()
+  with pytest.raises(ValueError) as err:
+    al_covariance(KEY, X, epsilon=1.0, delta=1e-6)
+  elapsed = time.perf_counter() - start
+  message = str(err.value)
+  assert elapsed < 5.0, elapsed
+  for part in ("got n=1000", "d=30", "epsilon=1,", "delta=1e-06", "required_n",
+               "at the very least"):
+    assert part in message, (part, message)
+  bound = int(message.split("needs n >= ")[1].split(" ")[0])
+  assert bound > 1000 and bound % 31 == 0                      # k groups of d + 1 rows
+
+
+def test_dpaseb_too_few_rows_names_the_users_n_and_blocks():
+  """Before: the message came from the per-block DPASE and called the block size "n"."""
+  X = np.random.default_rng(0).standard_normal((5000, 5))
+  with pytest.raises(ValueError, match="n is too small") as err:
+    dpjax.subspace.dpaseb(KEY, X, epsilon=1.0, delta=1e-6, k=1, alpha=0.1, gamma=0.1)
+  message = str(err.value)
+  T = dpjax.subspace.num_blocks_for(0.1)
+  t = dpjax.subspace.approximate.num_subsets_for(1.0, 1e-6)
+  for part in ("got n=5000", f"T={T}", f"t={t}", f"n >= T·t·(k + 1) = {T * t * 2}"):
+    assert part in message, (part, message)
+
+
+def test_learn_covariance_too_few_rows_names_the_users_n_and_the_coarse_fraction():
+  """Before: al_covariance's message on the coarse half: "got n=500" for the user's 1000."""
+  from dpjax.covariance import learn_covariance
+  X = np.random.default_rng(0).standard_normal((1000, 3))
+  with pytest.raises(ValueError) as err:
+    learn_covariance(KEY, X, epsilon=20.0, delta=1e-6)
+  message = str(err.value)
+  for part in ("learn_covariance needs n >=", "got n=1000", "coarse_fraction=0.5",
+               "int(n·coarse_fraction) = 500"):
+    assert part in message, (part, message)
+  total = int(message.split("needs n >= ")[1].split(" ")[0])
+  per_step = int(message.split("needs ")[2].split(" ")[0])
+  assert total == 2 * per_step and total > 1000
+
+
+def test_truncated_laplace_survival_matches_the_sampler():
+  from dpjax import _validation
+  tl = M.truncated_laplace_params(1.0, 1.0, 0.02)
+  z = np.asarray(M.truncated_laplace(jax.random.key(3), (200_000,), sensitivity=1.0,
+                                     epsilon=1.0, delta=0.02))
+  for x in (-3.0, -1.0, 0.0, 0.5, 2.0, tl.bound - 1.0):
+    p = M.truncated_laplace_survival(x, tl.scale, tl.bound)
+    assert abs(np.mean(z > x) - p) < 5 * np.sqrt(p * (1 - p) / z.size) + 1e-4, x
+  # The TLap calibration: exactly δ of the mass beyond A − Δ; nothing beyond A.
+  assert M.truncated_laplace_survival(tl.bound - 1.0, tl.scale, tl.bound) == (
+      pytest.approx(0.02, rel=1e-9))
+  assert M.truncated_laplace_survival(tl.bound, tl.scale, tl.bound) == 0.0
+  assert M.truncated_laplace_survival(-tl.bound, tl.scale, tl.bound) == 1.0
+
+
+PPME_X = np.random.default_rng(1).standard_normal((4_000, 3))
+
+
+@pytest.mark.parametrize("learner", ["ppme_mean", "robust_mean"])
+def test_ppme_refuses_when_bottom_is_certain(learner):
+  """k ≤ 2/(1 − c0) = 20: even unanimous groups pass with probability ≤ δ1. Before: ⊥ silently."""
+  from dpjax.covariance import min_groups_for_test, ppme_mean, robust_mean
+  kwargs = dict(epsilon=1.0, delta=1e-6, num_groups=20, radius=2.0)
+  if learner == "robust_mean":
+    run = lambda: robust_mean(KEY, PPME_X, corruption=0.05, **kwargs)   # noqa: E731
+  else:
+    run = lambda: ppme_mean(KEY, PPME_X, **kwargs)                      # noqa: E731
+  with pytest.raises(ValueError, match="num_groups=20") as err:
+    run()
+  assert f"min_groups_for_test(epsilon_test=0.25, delta_test=5e-07) = " \
+         f"{min_groups_for_test(0.25, 5e-7)}" in str(err.value)
+
+
+def test_ppme_warns_below_min_groups_for_test_and_not_above():
+  import warnings
+  from dpjax.covariance import min_groups_for_test, ppme_mean
+  recommended = min_groups_for_test(0.25 * 20.0, 5e-7)
+  kwargs = dict(epsilon=20.0, delta=1e-6, radius=2.0)
+  with pytest.warns(UserWarning, match=f"use num_groups >= {recommended}") as record:
+    ppme_mean(KEY, PPME_X, num_groups=30, **kwargs)
+  assert "passes with probability at most" in str(record[0].message)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ppme_mean(KEY, PPME_X, num_groups=recommended, **kwargs)
+
+
+def test_al_subspace_refuses_when_bottom_is_certain_and_warns_when_likely():
+  import warnings
+  from dpjax.subspace import al_subspace, al_subspace_parameters
+  X = np.random.default_rng(2).standard_normal((400, 3))
+  k_min = al_subspace_parameters(400, 3, epsilon=1.0, delta=1e-6).min_groups
+  for k in (3, 4):
+    with pytest.raises(ValueError, match=f"num_groups={k}.*min_groups = {k_min}"):
+      al_subspace(KEY, X, epsilon=1.0, delta=1e-6, num_groups=k)
+  with pytest.warns(UserWarning, match=f"num_groups=30 < min_groups = {k_min}.*at most 0.6"):
+    al_subspace_parameters(400, 3, epsilon=1.0, delta=1e-6, num_groups=30)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    al_subspace_parameters(400, 3, epsilon=1.0, delta=1e-6)
+    al_subspace_parameters(4000, 3, epsilon=1.0, delta=1e-6, num_groups=k_min)

@@ -14,10 +14,12 @@ Privacy accounting. Every round is a Gaussian mechanism on a statistic whose rep
 ``ρ_t = f_t ρ`` becomes ``z_t = s/sqrt(f_t)`` with one common scale ``s`` that is calibrated on
 the host so that the composition is (ε, δ)-DP under replace-one. For Gaussian mechanisms the
 composition is exactly a single Gaussian mechanism with multiplier
-``(Σ_t z_t^{-2})^{-1/2} = s`` (Dong, Roth & Su 2019), so by default (``accountant="analytic"``)
-``s`` is the analytic Gaussian σ of (ε, δ) at sensitivity 1 (exact, instant); ``"pld"`` and
-``"rdp"`` calibrate with dp_accounting instead (PLD agrees up to its discretisation and is the
-tests' cross-check; it takes 15–25 s at ε ≥ 10).
+``(Σ_t z_t^{-2})^{-1/2} = s`` (Dong, Roth & Su 2019), so with continuous noise
+(``secure=False``, ``accountant="analytic"``) ``s`` is the analytic Gaussian σ of (ε, δ) at
+sensitivity 1 (exact, instant); ``"pld"`` and ``"rdp"`` calibrate with dp_accounting instead (PLD
+agrees up to its discretisation and is the tests' cross-check; it takes 15–25 s at ε ≥ 10). The
+default float-safe release (``secure=True``, below) adds discrete Gaussian noise, whose
+guarantee is its Rényi DP: it is calibrated with ``"rdp"`` (zCDP composition, ρ = Σ_t 1/(2z_t²)).
 
 [CAUTION] ``GaussianDpEvent(z)`` means "a Gaussian of std z on a statistic that moves by at most
 1 between neighbours". That is what the RDP accountant and the PLD accountant under
@@ -39,8 +41,17 @@ Example::
 
 Numerics: the public radii, noise scales and bounds are computed on the host in float64 (NumPy and
 ``math``); the jitted cores run under ``jax.enable_x64(True)`` in float64 and return float64
-arrays, whatever the global x64 flag. The noise is a continuous Gaussian sampled in floating point
-(the floating-point caveat of ALGORITHMS.md §1.10 applies; no snapping is done).
+arrays, whatever the global x64 flag.
+
+Floating point (ALGORITHMS.md §1.10). By default (``secure=True``) every step's release goes
+through :func:`dpjax.mechanisms.discretized_gaussian_mechanism`: exact discrete Gaussian noise on
+a public power-of-two grid, so each released centre (mean) or noisy second moment (covariance) is a
+multiple of its grid step whatever the data, and the later steps and the output are
+post-processing of those releases. Its guarantee is proved through Rényi DP, so the steps are
+calibrated with the RDP accountant (``accountant="rdp"``, about 5% more noise than the exact
+analytic composition). ``secure=False`` keeps the continuous noise sampled in floating point, with
+the ``"analytic"`` (default there), ``"pld"`` or ``"rdp"`` calibration; its float releases are
+open to the low-order-bit attacks of §1.10.
 
 References:
   S. Biswas, Y. Dong, G. Kamath, J. Ullman, "CoinPress: Practical Private Mean and Covariance
@@ -65,10 +76,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
-from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
+from dpjax import linalg
+from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, discretized_gaussian_mechanism
+from dpjax.mechanisms.grid import discretization
 
 REPLACE_ONE = "replace_one"
 ACCOUNTANTS = ("analytic", "pld", "rdp")
+CONTINUOUS_ONLY = ("analytic", "pld")    # exact for continuous Gaussian noise only
 DEFAULT_STEPS = 4
 _AUTO_MAX_STEPS = 8          # choose_covariance_steps searches T in 1..8
 _MAX_STEPS = 64
@@ -215,8 +229,8 @@ def calibrate_noise_scale(epsilon: float, delta: float, fractions: Sequence[floa
 
 def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, radius: float,
                    steps: int | None = None, beta: float = 0.01,
-                   fractions: Sequence[float] | None = None,
-                   accountant: str = "analytic") -> CoinPressResult:
+                   fractions: Sequence[float] | None = None, accountant: str | None = None,
+                   secure: bool = True) -> CoinPressResult:
   """CoinPress private mean (the paper's MVMRec, Algorithms 1–2), (ε, δ)-DP under replace-one.
 
   Model (for utility only): rows ``x_i ~ N(μ, Σ)`` i.i.d. with ``Σ ⪯ I`` and a public prior
@@ -230,7 +244,9 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
 
     1. clip every row to the ball ``B(c_t, R_t)``, ``R_t = r_t + γ``
        (``x ↦ c_t + (x − c_t) min(1, R_t/‖x − c_t‖)``);
-    2. release ``c_{t+1} = mean(clipped rows) + N(0, σ_t² I_d)``, ``σ_t = z_t · 2R_t/n``;
+    2. release ``c_{t+1} = mean(clipped rows) + N(0, σ_t² I_d)``, ``σ_t = z_t · 2R_t/n`` (by
+       default the float-safe discretized Gaussian: σ_t is then ``z_t`` times the grid
+       sensitivity, at most ``(1 + 2^-10)·2R_t/n``; module docstring);
     3. shrink: ``r_{t+1} = γ' sqrt(1/n + σ_t²)``.
 
   Output ``c_T``. Every ``R_t``, ``σ_t`` and ``r_t`` is a public function of
@@ -263,20 +279,24 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
       paper's code). It sets public radii only; privacy does not depend on it.
     fractions: per-step budget fractions ``f_t > 0`` summing to 1 (default
       :func:`default_fractions`: 3/4 to the last step, 1/4 shared by the others).
-    accountant: "analytic" (default: exact, see :func:`calibrate_noise_scale`), "pld" or "rdp".
+    accountant: None (``"rdp"`` when ``secure``, else ``"analytic"``), ``"analytic"`` (exact
+      for continuous noise, see :func:`calibrate_noise_scale`), ``"pld"`` or ``"rdp"``. Only
+      ``"rdp"`` is valid with ``secure=True``.
+    secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
-    :class:`CoinPressResult` with ``estimate`` a float64 ``(d,)`` array and ``info`` holding
+    :class:`CoinPressResult` with ``estimate`` a float64 ``(d,)`` array (with ``secure=True``
+    a multiple of ``info["grids"][-1]``) and ``info`` holding
     ``steps``, ``fractions``, ``noise_scale`` (s), ``noise_multipliers`` (z_t), ``sigmas``
     (σ_t), ``sensitivities`` (Δ_t), ``clip_radii`` (R_t), ``radii`` (r_0..r_T),
     ``error_bound`` (r_T), ``centers`` (``(T, d)`` released c_1..c_T), ``gamma``, ``beta``,
-    ``zcdp_rho`` (= 1/(2s²)), ``accountant``.
+    ``zcdp_rho`` (= 1/(2s²)), ``accountant``, ``secure`` and (secure) ``grids`` (Λ_t).
 
   Raises:
     TypeError: ``key`` not a PRNG key; non-numeric ``X``/``center``; non-integer ``steps``.
     ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in ``X`` or ``center``; ``center`` not of
       shape ``(d,)``; ``radius ≤ 0``; ε ≤ 0; δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or
-      ``steps``; unknown ``accountant``.
+      ``steps``; unknown ``accountant``, or ``"analytic"``/``"pld"`` with ``secure=True``.
 
   References:
     Biswas, Dong, Kamath & Ullman, NeurIPS 2020, Algorithms 1–2 (MVM, MVMRec).
@@ -287,30 +307,49 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
   center64 = _check_center(center, d)
   radius = v.check_positive(radius, "radius")
   epsilon, delta, beta, fractions, accountant = _check_common(
-      epsilon, delta, beta, steps, fractions, accountant)
+      epsilon, delta, beta, steps, fractions, accountant, secure)
   T = len(fractions)
 
   s, spent = _calibrate_cached(epsilon, delta, fractions, accountant)
   zs = tuple(s / math.sqrt(f) for f in fractions)
   gamma = gaussian_norm_radius(d, beta / (2.0 * n))
   gamma_step = gaussian_norm_radius(d, beta / (2.0 * T))
-  radii, clip_radii, sens, sigmas = [radius], [], [], []
+  radii, clip_radii, sens, sigmas, grids = [radius], [], [], [], []
   for z in zs:
     big_r = radii[-1] + gamma
     clip_radii.append(big_r)
     sens.append(2.0 * big_r / n)
-    sigmas.append(z * sens[-1])
+    if secure:                                  # the discretized release's effective std
+      grid = discretization(sens[-1], d)
+      grids.append(grid.grid)
+      sigmas.append(z * grid.grid_sensitivity * grid.grid)
+    else:
+      sigmas.append(z * sens[-1])
     radii.append(gamma_step * math.sqrt(1.0 / n + sigmas[-1] ** 2))
 
   with jax.enable_x64(True):
-    estimate, centers = _mean_core(key, jnp.asarray(X64), jnp.asarray(center64),
-                                   jnp.asarray(clip_radii, jnp.float64),
-                                   jnp.asarray(sigmas, jnp.float64))
-    estimate, centers = np.asarray(estimate, np.float64), np.asarray(centers, np.float64)
+    X_j, c = jnp.asarray(X64), jnp.asarray(center64)
+    if secure:
+      centers = []
+      for k_step, big_r, sensitivity, z in zip(jax.random.split(key, T), clip_radii, sens, zs):
+        stat = np.asarray(_clipped_mean(X_j, c, jnp.float64(big_r)), np.float64)
+        released = discretized_gaussian_mechanism(k_step, stat, sensitivity=sensitivity,
+                                                  noise_multiplier=z)
+        centers.append(released)
+        c = jnp.asarray(released)
+      centers = np.stack(centers)
+      estimate = centers[-1]
+    else:
+      estimate, centers = _mean_core(key, X_j, c, jnp.asarray(clip_radii, jnp.float64),
+                                     jnp.asarray(sigmas, jnp.float64))
+      estimate, centers = np.asarray(estimate, np.float64), np.asarray(centers, np.float64)
   info = dict(steps=T, fractions=fractions, noise_scale=s, noise_multipliers=zs,
               sigmas=tuple(sigmas), sensitivities=tuple(sens), clip_radii=tuple(clip_radii),
               radii=tuple(radii), error_bound=radii[-1], centers=centers, gamma=gamma,
-              beta=beta, zcdp_rho=1.0 / (2.0 * s * s), accountant=accountant)
+              beta=beta, zcdp_rho=1.0 / (2.0 * s * s), accountant=accountant,
+              secure=bool(secure))
+  if secure:
+    info["grids"] = tuple(grids)
   return CoinPressResult(estimate, spent, delta, REPLACE_ONE, info)
 
 
@@ -325,23 +364,30 @@ def _standard_normal(key, shape):
 
 
 def _mean_core(key, X, center, clip_radii, sigmas):
-  """Traceable CoinPress mean (float64 under x64): returns ``(c_T, centres (T, d))``."""
+  """Traceable CoinPress mean with raw continuous noise (float64 under x64): returns
+  ``(c_T, centres (T, d))``."""
   noise = _standard_normal(key, (clip_radii.shape[0], X.shape[1]))
   return _mean_steps(X, center, clip_radii, sigmas, noise)
+
+
+def _clipped_mean_impl(X, c, big_r):
+  """Mean of the rows clipped to the ball ``B(c, R)`` (the statistic each step releases)."""
+  diff = X - c
+  norms = jnp.sqrt(jnp.sum(diff * diff, axis=1))
+  scale = jnp.minimum(1.0, big_r / jnp.maximum(norms, jnp.finfo(X.dtype).tiny))
+  return c + jnp.mean(diff * scale[:, None], axis=0)
+
+
+_clipped_mean = jax.jit(_clipped_mean_impl)
 
 
 @jax.jit
 def _mean_steps(X, center, clip_radii, sigmas, noise):
   """T clip-and-noise steps given the standard normal noise ``(T, d)``."""
-  tiny = jnp.finfo(X.dtype).tiny
 
   def step(c, inputs):
     big_r, sigma, g = inputs
-    diff = X - c
-    norms = jnp.sqrt(jnp.sum(diff * diff, axis=1))
-    scale = jnp.minimum(1.0, big_r / jnp.maximum(norms, tiny))
-    clipped_mean = c + jnp.mean(diff * scale[:, None], axis=0)
-    c_next = clipped_mean + sigma * g                  # the release of this step
+    c_next = _clipped_mean_impl(X, c, big_r) + sigma * g      # the release of this step
     return c_next, c_next
 
   return jax.lax.scan(step, center, (clip_radii, sigmas, noise))
@@ -355,7 +401,7 @@ def _mean_steps(X, center, clip_radii, sigmas, noise):
 def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kappa: float,
                          steps: int | None = None, beta: float = 0.01,
                          fractions: Sequence[float] | None = None,
-                         accountant: str = "analytic") -> CoinPressResult:
+                         accountant: str | None = None, secure: bool = True) -> CoinPressResult:
   """CoinPress private covariance (the paper's MVCRec, Algorithms 3–4), (ε, δ)-DP, replace-one.
 
   Model (for utility only): rows ``x_i ~ N(0, Σ)`` i.i.d. with ``I ⪯ Σ ⪯ κ I`` for a public κ
@@ -374,7 +420,9 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
 
     1. whiten ``w_i = M_t x_i`` and clip to norm ≤ γ: ``w̃_i = w_i min(1, γ/‖w_i‖)``;
     2. release ``Z_t = (1/n) Σ_i w̃_i w̃_iᵀ + E_t`` with ``E_t = σ_t (G + Gᵀ)/2``, G i.i.d.
-       ``N(0, 1)``, ``σ_t = z_t Δ`` (a Gaussian on symmetric matrices with the Frobenius norm);
+       ``N(0, 1)``, ``σ_t = z_t Δ`` (a Gaussian on symmetric matrices with the Frobenius norm;
+       by default the float-safe discretized Gaussian on the ``d(d+1)/2`` isometric coordinates,
+       σ_t then ``z_t`` times the grid sensitivity ≤ ``(1 + 2^-10)Δ``);
     3. ``η_t = 2a + a² + σ_t (sqrt(2d) + sqrt(2 ln(6T/β)))`` (public), and
        ``U_t = P_+(Z_t) + η_t I``, ``M_{t+1} = U_t^{-1/2} M_t`` (P_+: projection onto the PSD
        cone).
@@ -417,19 +465,25 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
       public clipping radius γ and η_t; privacy does not depend on it.
     fractions: per-step budget fractions ``f_t > 0`` summing to 1 (default
       :func:`default_fractions`).
-    accountant: "analytic" (default: exact, see :func:`calibrate_noise_scale`), "pld" or "rdp".
+    accountant: None (``"rdp"`` when ``secure``, else ``"analytic"``), ``"analytic"`` (exact
+      for continuous noise, see :func:`calibrate_noise_scale`), ``"pld"`` or ``"rdp"``. Only
+      ``"rdp"`` is valid with ``secure=True``.
+    secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
     :class:`CoinPressResult` with ``estimate`` a float64 ``(d, d)`` symmetric PSD array and
     ``info`` holding ``steps``, ``fractions``, ``noise_scale``, ``noise_multipliers``,
     ``sigmas``, ``sensitivities`` (Δ per step), ``clip_radii`` (γ per step), ``etas``,
     ``lower_bounds`` (λ_0..λ_{T−1}), ``error_bound``, ``beta``, ``steps_rule``
-    ("choose_covariance_steps" or "given"), ``zcdp_rho``, ``accountant``.
+    ("choose_covariance_steps" or "given"), ``zcdp_rho``, ``accountant``, ``secure`` and
+    (secure) ``grids`` (Λ_t) and ``releases`` (the ``(T, d, d)`` released Z_t, DP releases
+    accounted in ε, on their grids in the isometric coordinates).
 
   Raises:
     TypeError: ``key`` not a PRNG key; non-numeric ``X``; non-integer ``steps``.
     ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in ``X``; ``kappa`` not finite or < 1; ε ≤ 0;
-      δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or ``steps``; unknown ``accountant``.
+      δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or ``steps``; unknown ``accountant``, or
+      ``"analytic"``/``"pld"`` with ``secure=True``.
 
   References:
     Biswas, Dong, Kamath & Ullman, NeurIPS 2020, Algorithms 3–4 (MVC, MVCRec);
@@ -443,7 +497,7 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
     raise ValueError(f"kappa must be >= 1 (the bound I ⪯ Σ ⪯ kappa·I), got kappa={kappa!r}.")
   auto_steps = steps is None and fractions is None
   epsilon, delta, beta, fractions, accountant = _check_common(
-      epsilon, delta, beta, steps, fractions, accountant)
+      epsilon, delta, beta, steps, fractions, accountant, secure)
   if auto_steps:
     fractions = default_fractions(choose_covariance_steps(n, d, kappa=kappa, epsilon=epsilon,
                                                           delta=delta, beta=beta))
@@ -451,19 +505,36 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
 
   s, spent = _calibrate_cached(epsilon, delta, fractions, accountant)
   zs = tuple(s / math.sqrt(f) for f in fractions)
-  plan = _covariance_plan(n, d, kappa, beta, fractions, s)
+  plan = _covariance_plan(n, d, kappa, beta, fractions, s, secure=secure)
   gamma, sens, sigmas, etas = plan.gamma, plan.sensitivity, plan.sigmas, plan.etas
+  m0 = 1.0 / math.sqrt(kappa)
 
   with jax.enable_x64(True):
-    estimate = _covariance_core(key, jnp.asarray(X64), jnp.float64(1.0 / math.sqrt(kappa)),
-                                jnp.float64(gamma), jnp.asarray(sigmas, jnp.float64),
-                                jnp.asarray(etas, jnp.float64))
-    estimate = np.asarray(estimate, np.float64)
+    X_j = jnp.asarray(X64)
+    if secure:
+      M, M_inv = jnp.eye(d) * m0, jnp.eye(d) / m0
+      releases = []
+      for k_step, z, eta in zip(jax.random.split(key, T), zs, etas):
+        coords = np.asarray(_svec(_whitened_second_moment(X_j, M, jnp.float64(gamma))))
+        released = discretized_gaussian_mechanism(k_step, coords, sensitivity=sens,
+                                                  noise_multiplier=z)
+        Z = _unsvec(jnp.asarray(released), d)           # post-processing of the release
+        releases.append(np.asarray(Z))
+        M_inv_used = M_inv                              # the whitening Z was released in
+        M, M_inv = _whitening_update(Z, M, M_inv, jnp.float64(eta))
+      estimate = np.asarray(linalg.symmetrize(_covariance_estimate(Z, M_inv_used)), np.float64)
+    else:
+      estimate = _covariance_core(key, X_j, jnp.float64(m0), jnp.float64(gamma),
+                                  jnp.asarray(sigmas, jnp.float64),
+                                  jnp.asarray(etas, jnp.float64))
+      estimate = np.asarray(linalg.symmetrize(estimate), np.float64)
   info = dict(steps=T, fractions=fractions, noise_scale=s, noise_multipliers=zs,
               sigmas=sigmas, sensitivities=(sens,) * T, clip_radii=(gamma,) * T, etas=etas,
               lower_bounds=plan.lower_bounds, error_bound=plan.error_bound, beta=beta,
               steps_rule="choose_covariance_steps" if auto_steps else "given",
-              zcdp_rho=1.0 / (2.0 * s * s), accountant=accountant)
+              zcdp_rho=1.0 / (2.0 * s * s), accountant=accountant, secure=bool(secure))
+  if secure:
+    info.update(grids=(plan.grid,) * T, releases=np.stack(releases))
   return CoinPressResult(estimate, spent, delta, REPLACE_ONE, info)
 
 
@@ -514,6 +585,7 @@ def choose_covariance_steps(n: int, d: int, *, kappa: float, epsilon: float, del
 class _CovariancePlan(NamedTuple):
   gamma: float
   sensitivity: float
+  grid: float | None
   sigmas: tuple[float, ...]
   etas: tuple[float, ...]
   lower_bounds: tuple[float, ...]
@@ -522,12 +594,17 @@ class _CovariancePlan(NamedTuple):
 
 
 def _covariance_plan(n: int, d: int, kappa: float, beta: float, fractions: tuple[float, ...],
-                     scale: float) -> _CovariancePlan:
-  """The public constants of :func:`coinpress_covariance` (host, float64)."""
+                     scale: float, secure: bool = False) -> _CovariancePlan:
+  """The public constants of :func:`coinpress_covariance` (host, float64). With ``secure`` the
+  noise std is the discretized release's (z times the grid sensitivity, in matrix units)."""
   T = len(fractions)
   gamma = gaussian_norm_radius(d, beta / (3.0 * n))
   sens = math.sqrt(2.0) * gamma * gamma / n
-  sigmas = tuple(scale / math.sqrt(f) * sens for f in fractions)
+  grid, noise_unit = None, sens
+  if secure:
+    discrete_grid = discretization(sens, d * (d + 1) // 2)
+    grid, noise_unit = discrete_grid.grid, discrete_grid.grid_sensitivity * discrete_grid.grid
+  sigmas = tuple(scale / math.sqrt(f) * noise_unit for f in fractions)
   a = math.sqrt(d / n) + math.sqrt(2.0 * math.log(6.0 / beta) / n)
   sampling = 2.0 * a + a * a
   tail = math.sqrt(2.0 * d) + math.sqrt(2.0 * math.log(6.0 * T / beta))
@@ -543,7 +620,7 @@ def _covariance_plan(n: int, d: int, kappa: float, beta: float, fractions: tuple
   for sg in sigmas[:-1]:
     lam = lam / (lam + 2.0 * (sampling_typ + sg * math.sqrt(2.0 * d)))
   typical = sampling_typ + 2.0 * sigmas[-1] * math.sqrt(2.0 * d) / lam
-  return _CovariancePlan(gamma, sens, sigmas, etas, tuple(lower), error_bound, typical)
+  return _CovariancePlan(gamma, sens, grid, sigmas, etas, tuple(lower), error_bound, typical)
 
 
 def _psd_part(Z):
@@ -552,8 +629,50 @@ def _psd_part(Z):
   return (V * jnp.maximum(lam, 0.0)) @ V.T, lam, V
 
 
+def _svec(S):
+  """Isometric coordinates of a symmetric matrix: ``S_ii`` and ``√2 S_ij`` (i < j), row-major
+  upper triangle; ``‖svec(S)‖₂ = ‖S‖_F``."""
+  d = S.shape[0]
+  rows, cols = np.triu_indices(d)
+  return S[rows, cols] * jnp.where(rows == cols, 1.0, math.sqrt(2.0)).astype(S.dtype)
+
+
+def _unsvec(v, d: int):
+  """Inverse of :func:`_svec` (exactly symmetric)."""
+  rows, cols = np.triu_indices(d)
+  upper = jnp.zeros((d, d), v.dtype).at[rows, cols].set(
+      v / jnp.where(rows == cols, 1.0, math.sqrt(2.0)).astype(v.dtype))
+  return upper + jnp.triu(upper, 1).T
+
+
+@jax.jit
+def _whitened_second_moment(X, M, gamma):
+  """``(1/n) Σ w̃_i w̃_iᵀ`` for ``w_i = M x_i`` clipped to norm γ: the statistic of one step."""
+  W = X @ M.T
+  norms = jnp.sqrt(jnp.sum(W * W, axis=1))
+  W = W * jnp.minimum(1.0, gamma / jnp.maximum(norms, jnp.finfo(X.dtype).tiny))[:, None]
+  S = (W.T @ W) / X.shape[0]
+  return 0.5 * (S + S.T)
+
+
+@jax.jit
+def _whitening_update(Z, M, M_inv, eta):
+  """``U = P_+(Z) + η I``, ``M ← U^{-1/2} M`` (post-processing of the release Z)."""
+  _, lam, V = _psd_part(Z)
+  u = jnp.maximum(lam, 0.0) + eta
+  return (V * (1.0 / jnp.sqrt(u))) @ V.T @ M, M_inv @ (V * jnp.sqrt(u)) @ V.T
+
+
+@jax.jit
+def _covariance_estimate(Z, M_inv):
+  """``Σ̂ = M^{-1} P_+(Z) M^{-ᵀ}`` from the last release (post-processing), exactly symmetric."""
+  Zp, _, _ = _psd_part(Z)
+  return M_inv @ Zp @ M_inv.T          # symmetric up to rounding; the wrapper makes it exact
+
+
 def _covariance_core(key, X, m0, gamma, sigmas, etas):
-  """Traceable CoinPress covariance (float64 under x64): the symmetric PSD ``(d, d)`` estimate."""
+  """Traceable CoinPress covariance with raw continuous noise (float64 under x64): the
+  symmetric PSD ``(d, d)`` estimate."""
   d = X.shape[1]
   noise = _standard_normal(key, (sigmas.shape[0], d, d))
   return _covariance_steps(X, m0, gamma, sigmas, etas, noise)
@@ -562,31 +681,18 @@ def _covariance_core(key, X, m0, gamma, sigmas, etas):
 @jax.jit
 def _covariance_steps(X, m0, gamma, sigmas, etas, noise):
   """T whiten–clip–noise steps given standard normal ``(T, d, d)`` matrices G_t."""
-  n, d = X.shape
+  d = X.shape[1]
   eye = jnp.eye(d, dtype=X.dtype)
-  tiny = jnp.finfo(X.dtype).tiny
 
   def step(carry, inputs):
     M, M_inv, _, _ = carry
     sigma, eta, G = inputs
-    W = X @ M.T                                        # rows w_i = M x_i
-    norms = jnp.sqrt(jnp.sum(W * W, axis=1))
-    W = W * jnp.minimum(1.0, gamma / jnp.maximum(norms, tiny))[:, None]
-    S = (W.T @ W) / n
-    S = 0.5 * (S + S.T)                                # exact symmetry before the noise
-    Z = S + sigma * 0.5 * (G + G.T)                    # the release of this step
-    _, lam, V = _psd_part(Z)
-    u = jnp.maximum(lam, 0.0) + eta                    # U = P_+(Z) + η I  (post-processing)
-    M_next = (V * (1.0 / jnp.sqrt(u))) @ V.T @ M
-    M_inv_next = M_inv @ (V * jnp.sqrt(u)) @ V.T
-    return (M_next, M_inv_next, Z, M_inv), None
+    Z = _whitened_second_moment(X, M, gamma) + sigma * 0.5 * (G + G.T)   # this step's release
+    return _whitening_update(Z, M, M_inv, eta) + (Z, M_inv), None
 
-  init = (m0 * eye, eye / m0, jnp.zeros_like(eye), jnp.zeros_like(eye))
+  init = (m0 * eye, eye / m0, jnp.zeros_like(eye), eye / m0)
   (_, _, Z, M_inv), _ = jax.lax.scan(step, init, (sigmas, etas, noise))
-  Zp, _, _ = _psd_part(Z)
-  sigma_hat = M_inv @ Zp @ M_inv.T
-  return 0.5 * (sigma_hat + sigma_hat.T)
-
+  return _covariance_estimate(Z, M_inv)      # through the whitening that Z was released in
 
 # --------------------------------------------------------------------------------------------
 # Validation and calibration internals.
@@ -620,14 +726,20 @@ def _check_fractions(fractions, steps: int | None) -> tuple[float, ...]:
   return tuple(f / total for f in values)
 
 
-def _check_common(epsilon, delta, beta, steps, fractions, accountant):
+def _check_common(epsilon, delta, beta, steps, fractions, accountant, secure):
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
   beta = v.check_probability(beta, "beta", open_high=True)
   if steps is not None:
     steps = v.check_int(steps, "steps", low=1, high=_MAX_STEPS)
   fractions = _check_fractions(fractions, steps)
+  if accountant is None:
+    accountant = "rdp" if secure else "analytic"
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
+  if secure and accountant in CONTINUOUS_ONLY:
+    raise ValueError(f"accountant={accountant!r} is exact for continuous Gaussian noise only; "
+                     "secure=True releases discrete Gaussian noise, whose guarantee is proved "
+                     "through Rényi DP: use accountant='rdp' (the default) or secure=False.")
   return epsilon, delta, beta, fractions, accountant
 
 

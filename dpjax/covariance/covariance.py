@@ -42,10 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
+from dpjax import linalg
 from dpjax.covariance import masking, semimetric
 from dpjax.covariance.populous_mean import (DEFAULT_RADIUS_MARGIN, PopulousThresholds,
-                                            check_thresholds, min_groups_for_test,
-                                            populous_mean, ppme_calibration, split_groups)
+                                            check_test_can_pass, check_thresholds,
+                                            min_groups_for_test, populous_mean,
+                                            ppme_calibration, split_groups)
 from dpjax.covariance.result import PrivateEstimate
 
 
@@ -88,8 +90,15 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
                            thresholds: PopulousThresholds = PopulousThresholds(),
                            radius_margin: float = DEFAULT_RADIUS_MARGIN,
                            group_size_rule: str = "simulation",
-                           unknown_mean: bool = False) -> CovarianceCalibration:
+                           unknown_mean: bool = False,
+                           n: int | None = None) -> CovarianceCalibration:
   """Public calibration of the covariance learner (module docstring, steps 1–3).
+
+  Step 2 (the number of groups k) is cheap; the default step 3 simulates the group size, which
+  takes seconds to minutes for d ≳ 20. Pass the number of rows ``n`` to fail fast: once k is
+  known, ``k·(d + 1)`` (``2·k·(d + 1)`` with ``unknown_mean``) is a lower bound on
+  ``required_n`` (every rule gives groups of at least d + 1 rows), and an ``n`` below it raises
+  before the simulation runs.
 
   Args:
     d: dimension.
@@ -105,12 +114,22 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
     radius_margin: relative slack on r for the floating-point predicate.
     group_size_rule: ``"simulation"`` or ``"concentration"`` (module docstring, step 3).
     unknown_mean: rows are paired into differences, doubling the rows needed.
+    n: optional number of rows available (public): raise as soon as it is known to be too few
+      (the message is phrased for :func:`al_covariance`, which passes its n here).
 
   Returns:
     :class:`CovarianceCalibration`.
 
   Raises:
-    ValueError: bad arguments, or no k up to 10⁹ meets the constraints.
+    ValueError: bad arguments, no k up to 10⁹ meets the constraints, a ``num_groups`` with which
+      even unanimous groups pass the test with probability ≤ δ1 (⊥ certain), or (with ``n``) ``n``
+      below the cheap lower bound ``k·(d + 1)`` (doubled with ``unknown_mean``), or below the
+      exact ``required_n`` when that is cheap (``min_group_size`` given or the concentration
+      rule); the message names n, d, ε, δ, k and the bound.
+
+  Warns:
+    UserWarning: a ``num_groups`` below :func:`~dpjax.covariance.populous_mean.
+      min_groups_for_test` (the test may fail even when every group agrees).
   """
   d = v.check_int(d, "d", low=1)
   epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
@@ -166,18 +185,69 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
       raise ValueError(f"num_groups={k} gives masking sensitivity gamma={gamma:.3g} > 1/2; use "
                        "more groups.")
     mask_cal = masking.calibrate_masking(d, gamma, eps2, delta2)
+    check_test_can_pass(k, eps1, delta1, thresholds, learner="the covariance learner")
+  pairs = 2 if unknown_mean else 1
+  if n is not None:
+    # Fail fast on public numbers, before the simulation: every rule gives groups of at least
+    # d + 1 rows (the simulation starts there), and the other two rules are closed-form.
+    n = v.check_int(n, "n", low=1)
+    if min_group_size is not None:
+      m_low, exact = v.check_int(min_group_size, "min_group_size", low=d + 1), True
+    elif group_size_rule == "concentration":
+      m_low, exact = _concentration_group_size(d, k, radius, beta), True
+    else:
+      m_low, exact = d + 1, False
+    if n < k * m_low * pairs:
+      raise _TooFewRows(n=n, d=d, epsilon=epsilon, delta=delta, num_groups=k,
+                        group_size=m_low, pairs=pairs, exact=exact)
   r_candidate = radius / (2.0 + radius)
   if min_group_size is None and group_size_rule == "concentration":
-    root = (math.sqrt(d) + math.sqrt(2.0 * math.log(2.0 * k / beta))) * 3.0 / r_candidate
-    m = math.ceil(root * root)
+    m = _concentration_group_size(d, k, radius, beta)
   elif min_group_size is None:
     m = simulated_group_size(d, radius, _simulation_target(k))
   else:
     m = v.check_int(min_group_size, "min_group_size", low=d + 1)
   alpha = masking.masking_concentration(d, mask_cal.eta, beta)
-  rows = k * m * (2 if unknown_mean else 1)
+  rows = k * m * pairs
   return CovarianceCalibration(d, k, m, rows, float(radius), mask_cal.gamma, mask_cal.eta,
                                alpha, r_candidate, eps1, delta1, eps2, delta2, beta)
+
+
+def _concentration_group_size(d: int, k: int, radius: float, beta: float) -> int:
+  """Step 3's ``"concentration"`` rule: ``√(d/m) + √(2 ln(2k/β)/m) ≤ r''/3``, r'' = r/(2 + r)."""
+  r_candidate = radius / (2.0 + radius)
+  root = (math.sqrt(d) + math.sqrt(2.0 * math.log(2.0 * k / beta))) * 3.0 / r_candidate
+  return math.ceil(root * root)
+
+
+class _TooFewRows(ValueError):
+  """``n`` below the rows the covariance calibration needs (a ValueError with the numbers).
+
+  ``exact`` tells whether ``rows = num_groups·group_size·pairs`` is the exact ``required_n`` or
+  a cheap lower bound (groups of d + 1 rows, before the group-size simulation).
+  """
+
+  def __init__(self, *, n, d, epsilon, delta, num_groups, group_size, pairs, exact):
+    self.n, self.d, self.epsilon, self.delta = n, d, epsilon, delta
+    self.num_groups, self.group_size, self.pairs, self.exact = num_groups, group_size, pairs, exact
+    self.rows = num_groups * group_size * pairs
+    least = "" if exact else " at the very least"
+    super().__init__(
+        f"al_covariance needs n >= {self.rows} rows{least} for d={d}, epsilon={epsilon:g}, "
+        f"delta={delta:g} ({self.groups_text()}), got n={n}. Collect more rows, raise epsilon, "
+        "or pass num_groups/min_group_size to trade accuracy for rows "
+        f"({self.pointer_text()}).")
+
+  def groups_text(self) -> str:
+    size = (f"{self.group_size} rows" if self.exact
+            else f"at least d + 1 = {self.group_size} rows; the simulated group size is larger")
+    return f"{self.num_groups} groups of {size}{', paired' if self.pairs == 2 else ''}"
+
+  def pointer_text(self) -> str:
+    if self.exact:
+      return "see required_n"
+    return ("required_n(d, epsilon, delta, ...) gives the exact figure, after a simulation that "
+            "takes a while at large d")
 
 
 def simulated_group_size(d: int, radius: float, target: float, *, num_candidates: int = 192,
@@ -258,7 +328,10 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
   Privacy guarantee: (ε, δ)-DP under replace-one (n public): the PPME test is
   ``(ε1, δ1)``-DP via ``TLap(2/k, ε1, δ1)``; on a pass the weighted average moves by semimetric
   distance ≤ γ (``populous_mean.py``), and ``M_η`` with ``η ≥ η_min(γ)`` is a (γ, ε2, δ2)-masking
-  mechanism (``masking.py``). Everything runs in float64 (under ``jax.enable_x64``).
+  mechanism (``masking.py``). Everything runs in float64 (under ``jax.enable_x64``). Floating
+  point: the masked release's low-order bits are not protected (see ``masking.py``: the mask's
+  noise is multiplicative, so the grid-and-integer-noise fix of the additive mechanisms does not
+  apply); the PPME test bit is float-safe up to float64's 2^-53 resolution of the TLap tail.
 
   Utility ([AL22] Thm 5.4 with our constants): on ``N(0, Σ)`` data with ``n ≥ required_n``, w.p.
   ≥ 1 − 2β the test passes and ``dist(Σ̃, Σ) ≤ (1 + r'')(1 + α) − 1`` (α the mask's
@@ -280,7 +353,10 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
     the calibration.
 
   Raises:
-    ValueError: bad input, or ``n`` below the calibration's ``required_n`` (the message gives it).
+    ValueError: bad input, or ``n`` below the calibration's ``required_n`` (the message gives it
+      with d, ε, δ and the groups). A hopeless ``n`` (below ``k·(d + 1)``, k the number of
+      groups, found without simulation) is refused at once, before the group-size simulation,
+      with that lower bound; :func:`required_n` gives the exact figure.
 
   References:
     [AL22] Algorithm 3, Lemma 5.1/5.2, Thm 5.4; ALGORITHMS.md §3.5.
@@ -288,15 +364,14 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
   key = v.check_key(key)
   X = v.check_data64(X, "X")
   n, d = X.shape
+  # n (public) goes in so that a hopeless n fails before the group-size simulation runs.
   cal = covariance_calibration(d, epsilon, delta, radius=radius, num_groups=num_groups,
                                min_group_size=min_group_size, unknown_mean=unknown_mean,
-                               **calibration_kwargs)
+                               n=n, **calibration_kwargs)
   if n < cal.required_n:
-    raise ValueError(
-        f"al_covariance needs n >= {cal.required_n} rows for d={d}, epsilon={epsilon}, "
-        f"delta={delta} ({cal.num_groups} groups of {cal.min_group_size} rows"
-        f"{', paired' if unknown_mean else ''}), got n={n}. Collect more rows, raise epsilon, or "
-        "pass num_groups/min_group_size to trade accuracy for rows (see required_n).")
+    raise _TooFewRows(n=n, d=d, epsilon=float(epsilon), delta=float(delta),
+                      num_groups=cal.num_groups, group_size=cal.min_group_size,
+                      pairs=2 if unknown_mean else 1, exact=True)
   thresholds = calibration_kwargs.get("thresholds", PopulousThresholds())
   ppme = ppme_calibration(cal.num_groups, cal.radius, cal.epsilon_test, cal.delta_test,
                           space="covariance", thresholds=thresholds,
@@ -308,6 +383,7 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
     X64 = jnp.asarray(X, jnp.float64)
     ok, estimate = _al_covariance(key, X64, cal.num_groups, cal.radius, cal.eta, ppme,
                                   thresholds, estimator, unknown_mean, vectorize)
+    estimate = linalg.symmetrize(estimate)          # exactly symmetric (post-processing)
   info = dict(cal._asdict(), group_size=(n // (2 if unknown_mean else 1)) // cal.num_groups)
   return PrivateEstimate(ok, np.asarray(estimate), float(epsilon), float(delta), "replace_one", info)
 
@@ -362,7 +438,9 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     ``"covariance"`` on ⊥ and ``info["coarse"]`` the AL step's info.
 
   Raises:
-    ValueError: as :func:`al_covariance` (too few coarse rows), or too few refinement rows.
+    ValueError: too few rows for the AL step (the message names the user's n, the coarse
+      fraction and the total rows needed; with ``refine=False`` it is :func:`al_covariance`'s),
+      too few refinement rows, or as :func:`al_covariance`.
 
   References:
     [AL22] Algorithm 3, Thm 5.4–5.6; Biswas, Dong, Kamath & Ullman (2020); ALGORITHMS.md §3.5.
@@ -374,8 +452,24 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
   n, d = X.shape
   n_coarse = int(n * frac) if refine else n
   k_coarse, k_refine = jax.random.split(key)
-  coarse = al_covariance(k_coarse, X[:n_coarse], epsilon=epsilon, delta=delta,
-                         unknown_mean=unknown_mean, eta_accuracy=eta_accuracy, **al_kwargs)
+  try:
+    coarse = al_covariance(k_coarse, X[:n_coarse], epsilon=epsilon, delta=delta,
+                           unknown_mean=unknown_mean, eta_accuracy=eta_accuracy, **al_kwargs)
+  except _TooFewRows as err:
+    if not refine:
+      raise
+    # Restate the requirement in the user's terms: the AL step sees only int(n·frac) rows.
+    total = math.ceil(err.rows / frac)
+    while int(total * frac) < err.rows:
+      total += 1
+    raise ValueError(
+        f"learn_covariance needs n >= {total} rows{'' if err.exact else ' at the very least'} "
+        f"for d={d}, epsilon={err.epsilon:g}, delta={err.delta:g}: its AL step runs on "
+        f"coarse_fraction={frac:g} of the rows and needs {err.rows} of them "
+        f"({err.groups_text()}), got n={n} (int(n·coarse_fraction) = {n_coarse} rows for that "
+        "step). Collect more rows, raise epsilon or coarse_fraction, or pass "
+        "num_groups/min_group_size to trade accuracy for rows (required_n(d, epsilon, delta, "
+        f"eta_accuracy={eta_accuracy}) gives the AL step's exact figure).") from None
   info = {"coarse": coarse.info, "failed_step": None if bool(coarse.ok) else "covariance",
           "refined": False}
   if not refine or not bool(coarse.ok):

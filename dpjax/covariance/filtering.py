@@ -57,6 +57,7 @@ import numpy as np
 from scipy import stats
 
 from dpjax import _validation as v
+from dpjax import linalg
 
 #: Default constant C of the stopping certificates (see :func:`filtered_mean`).
 DEFAULT_STOP_CONSTANT = 1.0
@@ -148,6 +149,8 @@ def _run_filter(core, X, score_threshold: float, stop_threshold: float, eta: flo
                         jnp.asarray(stop_threshold, wd), jnp.asarray(2.0 * eta * X.shape[0], wd),
                         iterations)
   estimate = estimate.astype(dtype)
+  if estimate.ndim == 2:                      # a covariance: exactly symmetric (on the output)
+    estimate = linalg.symmetrize(estimate)
   if return_info:
     return estimate, info._replace(weights=info.weights.astype(dtype))
   return estimate
@@ -554,7 +557,7 @@ def trimmed_covariance(X, *, corruption: float, iterations: int = 10) -> jax.Arr
   reweight_consistency = float(stats.chi2.cdf(radius, d + 2) / _REWEIGHT_QUANTILE)
   S = _trimmed_core(X.astype(wd), jnp.asarray(consistency, wd), jnp.asarray(radius, wd),
                     jnp.asarray(reweight_consistency, wd), keep, iterations)
-  return S.astype(dtype)
+  return linalg.symmetrize(S.astype(dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("keep", "iterations"))

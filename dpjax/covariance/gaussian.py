@@ -49,6 +49,14 @@ from dpjax.subspace.exact import al_subspace, al_subspace_parameters
 
 STEPS = ("subspace", "covariance", "mean", "orthogonal_mean")
 
+# Public floor on step 4's PPME radius (2^-400 ≈ 3.9e-121). On all-zero (or ≲ 1e-140) rows the
+# released scale S is ≈ 2^-1016 and the radius 2^-40·S·√d subnormal; the analytic Gaussian
+# calibration behind PPME's mask cannot handle sensitivities below ≈ 1e-150 (its bisection
+# underflows and divides by zero). Any positive public radius is private; a larger one only
+# makes the answer's absolute error ≈ this floor, which is below anything float64 rows of
+# ordinary scale can resolve.
+_MIN_ORTHOGONAL_RADIUS = 2.0 ** -400
+
 
 class GaussianResult(NamedTuple):
   """Outcome of :func:`learn_gaussian`.
@@ -224,6 +232,7 @@ def _constant_mean(k_scale, k_ppme, B, U_perp, tilt, trace, epsilon, delta, beta
   m = U.shape[0] // k
   spread = tilt * math.sqrt(trace / m) * (1.0 + math.sqrt(2.0 * math.log(2.0 * k / beta)))
   radius = 2.0 * spread + 2.0 ** -40 * scale * math.sqrt(U.shape[1])
+  radius = max(radius, _MIN_ORTHOGONAL_RADIUS)      # public: all-zero rows give S ≈ 2^-1016
   res = ppme_mean(k_ppme, U, epsilon=epsilon, delta=delta, num_groups=k, radius=radius)
   info.update(scale=scale, ppme=res.info)
   return (np.asarray(res.estimate) if bool(res.ok) else None), info

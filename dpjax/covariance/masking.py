@@ -29,6 +29,22 @@ probability 2e^{−x}; the Gaussian part ``Σ_i (1 − √λ_i) z_{ii}/(λ_i η)
 ``≤ d g²/η²`` (``|1 − √λ|/λ ≤ g``), so it is ``≤ √(2dx) g/η`` except with probability e^{−x}.
 So the privacy loss is ``≤ F`` except with probability ``3e^{−x} = δ``, in either direction, which
 gives (ε, δ)-indistinguishability. The audit suite checks it empirically.
+
+Floating point (ALGORITHMS.md §1.10): a threat this release does NOT cover. dpjax's additive
+releases are made float-safe by rounding the statistic to a public grid and adding exact integer
+noise (``dpjax.mechanisms.discretized_gaussian_mechanism``). That argument needs noise whose law
+does not depend on the data; the mask's noise is multiplicative, ``S(I + ηG)``, with covariance
+shaped by the private Σ, and a lattice-valued G would put the output on a lattice that depends on
+Σ (a worse leak). The output is computed in float64 from float64 Gaussian draws, so an observer
+who reads the exact bit pattern of the released matrix is outside the guarantee: the float64
+matrices reachable from Σ and from a neighbouring Σ' can differ in their low-order bits (Mironov
+2012). What the release remains good for: its noise is of relative size η (≥ 1e-2 in practice)
+while float64 rounding is ≈ 1e-16 relative, so every event that does not resolve the matrix below
+about 1e-13 relative precision is governed by the proof above. Publish a rounded copy (for
+example eigenvalues and eigenvector entries to 1e-8 relative) where bit-level inspection is a
+concern; rounding is post-processing, though not a proof of float safety. The Ashtiani–Liaw
+covariance and Gaussian learners (``al_covariance``, ``learn_covariance``, ``learn_gaussian``)
+inherit this caveat through their masked release Σ̃.
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from dpjax import _validation as v
+from dpjax import linalg
 
 
 class MaskingCalibration(NamedTuple):
@@ -136,15 +153,17 @@ def covariance_mask(key: jax.Array, Sigma, *, eta: float) -> jax.Array:
   Guarantee: a (γ, F(γ, η), δ)-masking mechanism for the semimetric of §3.1 (see the module
   docstring; :func:`calibrate_masking` picks η for a target ε). Not DP on its own: the caller must
   bound the semimetric distance between the inputs on neighbouring datasets (PPME does).
+  Floating point: the output's low-order bits are not protected (module docstring).
 
   Args:
     key: PRNG key.
     Sigma: ``(d, d)`` symmetric positive definite, or a batch ``(b, d, d)`` (independent noise per
-      matrix, one ``vmap``). Use float64 for ill-conditioned inputs.
+      matrix, one ``vmap``). Use float64 for ill-conditioned inputs. float16 / bfloat16 are
+      upcast to float32 (there is no 16-bit Cholesky; the cast is exact and public).
     eta: noise level > 0 (public).
 
   Returns:
-    Array of Sigma's shape and dtype, symmetric.
+    Array of Sigma's shape, symmetric, in Sigma's dtype (float32 for 16-bit input).
 
   Raises:
     TypeError: bad key. ValueError: wrong shape, non-finite entries, η ≤ 0, or a batch member
@@ -162,8 +181,8 @@ def covariance_mask(key: jax.Array, Sigma, *, eta: float) -> jax.Array:
   L = jnp.linalg.cholesky(batch)
   if not bool(jnp.all(jnp.isfinite(L))):
     raise ValueError("Sigma must be positive definite (its Cholesky factorisation failed).")
-  out = jax.vmap(_mask_factor, in_axes=(0, 0, None))(
-      jax.random.split(key, batch.shape[0]), L, eta)
+  out = linalg.symmetrize(jax.vmap(_mask_factor, in_axes=(0, 0, None))(
+      jax.random.split(key, batch.shape[0]), L, eta))
   return out if Sigma.ndim == 3 else out[0]
 
 
@@ -177,7 +196,7 @@ def _mask_factor(key, L, eta):
   W = jnp.eye(d, dtype=L.dtype) + eta * jax.random.normal(key, (d, d), L.dtype)
   Y = L @ W
   out = Y @ Y.T
-  return (out + out.T) / 2
+  return 0.5 * (out + out.T)        # symmetric up to rounding; the public wrapper makes it exact
 
 
 def _fixed_loss(d: int, g: float, x: float) -> float:

@@ -27,6 +27,12 @@ mechanism is ``γ = (4 + 2/(b − a))·ρ/W_min`` (Euclidean) or ``γ = (4 + 2/(
 mask is a (γ, ε2, δ2)-masking mechanism. Where the predicate is evaluated in floating point the
 radius used for γ is ``r(1 + radius_margin)`` (``semimetric.py``).
 
+Floating point (ALGORITHMS.md §1.10). The test releases one bit, ``Q + Z > c0 + A1``, with Z drawn
+in float64 by inverse CDF from a 52-bit uniform: no float value is released, and the bit's
+probabilities are those of the analysis up to 2^-52 per draw, far below δ. The Euclidean mask of
+:func:`ppme_mean` is float-safe by default (an exact discrete Gaussian on a public grid); the
+covariance mask is not (``masking.py`` says why and what it does not cover).
+
 The module is generic over the non-private estimator, the neighbour-count function (semimetric)
 and the mask; :func:`ppme_mean` is the Euclidean instance with Gaussian masking (§3.7's
 robust-mean form when the estimator is robust); ``covariance.py`` holds the covariance instance.
@@ -45,8 +51,11 @@ import numpy as np
 from dpjax import _validation as v
 from dpjax.covariance import semimetric
 from dpjax.covariance.result import PrivateEstimate
-from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
-from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
+from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
+                                       rdp_gaussian_sigma)
+from dpjax.mechanisms.grid import discretization
+from dpjax.mechanisms.truncated_laplace import (_truncated_laplace, truncated_laplace_params,
+                                                truncated_laplace_survival)
 
 DEFAULT_RADIUS_MARGIN = 1e-2
 
@@ -153,6 +162,40 @@ def min_groups_for_test(epsilon_test: float, delta_test: float,
       k += 1
 
 
+def check_test_can_pass(num_groups: int, epsilon_test: float, delta_test: float,
+                        thresholds: PopulousThresholds = PopulousThresholds(), *,
+                        learner: str = "PPME", stacklevel: int = 3) -> float:
+  """Refuses or warns when PPME's test answers ⊥ from public parameters alone; returns the
+  best-case pass probability.
+
+  Q ≤ 1, so even unanimous groups pass only when the test noise ``Z ~ TLap(2/k, ε1, δ1)``
+  exceeds ``A1 − (1 − c0)``. If that probability is ≤ δ1 (``k ≤ 2/(1 − c0)``) ⊥ is certain up to
+  δ1: ``ValueError``. Below :func:`min_groups_for_test` the test can fail even when all groups
+  agree: ``UserWarning`` with the probability. Public numbers only: privacy is unchanged.
+
+  Raises:
+    ValueError: the best-case pass probability is ≤ δ1, or bad thresholds.
+  """
+  k = v.check_int(num_groups, "num_groups", low=2)
+  c0 = check_thresholds(thresholds, k).c0
+  test_noise = truncated_laplace_params(2.0 / k, epsilon_test, delta_test)
+  best = truncated_laplace_survival(test_noise.bound - (1.0 - c0), test_noise.scale,
+                                    test_noise.bound)
+  recommended = min_groups_for_test(epsilon_test, delta_test, thresholds)
+  needs = (f"min_groups_for_test(epsilon_test={epsilon_test:g}, delta_test={delta_test:g}) = "
+           f"{recommended}")
+  v.check_test_can_pass(
+      best, delta_test, sure=k >= recommended, stacklevel=stacklevel,
+      refusal=(f"{learner} would answer ⊥ (almost) surely: with num_groups={k} even unanimous "
+               f"groups pass the test with probability {best:.3g} <= delta_test="
+               f"{delta_test:g}; it needs num_groups > 2/(1 - c0) = {2.0 / (1.0 - c0):g} and "
+               f"{needs} for a sure pass."),
+      warning=(f"{learner}: with num_groups={k} < {needs}, the test passes with probability at "
+               f"most {v.probability_text(best)} even when all groups agree (⊥ otherwise); use "
+               f"num_groups >= {recommended} for a sure pass."))
+  return best
+
+
 def populous_mean(key: jax.Array, groups: jax.Array, *, estimator: Callable,
                   neighbour_counts: Callable, mask: Callable, calibration: PPMECalibration,
                   thresholds: PopulousThresholds, placeholder: jax.Array,
@@ -188,7 +231,11 @@ def populous_mean(key: jax.Array, groups: jax.Array, *, estimator: Callable,
   weights = jnp.clip((q - thresholds.a) / (thresholds.b - thresholds.a), 0.0, 1.0)
   total = jnp.sum(weights)
   weights = weights / jnp.where(total > 0, total, 1.0)
-  average = jnp.tensordot(weights, candidates, axes=1)
+  # A candidate of weight 0 must not enter the sum at all: 0·inf = NaN, so an overflowed
+  # candidate (one replaced row can make a group's estimate inf) would otherwise turn a finite
+  # release into NaN. Positive-weight candidates are neighbours of others, hence finite.
+  used = (weights > 0).reshape((k,) + (1,) * (candidates.ndim - 1))
+  average = jnp.tensordot(weights, jnp.where(used, candidates, 0.0), axes=1)
   released = mask(k_mask, jnp.where(ok, average, placeholder))
   return ok, jnp.where(ok, released, jnp.zeros_like(released))
 
@@ -208,20 +255,26 @@ def split_groups(key: jax.Array, X: jax.Array, num_groups: int) -> jax.Array:
 def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: int,
               radius: float, estimator: Callable | None = None, test_fraction: float = 0.25,
               thresholds: PopulousThresholds = PopulousThresholds(),
-              radius_margin: float = DEFAULT_RADIUS_MARGIN) -> PrivateEstimate:
+              radius_margin: float = DEFAULT_RADIUS_MARGIN, secure: bool = True) -> PrivateEstimate:
   """Private mean with PPME in ℓ2 and Gaussian masking ([AL22] Algorithm 1; §3.7 Lemma 7.2).
 
   Each of the k groups (public random partition) gives ``Est(group) ∈ R^d`` (default the group
   mean; pass a robust estimator, e.g. ``dpjax.covariance.filtering.filtered_mean``, for the
   robust variant); candidates within ``radius`` of each other count as neighbours; the weighted
-  average gets ``N(0, σ² I)`` with σ the analytic Gaussian-mechanism σ for ℓ2-sensitivity γ.
+  average gets Gaussian noise calibrated to ℓ2-sensitivity γ: by default the float-safe release
+  of :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact discrete Gaussian noise on a
+  public power-of-two grid, σ from :func:`dpjax.mechanisms.rdp_gaussian_sigma`), or, with
+  ``secure=False``, continuous ``N(0, σ² I)`` with the analytic σ, added inside the jitted
+  program (5–15% less noise, but the released float values can carry the low-order-bit leak of
+  ALGORITHMS.md §1.10).
   The mean is unbounded: no clipping bound on the data is needed, only a radius that the group
   estimates of one dataset fall within of each other (e.g. ``≈ 2·(√d + 3)·σ_max/√m`` for Gaussian
   data with covariance ⪯ σ_max² I, groups of m rows).
 
   Privacy guarantee: (ε, δ)-DP under replace-one: ε1 = ``test_fraction``·ε and δ1 = δ/2 for the
   test, the rest for the Gaussian mask, which is a (γ, ε2, δ2)-masking mechanism for
-  ``γ = (4 + 2/(b − a))·2r/W_min`` (module docstring).
+  ``γ = (4 + 2/(b − a))·2r/W_min`` (module docstring): a Gaussian mechanism for ℓ2-sensitivity γ
+  (its (ε2, δ2) through Rényi DP for the discrete release, analytically for the raw one).
 
   Utility ([AL22] Lemma 3.6): if every group estimate lies within r/2 of μ and
   ``k ≥`` :func:`min_groups_for_test`, the test passes surely and the output is within
@@ -237,14 +290,21 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     test_fraction: share of ε spent on the test.
     thresholds: ``(a, b, c0)``.
     radius_margin: slack on r for the float predicate.
+    secure: float-safe discretized Gaussian mask (default) or raw continuous noise.
 
   Returns:
     :class:`PrivateEstimate` with ``estimate (d,)`` float64 NumPy (computed under
-    ``jax.enable_x64``: means of 1e6 keep their digits); ``info`` holds k, m, r, γ, σ.
+    ``jax.enable_x64``: means of 1e6 keep their digits; with ``secure=True`` every entry is a
+    multiple of ``info["grid"]``); ``info`` holds k, m, r, γ, σ (the mask's std) and the grid.
 
   Raises:
     TypeError/ValueError: bad key or data, ε ≤ 0, δ ∉ (0, 1), broken threshold constraints,
-      or fewer than 2 rows per group.
+      fewer than 2 rows per group, or ``num_groups`` so small that even unanimous groups pass
+      the test with probability ≤ δ1 (``num_groups ≤ 2/(1 − c0)``: ⊥ would be certain).
+
+  Warns:
+    UserWarning: ``num_groups < min_groups_for_test(ε1, δ1)``: the test can fail even when all
+      groups agree; the message gives the largest pass probability and the recommended k.
 
   References:
     [AL22] Algorithm 1, Lemma 3.6, Lemma 7.2, Algorithm 5; ALGORITHMS.md §3.2, §3.7.
@@ -258,20 +318,36 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     raise ValueError(f"ppme_mean needs at least 2 rows per group: n={n} < 2·num_groups={2 * k}.")
   frac = v.check_probability(test_fraction, "test_fraction", open_high=True)
   eps1, eps2, delta1, delta2 = epsilon * frac, epsilon * (1 - frac), delta / 2, delta / 2
+  check_test_can_pass(k, eps1, delta1, thresholds, learner="ppme_mean", stacklevel=4)
   cal = ppme_calibration(k, radius, eps1, delta1, space="euclidean", thresholds=thresholds,
                          radius_margin=radius_margin)
-  sigma = analytic_gaussian_sigma(eps2, delta2, cal.gamma)
   vectorize = estimator is None                 # a user estimator may iterate: one group at a time
   estimator = _group_mean if estimator is None else estimator
   r = float(radius)
+  info = {"num_groups": k, "group_size": n // k, "radius": r, "gamma": cal.gamma,
+          "pass_level": cal.pass_level, "secure": bool(secure)}
+  if secure:
+    # The jitted program returns the test bit and the UNMASKED average (never released: only
+    # its masked version leaves this function); the mask runs on the host.
+    z = rdp_gaussian_sigma(eps2, delta2)
+    grid = discretization(cal.gamma, d)
+    sigma, mask_sigma = None, z * grid.grid_sensitivity * grid.grid
+    info.update(sigma=mask_sigma, grid=grid.grid)
+  else:
+    sigma = mask_sigma = analytic_gaussian_sigma(eps2, delta2, cal.gamma)
+    info.update(sigma=mask_sigma)
+  k_run, k_mask = jax.random.split(key)
   run = functools.partial(_ppme_mean_run, k=k, radius=r, sigma=sigma, calibration=cal,
                           thresholds=check_thresholds(thresholds, k), estimator=estimator,
                           vectorize=vectorize)
   with jax.enable_x64(True):
-    ok, estimate = run(key, jnp.asarray(X))
-  info = {"num_groups": k, "group_size": n // k, "radius": r, "gamma": cal.gamma,
-          "sigma": sigma, "pass_level": cal.pass_level}
-  return PrivateEstimate(ok, np.asarray(estimate), epsilon, delta, "replace_one", info)
+    ok, estimate = run(k_run, jnp.asarray(X))
+    ok, estimate = bool(ok), np.asarray(estimate, np.float64)
+  if secure:
+    estimate = (discretized_gaussian_mechanism(k_mask, estimate, sensitivity=cal.gamma,
+                                               noise_multiplier=z) if ok
+                else np.zeros(d))                   # ok is the DP test's output: a public branch
+  return PrivateEstimate(jnp.asarray(ok), estimate, epsilon, delta, "replace_one", info)
 
 
 def _group_mean(rows):
@@ -282,12 +358,16 @@ def _group_mean(rows):
                                              "estimator", "vectorize"))
 def _ppme_mean_run(key, X, *, k, radius, sigma, calibration, thresholds, estimator, vectorize):
   """ppme_mean's traced body; the public constants are static so repeated calls reuse the
-  compiled program."""
+  compiled program. ``sigma=None``: no mask (the caller masks on the host)."""
   k_split, k_run = jax.random.split(key)
   groups = split_groups(k_split, X, k)
+  if sigma is None:
+    mask = lambda k_mask, y: y                                       # noqa: E731
+  else:
+    mask = lambda k_mask, y: y + sigma * jax.random.normal(k_mask, y.shape, y.dtype)  # noqa
   return populous_mean(
       k_run, groups, estimator=estimator,
       neighbour_counts=lambda Y: semimetric.euclidean_neighbour_counts(Y, radius),
-      mask=lambda k_mask, y: y + sigma * jax.random.normal(k_mask, y.shape, y.dtype),
+      mask=mask,
       calibration=calibration, thresholds=thresholds,
       placeholder=jnp.zeros((X.shape[1],), X.dtype), vectorize=vectorize)

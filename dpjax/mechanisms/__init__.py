@@ -1,15 +1,21 @@
 """DP primitives (ALGORITHMS.md §1)."""
 
-from dpjax.mechanisms.discrete import (discrete_laplace, discrete_laplace_mechanism,
-                                       discrete_laplace_tail)
+from dpjax.mechanisms.discrete import (discrete_gaussian, discrete_laplace,
+                                       discrete_laplace_mechanism, discrete_laplace_tail,
+                                       truncated_discrete_laplace)
 from dpjax.mechanisms.exponential import exponential_mechanism
-from dpjax.mechanisms.gap_max import GapMaxResult, gap_max, gap_max_threshold
+from dpjax.mechanisms.gap_max import (GapMaxParameters, GapMaxResult, gap_max, gap_max_core,
+                                      gap_max_parameters)
 from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, classic_gaussian_sigma,
-                                       gaussian_mechanism, gaussian_noise)
+                                       discretized_gaussian_mechanism, gaussian_mechanism,
+                                       gaussian_noise, rdp_gaussian_sigma)
+from dpjax.mechanisms.grid import Discretization, discretization
 from dpjax.mechanisms.histogram import (StableHistogram, histogram_threshold, stable_histogram,
                                         top_bin)
 from dpjax.mechanisms.laplace import laplace_mechanism, laplace_noise, laplace_scale
 from dpjax.mechanisms.snapping import snapping_mechanism, snapping_parameters
-from dpjax.mechanisms.truncated_laplace import (TruncatedLaplaceParams, truncated_laplace,
-                                                truncated_laplace_mechanism,
-                                                truncated_laplace_params)
+from dpjax.mechanisms.truncated_laplace import (TruncatedLaplaceParams,
+                                                discrete_truncated_laplace_bound,
+                                                truncated_laplace, truncated_laplace_mechanism,
+                                                truncated_laplace_params,
+                                                truncated_laplace_survival)

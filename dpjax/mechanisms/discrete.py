@@ -1,17 +1,22 @@
-"""Discrete (integer) Laplace noise (ALGORITHMS.md §1.4).
+"""Discrete (integer) noise: Laplace and Gaussian (ALGORITHMS.md §1.4, §1.10).
 
 Counts and integer scores get integer noise (§1.10 rule 1): an integer-valued statistic plus an
 integer sample has a support that does not depend on the statistic's value, so the
-floating-point attacks on real-valued Laplace noise do not apply.
+floating-point attacks on real-valued noise do not apply. The discrete Laplace sampler is a
+jittable JAX state machine (:mod:`dpjax.mechanisms.exact`); the discrete Gaussian sampler runs on
+the host with Python integers (its rejection step needs exact rationals far beyond 32 bits).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import random
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import _validation as v
 from dpjax.mechanisms import exact as exact_lib
@@ -168,3 +173,155 @@ def discrete_laplace_tail(z: int, scale: float) -> float:
   scale = v.check_positive(scale, "scale")
   log_p = -1.0 / scale
   return math.exp(z * log_p) / (1.0 + math.exp(log_p))
+
+
+# --------------------------------------------------------------------------------------------
+# Discrete Gaussian (Canonne, Kamath & Steinke 2020), host-side and exact.
+# --------------------------------------------------------------------------------------------
+
+MAX_DISCRETE_GAUSSIAN_SIGMA = 2.0**40       # keeps every draw far inside int64 and float64
+_SIGMA2_DENOMINATOR = 1 << 10               # σ² is rounded UP to a multiple of 2^-10
+
+
+def discrete_gaussian_sigma2(sigma: float) -> Fraction:
+  """The exact variance parameter the sampler uses: ``σ²`` rounded UP to a multiple of 2^-10.
+
+  Rounding up only adds noise, so a calibration for σ stays valid at the returned value.
+  """
+  sigma = v.check_positive(sigma, "sigma")
+  if sigma > MAX_DISCRETE_GAUSSIAN_SIGMA:
+    raise ValueError(f"sigma must be at most 2^40 for the discrete Gaussian sampler, got "
+                     f"sigma={sigma!r}.")
+  num = math.ceil(Fraction(sigma) ** 2 * _SIGMA2_DENOMINATOR)
+  return Fraction(max(num, 1), _SIGMA2_DENOMINATOR)
+
+
+def _host_rng(key: jax.Array) -> random.Random:
+  """A host RNG seeded with 128 bits drawn from ``key`` (deterministic per key).
+
+  ``random.Random.randrange`` draws integers exactly uniformly (rejection on random bits), which
+  is all the exact samplers below need.
+  """
+  words = np.asarray(jax.random.bits(key, (4,), jnp.uint32), np.uint64)
+  return random.Random(int(sum(int(w) << (32 * i) for i, w in enumerate(words))))
+
+
+def _bernoulli_exp_unit(rng: random.Random, num: int, den: int) -> bool:
+  """Bernoulli(exp(−num/den)) for ``0 ≤ num ≤ den`` (CKS 2020, Algorithm 1, γ ∈ [0, 1])."""
+  k = 1
+  while rng.randrange(den * k) < num:       # Bernoulli(γ/k)
+    k += 1
+  return k % 2 == 1
+
+
+def _bernoulli_exp(rng: random.Random, num: int, den: int) -> bool:
+  """Bernoulli(exp(−num/den)) for any rational ``num/den ≥ 0`` (CKS 2020, Algorithm 1)."""
+  while num > den:                           # e^{−γ} = e^{−1}·e^{−(γ−1)}: peel whole units
+    if not _bernoulli_exp_unit(rng, 1, 1):
+      return False
+    num -= den
+  return _bernoulli_exp_unit(rng, num, den)
+
+
+def _discrete_laplace_integer_scale(rng: random.Random, t: int) -> int:
+  """``P(y) ∝ exp(−|y|/t)`` on ℤ for an integer scale t ≥ 1 (CKS 2020, Algorithm 2)."""
+  while True:
+    u = rng.randrange(t)
+    if not _bernoulli_exp_unit(rng, u, t):
+      continue
+    v_ = 0
+    while _bernoulli_exp_unit(rng, 1, 1):
+      v_ += 1
+    x = u + t * v_
+    negative = rng.randrange(2) == 1
+    if negative and x == 0:
+      continue
+    return -x if negative else x
+
+
+def _discrete_gaussian_one(rng: random.Random, num: int, den: int) -> int:
+  """One exact draw of ``N_ℤ(0, σ²)``, ``σ² = num/den`` (CKS 2020, Algorithm 3).
+
+  Proposal: discrete Laplace of scale ``t = ⌊σ⌋ + 1``; accept with probability
+  ``exp(−(|y| − σ²/t)²/(2σ²)) = exp(−(|y|·t·den − num)²/(2·num·den·t²))``.
+  """
+  t = math.isqrt(num // den) + 1
+  while True:
+    y = _discrete_laplace_integer_scale(rng, t)
+    a = abs(y) * t * den - num
+    if _bernoulli_exp(rng, a * a, 2 * num * den * t * t):
+      return y
+
+
+def discrete_gaussian(key: jax.Array, shape=(), *, sigma: float) -> np.ndarray:
+  """Exact samples of the discrete Gaussian ``N_ℤ(0, σ²)``: ``P(Z = z) ∝ exp(−z²/(2σ²))`` on ℤ.
+
+  Canonne, Kamath & Steinke's sampler (2020, Algorithms 1–3) with Python integers only: a
+  discrete Laplace proposal, accepted by an exact Bernoulli(exp(−γ)) for rational γ. The
+  distribution is exactly the discrete Gaussian at ``σ²`` rounded up to a multiple of 2^-10
+  (:func:`discrete_gaussian_sigma2`). Runs on the host, one coordinate at a time (about
+  10–30 µs per draw); meant for released statistics, not for the inside of training loops.
+  Randomness: 128 bits drawn from ``key`` seed a host generator, so results are deterministic
+  per key.
+
+  A sampler; the privacy guarantee comes from :func:`dpjax.mechanisms.gaussian_mechanism`
+  (``secure=True``), which adds it to a statistic rounded to a public grid.
+
+  Args:
+    key: JAX PRNG key.
+    shape: output shape, a tuple of non-negative ints.
+    sigma: ``σ > 0``, at most 2^40.
+
+  Returns:
+    int64 NumPy array of ``shape``.
+
+  Raises:
+    TypeError: non-key ``key`` or bad ``shape``.
+    ValueError: ``sigma`` not finite, ≤ 0 or above 2^40.
+
+  References:
+    Canonne, Kamath & Steinke, "The discrete Gaussian for differential privacy", NeurIPS 2020,
+    Algorithms 1–3 and Thm 4 (its Rényi divergence is at most that of the continuous Gaussian).
+  """
+  v.check_key(key)
+  shape = check_shape(shape)
+  sigma2 = discrete_gaussian_sigma2(sigma)
+  rng = _host_rng(key)
+  num, den = sigma2.numerator, sigma2.denominator
+  size = math.prod(shape)
+  out = np.fromiter((_discrete_gaussian_one(rng, num, den) for _ in range(size)), np.int64,
+                    count=size)
+  return out.reshape(shape)
+
+
+def truncated_discrete_laplace(key: jax.Array, shape=(), *, scale: int, bound: int) -> np.ndarray:
+  """Exact samples of ``P(Z = z) ∝ exp(−|z|/t)`` on ``{−K, …, K}`` for an integer scale t.
+
+  Canonne–Kamath–Steinke's discrete Laplace (Algorithm 2) with Python integers, and rejection of
+  draws outside ``[−K, K]``; host-side, deterministic per key. For the float-safe truncated
+  Laplace mechanism (:func:`dpjax.mechanisms.truncated_laplace_mechanism`), whose scale can exceed
+  the jittable sampler's range.
+
+  Args:
+    key: JAX PRNG key.
+    shape: output shape.
+    scale: t, an integer ≥ 1.
+    bound: K, an integer ≥ 0.
+
+  Returns:
+    int64 NumPy array of ``shape``.
+  """
+  v.check_key(key)
+  shape = check_shape(shape)
+  t = v.check_int(scale, "scale", low=1)
+  K = v.check_int(bound, "bound", low=0)
+  rng = _host_rng(key)
+
+  def one():
+    while True:
+      z = _discrete_laplace_integer_scale(rng, t)
+      if abs(z) <= K:
+        return z
+
+  size = math.prod(shape)
+  return np.fromiter((one() for _ in range(size)), np.int64, count=size).reshape(shape)

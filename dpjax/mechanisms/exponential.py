@@ -13,11 +13,18 @@ def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon
   """Samples index y with probability ``∝ exp(ε u(y)/(2Δu))`` by Gumbel-max (exact in law).
 
   ``argmax_y (ε u(y)/(2Δu) + G_y)`` with ``G_y ~ Gumbel(0, 1)`` i.i.d. has exactly the softmax
-  law; the scores are shifted by their maximum first (which changes nothing in law) so large
-  scores keep their float precision.
+  law in real arithmetic; the scores are shifted by their maximum first (which changes nothing in
+  law) so large scores keep their float precision.
 
-  Guarantee: ε-DP under the caller's neighbouring relation when each candidate's score has
-  sensitivity ``Δu`` under it (the normaliser moves by at most ``e^{ε/2}`` and the numerator by
+  Floating point (ALGORITHMS.md §1.10), a caveat this sampler does not remove: the Gumbel noise
+  comes from uniforms of the working dtype. In float32 they are multiples of 2^-23, so the noise
+  is cut to about [−4.5, 15.9] and a candidate whose scaled score is ≳ 20 below the best is never
+  output (probability 0 instead of ≈ e^{−20}); the output law is within total variation about
+  C·2^-22 of the exact one (C·2^-51 in float64 with x64 enabled). The release is an index, so no
+  float value leaks, but the guarantee is (ε, δ)-DP with δ of that order rather than pure ε-DP.
+
+  Guarantee: ε-DP (in real arithmetic; see the floating-point note) under the caller's
+  neighbouring relation when each candidate's score has sensitivity ``Δu`` under it (the normaliser moves by at most ``e^{ε/2}`` and the numerator by
   at most ``e^{ε/2}``). With ``monotone=True`` (on every neighbouring pair all scores move in the
   same direction) the factor 2 is dropped [McSherry–Talwar 2007]. The candidate list must be
   data-independent (fixed order; the index is the output).

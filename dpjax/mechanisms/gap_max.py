@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from fractions import Fraction
 from typing import NamedTuple
 
 import jax
@@ -12,7 +13,9 @@ import numpy as np
 
 from dpjax import _validation as v
 from dpjax.mechanisms import discrete, exact
-from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
+from dpjax.mechanisms.truncated_laplace import discrete_truncated_laplace_bound
+
+_FLOAT_RESOLUTION_BITS = 10      # float scores are floored to multiples of 2^-10 (or coarser)
 
 
 class GapMaxResult(NamedTuple):
@@ -26,78 +29,113 @@ class GapMaxResult(NamedTuple):
   index: jax.Array
 
 
-def gap_max_threshold(epsilon: float, delta: float) -> float:
-  """The threshold ``A − 1`` that the noisy gap of float scores must exceed (host, float64).
+class GapMaxParameters(NamedTuple):
+  """The public constants of one :func:`gap_max` call (host; all exact).
 
-  ``A = (2/ε) ln(1 + (e^ε − 1)/(2δ))`` is the bound of ``TLap(2, ε, δ)``
-  (:func:`dpjax.mechanisms.truncated_laplace_params`).
+  Scores are compared on the integer grid ``⌊score/h⌋``: integer scores use ``h = 1``; float
+  scores ``h = 2^-j``, the finest power of two (at most 2^-10) for which the exact sampler's
+  scale stays in range. A float score of sensitivity 1 then has integer sensitivity ``S = 1/h``
+  (``⌊a⌋ − ⌊b⌋ ≤ S`` whenever ``a − b ≤ S`` for an integer S).
 
-  Raises:
-    ValueError: ε not finite and > 0, δ ∉ (0, 1).
-
-  References:
-    ALGORITHMS.md §1.6, §1.3.
+  Attributes:
+    resolution: h.
+    sensitivity: S = 1/h, the per-candidate sensitivity on the grid.
+    bound: K, the noise's support bound and the release threshold.
+    scale_num, scale_den: the noise scale ``num/den ≥ 2S/ε`` (a multiple of 2^-10).
+    sure_gap: a score gap ``u1 − u2 ≥ sure_gap`` (score units) releases the top candidate surely.
   """
-  return truncated_laplace_params(2.0, epsilon, delta).bound - 1.0
+  resolution: float
+  sensitivity: int
+  bound: int
+  scale_num: int
+  scale_den: int
+  sure_gap: float
 
 
-def integer_gap_max_bound(epsilon: float, delta: float) -> tuple[int, int, int]:
-  """``(K, num, den)`` of the discrete truncated Laplace used for integer scores (host).
+def integer_gap_max_bound(epsilon: float, delta: float,
+                          sensitivity: int = 1) -> tuple[int, int, int]:
+  """``(K, num, den)`` of the discrete truncated Laplace used on integer scores (host).
 
-  Noise ``P(Z = z) ∝ e^{−|z|·den/num}`` on ``{−K, …, K}`` with ``num/den ≥ 2/ε`` (the scale
-  rounded up to a multiple of 2^-10) and ``K`` the smallest integer ≥ 2 with
-  ``P[Z ≥ K − 1] ≤ δ`` (ALGORITHMS.md §1.4 PROPOSED, with Δ = 2): a shift by ≤ 2 leaves at most
-  δ of the mass outside the common support.
+  Noise ``P(Z = z) ∝ e^{−|z|·den/num}`` on ``{−K, …, K}`` with ``num/den ≥ 2S/ε`` (the scale
+  rounded up to a multiple of 2^-10) and ``K`` the smallest integer ≥ 1 with
+  ``P[Z ≥ K − 2S + 1] ≤ δ``: a shift of the gap by ≤ 2S leaves at most δ of the mass outside the
+  common support (ALGORITHMS.md §1.4 PROPOSED, here with per-score sensitivity S; S = 1 gives
+  ``P[Z ≥ K − 1] ≤ δ``).
 
   Raises:
-    ValueError: ε not finite and > 0 (or below ``2^-14``), δ ∉ (0, 1).
+    ValueError: ε not finite and > 0 (or with ``2S/ε > 2^15``), δ ∉ (0, 1), S < 1.
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
-  if 2.0 / epsilon > discrete.MAX_EXACT_SCALE:
-    raise ValueError(f"epsilon must be at least 2/{discrete.MAX_EXACT_SCALE:g} for integer "
-                     f"scores, got epsilon={epsilon!r}.")
-  num, den = exact.rational_scale(2.0 / epsilon)
-  p = math.exp(-den / num)
-  K = 2
-  while True:
-    total = (1 + p) / (1 - p) - 2 * p ** (K + 1) / (1 - p)      # Σ_{|z|≤K} p^|z|
-    upper = p ** (K - 1) + p**K                                  # Σ_{z=K−1}^{K} p^z
-    if upper / total <= delta:
-      return K, num, den
-    K += 1
+  sensitivity = v.check_int(sensitivity, "sensitivity", low=1)
+  if 2.0 * sensitivity / epsilon > discrete.MAX_EXACT_SCALE:
+    raise ValueError(f"epsilon must be at least {2 * sensitivity}/{discrete.MAX_EXACT_SCALE:g} "
+                     f"for the exact GAP-MAX noise, got epsilon={epsilon!r}.")
+  num, den = exact.rational_scale(2.0 * sensitivity / epsilon)
+  K = discrete_truncated_laplace_bound(Fraction(num, den), 2 * sensitivity, delta)
+  return K, num, den
+
+
+def gap_max_parameters(epsilon: float, delta: float, *,
+                       integer_scores: bool = False) -> GapMaxParameters:
+  """The grid, sensitivity and noise of :func:`gap_max` for ``(ε, δ)`` (see
+  :class:`GapMaxParameters`).
+
+  Raises:
+    ValueError: bad ε or δ, or ε below ``2^-14`` (the exact sampler's range).
+  """
+  epsilon = v.check_epsilon(epsilon)
+  delta = v.check_delta(delta)
+  if integer_scores:
+    j = 0
+  else:                                          # finest h = 2^-j with 2·2^j/ε ≤ 2^14
+    j = min(_FLOAT_RESOLUTION_BITS, math.floor(math.log2(epsilon * 2.0**13)))
+    if j < 0:
+      raise ValueError(f"epsilon must be at least 2^-13 for GAP-MAX on float scores, got "
+                       f"epsilon={epsilon!r}.")
+  h = 2.0 ** -j
+  S = 2**j
+  K, num, den = integer_gap_max_bound(epsilon, delta, S)
+  return GapMaxParameters(h, S, K, num, den, (2 * K + S + 1) * h)
 
 
 def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxResult:
   """Returns the top candidate if its score gap is large, else ⊥ (thresholded GAP-MAX).
 
   ``s1 = argmax scores`` (lowest index on ties, via ``jax.lax.top_k``), ``u1 = scores[s1]``,
-  ``u2`` = second largest score (0 if there is one candidate), ``g = max(0, u1 − u2 − 1)``;
-  float scores: release ``s1`` iff ``g + Z > A − 1`` with ``Z ~ TLap(2, ε, δ)``
-  (:func:`gap_max_threshold`).
-
-  Integer scores (counts; ALGORITHMS.md §1.10 rule 1) use integer noise sampled exactly instead:
-  ``Z`` discrete truncated Laplace on ``{−K, …, K}`` (:func:`integer_gap_max_bound`) and release
-  iff ``g + Z ≥ K``.
+  ``u2`` = second largest score (0 if there is one candidate). Scores are compared on a public
+  integer grid (:func:`gap_max_parameters`): ``ũ = ⌊u/h⌋`` with h = 1 for integer scores and
+  ``h = 2^-j`` (j ≤ 10) for float scores, so each ũ has sensitivity ``S = 1/h``. Then
+  ``g = max(0, ũ1 − ũ2 − S)`` and the top candidate is released iff ``g + Z ≥ K``, with ``Z``
+  discrete truncated Laplace on ``{−K, …, K}`` of scale ``≥ 2S/ε`` sampled exactly with integer
+  arithmetic (:func:`integer_gap_max_bound`).
 
   Guarantee: (ε, δ)-DP under the caller's neighbouring relation when every candidate's score has
   sensitivity 1 under it and candidates not listed score 0. The candidate list must be in a
-  data-independent canonical order (the order sets the tie-break). Why: if the argmax is the
-  same on both neighbours, ``g`` has sensitivity 2 and the release is post-processing of
-  ``g + TLap(2, ε, δ)``. If it differs, ``G + G' ≤ 2`` forces both gaps ``g ≤ 1``, so either
-  answer appears with probability ``≤ P[Z > A − 2] = δ`` (integer case: ``P[Z ≥ K − 1] ≤ δ``)
-  and with probability 0 on the other neighbour (ALGORITHMS.md §1.6).
+  data-independent canonical order (the order sets the tie-break). Why: flooring to the grid
+  keeps the per-score sensitivity at S grid steps. If the argmax is the same on both neighbours,
+  ``g`` has sensitivity 2S and the release is post-processing of ``g + Z``: inside the common
+  support the ratio is ≤ e^ε, and ``P[Z ≥ K − 2S + 1] ≤ δ`` lies outside it. If it differs,
+  ``G + G' ≤ 2S`` for the grid gaps forces ``g ≤ S`` on both sides, so either answer appears with
+  probability ``≤ P[Z ≥ K − S] ≤ δ`` and with probability 0 on the other neighbour
+  (ALGORITHMS.md §1.6, with sensitivity S).
+
+  Floating point: the decision depends on integers only (the floored scores and exact integer
+  noise), so its probabilities are exactly those of the analysis — no float noise whose tail is
+  cut or rounded (ALGORITHMS.md §1.10). Float scores are floored to multiples of h (a loss of
+  < h per score, ≤ 2^-10 for ε ≥ 1/8) and clamped to ``[−2^29 h, 2^29 h]`` (1-Lipschitz, so the
+  sensitivity is kept; scores beyond that tie and give ⊥).
 
   Args:
     key: JAX PRNG key.
     scores: ``(C,)`` finite float or integer scores, C ≥ 1.
-    epsilon: ``ε > 0``.
+    epsilon: ``ε > 0`` (≥ 2^-13 for float scores, ≥ 2^-14 for integer scores).
     delta: ``δ ∈ (0, 1)``.
 
   Returns:
     :class:`GapMaxResult` ``(ok, index)``: ``ok`` a bool scalar (False is ⊥), ``index`` an int32
-    scalar, 0 when not ok. With probability 1 it is ``(True, s1)`` when ``g > 2A − 1``
-    (integer scores: ``g ≥ 2K``).
+    scalar, 0 when not ok. With probability 1 it is ``(True, s1)`` when
+    ``u1 − u2 ≥ gap_max_parameters(...).sure_gap``.
 
   Raises:
     TypeError: ``scores`` not real/integer (bool included), ``key`` not a key.
@@ -106,7 +144,8 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
 
   References:
     ALGORITHMS.md §1.6; Bun, Dwork, Rothblum & Steinke, "Composable and versatile privacy via
-    truncated CDP", STOC 2018; [SS21] Lemma A.16.
+    truncated CDP", STOC 2018; [SS21] Lemma A.16; Canonne, Kamath & Steinke (2020) (exact
+    integer noise).
   """
   v.check_key(key)
   scores = v.check_scores(scores)           # NumPy input stays NumPy: int64 range check
@@ -117,38 +156,35 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
                        f"[{low}, {high}].")
     scores = jnp.asarray(scores.astype(np.int32) if isinstance(scores, np.ndarray)
                          else scores.astype(jnp.int32))
-    bound, num, den = integer_gap_max_bound(epsilon, delta)
-    return _integer_gap_max(key, scores, num, den, bound)
-  scores = jnp.asarray(scores)
-  if not bool(jnp.all(jnp.isfinite(scores))):
+    params = gap_max_parameters(epsilon, delta, integer_scores=True)
+    return gap_max_core(key, scores, params)
+  if not bool(np.all(np.isfinite(np.asarray(scores)))):
     raise ValueError("scores contain NaN or infinite entries.")
-  params = truncated_laplace_params(2.0, epsilon, delta)
-  return _gap_max(key, scores, params.scale, params.bound)
+  params = gap_max_parameters(epsilon, delta)
+  return gap_max_core(key, jnp.asarray(scores), params)
 
 
-@functools.partial(jax.jit, static_argnames=("num", "den", "bound"))
-def _integer_gap_max(key, scores, num, den, bound):
+def gap_max_core(key: jax.Array, scores: jax.Array, params: GapMaxParameters) -> GapMaxResult:
+  """:func:`gap_max` without validation: traceable in ``key`` and ``scores`` (float or int32).
+
+  Same guarantee, for ``params = gap_max_parameters(ε, δ, integer_scores=...)`` matching the
+  scores' kind.
+  """
+  if jnp.issubdtype(scores.dtype, jnp.floating):
+    grid = jnp.floor(scores / jnp.asarray(params.resolution, scores.dtype))   # exact: h = 2^-j
+    scores = jnp.clip(grid, -(2.0**29), 2.0**29).astype(jnp.int32)
+  return _integer_gap_max(key, scores.astype(jnp.int32), params.scale_num, params.scale_den,
+                          params.bound, params.sensitivity)
+
+
+@functools.partial(jax.jit, static_argnames=("num", "den", "bound", "sensitivity"))
+def _integer_gap_max(key, scores, num, den, bound, sensitivity):
   if scores.shape[0] == 1:
     u1, u2, s1 = scores[0], jnp.int32(0), jnp.int32(0)
   else:
-    top, idx = jax.lax.top_k(scores, 2)
-    u1, u2, s1 = top[0], top[1], idx[0].astype(jnp.int32)
-  gap = jnp.maximum(0, u1 - u2 - 1)
-  noise = exact.exact_truncated_discrete_laplace(key, (), num, den, bound)
-  ok = gap + noise >= bound
-  return GapMaxResult(ok, jnp.where(ok, s1, 0))
-
-
-@jax.jit
-def _gap_max(key, scores, scale, bound):
-  dtype = jnp.result_type(float)
-  scores = scores.astype(dtype)
-  if scores.shape[0] == 1:
-    u1, u2, s1 = scores[0], jnp.zeros((), dtype), jnp.zeros((), jnp.int32)
-  else:
     top, idx = jax.lax.top_k(scores, 2)      # lowest index first among equal values
     u1, u2, s1 = top[0], top[1], idx[0].astype(jnp.int32)
-  gap = jnp.maximum(0.0, u1 - u2 - 1.0)
-  noise = _truncated_laplace(key, (), scale, bound, dtype)
-  ok = gap + noise > bound - 1.0
+  gap = jnp.maximum(0, u1 - u2 - sensitivity)
+  noise = exact.exact_truncated_discrete_laplace(key, (), num, den, bound)
+  ok = gap + noise >= bound
   return GapMaxResult(ok, jnp.where(ok, s1, 0))

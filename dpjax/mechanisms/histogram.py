@@ -4,6 +4,13 @@ Only non-empty bins are ever touched, so the domain (e.g. all cells of a grid in
 infinite: each non-empty bin gets one noise draw, and only bins whose noisy count clears a
 threshold τ are released. A bin that exists in only one of two neighbouring datasets holds a
 single item and clears τ with probability at most δ.
+
+The noise is integer (discrete Laplace) and sampled exactly with integer arithmetic, so the
+released noisy counts are integers whose set of possible values does not depend on the true
+counts. An earlier ``noise="laplace"`` option added float32 Laplace noise and released the noisy
+counts raw: the float32 values reachable from a count c differ from those reachable from c + 1
+(Mironov 2012), and about a quarter of the output mass on one neighbour was unreachable on the
+other (ε = ∞; ``dpjax.audit.exact_output_audit``). It was removed; passing it raises.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dpjax import _validation as v
 from dpjax.mechanisms import discrete
 
 NEIGHBOURING = ("replace_one", "add_remove")
-NOISES = ("discrete", "laplace")
+NOISES = ("discrete",)
 GROUPINGS = ("auto", "pairwise", "hash")
 _PAIRWISE_LIMIT = 50_000_000          # t·t·D booleans above which "auto" hashes instead
 _CHUNK_ELEMENTS = 1 << 22             # (t, chunk) words per step of the O(tD) passes
@@ -37,11 +44,10 @@ class StableHistogram(NamedTuple):
 
   Attributes:
     bins: ``(t, D)`` int32 bin keys.
-    noisy_counts: ``(t,)`` noisy counts (int32 for discrete noise, JAX's default float for
-      Laplace noise).
+    noisy_counts: ``(t,)`` int32 noisy counts.
     released: ``(t,)`` bool.
-    threshold: the public release threshold τ, a Python float (release iff noisy count ≥ τ for
-      discrete noise, > τ for Laplace noise).
+    threshold: the public release threshold τ, a Python float with an integer value (release
+      iff noisy count ≥ τ).
   """
   bins: jax.Array
   noisy_counts: jax.Array
@@ -54,45 +60,49 @@ def _sensitivity(neighbouring: str) -> int:
   return 2 if neighbouring == "replace_one" else 1
 
 
-def _noise_scale(epsilon: float, neighbouring: str, noise: str) -> float:
-  """The scale the sampler really uses (discrete: rounded up, :func:`discrete.effective_scale`)."""
+def check_noise(noise: str) -> str:
+  """Validates the histogram's ``noise`` option (only the exact ``"discrete"`` noise is offered)."""
+  if noise == "laplace":
+    raise ValueError(
+        "noise='laplace' was removed: float32 Laplace noise on a count leaks the count through "
+        "the float values it can reach (Mironov 2012; a quarter of the output mass is "
+        "unreachable from the neighbouring count, so it is not DP at any ε). Use the default "
+        "noise='discrete' (exact integer discrete Laplace noise, same scale).")
+  return v.check_choice(noise, "noise", NOISES)
+
+
+def _noise_scale(epsilon: float, neighbouring: str) -> float:
+  """The scale the exact sampler really uses (rounded up, :func:`discrete.effective_scale`)."""
   scale = _sensitivity(neighbouring) / epsilon
-  if noise == "discrete":
-    if scale > discrete.MAX_EXACT_SCALE:
-      raise ValueError(f"epsilon must be at least {_sensitivity(neighbouring)}/"
-                       f"{discrete.MAX_EXACT_SCALE:g} for discrete noise, got epsilon={epsilon!r}.")
-    scale = discrete.effective_scale(scale)
-  return scale
+  if scale > discrete.MAX_EXACT_SCALE:
+    raise ValueError(f"epsilon must be at least {_sensitivity(neighbouring)}/"
+                     f"{discrete.MAX_EXACT_SCALE:g} for discrete noise, got epsilon={epsilon!r}.")
+  return discrete.effective_scale(scale)
 
 
 def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "replace_one",
                         noise: str = "discrete") -> float:
   """The release threshold τ of the stability histogram (host, float64).
 
-  With Δ = 2 (replace-one) or 1 (add/remove-one):
-
-  * Laplace noise ``Lap(Δ/ε)``, release iff ``c + Z > τ``:
-    ``τ = 1 + (Δ/ε) ln(1/(2δ))``, so a singleton bin passes with probability
-    ``½ e^{−(τ−1)ε/Δ} = δ`` exactly (τ is not taken below 1: for δ ≥ ½ it passes w.p. ½ ≤ δ).
-  * Discrete Laplace noise ``DLap(σ)``, ``p = e^{−1/σ}``, release iff ``c + Z ≥ τ``:
-    ``τ = 1 + ⌈σ ln(1/(δ(1 + p)))⌉``, so a singleton passes with probability
-    ``P[Z ≥ τ − 1] = p^{τ−1}/(1 + p) ≤ δ``. Here ``σ`` is the scale the exact sampler uses:
-    ``Δ/ε`` rounded up to a multiple of 2^-10 (:func:`dpjax.mechanisms.discrete.effective_scale`;
-    equal to ``Δ/ε`` for ε = 1, 0.5, 0.25, …). Computing τ at the rounded scale matters: more
-    noise raises a singleton's pass probability.
+  With Δ = 2 (replace-one) or 1 (add/remove-one), discrete Laplace noise ``DLap(σ)``,
+  ``p = e^{−1/σ}``, and release iff ``c + Z ≥ τ``: ``τ = 1 + ⌈σ ln(1/(δ(1 + p)))⌉``, so a
+  singleton passes with probability ``P[Z ≥ τ − 1] = p^{τ−1}/(1 + p) ≤ δ``. Here ``σ`` is the
+  scale the exact sampler uses: ``Δ/ε`` rounded up to a multiple of 2^-10
+  (:func:`dpjax.mechanisms.discrete.effective_scale`; equal to ``Δ/ε`` for ε = 1, 0.5, 0.25, …).
+  Computing τ at the rounded scale matters: more noise raises a singleton's pass probability.
 
   Args:
     epsilon: ``ε > 0``.
     delta: ``δ ∈ (0, 1)``.
     neighbouring: ``"replace_one"`` (default) or ``"add_remove"``.
-    noise: ``"discrete"`` (default) or ``"laplace"``.
+    noise: ``"discrete"`` (the only option; ``"laplace"`` was removed, see the module docstring).
 
   Returns:
-    τ as a Python float (an integer value for discrete noise).
+    τ as a Python float with an integer value.
 
   Raises:
-    ValueError: ε not finite and > 0, δ ∉ (0, 1), unknown ``neighbouring`` / ``noise``, or
-      discrete noise with ``Δ/ε > 2^15``.
+    ValueError: ε not finite and > 0, δ ∉ (0, 1), unknown ``neighbouring`` / ``noise`` (with an
+      explanation for ``"laplace"``), or ``Δ/ε > 2^15``.
 
   References:
     ALGORITHMS.md §1.5 (threshold re-derived there), §1.4 (discrete Laplace tail).
@@ -100,10 +110,8 @@ def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "re
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
   v.check_choice(neighbouring, "neighbouring", NEIGHBOURING)
-  v.check_choice(noise, "noise", NOISES)
-  scale = _noise_scale(epsilon, neighbouring, noise)
-  if noise == "laplace":
-    return 1.0 + scale * max(0.0, math.log(1.0 / (2.0 * delta)))
+  check_noise(noise)
+  scale = _noise_scale(epsilon, neighbouring)
   p = math.exp(-1.0 / scale)
   steps = max(0, math.ceil(scale * math.log(1.0 / (delta * (1.0 + p)))))
   while steps >= 1 and discrete.discrete_laplace_tail(steps, scale) > delta:   # float guard
@@ -126,11 +134,14 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
     1 (ℓ1 change 2): noise scale 2/ε.
   * ``"add_remove"``: one item added or removed. One count changes by 1: scale 1/ε.
 
-  On bins non-empty in both datasets the noisy counts are ε-DP (Laplace / discrete Laplace with
+  On bins non-empty in both datasets the noisy counts are ε-DP (discrete Laplace with
   sensitivity Δ); a bin non-empty in only one holds exactly one item and is released with
   probability ≤ δ; thresholding and ordering by noisy count (ties by fresh randomness) are
   post-processing (ALGORITHMS.md §1.5). Only the released ``(bin, noisy count)`` pairs carry
-  information; see :class:`StableHistogram`.
+  information; see :class:`StableHistogram`. Floating point: the noise is sampled exactly with
+  integer arithmetic (Canonne–Kamath–Steinke) and the release is integer, so its set of
+  possible values does not depend on the counts (ALGORITHMS.md §1.10 rule 1; audited with
+  :func:`dpjax.audit.grid_output_audit`).
 
   Grouping of equal rows under ``jit`` with static shapes: ``"pairwise"`` compares all pairs of
   rows (``t·t·D`` booleans, in chunks over D when that exceeds 5·10⁷); ``"hash"`` compares two
@@ -148,9 +159,9 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
     epsilon: ``ε > 0``.
     delta: ``δ ∈ (0, 1)``.
     neighbouring: ``"replace_one"`` (default) or ``"add_remove"``.
-    noise: ``"discrete"`` (default: integer noise sampled exactly with integer arithmetic, so
-      the release has no floating-point side channel; ALGORITHMS.md §1.10) or ``"laplace"``
-      (floating point).
+    noise: ``"discrete"`` (the default and only option: integer noise sampled exactly with
+      integer arithmetic, so the release has no floating-point side channel; ALGORITHMS.md
+      §1.10). ``"laplace"`` raises (removed: float32 Laplace counts leak, module docstring).
     grouping: ``"auto"`` (default), ``"pairwise"`` or ``"hash"``.
 
   Returns:
@@ -160,7 +171,7 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
   Raises:
     TypeError: ``items`` not an integer array, or ``key`` not a PRNG key.
     ValueError: ``items`` not 2-D, empty, or out of int32 range; ε not finite and > 0;
-      δ ∉ (0, 1); unknown ``neighbouring``, ``noise`` or ``grouping``.
+      δ ∉ (0, 1); unknown ``neighbouring``, ``noise`` (``"laplace"`` included) or ``grouping``.
 
   References:
     ALGORITHMS.md §1.5; Bun, Nissim & Stemmer (2016); Vadhan (2017); [SS21] Lemma A.15.
@@ -169,11 +180,11 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
   items = _check_items(items)
   v.check_choice(grouping, "grouping", GROUPINGS)
   threshold = histogram_threshold(epsilon, delta, neighbouring=neighbouring, noise=noise)
-  scale = _noise_scale(float(epsilon), neighbouring, noise)
+  scale = _noise_scale(float(epsilon), neighbouring)
   t, d = items.shape
   if grouping == "auto":
     grouping = "pairwise" if t * t * d <= _PAIRWISE_LIMIT else "hash"
-  bins, counts, released = _stable_histogram(key, items, scale, threshold, noise, grouping)
+  bins, counts, released = _stable_histogram(key, items, scale, threshold, grouping)
   return StableHistogram(bins, counts, released, threshold)
 
 
@@ -268,8 +279,8 @@ def _group_hash(key, items):
   return jnp.where(verified, first, jnp.arange(t))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "noise", "grouping"))
-def _stable_histogram(key, items, scale, threshold, noise, grouping):
+@functools.partial(jax.jit, static_argnames=("scale", "grouping"))
+def _stable_histogram(key, items, scale, threshold, grouping):
   """Jitted core: ``scale`` a public Python float (static), ``threshold`` a public scalar."""
   t = items.shape[0]
   k_hash, k_noise, k_tie = jax.random.split(key, 3)
@@ -277,15 +288,9 @@ def _stable_histogram(key, items, scale, threshold, noise, grouping):
   representative = group == jnp.arange(t)
   counts = jnp.zeros(t, jnp.int32).at[group].add(1)          # count stored at the first row
   # One draw per row position, used only at representatives: one draw per distinct bin.
-  if noise == "discrete":
-    noisy = counts + discrete._discrete_laplace(k_noise, (t,), scale)
-    passes = noisy >= jnp.ceil(threshold).astype(jnp.int32)      # τ is an integer here
-    sort_key = -noisy
-  else:
-    dtype = jnp.result_type(float)
-    noisy = counts.astype(dtype) + (scale * jax.random.laplace(k_noise, (t,), dtype)).astype(dtype)
-    passes = noisy > threshold
-    sort_key = -noisy
+  noisy = counts + discrete._discrete_laplace(k_noise, (t,), scale)
+  passes = noisy >= jnp.ceil(threshold).astype(jnp.int32)      # τ is an integer
+  sort_key = -noisy
   released = representative & passes
   # Released first, larger noisy count first; ties by a fresh uniform permutation (stable sort
   # of randomly permuted rows), never by row position.

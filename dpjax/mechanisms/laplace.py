@@ -147,4 +147,15 @@ def check_float_value(value, name: str = "value") -> jax.Array:
   return value
 
 
+def check_host_float_value(value, name: str = "value") -> np.ndarray:
+  """Returns ``value`` as a NumPy float array (its own precision, float64 kept whatever JAX's x64
+  flag), for the host-side float-safe releases; raises on other dtypes and on NaN/inf."""
+  value = np.asarray(value)
+  if not np.issubdtype(value.dtype, np.floating):
+    raise TypeError(f"{name} must be a float array, got dtype={value.dtype}.")
+  if not np.all(np.isfinite(value)):
+    raise ValueError(f"{name} contains NaN or infinite entries.")
+  return value
+
+
 _float_value = check_float_value      # old private name, kept for existing imports

@@ -7,9 +7,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import _validation as v
-from dpjax.mechanisms.laplace import check_float_dtype, check_float_value, check_shape
+from dpjax.mechanisms import discrete
+from dpjax.mechanisms.grid import discretization
+from dpjax.mechanisms.laplace import (check_float_dtype, check_float_value,
+                                     check_host_float_value, check_shape)
 
 
 class TruncatedLaplaceParams(NamedTuple):
@@ -67,6 +71,33 @@ def truncated_laplace_params(sensitivity: float, epsilon: float,
   return TruncatedLaplaceParams(scale, scale * log_ratio, density)
 
 
+def truncated_laplace_survival(x: float, scale: float, bound: float) -> float:
+  """``P[Z > x]`` for ``Z ~ TLap``: density ``B e^{−|z|/λ}`` on ``[−A, A]`` (host, float64).
+
+  With ``B = 1/(2λ(1 − e^{−A/λ}))``: for ``0 ≤ x < A``,
+  ``P[Z > x] = e^{−x/λ}(1 − e^{−(A − x)/λ}) / (2(1 − e^{−A/λ}))`` (``expm1`` forms, no overflow
+  for any ε); ``1 − P[Z > −x]`` for ``x < 0``; 0 for ``x ≥ A`` and 1 for ``x ≤ −A``. For
+  ``TLap(Δ, ε, δ)`` (:func:`dpjax.mechanisms.truncated_laplace_params`) ``P[Z > A − Δ] = δ``.
+  Used to tell, from public parameters alone, how likely a noisy threshold test can pass.
+
+  Args:
+    x: the level.
+    scale: λ > 0.
+    bound: A > 0.
+
+  Returns:
+    The probability, a float in ``[0, 1]``.
+  """
+  if x >= bound:
+    return 0.0
+  if x <= -bound:
+    return 1.0
+  if x < 0.0:
+    return 1.0 - truncated_laplace_survival(-x, scale, bound)
+  return (math.exp(-x / scale) * -math.expm1(-(bound - x) / scale)
+          / (2.0 * -math.expm1(-bound / scale)))
+
+
 def truncated_laplace(key: jax.Array, shape=(), *, sensitivity: float, epsilon: float,
                       delta: float, dtype=None) -> jax.Array:
   """Samples ``TLap(Δ, ε, δ)`` by inverse CDF, clamped to ``[−A, A]``.
@@ -111,14 +142,70 @@ def _truncated_laplace(key, shape, scale, bound, dtype):
   return jnp.clip(sign * magnitude, -bound, bound).astype(dtype)
 
 
+def discrete_truncated_laplace_bound(scale, shift: int, delta: float) -> int:
+  """The support bound K of the discrete truncated Laplace for a shift of at most ``shift`` steps.
+
+  Noise ``P(Z = z) ∝ e^{−|z|/b}`` on ``{−K, …, K}`` (b = ``scale``, a rational or float > 0);
+  K is the smallest integer ≥ 1 with ``P[Z ≥ K − shift + 1] ≤ δ``: an integer statistic that moves
+  by at most ``shift`` (in ℓ1 over coordinates with independent noise) leaves at most δ of the
+  output mass outside the common support. Inside it the probability ratio is
+  ``e^{shift/b}`` at most. The ℓ1 case follows because ``a ↦ P[Z ≥ K − a + 1] ∝ e^{a/b} − 1`` is
+  superadditive (ALGORITHMS.md §1.3, §1.4 PROPOSED). Host, float64 (the tail sums in closed form).
+
+  Args:
+    scale: b > 0 (a ``Fraction``, int or float).
+    shift: the largest integer shift, ≥ 1.
+    delta: δ ∈ (0, 1).
+
+  Returns:
+    K as a Python int.
+  """
+  delta = v.check_delta(delta)
+  shift = v.check_int(shift, "shift", low=1)
+  log_p = -1.0 / float(scale)
+
+  def power(x):                                # p^x, p = e^{−1/b}
+    return math.exp(x * log_p)
+
+  def tail(K):                                 # P[Z ≥ K − shift + 1] for Z on {−K, …, K}
+    lo = max(K - shift + 1, -K)
+    if lo >= 0:
+      upper = power(lo) - power(K + 1)                                  # (1 − p)·Σ_{lo}^{K} p^z
+    else:
+      upper = (power(1) - power(1 - lo)) + (1.0 - power(K + 1))
+    return upper / ((1.0 + power(1)) - 2.0 * power(K + 1))             # / (1 − p)·Σ_{|z|≤K}
+
+  # tail(K) decreases in K: double until it fits, then bisect (scales reach 2^25 steps).
+  hi = 1
+  while tail(hi) > delta:
+    hi *= 2
+  lo = hi // 2                     # tail(lo) > δ, or lo = 0
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if tail(mid) <= delta else (mid, hi)
+  return hi
+
+
 def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: float,
-                                delta: float) -> jax.Array:
-  """Releases ``value + TLap(Δ, ε, δ)``, independent noise per coordinate, in ``value``'s dtype.
+                                delta: float, secure: bool = True, bound: float | None = None):
+  """Releases ``value + TLap(Δ, ε, δ)``, independent noise per coordinate; float-safe by default.
 
   Guarantee: (ε, δ)-DP under the caller's neighbouring relation for a statistic of
   ℓ1-sensitivity Δ under it: inside the common support the density ratio is ≤ e^ε, and the mass
   outside it is ≤ δ (exactly δ for a scalar shift by Δ; for a vector shift ``‖s‖₁ ≤ Δ`` by
-  superadditivity of ``e^x − 1``) (ALGORITHMS.md §1.3, [GDGK20]). Floating-point caveat §1.10.
+  superadditivity of ``e^x − 1``) (ALGORITHMS.md §1.3, [GDGK20]).
+
+  * ``secure=True`` (default, for released statistics): the value is clamped to ``[−B, B]``
+    and rounded to the public power-of-two grid Λ of :func:`dpjax.mechanisms.discretization`
+    (ℓ1: the shift in grid steps is at most ``D = ⌊Δ/Λ + p⌋ ≤ (1 + 2^-10)Δ/Λ``), and exact
+    integer noise ``P(z) ∝ e^{−|z|/t}`` on ``{−K, …, K}`` is added with ``t = ⌈Δ_Λ/ε⌉`` and K
+    from :func:`discrete_truncated_laplace_bound` (shift D): the same argument on ℤ, so
+    (ε, δ)-DP, and every output is a multiple of Λ whatever the value (ALGORITHMS.md §1.10;
+    sampled on the host with Python integers, Canonne–Kamath–Steinke's discrete Laplace plus
+    rejection). Output float64 NumPy.
+  * ``secure=False``: continuous TLap noise sampled in ``value``'s dtype by inverse CDF
+    (jittable). (ε, δ)-DP in real arithmetic only: the float values ``f + Z`` can reach depend on
+    ``f`` (Mironov 2012), and float32 uniforms resolve the tail only to about 2^-23.
 
   Args:
     key: JAX PRNG key.
@@ -126,18 +213,32 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
     sensitivity: ``Δ > 0``.
     epsilon: ``ε > 0``.
     delta: ``δ ∈ (0, 1)``.
+    secure: float-safe discrete release (default) or raw float noise.
+    bound: public clamp B for the secure release (default ``2^50 Λ``).
 
   Returns:
-    JAX array with ``value``'s shape and dtype.
+    ``secure=True``: float64 NumPy array shaped like ``value``, multiples of
+    ``discretization(Δ, value.size, norm=1).grid``. ``secure=False``: a JAX array with
+    ``value``'s shape and dtype.
 
   Raises:
     TypeError: ``value`` is not a float array, ``key`` is not a key.
-    ValueError: NaN/inf in ``value``, or bad Δ, ε, δ.
+    ValueError: NaN/inf in ``value``, or bad Δ, ε, δ, B.
 
   References:
-    ALGORITHMS.md §1.3; [GDGK20].
+    ALGORITHMS.md §1.3, §1.10; [GDGK20]; Canonne, Kamath & Steinke (2020).
   """
   v.check_key(key)
+  if secure:
+    value = check_host_float_value(value)
+    epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+    grid = discretization(sensitivity, max(value.size, 1), bound, norm=1)
+    shift = math.floor(grid.grid_sensitivity)
+    scale = math.ceil(grid.grid_sensitivity / epsilon)
+    K = discrete_truncated_laplace_bound(scale, shift, delta)
+    index = grid.round(value)
+    noise = discrete.truncated_discrete_laplace(key, (index.size,), scale=scale, bound=K)
+    return grid.release(index + noise, value.shape)
   value = check_float_value(value)
   params = truncated_laplace_params(sensitivity, epsilon, delta)
   return value + _truncated_laplace(key, value.shape, params.scale, params.bound, value.dtype)

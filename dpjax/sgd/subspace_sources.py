@@ -185,9 +185,14 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
     :class:`SubspaceResult` with ``ok=True``, a ``(p, k)`` orthonormal basis, ``epsilon=0``,
     ``delta=0``, ``neighbouring="public_data"`` and ``info={"num_public": m}``.
 
+  Numerics: the gradients may have any finite scale (the top-k subspace is computed after
+  dividing them by a power of two of their largest entry, so their Gram matrix cannot overflow or
+  underflow); 16-bit gradients are upcast to float32.
+
   Raises:
     TypeError: ``k`` not an integer.
-    ValueError: ``k ∉ [1, p]``, fewer than k public examples, non-finite public gradients.
+    ValueError: ``k ∉ [1, p]``, fewer than k public examples, non-finite public gradients (or,
+      defensively, a non-finite basis).
 
   References:
     Zhou, Wu & Banerjee, PDP-SGD, ICLR 2021; Yu et al., GEP, ICLR 2021.
@@ -198,6 +203,11 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
     raise ValueError(f"public_data needs at least k={k} examples, got {m}.")
   G = flat_per_example_grads(loss_fn, params, public_data)
   G = v.check_data(G, "public per-example gradients")
+  # Scale-safe: the block is normalised by a power of two first, so gradients of any size give
+  # a finite basis. The check below only guards that promise; it touches public data alone.
   basis = linalg.top_k_right_singular_vectors(G, k)
+  if not bool(jnp.all(jnp.isfinite(basis))):
+    raise ValueError("public_gradient_subspace could not compute a finite basis from the "
+                     f"public per-example gradients (dtype {G.dtype}); use float64 parameters.")
   return SubspaceResult(ok=jnp.asarray(True), basis=basis, epsilon=0.0, delta=0.0,
                         neighbouring="public_data", info={"num_public": int(m)})

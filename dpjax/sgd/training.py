@@ -67,7 +67,9 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   the SGD steps are the Poisson-sampled Gaussian mechanism composed by ``dp_accounting``; the
   private subspace is (ε_s, δ_s)-DP under add/remove-one (DPASE with random labels) and is composed
   by basic composition (ALGORITHMS.md §6.2 route (c)). The initial ``params`` must not depend on
-  ``data``. The dataset size N is treated as public (it sets q = L/N).
+  ``data``. The dataset size N is treated as public: it sets q = L/N and, with
+  ``subspace="private"``, DPASE's public parameters (subset count and size, cell length, label
+  capacity), which is how DPASE with random labels holds under add/remove-one.
 
   Args:
     key: PRNG key.
@@ -187,19 +189,15 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     basis = subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
     subspace_ok = True
 
-  std = budget.noise_multiplier * clip_norm
+  base_std = budget.noise_multiplier * clip_norm
   if basis is not None:
     basis = transforms.check_basis(basis)
+  std = _noise_std(base_std, basis)
   opt_state = _make_tx(optimizer, basis, std, batch, k_noise).init(params)
   # The data are an argument, not a closure constant, so they are not baked into the program;
   # the jitted steps live at module level, so repeated runs reuse their compilations.
   data = jax.tree_util.tree_map(jnp.asarray, data)
-  # Traced scalars (no recompilation per σ); σC is rounded UP to float32, never below the
-  # accounted value.
-  std32 = np.float32(std)
-  if float(std32) < std:
-    std32 = np.nextafter(std32, np.float32(np.inf))
-  std, batch = jnp.asarray(std32), jnp.asarray(batch, jnp.float32)
+  batch = jnp.asarray(batch, jnp.float32)
   apply = _jitted_apply(optimizer)
 
   history = []
@@ -210,10 +208,23 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
       total = _accumulate(total, params, data, idx, msk, loss_fn=loss_fn, clip_norm=clip_norm)
     params, opt_state = apply(params, opt_state, total, basis, std, batch)
     if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
-      basis = subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
+      basis = transforms.check_basis(
+          subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis)
+      std = _noise_std(base_std, basis)
     if eval_fn is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
       history.append({"step": step + 1, **eval_fn(params)})
   return TrainResult(params, budget, subspace_ok, history)
+
+
+def _noise_std(base_std: float, basis) -> jax.Array:
+  """σC, times ``max(1, ‖V‖₂)`` for a subspace (the sensitivity of ``Vᵀs`` is ``C‖V‖₂``;
+  :func:`dpjax.sgd.transforms.basis_norm_bound`), as a traced float32 scalar rounded UP, never
+  below the accounted value (a scalar argument, so no recompilation per σ)."""
+  std = base_std if basis is None else base_std * max(1.0, transforms.basis_norm_bound(basis))
+  std32 = np.float32(std)
+  if float(std32) < std:
+    std32 = np.nextafter(std32, np.float32(np.inf))
+  return jnp.asarray(std32)
 
 
 def _make_tx(optimizer, basis, std, batch, key) -> optax.GradientTransformation:

@@ -15,6 +15,7 @@ not addressed inside DP-SGD, as in every DP-SGD library.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -98,17 +99,23 @@ def _gaussian_noise(std, batch, key) -> optax.GradientTransformation:
 
 
 def subspace_dp_gaussian_noise(basis: jax.Array, *, clip_norm: float, noise_multiplier: float,
-                               expected_batch_size: float,
-                               key: jax.Array) -> optax.GradientTransformation:
-  """Noise in a k-dim subspace only: ``update(S) = unravel(V (Vᵀ s + N(0, σ²C² I_k)) / L)``.
+                               expected_batch_size: float, key: jax.Array,
+                               tol: float = 1e-3) -> optax.GradientTransformation:
+  """Noise in a k-dim subspace only: ``update(S) = unravel(V (Vᵀ s + N(0, σ²C²ν² I_k)) / L)``.
 
   ``s = ravel_pytree(S)`` flattens the summed clipped gradients (p parameters) and ``V (p, k)``
   has orthonormal columns. Privacy per step is that of DP-SGD, under add/remove-one: ``Vᵀ`` is
-  linear and non-expansive (‖Vᵀx‖ ≤ ‖x‖) and commutes with the sum, so the released k-vector
-  ``Vᵀ s`` has ℓ2-sensitivity ≤ C and gets ``N(0, σ²C² I_k)``; mapping back by V and dividing
-  by L are post-processing (ALGORITHMS.md §6.2). Account it with the same
-  :func:`dpjax.accounting.dpsgd_event`. The noise energy is ``σ²C²k/L²`` instead of
-  ``σ²C²p/L²``; the price is the discarded residual ``(I − VVᵀ)s``.
+  linear and commutes with the sum, so the released k-vector ``Vᵀ s`` has ℓ2-sensitivity
+  ``≤ C·‖V‖₂`` and gets ``N(0, σ²C²ν²)`` noise with ``ν = max(1, ν̂) ≥ ‖V‖₂`` (ν̂ from
+  :func:`basis_norm_bound`, an upper bound on the spectral norm computed in float64). The
+  released vector is therefore the Gaussian mechanism with noise multiplier ≥ σ relative to its
+  sensitivity, whatever V: a basis that is only nearly orthonormal (floating point; an
+  orthonormal basis cast to float32) cannot stretch a clipped gradient past its noise. Mapping
+  back by V and dividing by L are post-processing (ALGORITHMS.md §6.2). Account it with the same
+  :func:`dpjax.accounting.dpsgd_event`. The noise energy is ``σ²C²ν²k/L²`` instead of
+  ``σ²C²p/L²``; the price is the discarded residual ``(I − VVᵀ)s``. (An entrywise check
+  ``max |VᵀV − I| ≤ tol``, used before, accepted bases with ``‖V‖₂ ≈ 1.41`` at k = 1000: the
+  privacy argument needs the spectral norm.)
 
   ``V`` must be public or a DP release (e.g. DPASE's basis from
   :func:`dpjax.sgd.private_gradient_subspace`) whose cost is composed in; a basis computed
@@ -121,13 +128,15 @@ def subspace_dp_gaussian_noise(basis: jax.Array, *, clip_norm: float, noise_mult
     noise_multiplier: σ ≥ 0.
     expected_batch_size: L > 0, the public expected batch size.
     key: PRNG key, kept in the state and split at every update.
+    tol: accepted ``‖VᵀV − I‖₂`` (spectral), default 1e-3. A usability check only: privacy
+      holds for any accepted V because the noise is scaled by ν ≥ ‖V‖₂.
 
   Returns:
     An ``optax.GradientTransformation`` whose updates lie in ``span(V)`` (as pytrees like S).
 
   Raises:
     ValueError: ``basis`` not 2-D with ``1 ≤ k ≤ p``, not finite, or its columns not
-      orthonormal (``max |VᵀV − I| > 1e-3``); at ``init``, p ≠ the parameter count; and as
+      orthonormal (``‖VᵀV − I‖₂ > tol``); at ``init``, p ≠ the parameter count; and as
       :func:`dp_gaussian_noise`.
     TypeError: as :func:`dp_gaussian_noise`; ``basis`` not a float array.
 
@@ -137,8 +146,9 @@ def subspace_dp_gaussian_noise(basis: jax.Array, *, clip_norm: float, noise_mult
     Gradient Embedding Perturbation" (GEP), ICLR 2021.
   """
   clip_norm, sigma, batch = _check(clip_norm, noise_multiplier, expected_batch_size, key)
-  basis = check_basis(basis)
-  return _subspace_noise(basis, sigma * clip_norm, batch, key)
+  basis = check_basis(basis, tol=tol)
+  stretch = max(1.0, basis_norm_bound(basis))
+  return _subspace_noise(basis, sigma * clip_norm * stretch, batch, key)
 
 
 def _subspace_noise(basis, std, batch, key) -> optax.GradientTransformation:
@@ -218,8 +228,12 @@ def dp_aggregate(*, clip_norm: float, noise_multiplier: float, expected_batch_si
 def check_basis(basis, name: str = "basis", *, tol: float = 1e-3) -> jax.Array:
   """Validates a ``(p, k)`` basis with orthonormal columns on the host; returns it as an array.
 
+  The orthonormality check is spectral, ``‖VᵀV − I‖₂ ≤ tol`` (float64), and serves usability
+  only; the transforms keep privacy for any accepted V by scaling their noise with
+  :func:`basis_norm_bound`.
+
   Raises:
-    ValueError: not 2-D, ``k ∉ [1, p]``, non-finite entries, or ``max |VᵀV − I| > tol``.
+    ValueError: not 2-D, ``k ∉ [1, p]``, non-finite entries, or ``‖VᵀV − I‖₂ > tol``.
     TypeError: not a float array.
   """
   try:
@@ -231,12 +245,41 @@ def check_basis(basis, name: str = "basis", *, tol: float = 1e-3) -> jax.Array:
                      f"{tuple(basis.shape)}.")
   if not jnp.issubdtype(basis.dtype, jnp.floating):
     raise TypeError(f"{name} must be a float array, got dtype={basis.dtype}.")
+  tol = v.check_positive(tol, "tol")
   b = np.asarray(basis, np.float64)
   if not np.all(np.isfinite(b)):
     raise ValueError(f"{name} contains NaN or infinite entries.")
-  gram = b.T @ b
-  err = float(np.abs(gram - np.eye(basis.shape[1])).max())
+  eigenvalues = np.linalg.eigvalsh(_gram(b))
+  err = float(np.max(np.abs(eigenvalues - 1.0)))
   if err > tol:
-    raise ValueError(f"{name} must have orthonormal columns (max |VᵀV − I| <= {tol}), got "
-                     f"max |VᵀV − I| = {err:.3g}.")
+    raise ValueError(f"{name} must have orthonormal columns (‖VᵀV − I‖₂ <= {tol}), got "
+                     f"‖VᵀV − I‖₂ = {err:.3g}.")
   return basis
+
+
+def _gram(b: np.ndarray) -> np.ndarray:
+  gram = b.T @ b
+  return 0.5 * (gram + gram.T)
+
+
+def basis_norm_bound(basis) -> float:
+  """An upper bound on the spectral norm ``‖V‖₂`` of a ``(p, k)`` basis (host, float64).
+
+  ``λ_max(VᵀV)`` in float64, plus margins for the rounding of the Gram product
+  (``(p + 10k)·2^-53·tr(VᵀV)``, which bounds ``‖ΔG‖₂ ≤ ‖ΔG‖_F`` and the eigensolver's error), then
+  a factor ``1 + 2^-24·√k`` that covers casting V to float32 (each entry moves by ≤ 2^-24
+  relative, so ``‖ΔV‖₂ ≤ 2^-24‖V‖_F ≤ 2^-24√k‖V‖₂``). The noise transforms scale their noise by
+  ``max(1, bound)``, so ``‖Vᵀx‖ ≤ bound·‖x‖`` is what their privacy rests on.
+
+  Args:
+    basis: ``(p, k)`` real array.
+
+  Returns:
+    The bound as a Python float (about 1 for an orthonormal basis).
+  """
+  b = np.asarray(basis, np.float64)
+  p, k = b.shape
+  gram = _gram(b)
+  top = float(np.linalg.eigvalsh(gram)[-1])
+  top += (p + 10 * k) * 2.0**-53 * float(np.trace(gram))
+  return math.sqrt(max(top, 0.0)) * (1.0 + 2.0**-24 * math.sqrt(k))

@@ -213,7 +213,9 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
 
   Args:
     key: PRNG key; the only source of randomness (split internally, never reused).
-    X: ``(n, d)`` float array, rows are individuals. Runs in ``X``'s dtype.
+    X: ``(n, d)`` float array, rows are individuals. Runs in ``X``'s dtype (float16 and
+      bfloat16 are upcast to float32). Any finite scale works: each subset's subspace is
+      computed after dividing the subset by a power of two of its largest entry.
     epsilon: ε > 0 (nats).
     delta: δ ∈ (0, 1).
     k: subspace dimension, ``1 <= k <= d``.
@@ -223,7 +225,9 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
     alpha: accuracy target that caps a rule's ℓ (default 0.1; None disables the cap; an explicit
       ``cell_length`` is never capped).
     partition: "permutation" or "random_labels" (see above).
-    noise: histogram noise, "discrete" (integer, default; ALGORITHMS.md §1.10) or "laplace".
+    noise: histogram noise: "discrete" (exact integer noise, the only option; ALGORITHMS.md
+      §1.10). "laplace" raises: it was removed because float32 Laplace counts leak the count,
+      and DPASE releases the winning noisy count in ``info``.
     grouping: how the histogram groups equal cells ("auto", "pairwise", "hash").
     ledger: optional :class:`dpjax.accounting.PrivacyLedger`; the release is recorded (or
       refused with ``BudgetExceededError``) before any data is touched.
@@ -246,7 +250,7 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
   X = v.check_data(X, "X")
   n, d = X.shape
   v.check_choice(partition, "partition", PARTITIONS)
-  v.check_choice(noise, "noise", ("discrete", "laplace"))
+  histogram.check_noise(noise)
   v.check_choice(grouping, "grouping", ("auto", "pairwise", "hash"))
   params = dpase_parameters(n, d, k, epsilon=epsilon, delta=delta, gamma=gamma,
                             num_subsets=num_subsets,

@@ -7,15 +7,18 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import _validation as v
 from dpjax import linalg
-from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
+from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
+                                       rdp_gaussian_sigma)
+from dpjax.mechanisms.grid import discretization
 from dpjax.subspace.result import SubspaceResult
 
 
 def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
-                  clip_norm: float) -> SubspaceResult:
+                  clip_norm: float, secure: bool = True) -> SubspaceResult:
   """Analyze Gauss (Dwork, Talwar, Thakurta & Zhang 2014): noisy second moment, top-k eigenvectors.
 
   Rows are clipped to the public norm C (``x ↦ x·min(1, C/‖x‖)``), ``A = XᵀX`` gets a symmetric
@@ -23,20 +26,49 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
   is the top-k eigenvectors of ``A + E``.
 
   Privacy guarantee: (ε, δ)-DP under replace-one. Replacing one row changes ``A`` by
-  ``x xᵀ − x' x'ᵀ``, whose upper triangle has ℓ2 norm ≤ ‖x xᵀ‖_F + ‖x' x'ᵀ‖_F ≤ 2C²; σ is the
-  analytic Gaussian calibration (Balle & Wang 2018) for that sensitivity. The eigenvectors are
-  post-processing. Noise grows with d: the error is ``≈ σ sqrt(d) / (n λ_k)``, which is what the
-  dimension-free DPASE avoids.
+  ``x xᵀ − x' x'ᵀ``, whose upper triangle has ℓ2 norm ≤ ‖x xᵀ‖_F + ‖x' x'ᵀ‖_F ≤ 2C²; the noise is
+  calibrated for that sensitivity. The eigenvectors are post-processing. Noise grows with d: the
+  error is ``≈ σ sqrt(d) / (n λ_k)``, which is what the dimension-free DPASE avoids.
+
+  * ``secure=True`` (default): the noisy upper triangle is released with
+    :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact discrete Gaussian noise on a
+    public power-of-two grid, σ from the Rényi calibration,
+    :func:`dpjax.mechanisms.rdp_gaussian_sigma`), so the matrix whose eigenvectors are returned
+    lies on a public grid whatever the data (ALGORITHMS.md §1.10); host-side, about
+    ``d(d+1)/2 · 10 µs`` for the noise.
+  * ``secure=False``: continuous noise with the analytic (Balle & Wang 2018) σ inside one jitted
+    program (5–15% less noise; the floating-point caveat of §1.10 applies to the noisy matrix).
+
+  Numerics (scale safety): the computation runs in units of C². Each row becomes
+  ``u = x / max(C, ‖x‖)`` (the clipped row divided by C, so ``‖u‖ ≤ 1``), with ``‖x‖`` computed
+  after dividing the row by a power of two of its own largest entry, so no row norm over- or
+  underflows; then ``Σ u uᵀ`` (entries ≤ n) gets ``E/C²``, whose std ``σ/C² = σ(ε, δ, Δ=2)`` is the
+  analytic σ for sensitivity 2. The eigenvectors of ``(A + E)/C²`` are those of ``A + E``, and
+  the scaled mechanism is itself the Gaussian mechanism on ``Σ u uᵀ`` (sensitivity ≤ 2), so the
+  guarantee is the same; C² is never formed in X's dtype, so neither a huge/tiny C nor huge/tiny
+  rows (float32 rows of 1e±25, float64 rows of 1e±200) overflow or underflow.
+
+  Edge cases: rows much smaller than C contribute ≈ 0 (the noise dominates, as it should); a row
+  of norm 0 contributes 0; 16-bit float input is upcast to float32 (``check_data``); NaN/inf in
+  ``X`` raise before anything runs.
 
   Args:
     key: PRNG key.
-    X: ``(n, d)`` float data.
+    X: ``(n, d)`` float data; runs in X's dtype (16-bit floats are upcast to float32).
     epsilon, delta: the budget.
     k: subspace dimension, ``1 <= k <= d``.
     clip_norm: public row-norm bound C > 0 (rows above it are scaled down).
+    secure: float-safe discretized noise (default) or raw continuous noise.
 
   Returns:
-    :class:`SubspaceResult` (always ``ok``); ``info["sigma"]`` is the noise std.
+    :class:`SubspaceResult` (always ``ok``); ``info["sigma"]`` is the noise std in X's units
+    (``σ = info["unit_sigma"]·C²``, computed on the host in float64: ``inf`` if C² overflows
+    float64, which the computation never forms), ``info["unit_sigma"]`` the std in units of C²,
+    ``info["secure"]``, and with ``secure=True`` ``info["grid"]`` (in units of C²).
+
+  Raises:
+    TypeError: bad key, or X not a real array.
+    ValueError: NaN/inf in X, wrong rank, bad ε, δ, k, or ``clip_norm`` not finite and > 0.
   """
   key = v.check_key(key)
   X = v.check_data(X, "X")
@@ -45,30 +77,94 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
   clip_norm = v.check_positive(clip_norm, "clip_norm")
-  sigma = analytic_gaussian_sigma(epsilon, delta, sensitivity=2.0 * clip_norm**2)
-  basis = _analyze_gauss(key, X, k, clip_norm, sigma)
+  # σ scales linearly with the sensitivity 2C², so in units of C² the std is σ(ε, δ, 2).
+  info = {"clip_norm": clip_norm, "secure": bool(secure)}
+  mantissa, exponent = math.frexp(float(clip_norm))
+  if secure:
+    noisy, grid, unit_sigma = _secure_noisy_moment(key, X, mantissa, exponent, epsilon, delta)
+    _, evecs = np.linalg.eigh(noisy)                    # post-processing of the release
+    basis = jnp.asarray(evecs[:, ::-1][:, :k], X.dtype)
+    info["grid"] = grid
+  else:
+    unit_sigma = analytic_gaussian_sigma(epsilon, delta, sensitivity=2.0)
+    basis = _analyze_gauss_core(key, X, k, mantissa, exponent, unit_sigma)
+  sigma = unit_sigma * clip_norm * clip_norm            # report only; inf beyond float64's range
+  info.update(sigma=sigma, unit_sigma=unit_sigma)
   return SubspaceResult(ok=jnp.asarray(True), basis=basis, epsilon=epsilon, delta=delta,
-                        neighbouring="replace_one", info={"sigma": sigma, "clip_norm": clip_norm})
+                        neighbouring="replace_one", info=info)
+
+
+def _secure_noisy_moment(key, X, clip_mantissa, clip_exponent, epsilon, delta):
+  """``Σ u uᵀ`` (units of C²) with its upper triangle released by the float-safe discretized
+  Gaussian (ℓ2-sensitivity 2); returns ``(noisy (d, d) float64, grid step, noise std)``."""
+  A = np.asarray(_unit_second_moment(X, clip_mantissa, clip_exponent), np.float64)
+  d = A.shape[0]
+  rows, cols = np.triu_indices(d)
+  z = rdp_gaussian_sigma(epsilon, delta)
+  grid = discretization(2.0, rows.size)
+  released = discretized_gaussian_mechanism(key, A[rows, cols], sensitivity=2.0,
+                                            noise_multiplier=z)
+  noisy = np.zeros((d, d))
+  noisy[rows, cols] = released
+  noisy[cols, rows] = released
+  return noisy, grid.grid, z * grid.grid_sensitivity * grid.grid
+
+
+@jax.jit
+def _unit_second_moment(X, clip_mantissa, clip_exponent):
+  U = _unit_clip(X, clip_mantissa, clip_exponent)
+  return U.T @ U
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
-def _analyze_gauss(key, X, k, clip_norm, sigma):
-  norms = jnp.linalg.norm(X, axis=1, keepdims=True)
-  Xc = X * jnp.minimum(1.0, clip_norm / jnp.maximum(norms, jnp.finfo(X.dtype).tiny))
+def _analyze_gauss_core(key, X, k, clip_mantissa, clip_exponent, unit_sigma):
+  """Top-k eigenvectors of ``Σ u uᵀ + E'``, ``u = x/max(C, ‖x‖)``, ``E'`` symmetric with
+  ``N(0, unit_sigma²)`` entries: Analyze Gauss in units of C² with raw continuous noise. C enters
+  as its exact host-side mantissa and exponent (``C = f·2^c``), so a C outside X's dtype range
+  (e.g. 1e50 with float32 rows) still clips correctly."""
+  U = _unit_clip(X, clip_mantissa, clip_exponent)
   d = X.shape[1]
-  noise = jax.random.normal(key, (d, d), X.dtype) * sigma
+  noise = jax.random.normal(key, (d, d), X.dtype) * unit_sigma
   E = jnp.triu(noise) + jnp.triu(noise, 1).T
-  _, evecs = jnp.linalg.eigh(Xc.T @ Xc + E)
+  _, evecs = jnp.linalg.eigh(U.T @ U + E)
   return evecs[:, ::-1][:, :k]
+
+
+def _unit_clip(X, clip_mantissa, clip_exponent):
+  """Rows ``x ↦ x / max(C, ‖x‖)`` with ``C = clip_mantissa·2^clip_exponent``, overflow-safe.
+
+  Row-wise (a function of each row and the public C only, so clipping keeps its sensitivity):
+  with ``max_j |x_j| = f·2^e``, ``y = x/2^e`` (exact) has entries below 1 and a norm in
+  ``[1/2, √d]``, and ``x / max(C, ‖x‖) = y / max(C/2^e, ‖y‖)``. ``C/2^e`` may round to 0 (row far
+  above C: the row is normalised to norm 1) or to inf (row far below C: it contributes 0, which is
+  its value to within the dtype's range); ``‖u‖ ≤ 1`` holds in every case.
+  """
+  _, e = jnp.frexp(jnp.max(jnp.abs(X), axis=1, keepdims=True))     # e = 0 for a zero row
+  Y = linalg.times_power_of_two(X, -e)
+  norms = jnp.linalg.norm(Y, axis=1, keepdims=True)
+  c = linalg.times_power_of_two(jnp.asarray(clip_mantissa, X.dtype), clip_exponent - e)
+  return Y / jnp.maximum(jnp.maximum(c, norms), jnp.finfo(X.dtype).tiny)
 
 
 def pca_subspace(X, *, k: int) -> SubspaceResult:
   """Non-private PCA: the top-k right singular vectors of ``X``. NOT private — a reference floor.
 
+  Scale-safe (:func:`dpjax.linalg.top_k_right_singular_vectors` normalises the block by a power
+  of two first); runs in X's dtype, 16-bit floats upcast to float32.
+
   Returns:
     :class:`SubspaceResult` with ``ok=True``, ``epsilon=inf`` and ``neighbouring="non_private"``.
+
+  Raises:
+    TypeError: X not a real array. ValueError: NaN/inf in X, wrong rank, ``k ∉ [1, min(n, d)]``,
+      or (defensive, not expected after the normalisation) a non-finite basis.
   """
   X = v.check_data(X, "X")
   k = v.check_int(k, "k", low=1, high=min(X.shape))
-  return SubspaceResult(ok=jnp.asarray(True), basis=linalg.top_k_right_singular_vectors(X, k),
+  basis = linalg.top_k_right_singular_vectors(X, k)
+  # Non-private baseline: checking its own output is fine (nothing private is released here).
+  if not bool(jnp.all(jnp.isfinite(basis))):
+    raise ValueError("pca_subspace could not compute a finite basis for X in its dtype "
+                     f"{X.dtype}; pass float64 data.")
+  return SubspaceResult(ok=jnp.asarray(True), basis=basis,
                         epsilon=math.inf, delta=1.0, neighbouring="non_private", info={})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,8 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
 
   Args:
     key: PRNG key.
-    X: ``(n, d)`` float data; rows are individuals.
+    X: ``(n, d)`` float data; rows are individuals. Runs in X's dtype (float16 / bfloat16 are
+      upcast to float32); any finite scale works (see :func:`dpjax.subspace.dpase`).
     epsilon, delta: the budget (each block's DPASE uses all of it).
     k: subspace dimension.
     alpha: target accuracy ‖Π̂ − Π‖ ≤ α (the agreement radius is 2α/3).
@@ -58,7 +60,8 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
 
   Raises:
     ValueError / TypeError: as :func:`dpjax.subspace.dpase`, plus bad ``alpha``/``beta`` and
-      ``n`` too small for T blocks.
+      ``n < T·t·(k + 1)`` (T blocks, t DPASE subsets each of ≥ k + 1 rows; the message names
+      the user's n, T, t and the rows needed in total).
   """
   key = v.check_key(key)
   X = v.check_data(X, "X")
@@ -67,10 +70,22 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
   T = num_blocks_for(beta, c3) if num_blocks is None else v.check_int(num_blocks, "num_blocks",
                                                                         low=1)
   block = n // T
-  if block < 1:
-    raise ValueError(f"n is too small: DPASEB needs at least T={T} rows, got n={n}.")
   noise = dpase_kwargs.pop("noise", "discrete")
   grouping = dpase_kwargs.pop("grouping", "auto")
+  # Check the user's n here (public numbers only), so that the error names n and T rather than
+  # the block size that DPASE's own check would call "n".
+  num_subsets = dpase_kwargs.get("num_subsets")
+  needed = _rows_needed(d, k, epsilon, delta, T, noise, num_subsets)
+  if n < needed.rows:
+    blocks_from = "num_blocks" if num_blocks is not None else f"beta={beta:g}"
+    subsets_from = ("num_subsets" if num_subsets is not None
+                    else f"epsilon={epsilon:g}, delta={delta:g}")
+    raise ValueError(
+        f"n is too small: DPASEB splits the n={n} rows into T={T} blocks ({blocks_from}) of "
+        f"⌊n/T⌋={block} rows, and each block's DPASE splits its rows into t={needed.subsets} "
+        f"subsets ({subsets_from}) of at least k + 1 = {k + 1} rows, so DPASEB needs "
+        f"n >= T·t·(k + 1) = {needed.rows} rows in total, got n={n}. Collect more rows, raise "
+        "epsilon or beta, or pass a smaller num_blocks.")
   dpase_kwargs.setdefault("alpha", alpha / 3.0)
   dpase_kwargs.setdefault("float_eps", float(jnp.finfo(X.dtype).eps))
   params = approximate.dpase_parameters(block, d, k, epsilon=epsilon, delta=delta, gamma=gamma,
@@ -84,6 +99,23 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
           "dpase": params._asdict()}
   return SubspaceResult(ok=ok, basis=basis, epsilon=float(epsilon), delta=float(delta),
                         neighbouring="replace_one", info=info)
+
+
+class _Rows(NamedTuple):
+  subsets: int
+  rows: int
+
+
+def _rows_needed(d, k, epsilon, delta, T, noise, num_subsets) -> _Rows:
+  """DPASEB's smallest n: T blocks, each split by DPASE into t subsets of ≥ k + 1 rows.
+
+  ``⌊⌊n/T⌋/t⌋ = ⌊n/(T t)⌋ ≥ k + 1`` iff ``n ≥ T·t·(k + 1)``. Public parameters only.
+  """
+  k = v.check_int(k, "k", low=1, high=d)
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  t = (approximate.num_subsets_for(epsilon, delta, noise=noise) if num_subsets is None
+       else v.check_int(num_subsets, "num_subsets", low=1))
+  return _Rows(t, T * t * (k + 1))
 
 
 @functools.partial(jax.jit, static_argnames=("params", "k", "epsilon", "delta", "T", "block",

@@ -29,7 +29,8 @@ import numpy as np
 
 from dpjax import _validation as v
 from dpjax.mechanisms.gap_max import gap_max
-from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
+from dpjax.mechanisms.truncated_laplace import (_truncated_laplace, truncated_laplace_params,
+                                                truncated_laplace_survival)
 from dpjax.subspace.result import SubspaceResult
 
 DEFAULT_MAX_WORK = 10_000_000
@@ -115,7 +116,9 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
   Default (thresholded GAP-MAX, ALGORITHMS.md §2.1 [DERIVED]): score every distinct k-dim
   subspace spanned by k rows, take the top two scores u1 ≥ u2 (u2 = 0 with one candidate),
   ``g = max(0, u1 − u2 − 1)``, and release the top subspace iff ``g + Z ≥ K`` with ``Z`` exact
-  discrete truncated Laplace (:func:`dpjax.mechanisms.gap_max`), else ⊥.
+  discrete truncated Laplace (:func:`dpjax.mechanisms.gap_max`), else ⊥. The candidates reach
+  GAP-MAX in a uniformly random order drawn from ``key`` (public randomness), so its tie-break
+  never depends on the order of the rows, as GAP-MAX's proof asks.
 
   Privacy guarantee: (ε, δ)-DP under replace-one, for exact membership. Each score has
   sensitivity 1 (one row cannot both raise ``|X ∩ s|`` and lower the max over proper subspaces);
@@ -174,7 +177,7 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
                      "rows, a smaller k, DPASE, or raise max_work knowingly.")
   X = X[np.linalg.norm(X, axis=1) > 0]          # zero rows lie in every subspace: no information
   candidates = enumerate_candidates(X, k, tol=tol)
-  k_noise, k_snap = jax.random.split(key)
+  k_noise, k_snap, k_order = jax.random.split(key, 3)
   info = {"num_candidates": int(candidates.scores.size), "work_estimate": work}
   if unsafe_paper_variant:
     if ell is None:
@@ -187,9 +190,12 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
   if candidates.scores.size == 0:
     ok, index = False, 0                        # no k independent rows: ⊥, same as a low gap
   else:
-    res = gap_max(k_noise, jnp.asarray(candidates.scores), epsilon=epsilon,
-                              delta=delta / 1.1)
-    ok, index = bool(res.ok), int(res.index)
+    # GAP-MAX breaks ties by list position; enumeration follows row order, which its proof does
+    # not cover. A fresh uniform permutation makes the order data-independent.
+    order = np.asarray(jax.random.permutation(k_order, candidates.scores.size))
+    res = gap_max(k_noise, jnp.asarray(candidates.scores[order]), epsilon=epsilon,
+                  delta=delta / 1.1)
+    ok, index = bool(res.ok), int(order[int(res.index)])
   return _release(k_snap, X, candidates, index, ok, k, d, epsilon, delta, snap_scale, info,
                   "replace_one")
 
@@ -310,8 +316,14 @@ def al_subspace_parameters(n: int, d: int, *, epsilon: float, delta: float,
     :class:`ALSubspaceParameters`.
 
   Raises:
-    ValueError: a bad argument, or ``n < k_min · d`` with the default ``num_groups``.
+    ValueError: a bad argument, ``n < k_min · d`` with the default ``num_groups``, or a
+      ``num_groups`` so small that even unanimous groups pass the test with probability
+      ≤ δ/1.1 (``num_groups ≤ 4``: ⊥ would be certain).
     TypeError: a non-integer ``num_groups``.
+
+  Warns:
+    UserWarning: a ``num_groups`` with which unanimous groups do not pass surely (at most
+      ``k_min − 1``); the message gives the largest pass probability and ``k_min``.
   """
   n = v.check_int(n, "n", low=1)
   d = v.check_int(d, "d", low=1)
@@ -328,6 +340,20 @@ def al_subspace_parameters(n: int, d: int, *, epsilon: float, delta: float,
     k = max(k_min, min(n // d, 4 * k_min))
   else:
     k = v.check_int(num_groups, "num_groups", low=3, high=n)
+    # ⊥ from public numbers alone: c* ≤ k, so even unanimous groups pass only when the test
+    # noise Z ~ TLap(1, ε, δ/1.1) exceeds A + ⌊k/2⌋ + 1 − k. Refuse when that is ≤ δ/1.1
+    # (k ≤ 4), warn when it is < 1. No data involved: privacy is unchanged.
+    best = truncated_laplace_survival(bound + (k // 2 + 1) - k, 1.0 / epsilon, bound)
+    v.check_test_can_pass(
+        best, tlap_delta, sure=best >= 1.0,
+        refusal=(f"al_subspace would answer ⊥ (almost) surely: with num_groups={k} even "
+                 f"unanimous groups pass the test with probability {best:.3g} <= "
+                 f"delta/1.1={tlap_delta:g}; use num_groups >= min_groups = {k_min} (for "
+                 f"epsilon={epsilon:g}, delta={delta:g})."),
+        warning=(f"al_subspace: with num_groups={k} < min_groups = {k_min} (for "
+                 f"epsilon={epsilon:g}, delta={delta:g}), the test passes with probability at "
+                 f"most {v.probability_text(best)} even when all groups agree (⊥ otherwise); "
+                 f"use num_groups >= {k_min} for a sure pass."))
   if rank_tol is None:
     rank_tol = 1e-9 if unit_roundoff <= 2.0**-53 else (1e-5 if unit_roundoff <= 2.0**-24
                                                         else 1e-2)
@@ -428,8 +454,12 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
   Raises:
     TypeError: ``key`` is not a PRNG key, ``X`` not a real array, ``num_groups`` not an integer.
     ValueError: NaN/inf in ``X``, ``X`` not 2-D, ε ≤ 0, δ ∉ (0, 1/2), ``num_groups ∉ [3, n]``,
-      ``rank_tol ∉ (0, 1)``, ``snap_scale ∉ [2^-40, 1/(4d)]``, or n too small for the default
-      ``num_groups`` (``n < k_min·d``).
+      ``rank_tol ∉ (0, 1)``, ``snap_scale ∉ [2^-40, 1/(4d)]``, n too small for the default
+      ``num_groups`` (``n < k_min·d``), or ``num_groups ≤ 4`` (⊥ certain up to δ/1.1).
+
+  Warns:
+    UserWarning: a ``num_groups`` with which even unanimous groups may fail the test (see
+    :func:`al_subspace_parameters`).
 
   References:
     [AL22] Ashtiani & Liaw, "Private and polynomial time algorithms for learning Gaussians and

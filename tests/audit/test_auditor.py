@@ -13,8 +13,7 @@ import pytest
 
 from dpjax import audit
 from dpjax.mechanisms import histogram as hist_lib
-from dpjax.mechanisms.gap_max import _gap_max as gap_max_core
-from dpjax.mechanisms.truncated_laplace import truncated_laplace_params
+from dpjax.mechanisms.gap_max import gap_max_core, gap_max_parameters
 
 pytestmark = pytest.mark.audit
 
@@ -41,8 +40,7 @@ def _histogram_released(threshold_on: bool):
   tau = hist_lib.histogram_threshold(eps, delta) if threshold_on else -1e9
 
   def mechanism(key, items):
-    bins, counts, released = hist_lib._stable_histogram(key, items, scale, tau, "discrete",
-                                                        "pairwise")
+    bins, counts, released = hist_lib._stable_histogram(key, items, scale, tau, "pairwise")
     return jnp.any(released & jnp.all(bins == 9, axis=1))
   return mechanism
 
@@ -62,12 +60,12 @@ def test_flags_a_histogram_without_threshold(audit_trials):
 
 
 def _gap_max(threshold_on: bool):
-  params = truncated_laplace_params(2.0, 1.0, 1e-6)
+  params = gap_max_parameters(1.0, 1e-6)
 
   def mechanism(key, scores):
     if not threshold_on:                   # plain argmax: what GAP-MAX is NOT
       return jnp.argmax(scores).astype(jnp.int32)
-    res = gap_max_core(key, scores, params.scale, params.bound)
+    res = gap_max_core(key, scores, params)
     return jnp.where(res.ok, res.index, -1)
   return mechanism
 

@@ -50,8 +50,16 @@ def test_laplace(audit_trials):
 def test_gaussian_analytic(audit_trials):
   n = audit_trials(20_000, 400_000)
   a, b = _pair_of_samples(jax.random.key(1), lambda k, v: M.gaussian_mechanism(
-      k, jnp.full(n, v), sensitivity=1.0, epsilon=1.0, delta=1e-5), 0.0, 1.0)
+      k, jnp.full(n, v), sensitivity=1.0, epsilon=1.0, delta=1e-5, secure=False), 0.0, 1.0)
   _check("gaussian (analytic)", 1.0, audit.epsilon_lower_bound(a, b, delta=1e-5)[0], n)
+
+
+def test_gaussian_secure(audit_trials):
+  """The default float-safe release (discrete Gaussian on a grid, RDP calibration)."""
+  n = audit_trials(20_000, 400_000)
+  a, b = _pair_of_samples(jax.random.key(1), lambda k, v: M.gaussian_mechanism(
+      k, np.full(n, v), sensitivity=1.0, epsilon=1.0, delta=1e-5), 0.3, 1.3)
+  _check("gaussian (secure)", 1.0, audit.epsilon_lower_bound(a, b, delta=1e-5)[0], n)
 
 
 def test_truncated_laplace_at_the_edge_of_the_support(audit_trials):
@@ -70,7 +78,7 @@ def test_discrete_laplace(audit_trials):
   _check("discrete laplace", 1.0, audit.epsilon_lower_bound(a, b, delta=0.0)[0], n)
 
 
-@pytest.mark.parametrize("noise", ["discrete", "laplace"])
+@pytest.mark.parametrize("noise", M.histogram.NOISES)
 def test_stability_histogram_singleton_bin(audit_trials, noise):
   """X holds a bin with a single item; X' replaces that item by one of the popular bin."""
   n = audit_trials(3_000, 50_000)
@@ -199,7 +207,8 @@ def test_al_subspace(audit_trials):
   """
   n = audit_trials(20_000, 200_000)
   eps, delta, k, d = 1.0, 0.02, 15, 3
-  params = al_subspace_parameters(k, d, epsilon=eps, delta=delta, num_groups=k)
+  with pytest.warns(UserWarning, match="num_groups=15"):     # deliberately below min_groups
+    params = al_subspace_parameters(k, d, epsilon=eps, delta=delta, num_groups=k)
   rng = np.random.default_rng(16)
   generic = rng.standard_normal((k, d))
   on_line = np.zeros((k, d))
@@ -229,7 +238,8 @@ def test_analyze_gauss_replaced_row(audit_trials):
   X_prime = X.at[0].set(jnp.array([1.0, 0.0, 0.0]))
 
   def run(key, rows):
-    res = dpjax_analyze_gauss(key, rows, epsilon=1.0, delta=1e-5, k=1, clip_norm=1.0)
+    res = dpjax_analyze_gauss(key, rows, epsilon=1.0, delta=1e-5, k=1, clip_norm=1.0,
+                              secure=False)
     return jnp.round(jnp.abs(res.basis[0, 0]), 1)
 
   rep = audit.audit(jax.random.key(15), run, X, X_prime, delta=1e-5, epsilon_claimed=1.0,
@@ -237,9 +247,10 @@ def test_analyze_gauss_replaced_row(audit_trials):
   _check("Analyze Gauss", 1.0, rep.epsilon_lower_bound, n)
 
 
-def _canary_step(basis=None):
-  """One full-batch DP-SGD step on a linear model; the canary's gradient is e_0 (norm C)."""
-  d, C, sigma = 8, 1.0, 1.0
+def _canary_step(basis=None, sigma=1.0, tol=1e-3, unscaled=False):
+  """One full-batch DP-SGD step on a linear model; the canary's gradient is e_0 (norm C).
+  ``unscaled``: the subspace noise WITHOUT the spectral-norm scaling (a negative control)."""
+  d, C = 8, 1.0
   X = jnp.concatenate([jnp.eye(d)[None, 0] * 5.0, 0.1 * jnp.ones((5, d))])
   loss = lambda w, x: jnp.dot(w, x)                  # gradient = x
   grad_sum = sgd.clipped_grad_sum(loss, clip_norm=C)
@@ -249,9 +260,11 @@ def _canary_step(basis=None):
     if basis is None:
       tx = sgd.dp_gaussian_noise(clip_norm=C, noise_multiplier=sigma, expected_batch_size=1.0,
                                  key=key)
+    elif unscaled:
+      tx = sgd.transforms._subspace_noise(basis, sigma * C, 1.0, key)
     else:
       tx = sgd.subspace_dp_gaussian_noise(basis, clip_norm=C, noise_multiplier=sigma,
-                                          expected_batch_size=1.0, key=key)
+                                          expected_batch_size=1.0, key=key, tol=tol)
     out, _ = tx.update(summed, tx.init(jnp.zeros(d)))
     return out[0]                                    # the canary's coordinate
   with_canary = jnp.ones(6)
@@ -269,6 +282,32 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
                     epsilon_claimed=claimed, trials=n)
   _check("subspace DP-SGD step" if subspace else "DP-SGD step", claimed,
          rep.epsilon_lower_bound, n)
+
+
+def _stretching_basis(stretch):
+  """``[stretch·e0, e1, e2]``: not orthonormal, ``‖Vᵀe0‖ = stretch`` (the canary's direction)."""
+  return jnp.eye(8)[:, :3].at[0, 0].set(stretch)
+
+
+def test_subspace_dp_sgd_step_with_a_stretching_basis(audit_trials):
+  """Issue 10 §2: a basis with ‖V‖₂ > 1 (accepted with a loose tol) moves the canary's released
+  coefficient by stretch·C; the noise is scaled by the basis's spectral norm, so the step keeps
+  the claimed ε."""
+  n = audit_trials(5_000, 100_000)
+  step, without, with_canary, claimed = _canary_step(_stretching_basis(3.0), sigma=4.0, tol=10.0)
+  rep = audit.audit(jax.random.key(19), step, without, with_canary, delta=1e-5,
+                    epsilon_claimed=claimed, trials=n)
+  _check("subspace DP-SGD step, stretching basis", claimed, rep.epsilon_lower_bound, n)
+
+
+def test_stretching_basis_audit_catches_unscaled_noise(audit_trials):
+  """Negative control (not in EXPECTED): the same step with noise σC (not scaled by ‖V‖₂ = 3)."""
+  n = audit_trials(10_000, 100_000)
+  step, without, with_canary, claimed = _canary_step(_stretching_basis(3.0), sigma=4.0,
+                                                     unscaled=True)
+  rep = audit.audit(jax.random.key(20), step, without, with_canary, delta=1e-5,
+                    epsilon_claimed=claimed, trials=n)
+  assert rep.epsilon_lower_bound > claimed, rep
 
 
 # ------------------------------------------------------------------ Ashtiani–Liaw: PPME, masking
@@ -440,7 +479,7 @@ def test_coinpress_mean(audit_trials):
   X_prime = X.copy()
   X_prime[0, 0] = 1e6
   info = coinpress.coinpress_mean(jax.random.key(0), X, epsilon=1.0, delta=1e-5,
-                                  center=np.zeros(1), radius=10.0).info
+                                  center=np.zeros(1), radius=10.0, secure=False).info
   with jax.enable_x64(True):
     radii = jnp.asarray(info["clip_radii"], jnp.float64)
     sigmas = jnp.asarray(info["sigmas"], jnp.float64)
@@ -463,7 +502,8 @@ def _coinpress_covariance_lower_bound(key, trials, sigma_factor=1.0):
   from dpjax.covariance import coinpress
   rows, eps, delta = 40, 1.0, 0.02
   info = coinpress.coinpress_covariance(jax.random.key(0), np.eye(2).repeat(rows // 2, 0),
-                                        epsilon=eps, delta=delta, kappa=1.0, steps=1).info
+                                        epsilon=eps, delta=delta, kappa=1.0, steps=1,
+                                        secure=False).info
   gamma = info["clip_radii"][0]
   X = np.zeros((rows, 2))
   X[1:, 0] = np.where(np.arange(1, rows) % 2 == 0, 0.99 * gamma, 0.0)
@@ -499,11 +539,12 @@ def test_coinpress_covariance_audit_catches_the_one_dimensional_sensitivity(audi
   assert lb > eps, f"the audit missed σ/√2: empirical ε ≥ {lb:.3f} ≤ claimed {eps}"
 
 
-EXPECTED = {"laplace", "gaussian (analytic)", "truncated laplace", "discrete laplace",
-            "stability histogram (discrete)", "stability histogram (laplace)",
+EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated laplace",
+            "discrete laplace", "stability histogram (discrete)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
             "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
             "AL exact subspace", "Analyze Gauss", "DP-SGD step", "subspace DP-SGD step",
+            "subspace DP-SGD step, stretching basis",
             "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
             "AL covariance", "AL covariance test bit", "CoinPress mean",
             "CoinPress covariance"}
@@ -514,6 +555,6 @@ def test_zz_every_mechanism_was_audited():
   if len(RESULTS) < len(EXPECTED):
     pytest.skip("run the whole audit module to get the table")
   assert set(RESULTS) == EXPECTED
-  print(f"\n{'mechanism':<32}{'claimed ε':>10}{'empirical ε ≥':>15}{'trials':>9}")
+  print(f"\n{'mechanism':<40}{'claimed ε':>10}{'empirical ε ≥':>15}{'trials':>9}")
   for name, (claimed, lb, trials) in RESULTS.items():
-    print(f"{name:<32}{claimed:>10.3f}{lb:>15.3f}{trials:>9}")
+    print(f"{name:<40}{claimed:>10.3f}{lb:>15.3f}{trials:>9}")

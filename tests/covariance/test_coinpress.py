@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dpjax.covariance import coinpress as cp
-from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
+from dpjax.mechanisms import analytic_gaussian_sigma, discretization
 
 EPS, DELTA = 1.0, 1e-6
 D_MEAN, N_MEAN = 10, 20_000
@@ -94,34 +94,77 @@ def test_mean_error_decreases_with_n():
 def test_mean_radii_are_public_functions_of_the_arguments():
   X1, _, center = _mean_problem(0)
   X2 = np.random.default_rng(7).standard_cauchy(size=X1.shape) * 1e3   # wildly different rows
-  r1 = cp.coinpress_mean(jax.random.key(0), X1, epsilon=EPS, delta=DELTA, center=center,
-                         radius=100.0)
-  r2 = cp.coinpress_mean(jax.random.key(1), X2, epsilon=EPS, delta=DELTA, center=center,
-                         radius=100.0)
-  for name in ("clip_radii", "radii", "sigmas", "sensitivities", "noise_multipliers"):
-    assert r1.info[name] == r2.info[name], name
-    assert all(isinstance(x, float) for x in r1.info[name]), name
-  # ... and equal to the documented recursion, recomputed here.
-  n, d, beta = N_MEAN, D_MEAN, 0.01
-  gamma = cp.gaussian_norm_radius(d, beta / (2 * n))
-  gamma_step = cp.gaussian_norm_radius(d, beta / 8)
-  r = 100.0
-  for t, z in enumerate(r1.info["noise_multipliers"]):
-    assert r1.info["clip_radii"][t] == pytest.approx(r + gamma, rel=1e-12)
-    sigma = z * 2.0 * (r + gamma) / n
-    assert r1.info["sigmas"][t] == pytest.approx(sigma, rel=1e-12)
-    r = gamma_step * math.sqrt(1.0 / n + sigma**2)
-  assert r1.info["error_bound"] == pytest.approx(r, rel=1e-12)
+  for secure in (True, False):
+    r1 = cp.coinpress_mean(jax.random.key(0), X1, epsilon=EPS, delta=DELTA, center=center,
+                           radius=100.0, secure=secure)
+    r2 = cp.coinpress_mean(jax.random.key(1), X2, epsilon=EPS, delta=DELTA, center=center,
+                           radius=100.0, secure=secure)
+    for name in ("clip_radii", "radii", "sigmas", "sensitivities", "noise_multipliers"):
+      assert r1.info[name] == r2.info[name], name
+      assert all(isinstance(x, float) for x in r1.info[name]), name
+    # ... and equal to the documented recursion, recomputed here. The float-safe release's std
+    # is z times the grid sensitivity (≤ (1 + 2^-10)·2R/n).
+    n, d, beta = N_MEAN, D_MEAN, 0.01
+    gamma = cp.gaussian_norm_radius(d, beta / (2 * n))
+    gamma_step = cp.gaussian_norm_radius(d, beta / 8)
+    r = 100.0
+    for t, z in enumerate(r1.info["noise_multipliers"]):
+      assert r1.info["clip_radii"][t] == pytest.approx(r + gamma, rel=1e-12)
+      sens = 2.0 * (r + gamma) / n
+      if secure:
+        grid = discretization(sens, d)
+        assert r1.info["grids"][t] == grid.grid
+        sigma = z * grid.grid_sensitivity * grid.grid
+        assert 1.0 < sigma / (z * sens) < 1.0 + 2.0**-9
+      else:
+        sigma = z * sens
+      assert r1.info["sigmas"][t] == pytest.approx(sigma, rel=1e-12)
+      r = gamma_step * math.sqrt(1.0 / n + sigma**2)
+    assert r1.info["error_bound"] == pytest.approx(r, rel=1e-12)
 
 
 def test_mean_translation_equivariant():
+  """Exactly with raw noise; up to the public rounding grid with the float-safe release (the
+  shifted statistic rounds to other grid points; the noise is the same)."""
   X, _, center = _mean_problem(3, n=2_000)
   shift = np.linspace(-2e3, 1e3, D_MEAN)
   key = jax.random.key(11)
-  a = cp.coinpress_mean(key, X, epsilon=EPS, delta=DELTA, center=center, radius=100.0)
-  b = cp.coinpress_mean(key, X + shift, epsilon=EPS, delta=DELTA, center=center + shift,
-                        radius=100.0)
-  np.testing.assert_allclose(b.estimate - shift, a.estimate, atol=1e-9)
+  for secure in (False, True):
+    kw = dict(epsilon=EPS, delta=DELTA, radius=100.0, secure=secure)
+    a = cp.coinpress_mean(key, X, center=center, **kw)
+    b = cp.coinpress_mean(key, X + shift, center=center + shift, **kw)
+    atol = 1e-9 if not secure else 2 * max(a.info["grids"])
+    np.testing.assert_allclose(b.estimate - shift, a.estimate, atol=atol)
+
+
+def test_secure_releases_lie_on_their_public_grids():
+  """Every release of the float-safe default is a multiple of its public grid step: the mean's
+  centres c_1..c_T, and the covariance's noisy second moments in isometric coordinates."""
+  X, _, center = _mean_problem(4, n=2_000)
+  res = cp.coinpress_mean(jax.random.key(2), X, epsilon=EPS, delta=DELTA, center=center,
+                          radius=100.0)
+  for c, grid in zip(res.info["centers"], res.info["grids"]):
+    assert np.all(c == np.round(c / grid) * grid)
+  assert np.array_equal(res.estimate, res.info["centers"][-1])
+  Xc, _ = _cov_problem(4, 5_000, 4)
+  cov = cp.coinpress_covariance(jax.random.key(3), Xc, epsilon=EPS, delta=DELTA, kappa=10.0,
+                                steps=2)
+  rows, cols = np.triu_indices(4)
+  for Z, grid in zip(cov.info["releases"], cov.info["grids"]):
+    coords = Z[rows, cols] * np.where(rows == cols, 1.0, math.sqrt(2.0))
+    assert np.array_equal(Z, Z.T)
+    np.testing.assert_allclose(coords / grid, np.round(coords / grid), atol=1e-6)
+
+
+def test_secure_release_refuses_continuous_only_accountants():
+  X, _, center = _mean_problem(0, n=2_000)
+  for accountant in ("analytic", "pld"):
+    with pytest.raises(ValueError, match="continuous"):
+      cp.coinpress_mean(jax.random.key(0), X, epsilon=EPS, delta=DELTA, center=center,
+                        radius=100.0, accountant=accountant)
+    with pytest.raises(ValueError, match="continuous"):
+      cp.coinpress_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA, kappa=2.0,
+                              accountant=accountant)
 
 
 def test_mean_released_noise_has_the_calibrated_scale():
@@ -219,7 +262,8 @@ def test_covariance_default_steps_rule():
 def _mean_result(accountant="pld", fractions=None):
   X, _, center = _mean_problem(0, n=2_000)
   return X, cp.coinpress_mean(jax.random.key(0), X, epsilon=EPS, delta=DELTA, center=center,
-                              radius=100.0, accountant=accountant, fractions=fractions)
+                              radius=100.0, accountant=accountant, fractions=fractions,
+                              secure=accountant == "rdp")
 
 
 def test_mean_composed_epsilon_meets_target():
@@ -249,19 +293,28 @@ def test_mean_composed_epsilon_meets_target():
 def test_covariance_composed_epsilon_meets_target():
   X, _ = _cov_problem(0, 5_000, 5)
   n, d = X.shape
-  res = cp.coinpress_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA, kappa=10.0,
-                                steps=3)
   gamma = cp.gaussian_norm_radius(d, 0.01 / (3 * n))
   sens = math.sqrt(2.0) * gamma**2 / n                      # replace-one Frobenius sensitivity
-  assert res.info["clip_radii"] == (pytest.approx(gamma, rel=1e-12),) * 3
-  zs = [s / sens for s in res.info["sigmas"]]
-  np.testing.assert_allclose(zs, res.info["noise_multipliers"], rtol=1e-12)
+  raw = cp.coinpress_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA, kappa=10.0,
+                                steps=3, secure=False)
+  assert raw.info["clip_radii"] == (pytest.approx(gamma, rel=1e-12),) * 3
+  zs = [s / sens for s in raw.info["sigmas"]]
+  np.testing.assert_allclose(zs, raw.info["noise_multipliers"], rtol=1e-12)
   eps = _recomposed_epsilon(zs, DELTA)
-  # The default (analytic) s is exact; PLD's discretisation is pessimistic by ~1e-8.
+  # The raw default (analytic) s is exact; PLD's discretisation is pessimistic by ~1e-8.
   assert eps <= EPS * (1 + 1e-6) and EPS - eps < 1e-3
   pld = cp.coinpress_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA, kappa=10.0,
-                                steps=3, accountant="pld")
+                                steps=3, accountant="pld", secure=False)
   assert _recomposed_epsilon(pld.info["noise_multipliers"], DELTA) <= EPS
+  # The float-safe default: z_t from the RDP accountant, noise z_t times the grid sensitivity.
+  res = cp.coinpress_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA, kappa=10.0,
+                                steps=3)
+  assert res.info["accountant"] == "rdp" and res.info["secure"]
+  grid = discretization(sens, d * (d + 1) // 2)
+  np.testing.assert_allclose(res.info["sigmas"], np.asarray(res.info["noise_multipliers"])
+                             * grid.grid_sensitivity * grid.grid, rtol=1e-12)
+  eps = _recomposed_epsilon(res.info["noise_multipliers"], DELTA, accountant="rdp")
+  assert eps <= EPS and EPS - eps < 1e-3
 
 
 def test_frobenius_sensitivity_bound_is_tight():

@@ -101,7 +101,10 @@ def test_learn_covariance_refinement_beats_the_preconditioner():
 
 def test_learn_covariance_raises_with_the_required_n():
   X = np.random.default_rng(8).normal(size=(5_000, 3))
-  with pytest.raises(ValueError, match=r"needs n >= \d+"):
+  need = covariance_calibration(3, EPS, DELTA, eta_accuracy=0.5).required_n
+  # The user's n and the total (both halves), not the AL step's half.
+  with pytest.raises(ValueError, match=rf"learn_covariance needs n >= {2 * need} rows for d=3"
+                                       rf".*needs {need} of them.*got n=5000"):
     learn_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA)
 
 
@@ -122,3 +125,17 @@ def test_learn_gaussian_rejects_nan_and_too_few_rows():
     learn_gaussian(jax.random.key(0), X, epsilon=EPS, delta=DELTA)
   with pytest.raises(ValueError, match="rows"):
     learn_gaussian(jax.random.key(0), np.ones((50, 3)), epsilon=EPS, delta=DELTA)
+
+
+def test_learn_gaussian_on_all_zero_rows():
+  """Before: ZeroDivisionError from the analytic Gaussian calibration. All-zero rows have rank 0
+  (steps 2–3 are skipped) and step 4's released scale S ≈ 2^-1016 made PPME's radius 2^-40·S·√d
+  subnormal; its masking σ was then calibrated for a subnormal sensitivity."""
+  n, d = 12_000, 3
+  res = learn_gaussian(jax.random.key(0), np.zeros((n, d)), epsilon=EPS, delta=DELTA)
+  if res.ok:
+    assert res.info["rank"] == 0 and res.failed_step is None
+    assert np.all(np.isfinite(res.mean)) and np.max(np.abs(res.mean)) < 1e-100
+    np.testing.assert_array_equal(res.covariance, np.zeros((d, d)))
+  else:
+    assert res.failed_step in ("subspace", "orthogonal_mean")

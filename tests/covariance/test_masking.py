@@ -142,7 +142,9 @@ def test_mask_covariance_is_traceable():
     f = jax.jit(lambda k, S: mk.mask_covariance(k, S, 0.2))
     out = f(jax.random.key(0), jnp.asarray(SIGMA3))
     assert out.shape == (3, 3)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(out).T)
+    # Inside jit XLA may round the mirrored entries differently (linalg.symmetrize's note): only
+    # the public wrapper promises bit-exact symmetry.
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out).T, rtol=1e-12)
     # Deterministic for a fixed key; different keys differ.
     np.testing.assert_array_equal(np.asarray(out), np.asarray(f(jax.random.key(0),
                                                                 jnp.asarray(SIGMA3))))

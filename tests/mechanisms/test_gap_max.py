@@ -17,43 +17,65 @@ def _run(scores, epsilon, delta, n, seed):
   return jax.vmap(lambda k: M.gap_max(k, scores, epsilon=epsilon, delta=delta))(keys)
 
 
-def _float_pass_probability(gap, epsilon, delta):
-  """Exact ``P[g + Z > A − 1]`` for ``Z ~ TLap(2, ε, δ)`` and ``0 ≤ g ≤ 1``."""
-  p = M.truncated_laplace_params(2.0, epsilon, delta)
-  x = p.bound - 1.0 - gap
-  return p.density * p.scale * (math.exp(-x / p.scale) - math.exp(-p.bound / p.scale))
+def _pass_probability(grid_gap, params):
+  """Exact ``P[g + Z ≥ K]`` for the discrete truncated Laplace Z of ``params``."""
+  K, p = params.bound, math.exp(-params.scale_den / params.scale_num)
+  z = np.arange(-K, K + 1)
+  pmf = p ** np.abs(z.astype(np.float64))
+  return float(pmf[z >= K - grid_gap].sum() / pmf.sum())
 
 
-def test_threshold_is_a_minus_one():
-  for eps, delta in [(1.0, 1e-6), (0.2, 1e-9), (5.0, 0.1)]:
-    A = (2 / eps) * math.log(1 + math.expm1(eps) / (2 * delta))
-    assert math.isclose(M.gap_max_threshold(eps, delta), A - 1, rel_tol=1e-12)
-  assert math.isclose(M.gap_max_threshold(1.0, 1e-6), 27.3274 - 1, abs_tol=1e-4)
+@pytest.mark.parametrize("eps,delta,S", [(1.0, 1e-6, 1), (0.5, 1e-9, 1), (1.0, 0.1, 4),
+                                         (2.0, 1e-4, 16), (1.0, 0.9, 1), (1.0, 0.7, 8)])
+def test_bound_is_the_smallest_that_keeps_the_shifted_mass_below_delta(eps, delta, S):
+  K, num, den = integer_gap_max_bound(eps, delta, S)
+  assert num / den >= 2 * S / eps and num / den - 2 * S / eps < 2.0**-10
+  p = math.exp(-den / num)
+
+  def tail(k):                                   # P[Z ≥ k − 2S + 1] for Z on {−k..k}
+    z = np.arange(-k, k + 1)
+    pmf = p ** np.abs(z.astype(np.float64))
+    return pmf[z >= k - 2 * S + 1].sum() / pmf.sum()
+  assert tail(K) <= delta and (K == 1 or tail(K - 1) > delta)
+
+
+def test_parameters_grid_and_sure_gap():
+  assert integer_gap_max_bound(1.0, 1e-6)[0] == 27          # Δ = 2 on the gap, as TLap(2, 1, 1e-6)
+  ints = M.gap_max_parameters(1.0, 1e-6, integer_scores=True)
+  assert ints.resolution == 1.0 and ints.sensitivity == 1 and ints.sure_gap == 2 * 27 + 2
+  floats = M.gap_max_parameters(1.0, 1e-6)
+  assert floats.resolution == 2.0**-10 and floats.sensitivity == 1024
+  # Close to the real-valued analysis: a sure release above u1 − u2 = 2A ≈ 54.65 with
+  # TLap(2, ε, δ) noise; the grid and the scale rounding cost about one more unit.
+  A = 2 * math.log(1 + math.expm1(1.0) / 2e-6)
+  assert 2 * A < floats.sure_gap < 2 * A + 1.1
+  small = M.gap_max_parameters(0.01, 1e-6)
+  assert small.resolution == 2.0**-6 and 2 * small.sensitivity / 0.01 <= 2.0**14
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
 def test_clear_winner_is_always_returned(dtype):
-  if dtype == jnp.float32:
-    need = 2 * (M.gap_max_threshold(1.0, 1e-6) + 1) - 1      # g > 2A − 1 ⇒ always released
-  else:
-    need = 2 * integer_gap_max_bound(1.0, 1e-6)[0]           # g ≥ 2K ⇒ always released
+  need = M.gap_max_parameters(1.0, 1e-6, integer_scores=dtype == jnp.int32).sure_gap
   scores = jnp.array([3, math.ceil(need) + 5, 1], dtype)
   out = _run(scores, 1.0, 1e-6, 500, 0)
   assert out.ok.dtype == jnp.bool_ and out.index.dtype == jnp.int32 and out.index.shape == (500,)
   assert bool(jnp.all(out.ok)) and bool(jnp.all(out.index == 1))
 
 
-@pytest.mark.parametrize("scores,gap", [([50.0, 50.0, 3.0], 0.0), ([52.0, 50.0, 3.0], 1.0)])
+@pytest.mark.parametrize("scores,gap", [([50.0, 50.0, 3.0], 0.0), ([52.0, 50.0, 3.0], 1.0),
+                                        ([52.3, 50.0, 3.0], 1.3)])
 def test_near_ties_answer_with_probability_at_most_delta(scores, gap):
-  """g ≤ 1 is the case where the argmax can differ between neighbours: P[ok] must be ≤ δ,
-  with equality at g = 1 (the worst case of the proof)."""
+  """g ≤ 1 is the case where the argmax can differ between neighbours: P[ok] must be ≤ δ
+  (the worst case of the proof is g = 1, i.e. S grid steps); float scores go through the grid."""
   eps, delta, n = 1.0, 0.1, 4_000
+  params = M.gap_max_parameters(eps, delta)
   out = _run(jnp.array(scores), eps, delta, n, 1)
   hits = int(out.ok.sum())
-  exact = _float_pass_probability(gap, eps, delta)
-  assert exact <= delta * (1 + 1e-12)
-  if gap == 1.0:
-    assert math.isclose(exact, delta, rel_tol=1e-9)
+  grid_gap = max(0, math.floor(scores[0] / params.resolution)
+                 - math.floor(scores[1] / params.resolution) - params.sensitivity)
+  exact = _pass_probability(grid_gap, params)
+  if gap <= 1.0:
+    assert exact <= delta * (1 + 1e-12)
   low, high = clopper_pearson(hits, n, 0.999)
   assert low <= exact <= high
   assert bool(jnp.all(jnp.where(out.ok, out.index == 0, out.index == 0)))   # 0 on ⊥ too
@@ -71,8 +93,21 @@ def test_integer_scores_near_tie_with_exact_integer_noise():
   assert low <= exact <= high
 
 
+def test_float_scores_are_floored_to_the_public_grid():
+  """Scores that agree on the grid give identical outputs (the decision sees only the grid)."""
+  params = M.gap_max_parameters(1.0, 0.1)
+  a = jnp.array([60.0, 2.0, 1.0])
+  b = a + params.resolution * 0.4                         # same floors
+  for seed in range(3):
+    k = jax.random.key(seed)
+    ra, rb = M.gap_max(k, a, epsilon=1.0, delta=0.1), M.gap_max(k, b, epsilon=1.0, delta=0.1)
+    assert bool(ra.ok) == bool(rb.ok) and int(ra.index) == int(rb.index)
+  huge = M.gap_max(jax.random.key(0), jnp.array([1e12, 1e11]), epsilon=1.0, delta=0.1)
+  assert huge.ok.dtype == jnp.bool_                       # clamped, no overflow
+
+
 def test_ties_go_to_the_lowest_index():
-  out = _run(jnp.array([1.0, 7.0, 7.0]), 1.0, 0.9, 500, 3)     # δ large: ⊥ is rare enough
+  out = _run(jnp.array([1, 7, 7]), 1.0, 0.9, 500, 3)     # δ large: ⊥ is rare enough
   assert int(out.ok.sum()) > 50 and bool(jnp.all(jnp.where(out.ok, out.index == 1, True)))
 
 

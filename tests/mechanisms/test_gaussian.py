@@ -9,7 +9,7 @@ import pytest
 from scipy import special, stats
 
 from dpjax import mechanisms as M
-from dpjax.mechanisms import gaussian
+from dpjax.mechanisms import discrete, gaussian
 
 N = 20_000
 CASES = [(0.1, 1e-5, 1.0), (0.5, 1e-5, 1.0), (0.9, 1e-12, 3.0), (1.0, 1e-6, 2.0),
@@ -60,7 +60,7 @@ def test_classic_refuses_epsilon_at_least_one():
     M.classic_gaussian_sigma(1.0, 1e-5)
   with pytest.raises(ValueError, match="epsilon"):
     M.gaussian_mechanism(jax.random.key(0), jnp.zeros(3), sensitivity=1.0, epsilon=2.0,
-                         delta=1e-5, calibration="classic")
+                         delta=1e-5, calibration="classic", secure=False)
 
 
 def test_noise_has_the_normal_law():
@@ -70,23 +70,86 @@ def test_noise_has_the_normal_law():
   assert jnp.all(M.gaussian_noise(jax.random.key(1), (4,), sigma=0.0) == 0)
 
 
-@pytest.mark.parametrize("calibration", ["analytic", "classic"])
-def test_mechanism_uses_the_calibrated_sigma(calibration):
+@pytest.mark.parametrize("calibration", ["analytic", "classic", "rdp"])
+def test_raw_mechanism_uses_the_calibrated_sigma(calibration):
   eps, delta = 0.5, 1e-5
-  sigma = (M.analytic_gaussian_sigma if calibration == "analytic"
-           else M.classic_gaussian_sigma)(eps, delta, 2.0)
+  sigma = {"analytic": M.analytic_gaussian_sigma, "classic": M.classic_gaussian_sigma,
+           "rdp": M.rdp_gaussian_sigma}[calibration](eps, delta, 2.0)
   value = jnp.full((N,), 4.0)
   out = M.gaussian_mechanism(jax.random.key(2), value, sensitivity=2.0, epsilon=eps,
-                             delta=delta, calibration=calibration)
+                             delta=delta, calibration=calibration, secure=False)
   assert out.dtype == jnp.float32
   _assert_scale_is_right(out - value, sigma)
+
+
+@pytest.mark.parametrize("eps,delta", [(1.0, 1e-5), (0.1, 1e-6), (5.0, 1e-8)])
+def test_rdp_sigma_meets_the_budget_and_is_the_smallest(eps, delta):
+  import dp_accounting
+
+  def eps_at(z):
+    return dp_accounting.rdp.RdpAccountant().compose(
+        dp_accounting.GaussianDpEvent(z)).get_epsilon(delta)
+  z = M.rdp_gaussian_sigma(eps, delta)
+  assert eps_at(z) <= eps and eps_at(z * (1 - 1e-6)) > eps
+  assert M.rdp_gaussian_sigma(eps, delta, 3.0) == pytest.approx(3.0 * z, rel=1e-12)
+  assert 1.0 < z / M.analytic_gaussian_sigma(eps, delta) < 1.2     # the price of RDP: 5–15%
+
+
+def test_secure_release_is_on_the_public_grid_with_the_rdp_sigma():
+  """Default (secure) release: every output a multiple of the public grid step Λ, noise of std
+  σ = z·Δ_Λ·Λ ≈ rdp_gaussian_sigma, float64 NumPy whatever the input dtype."""
+  eps, delta, sens = 0.5, 1e-5, 2.0
+  value = np.full(N, 4.0 + 1 / 3)
+  out = M.gaussian_mechanism(jax.random.key(2), jnp.asarray(value, jnp.float32), sensitivity=sens,
+                             epsilon=eps, delta=delta)
+  grid = M.discretization(sens, N)
+  assert isinstance(out, np.ndarray) and out.dtype == np.float64 and out.shape == (N,)
+  assert np.all(out == np.round(out / grid.grid) * grid.grid)
+  sigma = M.rdp_gaussian_sigma(eps, delta) * grid.grid_sensitivity * grid.grid
+  assert sigma == pytest.approx(M.rdp_gaussian_sigma(eps, delta, sens), rel=2e-3)
+  _assert_scale_is_right(out - np.float32(value).astype(np.float64), sigma)
+  # Large values keep their digits: the grid is set by Δ and p, not by the value's magnitude.
+  big = M.gaussian_mechanism(jax.random.key(3), np.array([1e9 + 0.25]), sensitivity=1e-3,
+                             epsilon=8.0, delta=1e-5)
+  assert abs(big[0] - (1e9 + 0.25)) < 0.1
+
+
+def test_secure_release_clamps_to_the_public_bound():
+  out = M.gaussian_mechanism(jax.random.key(4), np.array([1e6, -1e6, 3.0]), sensitivity=1.0,
+                             epsilon=50.0, delta=1e-5, bound=10.0)
+  assert abs(out[0] - 10.0) < 1 and abs(out[1] + 10.0) < 1 and abs(out[2] - 3.0) < 1
+
+
+def test_discrete_gaussian_sampler_has_the_exact_law():
+  """Exact pmf ∝ exp(−z²/(2σ²)) at σ² rounded up to a multiple of 2^-10: chi-square fit."""
+  sigma = 1.3
+  s2 = float(discrete.discrete_gaussian_sigma2(sigma))
+  assert s2 >= sigma**2 and s2 - sigma**2 < 2.0**-10
+  z = M.discrete_gaussian(jax.random.key(5), (N,), sigma=sigma)
+  assert z.dtype == np.int64 and z.shape == (N,)
+  support = np.arange(-6, 7)
+  pmf = np.exp(-np.arange(-40, 41) ** 2 / (2 * s2))
+  pmf /= pmf.sum()
+  probs = pmf[34:47].copy()
+  probs[0] += pmf[:34].sum()
+  probs[-1] += pmf[47:].sum()
+  observed = np.bincount(np.clip(z, -6, 6) + 6, minlength=13)
+  assert support.size == observed.size
+  assert stats.chisquare(observed, probs * N).pvalue > 1e-3
+  again = M.discrete_gaussian(jax.random.key(5), (N,), sigma=sigma)
+  assert np.array_equal(z, again)
+  assert not np.array_equal(z, M.discrete_gaussian(jax.random.key(6), (N,), sigma=sigma))
 
 
 def test_float64_and_key_hygiene():
   with jax.enable_x64(True):
     out = M.gaussian_mechanism(jax.random.key(3), jnp.zeros(5, jnp.float64), sensitivity=1.0,
-                               epsilon=1.0, delta=1e-5)
+                               epsilon=1.0, delta=1e-5, secure=False)
     assert out.dtype == jnp.float64
+  secure = M.gaussian_mechanism(jax.random.key(3), np.zeros(5), sensitivity=1.0, epsilon=1.0,
+                                delta=1e-5)
+  assert np.array_equal(secure, M.gaussian_mechanism(jax.random.key(3), np.zeros(5),
+                                                     sensitivity=1.0, epsilon=1.0, delta=1e-5))
   a = M.gaussian_noise(jax.random.key(4), (6,), sigma=1.0)
   assert jnp.array_equal(a, M.gaussian_noise(jax.random.key(4), (6,), sigma=1.0))
   assert not jnp.array_equal(a, M.gaussian_noise(jax.random.key(5), (6,), sigma=1.0))
@@ -109,7 +172,15 @@ KEY = jax.random.key(0)
     (lambda: M.gaussian_mechanism(KEY, jnp.ones(2), sensitivity=1.0, epsilon=1.0, delta=1.5),
      ValueError, "delta"),
     (lambda: M.gaussian_mechanism(KEY, jnp.ones(2), sensitivity=1.0, epsilon=1.0, delta=1e-5,
-                                  calibration="rdp"), ValueError, "calibration"),
+                                  calibration="zcdp"), ValueError, "calibration"),
+    (lambda: M.gaussian_mechanism(KEY, jnp.ones(2), sensitivity=1.0, epsilon=1.0, delta=1e-5,
+                                  calibration="analytic"), ValueError, "continuous"),
+    (lambda: M.gaussian_mechanism(KEY, jnp.ones(2), sensitivity=0.0, epsilon=1.0, delta=1e-5),
+     ValueError, "sensitivity"),
+    (lambda: M.gaussian_mechanism(KEY, jnp.ones(2), sensitivity=1.0, epsilon=1.0, delta=1e-5,
+                                  bound=1e-9), ValueError, "bound"),
+    (lambda: M.discrete_gaussian(KEY, (2,), sigma=0.0), ValueError, "sigma"),
+    (lambda: M.discrete_gaussian(KEY, (2,), sigma=2.0**41), ValueError, "sigma"),
     (lambda: M.gaussian_mechanism(KEY, jnp.ones(2, jnp.int32), sensitivity=1.0, epsilon=1.0,
                                   delta=1e-5), TypeError, "value"),
     (lambda: M.gaussian_mechanism(KEY, jnp.array([jnp.inf]), sensitivity=1.0, epsilon=1.0,

@@ -13,20 +13,15 @@ from dpjax.mechanisms import discrete, histogram
 from dpjax.metrics import clopper_pearson
 
 
-def _singleton_pass_probability(epsilon, delta, neighbouring, noise):
+def _singleton_pass_probability(epsilon, delta, neighbouring):
   """Exact probability that a bin holding one item is released."""
-  tau = M.histogram_threshold(epsilon, delta, neighbouring=neighbouring, noise=noise)
+  tau = M.histogram_threshold(epsilon, delta, neighbouring=neighbouring)
   sens = 2 if neighbouring == "replace_one" else 1
-  if noise == "laplace":
-    return 0.5 * math.exp(-(tau - 1) * epsilon / sens)         # P[1 + Lap(Δ/ε) > τ]
   return discrete.discrete_laplace_tail(int(tau) - 1, discrete.effective_scale(sens / epsilon))
 
 
 def test_thresholds_follow_the_formulas():
   d = 1e-6
-  assert math.isclose(M.histogram_threshold(1.0, d, noise="laplace"), 1 + 2 * math.log(1 / (2 * d)))
-  assert math.isclose(M.histogram_threshold(0.5, d, neighbouring="add_remove", noise="laplace"),
-                      1 + 2 * math.log(1 / (2 * d)))
   p = math.exp(-1 / 2)
   assert M.histogram_threshold(1.0, d) == 1 + math.ceil(2 * math.log(1 / (d * (1 + p))))
   p = math.exp(-1)
@@ -40,9 +35,7 @@ def test_thresholds_follow_the_formulas():
 @pytest.mark.parametrize("neighbouring", ["replace_one", "add_remove"])
 def test_singleton_passes_with_probability_at_most_and_close_to_delta(epsilon, delta,
                                                                       neighbouring):
-  lap = _singleton_pass_probability(epsilon, delta, neighbouring, "laplace")
-  assert math.isclose(lap, delta, rel_tol=1e-9)
-  dis = _singleton_pass_probability(epsilon, delta, neighbouring, "discrete")
+  dis = _singleton_pass_probability(epsilon, delta, neighbouring)
   p = math.exp(-1 / discrete.effective_scale((2 if neighbouring == "replace_one" else 1)
                                              / epsilon))
   assert p * delta < dis <= delta                 # τ is the smallest integer threshold that works
@@ -57,14 +50,12 @@ def _released_per_trial(seed, items, **kwargs):
   return jax.vmap(lambda k: M.stable_histogram(k, items, epsilon=1.0, **kwargs))(keys)
 
 
-@pytest.mark.parametrize("noise,neighbouring", [("discrete", "replace_one"),
-                                                ("laplace", "replace_one"),
-                                                ("discrete", "add_remove")])
-def test_singleton_release_frequency_matches_the_exact_probability(noise, neighbouring):
+@pytest.mark.parametrize("neighbouring", ["replace_one", "add_remove"])
+def test_singleton_release_frequency_matches_the_exact_probability(neighbouring):
   eps, delta = 1.0, 0.05
-  hist = _released_per_trial(0, SINGLETONS, delta=delta, noise=noise, neighbouring=neighbouring)
+  hist = _released_per_trial(0, SINGLETONS, delta=delta, neighbouring=neighbouring)
   hits, n = int(hist.released.sum()), 4 * TRIALS
-  exact = _singleton_pass_probability(eps, delta, neighbouring, noise)
+  exact = _singleton_pass_probability(eps, delta, neighbouring)
   low, high = clopper_pearson(hits, n, 0.999)
   assert low <= exact <= high and exact <= delta
 
@@ -90,26 +81,30 @@ def test_nothing_released_gives_placeholders():
   assert bool(jnp.all(hist.bins == 0)) and bool(jnp.all(hist.noisy_counts == 0))
 
 
-@pytest.mark.parametrize("noise", ["discrete", "laplace"])
-def test_one_noise_draw_per_bin_not_per_item(noise):
+def test_one_noise_draw_per_bin_not_per_item():
   """With all t items equal, one row is released and its count is t plus ONE noise draw."""
   t, eps = 24, 1.0
-  hist = _released_per_trial(3, jnp.full((t, 1), 9, jnp.int32), delta=0.3, noise=noise)
+  hist = _released_per_trial(3, jnp.full((t, 1), 9, jnp.int32), delta=0.3)
   assert bool(jnp.all(hist.released.sum(axis=1) == 1)) and bool(jnp.all(hist.released[:, 0]))
   assert bool(jnp.all(hist.bins[:, 0, 0] == 9))
   noise_draws = np.asarray(hist.noisy_counts[:, 0], np.float64) - t
-  if noise == "discrete":
-    p = math.exp(-eps / 2)
-    one_draw_var = 2 * p / (1 - p) ** 2                      # ≈ 7.9; t draws would be 24× that
-    support = np.arange(-12, 13)
-    probs = (1 - p) / (1 + p) * p ** np.abs(support)
-    probs[0] = probs[-1] = p**12 / (1 + p)
-    observed = np.bincount(np.clip(noise_draws.astype(int), -12, 12) + 12, minlength=25)
-    assert stats.chisquare(observed, probs * TRIALS).pvalue > 1e-3
-  else:
-    one_draw_var = 2 * (2 / eps) ** 2
-    assert stats.kstest(noise_draws, stats.laplace(scale=2 / eps).cdf).pvalue > 1e-3
+  p = math.exp(-eps / 2)
+  one_draw_var = 2 * p / (1 - p) ** 2                      # ≈ 7.9; t draws would be 24× that
+  support = np.arange(-12, 13)
+  probs = (1 - p) / (1 + p) * p ** np.abs(support)
+  probs[0] = probs[-1] = p**12 / (1 + p)
+  observed = np.bincount(np.clip(noise_draws.astype(int), -12, 12) + 12, minlength=25)
+  assert stats.chisquare(observed, probs * TRIALS).pvalue > 1e-3
   assert 0.8 < noise_draws.var() / one_draw_var < 1.2
+
+
+def test_laplace_noise_option_is_refused_with_the_reason():
+  """Regression (issue 10 §1): float32 Laplace counts leaked through floating point."""
+  for call in (lambda: M.histogram_threshold(1.0, 1e-6, noise="laplace"),
+               lambda: M.stable_histogram(jax.random.key(0), jnp.ones((3, 1), jnp.int32),
+                                          epsilon=1.0, delta=1e-6, noise="laplace")):
+    with pytest.raises(ValueError, match="floating|float32"):
+      call()
 
 
 def _items_with_duplicates(key, t, d, high):

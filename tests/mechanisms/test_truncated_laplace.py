@@ -99,17 +99,51 @@ def test_sampler_float64_and_small_delta_support():
   assert bool(jnp.all(jnp.abs(z) <= p.bound))
 
 
-def test_mechanism_keeps_dtype_and_adds_bounded_noise():
+def test_raw_mechanism_keeps_dtype_and_adds_bounded_noise():
   p = M.truncated_laplace_params(1.0, 1.0, 0.05)
   value = jnp.full((N,), 5.0)
   out = M.truncated_laplace_mechanism(jax.random.key(3), value, sensitivity=1.0, epsilon=1.0,
-                                      delta=0.05)
+                                      delta=0.05, secure=False)
   assert out.shape == value.shape and out.dtype == jnp.float32
   _assert_law(out - value, p)
   with jax.enable_x64(True):
     out = M.truncated_laplace_mechanism(jax.random.key(3), jnp.zeros(3, jnp.float64),
-                                        sensitivity=1.0, epsilon=1.0, delta=0.05)
+                                        sensitivity=1.0, epsilon=1.0, delta=0.05, secure=False)
     assert out.dtype == jnp.float64
+
+
+def test_secure_mechanism_is_on_its_grid_with_the_discrete_law():
+  """Default release: multiples of the public ℓ1 grid Λ, noise P(z) ∝ e^{−|z|/t} on {−K..K} in
+  grid steps with t = ⌈Δ_Λ/ε⌉ and K the smallest bound leaving ≤ δ outside for a shift D."""
+  eps, delta = 1.0, 0.05
+  value = np.full(N, 5.0 + 1 / 3)
+  out = M.truncated_laplace_mechanism(jax.random.key(3), value, sensitivity=1.0, epsilon=eps,
+                                      delta=delta)
+  grid = M.discretization(1.0, N, norm=1)
+  assert isinstance(out, np.ndarray) and out.dtype == np.float64 and out.shape == (N,)
+  steps = out / grid.grid
+  assert np.all(steps == np.round(steps))
+  noise = (steps - np.round(value / grid.grid)).astype(np.int64)
+  t = math.ceil(grid.grid_sensitivity / eps)
+  K = M.discrete_truncated_laplace_bound(t, math.floor(grid.grid_sensitivity),
+                                                            delta)
+  assert np.abs(noise).max() <= K
+  # In the original units the law is close to the continuous TLap(Δ, ε, δ).
+  p = M.truncated_laplace_params(1.0, eps, delta)
+  assert abs(K * grid.grid - p.bound) < 0.05 * p.bound
+  _assert_law(noise * grid.grid, p._replace(scale=t * grid.grid, bound=K * grid.grid))
+
+
+@pytest.mark.parametrize("scale,shift,delta", [(2, 2, 1e-6), (1024, 1000, 1e-3), (3, 1, 0.4)])
+def test_discrete_truncated_laplace_bound_is_the_smallest(scale, shift, delta):
+  K = M.discrete_truncated_laplace_bound(scale, shift, delta)
+  p = math.exp(-1.0 / scale)
+
+  def tail(k):
+    z = np.arange(-k, k + 1)
+    pmf = p ** np.abs(z.astype(np.float64))
+    return pmf[z >= k - shift + 1].sum() / pmf.sum()
+  assert tail(K) <= delta and (K == 1 or tail(K - 1) > delta)
 
 
 def test_key_hygiene_and_jit():

@@ -1,5 +1,7 @@
 """optax noise transformations: DP-SGD and subspace DP-SGD (ALGORITHMS.md §6.1, §6.2)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +117,53 @@ def test_dp_aggregate_with_a_basis_and_inside_jit_and_chain():
   (u1, st1), (u2, _) = step(params, tx.init(params)), step(params, tx.init(params))
   assert jnp.array_equal(u1["w"], u2["w"])
   assert not jnp.array_equal(step(params, st1)[0]["w"], u1["w"])
+
+
+def _stretched_basis(p, k, stretch, seed=0):
+  """An orthonormal basis times ``(I + c·11ᵀ/k)``: VᵀV = (I + c·11ᵀ/k)², ``‖V‖₂ = 1 + c =
+  stretch`` while ``max |VᵀV − I|`` is only ``≈ 2c/k`` (entrywise small, spectrally large)."""
+  q = np.linalg.qr(np.random.default_rng(seed).standard_normal((p, k)))[0]
+  c = stretch - 1.0
+  return q @ (np.eye(k) + c * np.ones((k, k)) / k), q
+
+
+def test_a_basis_that_stretches_gradients_is_refused_or_paid_for_at_large_k():
+  """Regression (issue 10 §2): at k = 1000 a basis with max |VᵀV − I| ≤ 1e-3 but ‖V‖₂ ≈ 1.41
+  was accepted and the released coefficients moved by 1.41·C against noise for C. Now the check
+  is spectral, and any accepted basis gets noise scaled by its spectral norm."""
+  p, k = 1_500, 1_000
+  V, q = _stretched_basis(p, k, 1.41)
+  gram = V.T @ V
+  assert np.abs(gram - np.eye(k)).max() <= 1e-3                 # passed the old entrywise check
+  assert np.linalg.norm(V, 2) == pytest.approx(1.41, rel=1e-9)
+  with pytest.raises(ValueError, match="orthonormal"):
+    transforms.subspace_dp_gaussian_noise(V, clip_norm=1.0, noise_multiplier=1.0,
+                                          expected_batch_size=1.0, key=_K)
+  # Accepted with a loose tolerance, the noise is scaled by ν ≥ ‖V‖₂: the released coefficient
+  # along the stretched direction has noise std ≥ σC‖V‖₂ (measured through the output).
+  sigma, C, trials = 1.0, 1.0, 2_000
+  tx = transforms.subspace_dp_gaussian_noise(V, clip_norm=C, noise_multiplier=sigma,
+                                             expected_batch_size=1.0, key=_K, tol=2.0)
+  bound = transforms.basis_norm_bound(V)
+  assert 1.41 <= bound < 1.41 * (1 + 1e-5)
+  zeros = jnp.zeros(p)
+  out = np.asarray(_noise_over_keys(tx, zeros, trials, seed=9), np.float64)   # V·ξ, ξ ~ N(0, s²)
+  coefficients = np.linalg.lstsq(V, out.T, rcond=None)[0].T                    # (trials, k)
+  std = coefficients.std(axis=0).mean()
+  assert std == pytest.approx(sigma * C * bound, rel=0.02)
+  # A near-orthonormal float32 basis (the usual case) costs nothing measurable.
+  assert transforms.basis_norm_bound(np.asarray(q, np.float32)) < 1 + 1e-5
+
+
+def test_basis_norm_bound_is_an_upper_bound():
+  rng = np.random.default_rng(1)
+  for p, k in [(10, 3), (200, 50), (5_000, 20)]:
+    V = rng.standard_normal((p, k)) / math.sqrt(p)
+    exact = np.linalg.norm(V, 2)
+    bound = transforms.basis_norm_bound(V)
+    assert exact <= bound <= exact * (1 + 1e-6)
+    V32 = V.astype(np.float32)
+    assert np.linalg.norm(V32.astype(np.float64), 2) <= bound
 
 
 _K = jax.random.key(0)

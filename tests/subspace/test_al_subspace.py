@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dpjax import metrics
+from dpjax.mechanisms import truncated_laplace_survival
 from dpjax.subspace import al_subspace, al_subspace_parameters
 from dpjax.subspace.exact import al_subspace_core
 
@@ -196,3 +197,22 @@ def test_clear_errors(kwargs, exc, match):
   key = args.pop("key")
   with pytest.raises(exc, match=match):
     al_subspace(key, X, **args)
+
+
+def test_small_num_groups_refused_or_warned_with_the_true_pass_probability():
+  """Issue 10 §6: k ≤ 4 is refused (unanimous groups pass with probability δ/1.1); below the
+  sure-pass k the warning's probability is what unanimous groups (c* = k) actually achieve."""
+  with pytest.raises(ValueError, match="num_groups=4"):
+    al_subspace_parameters(4, 3, epsilon=EPS, delta=DELTA, num_groups=4)
+  k, trials = 30, 2000
+  with pytest.warns(UserWarning, match="num_groups=30 < min_groups"):
+    params = al_subspace_parameters(k, 3, epsilon=EPS, delta=DELTA, num_groups=k)
+  best = truncated_laplace_survival(
+      params.threshold - k, 1.0 / params.tlap_epsilon, params.tlap_bound)
+  X = _line_data(k, k)                                    # every group of one row on e0: c* = k
+  with jax.enable_x64(True):
+    oks = jax.vmap(lambda key: al_subspace_core(key, jnp.asarray(X), params)[0])(
+        jax.random.split(jax.random.key(1), trials))
+  rate = float(np.mean(np.asarray(oks)))
+  assert 0.05 < best < 0.95
+  assert abs(rate - best) < 4.5 * math.sqrt(best * (1 - best) / trials), (rate, best)

@@ -21,10 +21,17 @@ def _model(seed=0, n=N, d=D, k=K, gamma=GAMMA):
 
 
 def test_parameters_match_the_spec_examples():
-  # ALGORITHMS.md §2.2: ε=1, δ=1e-6 → t=37; ε=0.5, δ=1e-6 → t=73; ε=2, δ=1e-8 → t=25.
-  assert approximate.num_subsets_for(1.0, 1e-6, noise="laplace") == 37
-  assert approximate.num_subsets_for(0.5, 1e-6, noise="laplace") == 73
-  assert approximate.num_subsets_for(2.0, 1e-8, noise="laplace") == 25
+  # ALGORITHMS.md §2.2: ε=1, δ=1e-6 → t=37; ε=0.5, δ=1e-6 → t=73; ε=2, δ=1e-8 → t=25. The
+  # spec's figures use the continuous-Laplace threshold τ = 1 + (2/ε) ln(1/(2δ)); the integer
+  # threshold of the (only) discrete noise is at most one count higher, so t is one more.
+  for (eps, delta), spec in {(1.0, 1e-6): 37, (0.5, 1e-6): 73, (2.0, 1e-8): 25}.items():
+    b, t = 2.0 / eps, 1
+    tau = 1.0 + b * math.log(1.0 / (2.0 * delta))
+    while not (0.9 * t >= tau + b * math.log(20.0) and 0.4 * t >= b * math.log(20.0)
+               and 0.8 * t > b * (math.log(20.0 * t) + math.log(20.0))):
+      t += 1
+    assert t == spec
+    assert approximate.num_subsets_for(eps, delta) == spec + 1
   p = approximate.dpase_parameters(10_000, 50, 4, epsilon=1.0, delta=1e-6, gamma=0.01,
                                    alpha=None)
   assert p.num_reference_points == 9 and p.subset_size == 10_000 // p.num_subsets
@@ -109,11 +116,20 @@ def test_random_labels_partition_holds_under_add_remove_and_succeeds():
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
 
 
-def test_laplace_noise_variant_and_hash_grouping():
+def test_hash_grouping():
   X, model = _model(seed=13)
   res = approximate.dpase(jax.random.key(14), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA,
-                          noise="laplace", grouping="hash")
+                          grouping="hash")
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
+
+
+def test_laplace_noise_option_is_refused():
+  """Regression (issue 10 §1): ``noise="laplace"`` released the winning float32 Laplace count in
+  ``info``, which leaks the count through floating point."""
+  X, _ = _model(seed=13)
+  with pytest.raises(ValueError, match="float32"):
+    approximate.dpase(jax.random.key(14), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA,
+                      noise="laplace")
 
 
 def test_float64():

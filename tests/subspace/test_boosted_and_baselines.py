@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dpjax import data, metrics
-from dpjax.mechanisms import analytic_gaussian_sigma
+from dpjax.mechanisms import analytic_gaussian_sigma, rdp_gaussian_sigma
 from dpjax.subspace import analyze_gauss, dpaseb, num_blocks_for, pca_subspace
 
 
@@ -48,8 +48,17 @@ def test_dpaseb_bad_input():
 
 def test_analyze_gauss_noise_calibration_and_utility():
   X, B = data.exact_subspace_data(jax.random.key(4), 20_000, 30, 2)
+  raw = analyze_gauss(jax.random.key(5), X, epsilon=1.0, delta=1e-6, k=2, clip_norm=3.0,
+                      secure=False)
+  # Computed in units of C² (scale safety): σ/C² is the analytic σ at sensitivity 2.
+  assert raw.info["unit_sigma"] == analytic_gaussian_sigma(1.0, 1e-6, sensitivity=2.0)
+  assert raw.info["sigma"] == pytest.approx(
+      analytic_gaussian_sigma(1.0, 1e-6, sensitivity=2 * 3.0**2), rel=1e-12)
+  assert float(metrics.projection_distance(raw.basis, B)) < 0.1
+  # The float-safe default: the Rényi σ at the grid sensitivity (≤ (1 + 2^-10)·2).
   res = analyze_gauss(jax.random.key(5), X, epsilon=1.0, delta=1e-6, k=2, clip_norm=3.0)
-  assert res.info["sigma"] == analytic_gaussian_sigma(1.0, 1e-6, sensitivity=2 * 3.0**2)
+  assert res.info["secure"] and res.basis.dtype == X.dtype
+  assert res.info["unit_sigma"] == pytest.approx(rdp_gaussian_sigma(1.0, 1e-6, 2.0), rel=2e-3)
   assert float(metrics.projection_distance(res.basis, B)) < 0.1
   # More noise than signal: a tiny dataset gives a poor subspace (the noise is real).
   small = analyze_gauss(jax.random.key(5), X[:20], epsilon=0.1, delta=1e-6, k=2, clip_norm=3.0)
@@ -57,13 +66,14 @@ def test_analyze_gauss_noise_calibration_and_utility():
 
 
 def test_analyze_gauss_noise_is_symmetric_with_the_stated_std():
-  from dpjax.subspace.baselines import _analyze_gauss
+  from dpjax.subspace.baselines import _analyze_gauss_core
   # With zero data the output spans eigenvectors of E alone; check E itself via the same key.
+  # (C = 1, so the std in units of C² is σ itself.)
   d, sigma = 40, 2.5
   noise = jax.random.normal(jax.random.key(6), (d, d)) * sigma
   upper = np.asarray(jnp.triu(noise))[np.triu_indices(d)]
   assert abs(upper.std() / sigma - 1) < 0.1
-  V = _analyze_gauss(jax.random.key(6), jnp.zeros((5, d)), 3, 1.0, sigma)
+  V = _analyze_gauss_core(jax.random.key(6), jnp.zeros((5, d)), 3, 0.5, 1, sigma)   # C = 0.5·2^1
   E = np.asarray(jnp.triu(noise) + jnp.triu(noise, 1).T)
   top = np.linalg.eigh(E)[1][:, ::-1][:, :3]
   # float32 eigenvectors against a float64 reference: error ≈ ulp·‖E‖/eigengap (1.1e-3 on

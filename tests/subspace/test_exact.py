@@ -103,3 +103,23 @@ def test_unsafe_variant_requires_ell_and_bad_inputs():
     dpese(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=6)
   with pytest.raises(ValueError, match="NaN"):
     dpese(jax.random.key(0), np.full((5, 3), np.nan), epsilon=1.0, delta=1e-6, k=1)
+
+
+def test_tied_candidates_are_not_broken_by_row_order():
+  """Regression (issue 10 §7): GAP-MAX breaks ties by list position and the candidates were
+  listed in row order, so with two equally supported planes the plane whose rows came first was
+  always the one released. With the candidates in a fresh random order each plane is released
+  about half of the times an answer is given, whichever rows come first."""
+  rng = np.random.default_rng(7)
+  X = np.zeros((12, 4))
+  X[:6, :2] = rng.standard_normal((6, 2))           # plane A = span(e0, e1)
+  X[6:, 2:] = rng.standard_normal((6, 2))           # plane B = span(e2, e3)
+  for rows in (X, X[::-1]):
+    on_a = answered = 0
+    for seed in range(300):
+      res = dpese(jax.random.key(seed), rows, epsilon=1.0, delta=0.45, k=2)
+      if bool(res.ok):
+        answered += 1
+        on_a += float(jnp.sum(res.basis[:2] ** 2)) > 1.0     # the released plane is A
+    low, high = clopper_pearson(on_a, answered, 0.999)
+    assert answered > 40 and low < 0.5 < high, (on_a, answered)
