@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import metrics
-from dpjax.covariance import (closeness_matrix, covariance_calibration, gaussian_batch_sizes,
+from dpjax.ashtiani_liaw import (closeness_matrix, covariance_calibration, gaussian_batch_sizes,
                               learn_covariance, learn_gaussian, required_n)
 from dpjax.mechanisms import analytic_gaussian_sigma
 
@@ -197,7 +197,7 @@ def calibration_table(dims, epsilons, delta):
         c = covariance_calibration(d, eps, delta, eta_accuracy=acc)
         rows.append({"d": d, "epsilon": eps, "delta": delta, "eta_accuracy": acc,
                      "num_groups": c.num_groups, "min_group_size": c.min_group_size,
-                     "required_n": c.required_n, "eta": c.eta, "gamma": c.gamma,
+                     "required_n": c.required_n, "eta": c.eta, "mask_sensitivity": c.mask_sensitivity,
                      "mask_accuracy": c.mask_accuracy})
   return rows
 

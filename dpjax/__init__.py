@@ -1,6 +1,8 @@
 """dpjax: differential privacy in JAX that learns low-dimensional structure privately."""
 
-from dpjax import accounting, audit, covariance, data, linalg, mechanisms, metrics, sgd, subspace
-from dpjax.subspace import SubspaceResult, calibrate_cell_length, dpase, dpase_parameters
+from dpjax import (accounting, ashtiani_liaw, audit, coinpress, data, ledger, linalg, mechanisms,
+                   metrics, results, robust_stats, sgd, subspace)
+from dpjax.results import SubspaceResult
+from dpjax.subspace import calibrate_cell_length, dpase, dpase_parameters
 
 __version__ = "0.1.0"

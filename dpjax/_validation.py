@@ -208,3 +208,49 @@ def check_test_can_pass(pass_probability: float, delta: float, *, sure: bool,
     raise ValueError(refusal)
   if not sure:
     warnings.warn(warning, UserWarning, stacklevel=stacklevel)
+
+
+def check_shape(shape, name: str = "shape") -> tuple[int, ...]:
+  """Returns ``shape`` as a tuple of ints; raises unless it is one with entries ≥ 0."""
+  if isinstance(shape, (numbers.Integral, np.integer)) and not isinstance(shape, bool):
+    shape = (shape,)
+  if not isinstance(shape, (tuple, list)) or any(
+      isinstance(s, bool) or not isinstance(s, (numbers.Integral, np.integer)) for s in shape):
+    raise TypeError(f"{name} must be a tuple of non-negative ints, got {name}={shape!r}.")
+  if any(int(s) < 0 for s in shape):
+    raise ValueError(f"{name} must be a tuple of non-negative ints, got {name}={shape!r}.")
+  return tuple(int(s) for s in shape)
+
+
+def check_float_dtype(dtype, name: str = "dtype"):
+  """Returns the float dtype to sample in (JAX's default float for ``None``)."""
+  if dtype is None:
+    return jnp.dtype(jnp.result_type(float))
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError as exc:
+    raise TypeError(f"{name} must be a floating dtype, got {name}={dtype!r}.") from exc
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"{name} must be a floating dtype, got {name}={dtype!r}.")
+  return dt
+
+
+def check_float_value(value, name: str = "value") -> jax.Array:
+  """Returns ``value`` as a JAX float array; raises on other dtypes and on NaN/inf entries."""
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a float array, got dtype={value.dtype}.")
+  if not bool(jnp.all(jnp.isfinite(value))):
+    raise ValueError(f"{name} contains NaN or infinite entries.")
+  return value
+
+
+def check_host_float_value(value, name: str = "value") -> np.ndarray:
+  """Returns ``value`` as a NumPy float array (its own precision, float64 kept whatever JAX's x64
+  flag), for the host-side float-safe releases; raises on other dtypes and on NaN/inf."""
+  value = np.asarray(value)
+  if not np.issubdtype(value.dtype, np.floating):
+    raise TypeError(f"{name} must be a float array, got dtype={value.dtype}.")
+  if not np.all(np.isfinite(value)):
+    raise ValueError(f"{name} contains NaN or infinite entries.")
+  return value

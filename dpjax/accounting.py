@@ -23,6 +23,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -340,116 +341,117 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
                      sgd_epsilon, sgd_delta, total.epsilon, total.delta, ADD_REMOVE)
 
 
-class BudgetExceededError(ValueError):
-  """A release would take the ledger past its declared (ε, δ) budget; nothing was recorded."""
+# --------------------------------------------------------------------------------------------
+# Compositions of unsampled Gaussian mechanisms (CoinPress's steps).
+# --------------------------------------------------------------------------------------------
+
+GAUSSIAN_ACCOUNTANTS = ("analytic", "pld", "rdp")
+_SCALE_FLOOR = 1e-3          # common noise scales s are searched in [1e-3, 1e6]
+_SCALE_CEILING = 1e6
 
 
-class LedgerEntry(NamedTuple):
-  label: str
-  kind: str                     # "approx_dp" (ε, δ) or "dp_event" (a dp_accounting event)
-  epsilon: float | None
-  delta: float | None
-  event: dp_accounting.DpEvent | None
+def gaussian_composition_event(noise_multipliers) -> dp_accounting.DpEvent:
+  """``ComposedDpEvent`` of one ``GaussianDpEvent(z_t)`` per unsampled Gaussian step.
 
+  ``z_t = σ_t/Δ_t`` with Δ_t the ℓ2-sensitivity of step t's statistic under the relation the
+  caller states (replace-one for CoinPress). ``GaussianDpEvent(z)`` means "a Gaussian of std z
+  on a statistic that moves by at most 1 between neighbours": that is what the RDP accountant and
+  the PLD accountant under ``ADD_OR_REMOVE_ONE`` compute for an unsampled Gaussian, and the right
+  reading when Δ_t already is the sensitivity under the caller's relation. [CAUTION]
+  ``dp_accounting``'s PLD accountant under ``REPLACE_ONE`` reads z relative to a per-record bound
+  and doubles the shift (ε ≈ 2.1 instead of 1.0 at the same σ): never use it here.
 
-class PrivacyLedger:
-  """A running record of releases under one neighbouring relation, with a hard budget.
-
-  Releases described by a ``dp_accounting`` event (DP-SGD, Gaussian, Laplace) are composed by the
-  accountant; approximate-DP releases with no event (DPASE, the stability histogram, GAP-MAX)
-  are composed with them by basic composition. The running guarantee is
-
-      ε = Σ ε_approx + ε_accountant(δ − Σ δ_approx),   δ = the declared δ
-
-  when there are accountant events, and ``(Σ ε_approx, Σ δ_approx)`` otherwise. A release that
-  would exceed the declared budget raises :class:`BudgetExceededError` and is not recorded: call
-  the ledger before running the mechanism (dpjax's learners do).
-
-  Example::
-
-      ledger = PrivacyLedger(epsilon=2.0, delta=1e-5, neighbouring="add_remove")
-      ledger.record_approx_dp(0.5, 1e-6, label="dpase subspace")
-      ledger.record_dpsgd(noise_multiplier=1.1, sampling_prob=0.01, steps=1000)
-      ledger.spent  # PrivacySpend(epsilon=..., delta=1e-05, neighbouring='add_remove')
+  Raises:
+    ValueError: an empty list or a multiplier not finite and > 0.
   """
+  zs = [v.check_positive(z, "noise_multiplier") for z in noise_multipliers]
+  if not zs:
+    raise ValueError("noise_multipliers must not be empty.")
+  return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z) for z in zs])
 
-  def __init__(self, epsilon: float, delta: float, *, neighbouring: str = ADD_REMOVE,
-               accountant: str = "rdp"):
-    self.epsilon = v.check_epsilon(epsilon)
-    self.delta = v.check_delta(delta)
-    self.neighbouring = v.check_choice(neighbouring, "neighbouring", (ADD_REMOVE, REPLACE_ONE))
-    self.accountant = v.check_choice(accountant, "accountant", ACCOUNTANTS)
-    self._entries: list[LedgerEntry] = []
 
-  def copy(self) -> "PrivacyLedger":
-    """An independent ledger with the same budget and entries (to try a plan first)."""
-    other = PrivacyLedger(self.epsilon, self.delta, neighbouring=self.neighbouring,
-                          accountant=self.accountant)
-    other._entries = list(self._entries)
-    return other
+def gaussian_composition_epsilon(noise_multipliers, delta: float, *,
+                                 accountant: str = "pld") -> float:
+  """ε at ``delta`` of composed unsampled Gaussian mechanisms (:func:`gaussian_composition_event`).
 
-  @property
-  def entries(self) -> tuple[LedgerEntry, ...]:
-    return tuple(self._entries)
+  Args:
+    noise_multipliers: ``z_t = σ_t/Δ_t > 0``, one per step.
+    delta: δ ∈ (0, 1).
+    accountant: "pld" (tight; default) or "rdp" (an upper bound, fast).
 
-  @property
-  def spent(self) -> PrivacySpend:
-    """The running (ε, δ) of everything recorded."""
-    return self._total(self._entries)
+  Returns:
+    ε as a Python float, under the relation the sensitivities Δ_t are stated for.
+  """
+  delta = v.check_delta(delta)
+  v.check_choice(accountant, "accountant", ("pld", "rdp"))
+  event = gaussian_composition_event(noise_multipliers)
+  return float(_shift_one_accountant(accountant).compose(event).get_epsilon(delta))
 
-  @property
-  def remaining_epsilon(self) -> float:
-    return max(0.0, self.epsilon - self.spent.epsilon)
 
-  def record_approx_dp(self, epsilon: float, delta: float, *, label: str = "",
-                       neighbouring: str | None = None) -> PrivacySpend:
-    """Records an (ε, δ)-DP release; raises :class:`BudgetExceededError` if over budget.
+def calibrate_gaussian_composition(epsilon: float, delta: float, fractions, *,
+                                   accountant: str = "pld") -> tuple[float, float]:
+  """``(s, ε(s))``: the common scale for which ``z_t = s/sqrt(f_t)`` composes to (ε, δ)-DP.
 
-    ``neighbouring`` is the relation the release's guarantee holds under (default: the ledger's);
-    it must match the ledger's.
-    """
-    epsilon = v.check_positive(epsilon, "epsilon", allow_zero=True)
-    delta = v.check_positive(delta, "delta", allow_zero=True)
-    self._check_relation(neighbouring)
-    return self._add(LedgerEntry(label, "approx_dp", epsilon, delta, None))
+  ``"analytic"``: the composition of Gaussian mechanisms with multipliers ``s/sqrt(f_t)``,
+  ``Σ f_t = 1``, is exactly one Gaussian mechanism with multiplier ``(Σ z_t^{-2})^{-1/2} = s``
+  (Dong, Roth & Su 2019), so s is the analytic Gaussian σ of (ε, δ) at sensitivity 1 (Balle &
+  Wang 2018) — exact for continuous noise. ``"pld"`` / ``"rdp"``: ``dp_accounting.
+  calibrate_dp_mechanism`` with its own bracket search from that σ. RDP is what a discrete
+  Gaussian's guarantee rests on (its Rényi divergences are at most the continuous ones). Results
+  are cached per ``(ε, δ, fractions, accountant)``.
 
-  def record_event(self, event: dp_accounting.DpEvent, *, label: str = "",
-                   neighbouring: str | None = None) -> PrivacySpend:
-    """Records a release described by a ``dp_accounting`` event."""
-    if not isinstance(event, dp_accounting.DpEvent):
-      raise TypeError(f"event must be a dp_accounting.DpEvent, got {type(event).__name__}.")
-    self._check_relation(neighbouring)
-    return self._add(LedgerEntry(label, "dp_event", None, None, event))
+  Args:
+    epsilon: ε > 0.
+    delta: δ ∈ (0, 1).
+    fractions: per-step fractions ``f_t > 0`` summing to 1 (a tuple).
+    accountant: "analytic", "pld" or "rdp".
 
-  def record_dpsgd(self, *, noise_multiplier: float, sampling_prob: float, steps: int,
-                   label: str = "dp-sgd") -> PrivacySpend:
-    """Records Poisson-sampled DP-SGD steps (add/remove-one; refused by a replace-one ledger)."""
-    return self.record_event(dpsgd_event(noise_multiplier, sampling_prob, steps), label=label,
-                             neighbouring=ADD_REMOVE)
+  Returns:
+    ``(s, ε(s))`` as Python floats, ``ε(s) ≤ ε``.
 
-  def _check_relation(self, neighbouring):
-    if neighbouring is not None and neighbouring != self.neighbouring:
-      raise ValueError(f"this ledger composes guarantees under {self.neighbouring!r}; a release "
-                       f"stated under {neighbouring!r} must be converted first.")
+  Raises:
+    ValueError: bad arguments, or no s in ``[1e-3, 1e6]`` reaches the target.
+  """
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  v.check_choice(accountant, "accountant", GAUSSIAN_ACCOUNTANTS)
+  fractions = tuple(v.check_positive(f, "fraction") for f in fractions)
+  return _calibrate_composition(epsilon, delta, fractions, accountant)
 
-  def _add(self, entry: LedgerEntry) -> PrivacySpend:
-    total = self._total(self._entries + [entry])
-    if total.epsilon > self.epsilon * (1 + 1e-9) or total.delta > self.delta * (1 + 1e-9):
-      raise BudgetExceededError(
-          f"release {entry.label!r} refused: it would bring the total to "
-          f"(ε={total.epsilon:.4g}, δ={total.delta:.3g}), over the budget "
-          f"(ε={self.epsilon:.4g}, δ={self.delta:.3g}).")
-    self._entries.append(entry)
-    return total
 
-  def _total(self, entries) -> PrivacySpend:
-    eps = sum(e.epsilon for e in entries if e.kind == "approx_dp")
-    delta = sum(e.delta for e in entries if e.kind == "approx_dp")
-    events = [e.event for e in entries if e.kind == "dp_event"]
-    if not events:
-      return PrivacySpend(eps, delta, self.neighbouring)
-    left = self.delta - delta
-    if left <= 0:
-      return PrivacySpend(math.inf, self.delta, self.neighbouring)
-    acc = _accountant(self.accountant).compose(dp_accounting.ComposedDpEvent(events))
-    return PrivacySpend(eps + float(acc.get_epsilon(left)), self.delta, self.neighbouring)
+@functools.lru_cache(maxsize=256)
+def _calibrate_composition(epsilon, delta, fractions, accountant):
+  from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
+  start = min(max(analytic_gaussian_sigma(epsilon, delta, 1.0), _SCALE_FLOOR), _SCALE_CEILING)
+  if accountant == "analytic":
+    return start, epsilon
+  roots = [math.sqrt(f) for f in fractions]
+
+  def make_event(scale):
+    return gaussian_composition_event([scale / r for r in roots])
+
+  def eps_at(scale):
+    return float(_shift_one_accountant(accountant).compose(make_event(scale)).get_epsilon(delta))
+
+  if eps_at(_SCALE_CEILING) > epsilon:
+    raise ValueError(f"no noise scale <= {_SCALE_CEILING:g} reaches epsilon={epsilon}; raise "
+                     "the budget.")
+  # The composition is (up to PLD's discretisation) the analytic single Gaussian, and RDP is
+  # looser, so s ≥ start·(1 − tiny): bracket from start/2 (never near s → 0, where the PLD
+  # accountant's memory explodes) and let dp_accounting expand the upper end from start.
+  low = max(0.5 * start, _SCALE_FLOOR)
+  if eps_at(low) <= epsilon:              # pragma: no cover - not expected for Gaussians
+    return low, eps_at(low)
+  scale = float(dp_accounting.calibrate_dp_mechanism(
+      lambda: _shift_one_accountant(accountant), make_event, epsilon, delta,
+      bracket_interval=dp_accounting.LowerEndpointAndGuess(low, start),
+      tol=1e-7 * start))                   # relative 1e-7 in s: ε within ~1e-6 of the target
+  return scale, eps_at(scale)
+
+
+def _shift_one_accountant(name: str) -> dp_accounting.PrivacyAccountant:
+  """An accountant that reads ``GaussianDpEvent(z)`` as a shift-1 Gaussian (see
+  :func:`gaussian_composition_event`)."""
+  relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+  if name == "rdp":
+    return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+  return dp_accounting.pld.PLDAccountant(neighboring_relation=relation)

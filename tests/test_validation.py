@@ -99,7 +99,7 @@ CASES = [
     # accounting
     ("calibrate delta", lambda: dpjax.accounting.calibrate_noise_multiplier(1.0, 2.0, 0.1, 10),
      ValueError, "target_delta"),
-    ("ledger eps", lambda: dpjax.accounting.PrivacyLedger(0.0, 1e-5), ValueError, "epsilon"),
+    ("ledger eps", lambda: dpjax.ledger.PrivacyLedger(0.0, 1e-5), ValueError, "epsilon"),
     # data
     ("data gamma", lambda: data.approximate_subspace_data(KEY, 10, 5, 2, gamma=-0.1),
      ValueError, "gamma"),
@@ -294,7 +294,7 @@ def test_learners_accept_16_bit_input(dtype):
   np.testing.assert_array_equal(
       np.asarray(res.basis),
       np.asarray(dpjax.subspace.pca_subspace(np.asarray(X, np.float32), k=2).basis))
-  from dpjax.covariance import masking
+  from dpjax.ashtiani_liaw import masking
   out = masking.covariance_mask(KEY, np.eye(3).astype(dtype), eta=0.1)
   assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
   np.testing.assert_array_equal(np.asarray(out), np.asarray(out).T)
@@ -304,7 +304,7 @@ def test_al_covariance_too_few_rows_fails_fast_and_names_the_numbers():
   """Before: 442 s (busy machine; 58 s on an idle one) of group-size simulation at d = 30 before
   the error. The cheap bound k·(d + 1) is known without simulating."""
   import time
-  from dpjax.covariance import al_covariance
+  from dpjax.ashtiani_liaw import al_covariance
   X = np.random.default_rng(0).standard_normal((1000, 30))
   start = time.perf_counter()
   with pytest.raises(ValueError) as err:
@@ -333,7 +333,7 @@ def test_dpaseb_too_few_rows_names_the_users_n_and_blocks():
 
 def test_learn_covariance_too_few_rows_names_the_users_n_and_the_coarse_fraction():
   """Before: al_covariance's message on the coarse half: "got n=500" for the user's 1000."""
-  from dpjax.covariance import learn_covariance
+  from dpjax.ashtiani_liaw import learn_covariance
   X = np.random.default_rng(0).standard_normal((1000, 3))
   with pytest.raises(ValueError) as err:
     learn_covariance(KEY, X, epsilon=20.0, delta=1e-6)
@@ -347,7 +347,6 @@ def test_learn_covariance_too_few_rows_names_the_users_n_and_the_coarse_fraction
 
 
 def test_truncated_laplace_survival_matches_the_sampler():
-  from dpjax import _validation
   tl = M.truncated_laplace_params(1.0, 1.0, 0.02)
   z = np.asarray(M.truncated_laplace(jax.random.key(3), (200_000,), sensitivity=1.0,
                                      epsilon=1.0, delta=0.02))
@@ -367,7 +366,7 @@ PPME_X = np.random.default_rng(1).standard_normal((4_000, 3))
 @pytest.mark.parametrize("learner", ["ppme_mean", "robust_mean"])
 def test_ppme_refuses_when_bottom_is_certain(learner):
   """k ≤ 2/(1 − c0) = 20: even unanimous groups pass with probability ≤ δ1. Before: ⊥ silently."""
-  from dpjax.covariance import min_groups_for_test, ppme_mean, robust_mean
+  from dpjax.ashtiani_liaw import min_groups_for_test, ppme_mean, robust_mean
   kwargs = dict(epsilon=1.0, delta=1e-6, num_groups=20, radius=2.0)
   if learner == "robust_mean":
     run = lambda: robust_mean(KEY, PPME_X, corruption=0.05, **kwargs)   # noqa: E731
@@ -381,7 +380,7 @@ def test_ppme_refuses_when_bottom_is_certain(learner):
 
 def test_ppme_warns_below_min_groups_for_test_and_not_above():
   import warnings
-  from dpjax.covariance import min_groups_for_test, ppme_mean
+  from dpjax.ashtiani_liaw import min_groups_for_test, ppme_mean
   recommended = min_groups_for_test(0.25 * 20.0, 5e-7)
   kwargs = dict(epsilon=20.0, delta=1e-6, radius=2.0)
   with pytest.warns(UserWarning, match=f"use num_groups >= {recommended}") as record:
@@ -394,7 +393,7 @@ def test_ppme_warns_below_min_groups_for_test_and_not_above():
 
 def test_al_subspace_refuses_when_bottom_is_certain_and_warns_when_likely():
   import warnings
-  from dpjax.subspace import al_subspace, al_subspace_parameters
+  from dpjax.ashtiani_liaw import al_subspace, al_subspace_parameters
   X = np.random.default_rng(2).standard_normal((400, 3))
   k_min = al_subspace_parameters(400, 3, epsilon=1.0, delta=1e-6).min_groups
   for k in (3, 4):

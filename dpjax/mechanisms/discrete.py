@@ -20,7 +20,6 @@ import numpy as np
 
 from dpjax import _validation as v
 from dpjax.mechanisms import exact as exact_lib
-from dpjax.mechanisms.laplace import check_shape
 
 # The exact sampler needs num = ⌈scale·2^10⌉ ≤ 2^25 (its uint32 arithmetic); the geometric one
 # keeps |Z| < 2^31 except with probability e^{−2^11}.
@@ -72,7 +71,7 @@ def discrete_laplace(key: jax.Array, shape=(), *, scale: float, exact: bool = Tr
     Def. 2.4.
   """
   v.check_key(key)
-  shape = check_shape(shape)
+  shape = v.check_shape(shape)
   scale = _check_scale(scale, exact)
   return _discrete_laplace(key, shape, scale, exact)
 
@@ -284,7 +283,7 @@ def discrete_gaussian(key: jax.Array, shape=(), *, sigma: float) -> np.ndarray:
     Algorithms 1–3 and Thm 4 (its Rényi divergence is at most that of the continuous Gaussian).
   """
   v.check_key(key)
-  shape = check_shape(shape)
+  shape = v.check_shape(shape)
   sigma2 = discrete_gaussian_sigma2(sigma)
   rng = _host_rng(key)
   num, den = sigma2.numerator, sigma2.denominator
@@ -312,7 +311,7 @@ def truncated_discrete_laplace(key: jax.Array, shape=(), *, scale: int, bound: i
     int64 NumPy array of ``shape``.
   """
   v.check_key(key)
-  shape = check_shape(shape)
+  shape = v.check_shape(shape)
   t = v.check_int(scale, "scale", low=1)
   K = v.check_int(bound, "bound", low=0)
   rng = _host_rng(key)

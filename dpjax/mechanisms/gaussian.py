@@ -26,8 +26,6 @@ import numpy as np
 from dpjax import _validation as v
 from dpjax.mechanisms import discrete
 from dpjax.mechanisms.grid import discretization
-from dpjax.mechanisms.laplace import (check_float_dtype, check_float_value,
-                                     check_host_float_value, check_shape)
 
 CALIBRATIONS = ("analytic", "classic", "rdp")
 
@@ -232,22 +230,22 @@ def gaussian_noise(key: jax.Array, shape=(), *, sigma: float, dtype=None) -> jax
     ALGORITHMS.md §1.2.
   """
   v.check_key(key)
-  shape = check_shape(shape)
+  shape = v.check_shape(shape)
   sigma = v.check_positive(sigma, "sigma", allow_zero=True)
-  dtype = check_float_dtype(dtype)
+  dtype = v.check_float_dtype(dtype)
   return (sigma * jax.random.normal(key, shape, dtype)).astype(dtype)
 
 
 def discretized_gaussian_mechanism(key: jax.Array, value, *, sensitivity: float,
                                    noise_multiplier: float,
                                    bound: float | None = None) -> np.ndarray:
-  """Releases ``Λ·(round(clamp(f)/Λ) + Y)``, ``Y ~ N_ℤ(0, (z·Δ_Λ)²)`` exactly: a float-safe Gaussian.
+  """Releases ``Λ·(round(clamp(f)/Λ) + Y)``, ``Y ~ N_ℤ(0, (z·Δ_Λ)²)``: a float-safe Gaussian.
 
   ``f = value`` is clamped to the public ``[−B, B]`` (1-Lipschitz per coordinate, so the
   sensitivity is unchanged), divided by the public power-of-two grid step Λ (exact) and rounded
   to the nearest integer, which moves the ℓ2-sensitivity in grid steps to at most
-  ``Δ_Λ = Δ/Λ + √p`` (:func:`dpjax.mechanisms.discretization`). Exact discrete Gaussian noise with σ = z·Δ_Λ
-  steps is added with integer arithmetic (:func:`dpjax.mechanisms.discrete.discrete_gaussian`),
+  ``Δ_Λ = Δ/Λ + √p`` (:func:`dpjax.mechanisms.discretization`). Exact discrete Gaussian noise
+  with σ = z·Δ_Λ steps is added with integer arithmetic (:func:`dpjax.mechanisms.discrete.discrete_gaussian`),
   and the integer result is scaled back by Λ (exact in float64).
 
   Guarantee: for a statistic of ℓ2-sensitivity Δ under the caller's neighbouring relation, the
@@ -280,7 +278,7 @@ def discretized_gaussian_mechanism(key: jax.Array, value, *, sensitivity: float,
     Mironov, "On significance of the least significant bits for differential privacy", CCS 2012.
   """
   v.check_key(key)
-  value = check_host_float_value(value)
+  value = v.check_host_float_value(value)
   z = v.check_positive(noise_multiplier, "noise_multiplier")
   grid = discretization(sensitivity, max(value.size, 1), bound)
   sigma = math.nextafter(z * grid.grid_sensitivity, math.inf)
@@ -350,7 +348,7 @@ def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
     z = rdp_gaussian_sigma(epsilon, delta)            # noise multiplier (sensitivity 1)
     return discretized_gaussian_mechanism(key, np.asarray(value), sensitivity=sensitivity,
                                           noise_multiplier=z, bound=bound)
-  value = check_float_value(value)
+  value = v.check_float_value(value)
   calibrate = {"analytic": analytic_gaussian_sigma, "classic": classic_gaussian_sigma,
                "rdp": rdp_gaussian_sigma}[calibration]
   sigma = calibrate(epsilon, delta, sensitivity)

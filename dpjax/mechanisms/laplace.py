@@ -1,16 +1,9 @@
-"""The Laplace mechanism (ALGORITHMS.md §1.1).
-
-Also holds the small host-side argument checks shared by the other noise samplers of
-:mod:`dpjax.mechanisms` (output shapes, float dtypes, released values).
-"""
+"""The Laplace mechanism (ALGORITHMS.md §1.1)."""
 
 from __future__ import annotations
 
-import numbers
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from dpjax import _validation as v
 
@@ -59,9 +52,9 @@ def laplace_noise(key: jax.Array, shape=(), *, scale: float, dtype=None) -> jax.
     ALGORITHMS.md §1.1 (floating-point caveat §1.10).
   """
   v.check_key(key)
-  shape = check_shape(shape)
+  shape = v.check_shape(shape)
   scale = v.check_positive(scale, "scale")
-  dtype = check_float_dtype(dtype)
+  dtype = v.check_float_dtype(dtype)
   return (scale * jax.random.laplace(key, shape, dtype)).astype(dtype)
 
 
@@ -102,60 +95,9 @@ def laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: flo
     for differential privacy".
   """
   v.check_key(key)
-  value = check_float_value(value)
+  value = v.check_float_value(value)
   if secure:
     from dpjax.mechanisms.snapping import snapping_mechanism
     return snapping_mechanism(key, value, sensitivity=sensitivity, epsilon=epsilon, bound=bound)
   b = laplace_scale(sensitivity, epsilon)
   return value + (b * jax.random.laplace(key, value.shape, value.dtype)).astype(value.dtype)
-
-
-# --- host-side checks shared by the samplers of this package -----------------------------------
-
-def check_shape(shape, name: str = "shape") -> tuple[int, ...]:
-  """Returns ``shape`` as a tuple of ints; raises unless it is one with entries ≥ 0."""
-  if isinstance(shape, (numbers.Integral, np.integer)) and not isinstance(shape, bool):
-    shape = (shape,)
-  if not isinstance(shape, (tuple, list)) or any(
-      isinstance(s, bool) or not isinstance(s, (numbers.Integral, np.integer)) for s in shape):
-    raise TypeError(f"{name} must be a tuple of non-negative ints, got {name}={shape!r}.")
-  if any(int(s) < 0 for s in shape):
-    raise ValueError(f"{name} must be a tuple of non-negative ints, got {name}={shape!r}.")
-  return tuple(int(s) for s in shape)
-
-
-def check_float_dtype(dtype, name: str = "dtype"):
-  """Returns the float dtype to sample in (JAX's default float for ``None``)."""
-  if dtype is None:
-    return jnp.dtype(jnp.result_type(float))
-  try:
-    dt = jnp.dtype(dtype)
-  except TypeError as exc:
-    raise TypeError(f"{name} must be a floating dtype, got {name}={dtype!r}.") from exc
-  if not jnp.issubdtype(dt, jnp.floating):
-    raise TypeError(f"{name} must be a floating dtype, got {name}={dtype!r}.")
-  return dt
-
-
-def check_float_value(value, name: str = "value") -> jax.Array:
-  """Returns ``value`` as a JAX float array; raises on other dtypes and on NaN/inf entries."""
-  value = jnp.asarray(value)
-  if not jnp.issubdtype(value.dtype, jnp.floating):
-    raise TypeError(f"{name} must be a float array, got dtype={value.dtype}.")
-  if not bool(jnp.all(jnp.isfinite(value))):
-    raise ValueError(f"{name} contains NaN or infinite entries.")
-  return value
-
-
-def check_host_float_value(value, name: str = "value") -> np.ndarray:
-  """Returns ``value`` as a NumPy float array (its own precision, float64 kept whatever JAX's x64
-  flag), for the host-side float-safe releases; raises on other dtypes and on NaN/inf."""
-  value = np.asarray(value)
-  if not np.issubdtype(value.dtype, np.floating):
-    raise TypeError(f"{name} must be a float array, got dtype={value.dtype}.")
-  if not np.all(np.isfinite(value)):
-    raise ValueError(f"{name} contains NaN or infinite entries.")
-  return value
-
-
-_float_value = check_float_value      # old private name, kept for existing imports

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from dpjax import _validation as v
-from dpjax.mechanisms.laplace import check_host_float_value
 
 _BOUND_FACTOR = 2.0**32          # default B = 2^32 λ: clamps nothing realistic, costs ε·2^-17
 
@@ -103,7 +102,7 @@ def snapping_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
     TypeError: non-float value or non-key key. ValueError: NaN/inf, bad Δ, ε, bound.
   """
   v.check_key(key)
-  value = check_host_float_value(value)
+  value = v.check_host_float_value(value)
   lam, grid, b = snapping_parameters(sensitivity, epsilon, bound)
   k_sign, k_u = jax.random.split(key)
   flat = np.clip(value.astype(np.float64).reshape(-1), -b, b)

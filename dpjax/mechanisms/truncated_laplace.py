@@ -7,13 +7,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dpjax import _validation as v
 from dpjax.mechanisms import discrete
 from dpjax.mechanisms.grid import discretization
-from dpjax.mechanisms.laplace import (check_float_dtype, check_float_value,
-                                     check_host_float_value, check_shape)
 
 
 class TruncatedLaplaceParams(NamedTuple):
@@ -126,9 +123,9 @@ def truncated_laplace(key: jax.Array, shape=(), *, sensitivity: float, epsilon: 
     ALGORITHMS.md §1.3; [GDGK20].
   """
   v.check_key(key)
-  shape = check_shape(shape)
+  shape = v.check_shape(shape)
   params = truncated_laplace_params(sensitivity, epsilon, delta)
-  dtype = check_float_dtype(dtype)
+  dtype = v.check_float_dtype(dtype)
   return _truncated_laplace(key, shape, params.scale, params.bound, dtype)
 
 
@@ -230,7 +227,7 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
   """
   v.check_key(key)
   if secure:
-    value = check_host_float_value(value)
+    value = v.check_host_float_value(value)
     epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
     grid = discretization(sensitivity, max(value.size, 1), bound, norm=1)
     shift = math.floor(grid.grid_sensitivity)
@@ -239,6 +236,6 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
     index = grid.round(value)
     noise = discrete.truncated_discrete_laplace(key, (index.size,), scale=scale, bound=K)
     return grid.release(index + noise, value.shape)
-  value = check_float_value(value)
+  value = v.check_float_value(value)
   params = truncated_laplace_params(sensitivity, epsilon, delta)
   return value + _truncated_laplace(key, value.shape, params.scale, params.bound, value.dtype)

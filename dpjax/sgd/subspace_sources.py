@@ -18,7 +18,7 @@ from jax.flatten_util import ravel_pytree
 from dpjax import _validation as v
 from dpjax import linalg
 from dpjax.subspace.approximate import dpase
-from dpjax.subspace.result import SubspaceResult
+from dpjax.results import SubspaceResult
 
 ADD_REMOVE = "add_remove"     # == dpjax.accounting.ADD_REMOVE (no import: sgd sits above it)
 

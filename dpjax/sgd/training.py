@@ -95,7 +95,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     progress: show a tqdm progress bar (needs the ``examples`` extra).
     dpase_kwargs: extra arguments for DPASE.
     accountant: "rdp" or "pld".
-    ledger: optional :class:`dpjax.accounting.PrivacyLedger` (add/remove-one) that records the
+    ledger: optional :class:`dpjax.ledger.PrivacyLedger` (add/remove-one) that records the
       subspace release and the SGD steps, refusing them before they run if over its budget.
 
   Returns:
@@ -107,7 +107,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     ValueError: NaN/inf in ``data`` or ``public_data``; ε ≤ 0, δ ∉ (0, 1); ``L > N``; C ≤ 0;
       ``k ∉ [1, p]``; fractions ∉ (0, 1); missing ``k`` / ``public_data`` / ``gamma``; an
       unknown ``subspace``; ``refresh_every`` without a public subspace; no σ meets the budget.
-    dpjax.accounting.BudgetExceededError: the plan does not fit ``ledger`` (nothing has run).
+    dpjax.ledger.BudgetExceededError: the plan does not fit ``ledger`` (nothing has run).
 
   References:
     Abadi et al., "Deep Learning with Differential Privacy", CCS 2016 (DP-SGD); Singhal &

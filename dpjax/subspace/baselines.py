@@ -14,7 +14,7 @@ from dpjax import linalg
 from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
                                        rdp_gaussian_sigma)
 from dpjax.mechanisms.grid import discretization
-from dpjax.subspace.result import SubspaceResult
+from dpjax.results import SubspaceResult
 
 
 def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,

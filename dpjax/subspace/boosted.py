@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from dpjax import _validation as v
 from dpjax.subspace import approximate
-from dpjax.subspace.result import SubspaceResult
+from dpjax.results import SubspaceResult
 
 C3 = 45.0      # PROPOSED: T = ⌈45 ln(1/β)⌉ (Chernoff with KL(0.6 ‖ 0.7) = 0.02258).
 
@@ -51,7 +51,7 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
     gamma: DPASE's gap parameter (or ``cell_length=`` in ``dpase_kwargs``).
     num_blocks: override T.
     c3: the constant in T.
-    ledger: optional :class:`dpjax.accounting.PrivacyLedger` (replace-one).
+    ledger: optional :class:`dpjax.ledger.PrivacyLedger` (replace-one).
     **dpase_kwargs: public DPASE parameters (``num_subsets``, ``cell_length``, ``ell_rule``, …).
 
   Returns:

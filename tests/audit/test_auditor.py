@@ -4,8 +4,6 @@ Each negative control is a deliberately broken mechanism that the auditor must f
 ε_empirical > ε_claimed; the matching correct mechanism must pass on the same neighbours.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np

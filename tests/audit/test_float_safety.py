@@ -135,7 +135,7 @@ def test_secure_gaussian_is_float_safe(audit_trials):
 def test_ppme_mean_release_is_float_safe(audit_trials):
   """PPME's default mask is the discretized Gaussian: the released mean is on the public grid
   (``info["grid"]``) for any data; X' replaces one row by a far outlier."""
-  from dpjax.covariance import ppme_mean
+  from dpjax.ashtiani_liaw import ppme_mean
   n = audit_trials(1_000, 10_000)
   eps, delta, k, m = 8.0, 1e-3, 176, 4
   rng = np.random.default_rng(0)
@@ -154,7 +154,7 @@ def test_coinpress_releases_are_float_safe(audit_trials):
   """CoinPress mean (every released centre on its grid; the output is the last one) and
   covariance (each released noisy second moment on its grid in isometric coordinates):
   one row moved from −10⁶ to +10⁶."""
-  from dpjax.covariance import coinpress_covariance, coinpress_mean
+  from dpjax.coinpress import coinpress_covariance, coinpress_mean
   n = audit_trials(1_000, 10_000)
   X = np.zeros((40, 1))
   X[0, 0] = -1e6

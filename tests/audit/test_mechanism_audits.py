@@ -10,20 +10,20 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from dpjax import accounting, audit, data, linalg, sgd
+from dpjax import accounting, audit, data, sgd
 from dpjax import mechanisms as M
-from dpjax.covariance import covariance as cov_lib
-from dpjax.covariance import masking as cov_masking
-from dpjax.covariance import populous_mean as ppme_lib
-from dpjax.covariance import semimetric
+from dpjax.ashtiani_liaw import calibration as al_calibration
+from dpjax.ashtiani_liaw import covariance as cov_lib
+from dpjax.ashtiani_liaw import masking as cov_masking
+from dpjax.ashtiani_liaw import populous_mean as ppme_lib
+from dpjax.ashtiani_liaw import semimetric
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
 from dpjax.subspace import approximate
 from dpjax.subspace import analyze_gauss as dpjax_analyze_gauss
 from dpjax.subspace import dpaseb as dpjax_dpaseb
-from dpjax.subspace.exact import al_subspace_core, al_subspace_parameters
+from dpjax.ashtiani_liaw.exact_subspace import al_subspace_core, al_subspace_parameters
 from dpjax.subspace.exact import dpese as dpjax_dpese
 
 pytestmark = pytest.mark.audit
@@ -352,7 +352,7 @@ def test_ppme_euclidean_group_moved_far_away(audit_trials):
   eps, delta, frac, k, r, d = 2.0, 0.02, 0.25, 200, 1.0, 2
   eps1, eps2, delta1, delta2 = eps * frac, eps * (1 - frac), delta / 2, delta / 2
   cal = ppme_lib.ppme_calibration(k, r, eps1, delta1, space="euclidean")
-  sigma = analytic_gaussian_sigma(eps2, delta2, cal.gamma)
+  sigma = analytic_gaussian_sigma(eps2, delta2, cal.mask_sensitivity)
   n_a, n_b, n_c = 60, 130, 10
   pos = np.concatenate([np.zeros(n_a), np.full(n_b, 0.9 * r), np.full(n_c, 1.8 * r)])
   X = np.zeros((k, d))
@@ -432,7 +432,7 @@ def test_al_covariance_ppme_row_replaced_by_a_huge_row(audit_trials):
   """
   n = audit_trials(20_000, 500_000)
   d, k, eps, delta = 2, 200, 4.0, 0.02
-  cal = cov_lib.covariance_calibration(d, eps, delta, num_groups=k, min_group_size=d + 1)
+  cal = al_calibration.covariance_calibration(d, eps, delta, num_groups=k, min_group_size=d + 1)
   ppme = ppme_lib.ppme_calibration(k, cal.radius, cal.epsilon_test, cal.delta_test,
                                    space="covariance")
   n_a, n_b, n_c = 60, 124, 16
@@ -472,7 +472,8 @@ def test_coinpress_mean(audit_trials):
   """CoinPress mean (4 Gaussian steps composed, analytic calibration): one row moved from −∞ to
   +∞, so it is clipped to opposite edges of the ball in every step (the full replace-one
   sensitivity 2R_t/n); d = 1 for the strongest signal."""
-  from dpjax.covariance import coinpress
+  from dpjax import coinpress
+  from dpjax.coinpress import mean as cp_mean
   n = audit_trials(20_000, 400_000)
   X = np.zeros((40, 1))
   X[0, 0] = -1e6
@@ -486,7 +487,7 @@ def test_coinpress_mean(audit_trials):
 
     def release(key, data):
       keys = jax.random.split(key, n)
-      run = lambda k: coinpress._mean_core(k, jnp.asarray(data), jnp.zeros(1), radii, sigmas)
+      run = lambda k: cp_mean._mean_core(k, jnp.asarray(data), jnp.zeros(1), radii, sigmas)
       return np.asarray(jax.vmap(run)(keys)[0][:, 0])
 
     a, b = _pair_of_samples(jax.random.key(31), release, X, X_prime)
@@ -499,7 +500,8 @@ def _coinpress_covariance_lower_bound(key, trials, sigma_factor=1.0):
   d = 2, κ = 1 (no whitening), 39 background rows of norm 0.99γ on the two axes, and one row
   moved from 10⁶·e0 to 10⁶·e1 — both clipped to norm γ and orthogonal, where √2γ²/n is tight.
   Feature: Σ̂00 − Σ̂11, which carries the whole shift 2γ²/n against noise of std √2σ."""
-  from dpjax.covariance import coinpress
+  from dpjax import coinpress
+  from dpjax.coinpress import covariance as cp_covariance
   rows, eps, delta = 40, 1.0, 0.02
   info = coinpress.coinpress_covariance(jax.random.key(0), np.eye(2).repeat(rows // 2, 0),
                                         epsilon=eps, delta=delta, kappa=1.0, steps=1,
@@ -516,7 +518,7 @@ def _coinpress_covariance_lower_bound(key, trials, sigma_factor=1.0):
     etas = jnp.asarray(info["etas"], jnp.float64)
 
     def release(k, data):
-      run = lambda kk: coinpress._covariance_core(kk, jnp.asarray(data), jnp.float64(1.0),  # noqa
+      run = lambda kk: cp_covariance._covariance_core(kk, jnp.asarray(data), jnp.float64(1.0),  # noqa
                                                   jnp.float64(gamma), sigmas, etas)
       out = jax.vmap(run)(jax.random.split(k, trials))
       return np.asarray(out[:, 0, 0] - out[:, 1, 1])

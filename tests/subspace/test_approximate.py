@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dpjax import data, linalg, metrics
-from dpjax.subspace import approximate
+from dpjax.subspace import approximate, tuning
 
 # A configuration on the paper's model where the spec predicts success with the default
 # (paper_proof) cell length: γ small enough for ℓ = 20 q r̂ to resolve the subspace.
@@ -142,7 +142,7 @@ def test_float64():
 
 
 def test_calibrate_cell_length_picks_the_best_grid_point():
-  cal = approximate.calibrate_cell_length(jax.random.key(17), n=3_000, d=10, k=1, gamma=1e-3,
+  cal = tuning.calibrate_cell_length(jax.random.key(17), n=3_000, d=10, k=1, gamma=1e-3,
                                           epsilon=EPS, delta=DELTA, trials=3,
                                           grid=np.array([1e-4, 1e-2, 1.0, 100.0]))
   assert cal.cell_length == cal.grid[int(np.argmax(cal.success_rate))]

@@ -1,8 +1,6 @@
 """DPESE (ALGORITHMS.md §2.1): exact recovery, robustness, ⊥ cases, the guard, and the privacy
 failure of the printed algorithm."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np

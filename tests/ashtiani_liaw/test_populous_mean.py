@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax.covariance import covariance as cv
-from dpjax.covariance import masking
-from dpjax.covariance import populous_mean as pm
-from dpjax.covariance import semimetric
+from dpjax import ashtiani_liaw as cv
+from dpjax.ashtiani_liaw import masking
+from dpjax.ashtiani_liaw import populous_mean as pm
+from dpjax.ashtiani_liaw import semimetric
 from dpjax.mechanisms import analytic_gaussian_sigma, discretization, rdp_gaussian_sigma
 
 DEFAULT = pm.PopulousThresholds()
@@ -77,18 +77,19 @@ def test_ppme_calibration_formulas(thresholds):
           assert cal.num_groups == k
           assert cal.weight_floor == pytest.approx(w_min, rel=1e-12)
           assert cal.rho == pytest.approx(2 * r, rel=1e-12)
-          assert cal.gamma == pytest.approx((4 + 2 / (b - a)) * 2 * r / w_min, rel=1e-12)
+          assert cal.mask_sensitivity == pytest.approx((4 + 2 / (b - a)) * 2 * r / w_min,
+                                                      rel=1e-12)
           assert cal.test_scale == pytest.approx(2 / (k * eps1), rel=1e-12)
           assert cal.test_bound == pytest.approx(_A1(k, eps1, delta1), rel=1e-9)
           assert cal.pass_level == pytest.approx(c0 + _A1(k, eps1, delta1), rel=1e-9)
           if thresholds == DEFAULT:
-            assert cal.gamma == pytest.approx(14 * cal.rho / w_min, rel=1e-12)
+            assert cal.mask_sensitivity == pytest.approx(14 * cal.rho / w_min, rel=1e-12)
           if 2 * r + r * r < 1:
             cov = pm.ppme_calibration(k, radius, eps1, delta1, space="covariance",
                                       thresholds=thresholds, radius_margin=margin)
             rho = 2 * r + r * r
             assert cov.rho == pytest.approx(rho, rel=1e-12)
-            assert cov.gamma == pytest.approx((4 + 2 / (b - a)) * rho / ((1 - rho) * w_min),
+            assert cov.mask_sensitivity == pytest.approx((4 + 2 / (b - a)) * rho / ((1 - rho) * w_min),
                                               rel=1e-12)
             assert cov.pass_level == cal.pass_level
           else:
@@ -241,11 +242,12 @@ def test_ppme_mean_unbounded_mean_within_lemma_3_6_bound(seed):
     assert not np.array_equal(np.asarray(other.estimate), np.asarray(res.estimate))
   # The public info matches the public calibration.
   cal = pm.ppme_calibration(K_MEAN, r, EPS * 0.25, DELTA / 2, space="euclidean")
-  assert res.info["gamma"] == pytest.approx(cal.gamma)
-  grid = discretization(cal.gamma, D_MEAN)
+  assert res.info["mask_sensitivity"] == pytest.approx(cal.mask_sensitivity)
+  grid = discretization(cal.mask_sensitivity, D_MEAN)
   assert sigma == pytest.approx(rdp_gaussian_sigma(EPS * 0.75, DELTA / 2)
                                 * grid.grid_sensitivity * grid.grid)
-  assert sigma == pytest.approx(rdp_gaussian_sigma(EPS * 0.75, DELTA / 2, cal.gamma), rel=2e-3)
+  assert sigma == pytest.approx(rdp_gaussian_sigma(EPS * 0.75, DELTA / 2, cal.mask_sensitivity),
+                                rel=2e-3)
   # Float-safe release (default): every entry on the public grid, whatever ‖μ‖.
   est = np.asarray(res.estimate)
   assert res.info["grid"] == grid.grid and np.all(est == np.round(est / grid.grid) * grid.grid)
@@ -254,7 +256,7 @@ def test_ppme_mean_unbounded_mean_within_lemma_3_6_bound(seed):
     raw = pm.ppme_mean(jax.random.key(seed), X, epsilon=EPS, delta=DELTA, num_groups=K_MEAN,
                        radius=r, secure=False)
     assert raw.info["sigma"] == pytest.approx(analytic_gaussian_sigma(EPS * 0.75, DELTA / 2,
-                                                                      cal.gamma))
+                                                                      cal.mask_sensitivity))
     assert bool(raw.ok) and np.linalg.norm(np.asarray(raw.estimate) - mu) <= bound
 
 
@@ -407,7 +409,7 @@ def test_concentration_rule_asks_for_larger_groups_than_simulation():
   prev = pm.ppme_calibration(sim.num_groups - 1, sim.radius, sim.epsilon_test, sim.delta_test,
                              space="covariance")
   try:
-    eta_prev = masking.calibrate_masking(D_COV, prev.gamma, sim.epsilon_mask,
+    eta_prev = masking.calibrate_masking(D_COV, prev.mask_sensitivity, sim.epsilon_mask,
                                          sim.delta_mask).eta
   except ValueError:                    # C_0 ≥ ε2 at k − 1: no η at all
     eta_prev = math.inf

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dpjax import metrics
-from dpjax.covariance import (covariance_calibration, gaussian_batch_sizes, learn_covariance,
+from dpjax.ashtiani_liaw import (covariance_calibration, gaussian_batch_sizes, learn_covariance,
                               learn_gaussian)
 
 EPS, DELTA = 20.0, 1e-6

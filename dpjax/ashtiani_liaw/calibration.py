@@ -1,16 +1,12 @@
-"""The Ashtiani–Liaw covariance learner ([AL22] Algorithm 3, Thm 5.4; ALGORITHMS.md §3.5).
+"""Public calibration of the Ashtiani–Liaw covariance learner ([AL22] Thm 5.4; ALGORITHMS.md §3.5).
 
-PPME (``populous_mean.py``) over the affine-invariant semimetric (``semimetric.py``) with the
-empirical covariance of each group as candidate and the covariance masking mechanism
-(``masking.py``) as mask. No bound on the condition number or the scale of Σ is needed: every
-step is affine equivariant. The output Σ̃ is a constant-factor approximation (a preconditioner);
-:func:`learn_covariance` refines it with CoinPress on a disjoint batch of rows.
-
-[PROPOSED] end-to-end calibration (all public, :func:`covariance_calibration`):
+Everything here is a function of public quantities (d, ε, δ and the options): the number of
+groups, the group size, the mask's η and the rows the learner needs. [PROPOSED] end-to-end
+calibration (:func:`covariance_calibration`):
 
 1. ε1 = ε/4 for the test, ε2 = 3ε/4 for the mask, δ1 = δ2 = δ/2; r = 1/4; (a, b, c0) =
    (0.6, 0.8, 0.9).
-2. The smallest number of groups k with ``k ≥`` :func:`~dpjax.covariance.populous_mean.
+2. The smallest number of groups k with ``k ≥`` :func:`~dpjax.ashtiani_liaw.
    min_groups_for_test` and, for ``γ = γ_PPME(k)``: ``γ ≤ ½``, ``C_0(γ) < ε2`` and
    ``η_min(γ)·(2√d + √(2 ln(1/β))) ≤ eta_accuracy`` (default 0.2: the mask then moves its input
    by at most dist 0.56 w.p. 1 − β). η = η_min(γ).
@@ -39,16 +35,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dpjax import _validation as v
-from dpjax import linalg
-from dpjax.covariance import masking, semimetric
-from dpjax.covariance.populous_mean import (DEFAULT_RADIUS_MARGIN, PopulousThresholds,
-                                            check_test_can_pass, check_thresholds,
-                                            min_groups_for_test, populous_mean,
-                                            ppme_calibration, split_groups)
-from dpjax.covariance.result import PrivateEstimate
+from dpjax.ashtiani_liaw import masking, semimetric
+from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PopulousThresholds,
+                                               check_test_can_pass, check_thresholds,
+                                               min_groups_for_test, ppme_calibration)
 
 
 class CovarianceCalibration(NamedTuple):
@@ -60,7 +52,7 @@ class CovarianceCalibration(NamedTuple):
     min_group_size: m from the concentration rule (or the user's override).
     required_n: ``k·m`` rows (``2·k·m`` with ``unknown_mean``).
     radius: closeness radius r.
-    gamma: PPME's masking sensitivity γ.
+    mask_sensitivity: γ, PPME's masking sensitivity.
     eta: the mask's noise level η.
     mask_accuracy: α with ``dist(M_η(Ŷ), Ŷ) ≤ α`` w.p. 1 − β.
     candidate_accuracy: r'' (each group's covariance within r'' of Σ w.p. 1 − β at m rows).
@@ -72,7 +64,7 @@ class CovarianceCalibration(NamedTuple):
   min_group_size: int
   required_n: int
   radius: float
-  gamma: float
+  mask_sensitivity: float
   eta: float
   mask_accuracy: float
   candidate_accuracy: float
@@ -128,7 +120,7 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
       rule); the message names n, d, ε, δ, k and the bound.
 
   Warns:
-    UserWarning: a ``num_groups`` below :func:`~dpjax.covariance.populous_mean.
+    UserWarning: a ``num_groups`` below :func:`~dpjax.ashtiani_liaw.
       min_groups_for_test` (the test may fail even when every group agrees).
   """
   d = v.check_int(d, "d", low=1)
@@ -138,7 +130,7 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
   eps1, eps2, delta1, delta2 = epsilon * frac, epsilon * (1 - frac), delta / 2, delta / 2
   gamma_at = lambda k: ppme_calibration(k, radius, eps1, delta1, space="covariance",   # noqa: E731
                                         thresholds=thresholds,
-                                        radius_margin=radius_margin).gamma
+                                        radius_margin=radius_margin).mask_sensitivity
   spread = 2.0 * math.sqrt(d) + math.sqrt(2.0 * math.log(1.0 / beta))
   v.check_choice(group_size_rule, "group_size_rule", ("simulation", "concentration"))
   needs_target = min_group_size is None and group_size_rule == "simulation"
@@ -182,7 +174,7 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
     check_thresholds(thresholds, k)
     gamma = gamma_at(k)
     if gamma > 0.5:
-      raise ValueError(f"num_groups={k} gives masking sensitivity gamma={gamma:.3g} > 1/2; use "
+      raise ValueError(f"num_groups={k} gives masking sensitivity {gamma:.3g} > 1/2; use "
                        "more groups.")
     mask_cal = masking.calibrate_masking(d, gamma, eps2, delta2)
     check_test_can_pass(k, eps1, delta1, thresholds, learner="the covariance learner")
@@ -209,7 +201,7 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
     m = v.check_int(min_group_size, "min_group_size", low=d + 1)
   alpha = masking.masking_concentration(d, mask_cal.eta, beta)
   rows = k * m * pairs
-  return CovarianceCalibration(d, k, m, rows, float(radius), mask_cal.gamma, mask_cal.eta,
+  return CovarianceCalibration(d, k, m, rows, float(radius), mask_cal.distance, mask_cal.eta,
                                alpha, r_candidate, eps1, delta1, eps2, delta2, beta)
 
 
@@ -299,199 +291,3 @@ def required_n(d: int, epsilon: float, delta: float, **kwargs) -> int:
   ``d²·√ln(1/δ)/ε`` groups times ``O(d + ln k)`` rows per group ([AL22] Thm 5.4).
   """
   return covariance_calibration(d, epsilon, delta, **kwargs).required_n
-
-
-def second_moment(rows: jax.Array) -> jax.Array:
-  """``(1/m) Σ x xᵀ`` of ``rows (m, d)``: the empirical covariance of mean-zero rows."""
-  return rows.T @ rows / rows.shape[0]
-
-
-def pair_differences(X: jax.Array) -> jax.Array:
-  """``(x_{2i} − x_{2i+1})/√2`` for consecutive pairs: mean-zero rows with the same covariance.
-
-  One replaced row changes one difference, so a replace-one guarantee on the differences is one
-  on ``X``. An odd last row is dropped.
-  """
-  half = X.shape[0] // 2
-  return (X[0:2 * half:2] - X[1:2 * half:2]) / math.sqrt(2.0)
-
-
-def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: float = 0.25,
-                  num_groups: int | None = None, min_group_size: int | None = None,
-                  unknown_mean: bool = False, estimator=None, **calibration_kwargs
-                  ) -> PrivateEstimate:
-  """A constant-factor private approximation of an unbounded covariance ([AL22] Algorithm 3).
-
-  PPME over groups of rows with the empirical covariance as candidate, the semimetric of §3.1
-  and the covariance masking mechanism with the public calibration (module docstring).
-
-  Privacy guarantee: (ε, δ)-DP under replace-one (n public): the PPME test is
-  ``(ε1, δ1)``-DP via ``TLap(2/k, ε1, δ1)``; on a pass the weighted average moves by semimetric
-  distance ≤ γ (``populous_mean.py``), and ``M_η`` with ``η ≥ η_min(γ)`` is a (γ, ε2, δ2)-masking
-  mechanism (``masking.py``). Everything runs in float64 (under ``jax.enable_x64``). Floating
-  point: the masked release's low-order bits are not protected (see ``masking.py``: the mask's
-  noise is multiplicative, so the grid-and-integer-noise fix of the additive mechanisms does not
-  apply); the PPME test bit is float-safe up to float64's 2^-53 resolution of the TLap tail.
-
-  Utility ([AL22] Thm 5.4 with our constants): on ``N(0, Σ)`` data with ``n ≥ required_n``, w.p.
-  ≥ 1 − 2β the test passes and ``dist(Σ̃, Σ) ≤ (1 + r'')(1 + α) − 1`` (α the mask's
-  concentration), i.e. ``Σ/(1+c) ⪯ Σ̃ ⪯ (1+c)Σ`` for that constant c.
-
-  Args:
-    key: PRNG key.
-    X: ``(n, d)`` rows ~ N(0, Σ) (or N(μ, Σ) with ``unknown_mean=True``: consecutive pairs are
-      differenced, see :func:`pair_differences`).
-    epsilon, delta: the budget.
-    radius, num_groups, min_group_size: see :func:`covariance_calibration`.
-    unknown_mean: difference pairs of rows first.
-    estimator: non-private ``(m, d) -> (d, d)`` candidate (default :func:`second_moment`; the
-      robust variant passes a robust covariance estimator).
-    **calibration_kwargs: further :func:`covariance_calibration` arguments.
-
-  Returns:
-    :class:`PrivateEstimate` with ``estimate (d, d)`` float64 NumPy (zeros on ⊥); ``info`` holds
-    the calibration.
-
-  Raises:
-    ValueError: bad input, or ``n`` below the calibration's ``required_n`` (the message gives it
-      with d, ε, δ and the groups). A hopeless ``n`` (below ``k·(d + 1)``, k the number of
-      groups, found without simulation) is refused at once, before the group-size simulation,
-      with that lower bound; :func:`required_n` gives the exact figure.
-
-  References:
-    [AL22] Algorithm 3, Lemma 5.1/5.2, Thm 5.4; ALGORITHMS.md §3.5.
-  """
-  key = v.check_key(key)
-  X = v.check_data64(X, "X")
-  n, d = X.shape
-  # n (public) goes in so that a hopeless n fails before the group-size simulation runs.
-  cal = covariance_calibration(d, epsilon, delta, radius=radius, num_groups=num_groups,
-                               min_group_size=min_group_size, unknown_mean=unknown_mean,
-                               n=n, **calibration_kwargs)
-  if n < cal.required_n:
-    raise _TooFewRows(n=n, d=d, epsilon=float(epsilon), delta=float(delta),
-                      num_groups=cal.num_groups, group_size=cal.min_group_size,
-                      pairs=2 if unknown_mean else 1, exact=True)
-  thresholds = calibration_kwargs.get("thresholds", PopulousThresholds())
-  ppme = ppme_calibration(cal.num_groups, cal.radius, cal.epsilon_test, cal.delta_test,
-                          space="covariance", thresholds=thresholds,
-                          radius_margin=calibration_kwargs.get("radius_margin",
-                                                               DEFAULT_RADIUS_MARGIN))
-  vectorize = estimator is None                 # a user estimator may iterate: one group at a time
-  estimator = second_moment if estimator is None else estimator
-  with jax.enable_x64(True):
-    X64 = jnp.asarray(X, jnp.float64)
-    ok, estimate = _al_covariance(key, X64, cal.num_groups, cal.radius, cal.eta, ppme,
-                                  thresholds, estimator, unknown_mean, vectorize)
-    estimate = linalg.symmetrize(estimate)          # exactly symmetric (post-processing)
-  info = dict(cal._asdict(), group_size=(n // (2 if unknown_mean else 1)) // cal.num_groups)
-  return PrivateEstimate(ok, np.asarray(estimate), float(epsilon), float(delta), "replace_one", info)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
-def _al_covariance(key, X, k, radius, eta, ppme, thresholds, estimator, unknown_mean, vectorize):
-  """al_covariance's traced body; public constants static, so repeated calls reuse the program."""
-  d = X.shape[1]
-  rows = pair_differences(X) if unknown_mean else X
-  k_split, k_run = jax.random.split(key)
-  groups = split_groups(k_split, rows, k)
-  return populous_mean(
-      k_run, groups, estimator=estimator,
-      neighbour_counts=lambda Y: semimetric.neighbour_counts(Y, radius),
-      mask=lambda k_mask, S: masking.mask_covariance(k_mask, S, eta),
-      calibration=ppme, thresholds=thresholds, placeholder=jnp.eye(d, dtype=X.dtype),
-      vectorize=vectorize)
-
-
-def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
-                     coarse_fraction: float = 0.5, refine: bool = True,
-                     unknown_mean: bool = False, eta_accuracy: float | None = 0.5,
-                     **al_kwargs) -> PrivateEstimate:
-  """Unbounded covariance to small error: AL preconditioner, then CoinPress ([AL22] Thm 5.4–5.6).
-
-  The rows are split by position (public) into a coarse batch (the first ``coarse_fraction``)
-  and a refinement batch. :func:`al_covariance` on the coarse batch gives Σ̃ with
-  ``dist(Σ̃, Σ) ≤ c`` (``c = (1 + r)(1 + α) − 1``, r the closeness radius, α the mask's
-  concentration; a practical, not worst-case, constant); the refinement batch is whitened by Σ̃
-  and :func:`dpjax.covariance.coinpress.coinpress_covariance` (the practical stand-in for
-  [AL22] Thm 5.5, Biswas et al. 2020) refines it with ``κ = (1 + c)²``, after which the
-  estimate is mapped back. ``eta_accuracy`` defaults to 0.5 here (vs 0.2 in
-  :func:`al_covariance`): a looser preconditioner is enough before refinement and halves the
-  groups needed.
-
-  Privacy guarantee: (ε, δ)-DP under replace-one. Each step is (ε, δ)-DP on its own batch; the
-  batches are disjoint and fixed by position, and the refinement only sees the coarse batch
-  through the DP release Σ̃ (adaptive parallel composition).
-
-  Args:
-    key: PRNG key.
-    X: ``(n, d)`` rows ~ N(0, Σ) (N(μ, Σ) with ``unknown_mean``).
-    epsilon, delta: the budget (each batch spends all of it).
-    coarse_fraction: share of rows for the AL step.
-    refine: False returns the AL step alone (on ``coarse_fraction`` of the rows).
-    unknown_mean: difference consecutive pairs in both batches.
-    eta_accuracy: passed to :func:`covariance_calibration`.
-    **al_kwargs: further :func:`al_covariance` arguments.
-
-  Returns:
-    :class:`PrivateEstimate` with ``estimate (d, d)`` float64; ``info["failed_step"]`` is
-    ``"covariance"`` on ⊥ and ``info["coarse"]`` the AL step's info.
-
-  Raises:
-    ValueError: too few rows for the AL step (the message names the user's n, the coarse
-      fraction and the total rows needed; with ``refine=False`` it is :func:`al_covariance`'s),
-      too few refinement rows, or as :func:`al_covariance`.
-
-  References:
-    [AL22] Algorithm 3, Thm 5.4–5.6; Biswas, Dong, Kamath & Ullman (2020); ALGORITHMS.md §3.5.
-  """
-  from dpjax.covariance.coinpress import coinpress_covariance     # refinement is optional
-  key = v.check_key(key)
-  X = v.check_data64(X, "X")
-  frac = v.check_probability(coarse_fraction, "coarse_fraction", open_high=not refine)
-  n, d = X.shape
-  n_coarse = int(n * frac) if refine else n
-  k_coarse, k_refine = jax.random.split(key)
-  try:
-    coarse = al_covariance(k_coarse, X[:n_coarse], epsilon=epsilon, delta=delta,
-                           unknown_mean=unknown_mean, eta_accuracy=eta_accuracy, **al_kwargs)
-  except _TooFewRows as err:
-    if not refine:
-      raise
-    # Restate the requirement in the user's terms: the AL step sees only int(n·frac) rows.
-    total = math.ceil(err.rows / frac)
-    while int(total * frac) < err.rows:
-      total += 1
-    raise ValueError(
-        f"learn_covariance needs n >= {total} rows{'' if err.exact else ' at the very least'} "
-        f"for d={d}, epsilon={err.epsilon:g}, delta={err.delta:g}: its AL step runs on "
-        f"coarse_fraction={frac:g} of the rows and needs {err.rows} of them "
-        f"({err.groups_text()}), got n={n} (int(n·coarse_fraction) = {n_coarse} rows for that "
-        "step). Collect more rows, raise epsilon or coarse_fraction, or pass "
-        "num_groups/min_group_size to trade accuracy for rows (required_n(d, epsilon, delta, "
-        f"eta_accuracy={eta_accuracy}) gives the AL step's exact figure).") from None
-  info = {"coarse": coarse.info, "failed_step": None if bool(coarse.ok) else "covariance",
-          "refined": False}
-  if not refine or not bool(coarse.ok):
-    return coarse._replace(info=info)
-  rows = X[n_coarse:]
-  if unknown_mean:
-    rows = pair_differences(rows)
-  if rows.shape[0] < 2:
-    raise ValueError("learn_covariance has no rows left for the refinement step.")
-  c = (1.0 + coarse.info["radius"]) * (1.0 + coarse.info["mask_accuracy"]) - 1.0
-  K = 1.0 + c
-  root, inv_root = _sqrt_and_inverse_sqrt(np.asarray(coarse.estimate, np.float64))
-  fine = coinpress_covariance(k_refine, math.sqrt(K) * rows @ inv_root, epsilon=epsilon,
-                              delta=delta, kappa=K * K)
-  estimate = root @ np.asarray(fine.estimate) @ root / K
-  info.update(refined=True, preconditioner_factor=K, refine_info=fine.info)
-  return PrivateEstimate(coarse.ok, (estimate + estimate.T) / 2, float(epsilon),
-                         float(delta), "replace_one", info)
-
-
-def _sqrt_and_inverse_sqrt(S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Symmetric square root and inverse square root of a released PD matrix (post-processing)."""
-  w, V = np.linalg.eigh((S + S.T) / 2)
-  w = np.maximum(w, np.finfo(np.float64).tiny)
-  return (V * np.sqrt(w)) @ V.T, (V / np.sqrt(w)) @ V.T

@@ -49,8 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
-from dpjax.covariance import semimetric
-from dpjax.covariance.result import PrivateEstimate
+from dpjax.ashtiani_liaw import semimetric
+from dpjax.results import PrivateEstimate
 from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
                                        rdp_gaussian_sigma)
 from dpjax.mechanisms.grid import discretization
@@ -76,7 +76,7 @@ class PPMECalibration(NamedTuple):
     pass_level: the test passes iff ``Q̂ > pass_level = c0 + A1``.
     weight_floor: ``W_min``.
     rho: the two-hop radius ρ.
-    gamma: the masking sensitivity γ.
+    mask_sensitivity: γ, the distance the masking mechanism must hide.
   """
   num_groups: int
   test_scale: float
@@ -84,7 +84,7 @@ class PPMECalibration(NamedTuple):
   pass_level: float
   weight_floor: float
   rho: float
-  gamma: float
+  mask_sensitivity: float
 
 
 def check_thresholds(thresholds: PopulousThresholds, num_groups: int) -> PopulousThresholds:
@@ -208,7 +208,7 @@ def populous_mean(key: jax.Array, groups: jax.Array, *, estimator: Callable,
     estimator: ``(m, d) -> Y`` (non-private; batched with one ``vmap``).
     neighbour_counts: ``(k, ...) -> (k,)`` int counts ``N_i`` (j = i included) under the
       semimetric's predicate.
-    mask: ``(key, Ŷ) -> M(Ŷ)``, a (γ, ε2, δ2)-masking mechanism for ``calibration.gamma``.
+    mask: ``(key, Ŷ) -> M(Ŷ)``, a (γ, ε2, δ2)-masking mechanism for ``calibration.mask_sensitivity``.
     calibration: :func:`ppme_calibration`.
     thresholds: the same :class:`PopulousThresholds` as the calibration.
     placeholder: a valid input for ``mask`` used on ⊥ (the output is then replaced by zeros).
@@ -259,7 +259,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
   """Private mean with PPME in ℓ2 and Gaussian masking ([AL22] Algorithm 1; §3.7 Lemma 7.2).
 
   Each of the k groups (public random partition) gives ``Est(group) ∈ R^d`` (default the group
-  mean; pass a robust estimator, e.g. ``dpjax.covariance.filtering.filtered_mean``, for the
+  mean; pass a robust estimator, e.g. ``dpjax.robust_stats.filtered_mean``, for the
   robust variant); candidates within ``radius`` of each other count as neighbours; the weighted
   average gets Gaussian noise calibrated to ℓ2-sensitivity γ: by default the float-safe release
   of :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact discrete Gaussian noise on a
@@ -324,17 +324,18 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
   vectorize = estimator is None                 # a user estimator may iterate: one group at a time
   estimator = _group_mean if estimator is None else estimator
   r = float(radius)
-  info = {"num_groups": k, "group_size": n // k, "radius": r, "gamma": cal.gamma,
+  info = {"num_groups": k, "group_size": n // k, "radius": r,
+          "mask_sensitivity": cal.mask_sensitivity,
           "pass_level": cal.pass_level, "secure": bool(secure)}
   if secure:
     # The jitted program returns the test bit and the UNMASKED average (never released: only
     # its masked version leaves this function); the mask runs on the host.
     z = rdp_gaussian_sigma(eps2, delta2)
-    grid = discretization(cal.gamma, d)
+    grid = discretization(cal.mask_sensitivity, d)
     sigma, mask_sigma = None, z * grid.grid_sensitivity * grid.grid
     info.update(sigma=mask_sigma, grid=grid.grid)
   else:
-    sigma = mask_sigma = analytic_gaussian_sigma(eps2, delta2, cal.gamma)
+    sigma = mask_sigma = analytic_gaussian_sigma(eps2, delta2, cal.mask_sensitivity)
     info.update(sigma=mask_sigma)
   k_run, k_mask = jax.random.split(key)
   run = functools.partial(_ppme_mean_run, k=k, radius=r, sigma=sigma, calibration=cal,
@@ -344,7 +345,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     ok, estimate = run(k_run, jnp.asarray(X))
     ok, estimate = bool(ok), np.asarray(estimate, np.float64)
   if secure:
-    estimate = (discretized_gaussian_mechanism(k_mask, estimate, sensitivity=cal.gamma,
+    estimate = (discretized_gaussian_mechanism(k_mask, estimate, sensitivity=cal.mask_sensitivity,
                                                noise_multiplier=z) if ok
                 else np.zeros(d))                   # ok is the DP test's output: a public branch
   return PrivateEstimate(jnp.asarray(ok), estimate, epsilon, delta, "replace_one", info)

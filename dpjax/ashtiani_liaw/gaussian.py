@@ -6,10 +6,10 @@ batches of rows (fixed by position, public):
 1. **Subspace.** Pair differences ``(x_{2i} − x_{2i+1})/√2 ~ N(0, Σ)``;
    :func:`dpjax.subspace.al_subspace` releases ``range(Σ)`` (basis V, rank r).
 2. **Covariance in the subspace.** ``(x_{2i} − x_{2i+1})ᵀV/√2 ~ N(0, VᵀΣV)`` (full rank r);
-   :func:`~dpjax.covariance.covariance.learn_covariance` (AL preconditioner + CoinPress) → Σ̂_r.
+   :func:`~dpjax.ashtiani_liaw.learn_covariance` (AL preconditioner + CoinPress) → Σ̂_r.
 3. **Mean in the subspace.** ``w_i = Σ̂_r^{-1/2} Vᵀ x_i`` has covariance within a constant factor
-   of I: Euclidean PPME (:func:`~dpjax.covariance.populous_mean.ppme_mean`) on one half gives a
-   centre with a public error radius, CoinPress (:func:`~dpjax.covariance.coinpress.
+   of I: Euclidean PPME (:func:`~dpjax.ashtiani_liaw.ppme_mean`) on one half gives a
+   centre with a public error radius, CoinPress (:func:`~dpjax.coinpress.
    coinpress_mean`) on the other refines it (the spec's "or CoinPress" route).
 4. **Mean outside the subspace.** ``U_⊥ᵀ x_i`` equals ``U_⊥ᵀμ`` up to the released subspace's
    snapping error and rounding. A stability histogram of ``⌊log2‖x_i‖_∞ / 8 + ω⌋`` on one half
@@ -34,18 +34,19 @@ orthogonal error separately (:func:`dpjax.metrics.gaussian_tv` does the former).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
 from dpjax import _validation as v
-from dpjax.covariance.coinpress import coinpress_mean
-from dpjax.covariance.covariance import (_sqrt_and_inverse_sqrt, learn_covariance,
+from dpjax.coinpress import coinpress_mean
+from dpjax.ashtiani_liaw.covariance import (_sqrt_and_inverse_sqrt, learn_covariance,
                                          pair_differences)
-from dpjax.covariance.populous_mean import min_groups_for_test, ppme_mean
+from dpjax.ashtiani_liaw.populous_mean import min_groups_for_test, ppme_mean
 from dpjax.mechanisms.histogram import histogram_threshold, stable_histogram, top_bin
-from dpjax.subspace.exact import al_subspace, al_subspace_parameters
+from dpjax.results import GaussianResult
+from dpjax.ashtiani_liaw.exact_subspace import al_subspace, al_subspace_parameters
 
 STEPS = ("subspace", "covariance", "mean", "orthogonal_mean")
 
@@ -56,28 +57,6 @@ STEPS = ("subspace", "covariance", "mean", "orthogonal_mean")
 # makes the answer's absolute error ≈ this floor, which is below anything float64 rows of
 # ordinary scale can resolve.
 _MIN_ORTHOGONAL_RADIUS = 2.0 ** -400
-
-
-class GaussianResult(NamedTuple):
-  """Outcome of :func:`learn_gaussian`.
-
-  Attributes:
-    ok: False if any step returned ⊥.
-    mean: ``(d,)`` float64 μ̃ (zeros on ⊥).
-    covariance: ``(d, d)`` float64 Σ̃ (zeros on ⊥).
-    failed_step: None, or the first step that returned ⊥ (one of :data:`STEPS`).
-    epsilon, delta: the budget spent (the whole, whatever the outcome).
-    neighbouring: ``"replace_one"``.
-    info: batch sizes, each step's public parameters, the released rank.
-  """
-  ok: bool
-  mean: np.ndarray
-  covariance: np.ndarray
-  failed_step: str | None
-  epsilon: float
-  delta: float
-  neighbouring: str
-  info: dict[str, Any]
 
 
 def gaussian_batch_sizes(n: int, d: int, *, epsilon: float, delta: float,
@@ -112,7 +91,7 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
     X: ``(n, d)`` rows ~ N(μ, Σ) (individuals).
     epsilon, delta: the budget (δ < 1/2).
     batch_sizes: rows for steps 1–4 (default :func:`gaussian_batch_sizes`); their sum ≤ n.
-    covariance_kwargs: extra :func:`~dpjax.covariance.covariance.learn_covariance` arguments
+    covariance_kwargs: extra :func:`~dpjax.ashtiani_liaw.learn_covariance` arguments
       for step 2 (e.g. ``num_groups``, ``min_group_size``).
     beta: failure probability used for the public radii of steps 3 and 4.
     subspace_kwargs: extra :func:`~dpjax.subspace.al_subspace` arguments (e.g. ``snap_scale``).

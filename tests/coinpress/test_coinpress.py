@@ -1,4 +1,4 @@
-"""Tests for dpjax.covariance.coinpress: CoinPress private mean and covariance refinement."""
+"""Tests for dpjax.coinpress: CoinPress private mean and covariance refinement."""
 
 import math
 
@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax.covariance import coinpress as cp
+from dpjax import accounting
+from dpjax import coinpress as cp
+from dpjax.coinpress import covariance as cp_covariance
 from dpjax.mechanisms import analytic_gaussian_sigma, discretization
 
 EPS, DELTA = 1.0, 1e-6
@@ -242,7 +244,7 @@ def test_covariance_default_steps_rule():
   s0 = analytic_gaussian_sigma(EPS, DELTA)
   for n, d, expected in ((10_000, 10, 1), (50_000, 5, 3), (200_000, 10, 3)):
     chosen = cp.choose_covariance_steps(n, d, kappa=10.0, epsilon=EPS, delta=DELTA)
-    proxies = [cp._covariance_plan(n, d, 10.0, 0.01, cp.default_fractions(t), s0).typical_error
+    proxies = [cp_covariance._covariance_plan(n, d, 10.0, 0.01, cp.default_fractions(t), s0).typical_error
                for t in range(1, 9)]
     # The smallest T within 10% of the best typical-case proxy.
     assert proxies[chosen - 1] <= 1.1 * min(proxies)
@@ -347,7 +349,7 @@ def test_calibrate_noise_scale_public_helper():
   fr = cp.default_fractions(3)
   for accountant, epsilon, delta in (("rdp", 2.0, 1e-5), ("rdp", 0.1, 1e-8), ("pld", EPS, DELTA)):
     s = cp.calibrate_noise_scale(epsilon, delta, fr, accountant=accountant)
-    eps = cp.coinpress_epsilon([s / math.sqrt(f) for f in fr], delta, accountant=accountant)
+    eps = accounting.gaussian_composition_epsilon([s / math.sqrt(f) for f in fr], delta, accountant=accountant)
     assert eps <= epsilon and epsilon - eps < 1e-3 * epsilon
   assert cp.default_fractions(1) == (1.0,)
   assert sum(cp.default_fractions(5)) == pytest.approx(1.0)

@@ -64,36 +64,37 @@ class MaskingCalibration(NamedTuple):
 
   Attributes:
     eta: the smallest private noise level ``η_min`` (any larger η is also private).
-    gamma: the sensitivity γ (semimetric distance between neighbouring inputs).
+    distance: the sensitivity γ of the paper (the semimetric distance between the inputs on
+      neighbouring datasets).
     epsilon, delta: the masking budget.
     fixed_loss: ``C_0 = d²g²/2 + √2 d g √x + g x``, the η-independent part of F (< ε).
   """
   eta: float
-  gamma: float
+  distance: float
   epsilon: float
   delta: float
   fixed_loss: float
 
 
-def masking_privacy_loss(d: int, gamma: float, eta: float, delta: float) -> float:
+def masking_privacy_loss(d: int, distance: float, eta: float, delta: float) -> float:
   """``F(γ, η)`` of the module docstring: the loss bound that holds except with probability δ.
 
   Args:
     d: dimension.
-    gamma: semimetric distance between the two inputs, ``0 < γ ≤ 1/2``.
+    distance: γ, the semimetric distance between the two inputs, ``0 < γ ≤ 1/2``.
     eta: the mechanism's noise level, > 0.
     delta: failure probability in (0, 1).
 
   Returns:
     F (nats); the mechanism is (F, δ)-indistinguishable on inputs at distance ≤ γ.
   """
-  d, gamma, delta, eta = _check(d, gamma, delta, eta=eta)
+  d, gamma, delta, eta = _check(d, distance, delta, eta=eta)
   g, x = gamma / (1.0 - gamma), math.log(3.0 / delta)
   return (_fixed_loss(d, g, x) + d * g * g / (2.0 * eta * eta)
           + math.sqrt(2.0 * d * x) * g / eta)
 
 
-def calibrate_masking(d: int, gamma: float, epsilon: float, delta: float) -> MaskingCalibration:
+def calibrate_masking(d: int, distance: float, epsilon: float, delta: float) -> MaskingCalibration:
   """The smallest η with ``F(γ, η) ≤ ε`` (closed form in ``1/η``; ALGORITHMS.md §3.4).
 
   ``F = C_0 + (d g²/2) y² + √(2dx) g y`` with ``y = 1/η`` is increasing in y, so the admissible
@@ -102,7 +103,7 @@ def calibrate_masking(d: int, gamma: float, epsilon: float, delta: float) -> Mas
 
   Args:
     d: dimension.
-    gamma: sensitivity in the semimetric, ``0 < γ ≤ 1/2``.
+    distance: γ, the sensitivity in the semimetric, ``0 < γ ≤ 1/2``.
     epsilon, delta: the masking budget.
 
   Returns:
@@ -112,14 +113,14 @@ def calibrate_masking(d: int, gamma: float, epsilon: float, delta: float) -> Mas
     ValueError: γ ∉ (0, 1/2], or ``C_0(γ) ≥ ε`` (no η is private: γ is too large for this
       (d, ε, δ); PPME needs more groups).
   """
-  d, gamma, delta, _ = _check(d, gamma, delta)
+  d, gamma, delta, _ = _check(d, distance, delta)
   epsilon = v.check_epsilon(epsilon)
   g, x = gamma / (1.0 - gamma), math.log(3.0 / delta)
   c0 = _fixed_loss(d, g, x)
   if c0 >= epsilon:
     raise ValueError(f"no masking noise level is private: the η-independent loss C_0={c0:.4g} "
-                     f"≥ epsilon={epsilon:g} at gamma={gamma:.3g}, d={d}, delta={delta:g}; "
-                     "gamma must shrink (more PPME groups).")
+                     f"≥ epsilon={epsilon:g} at distance={gamma:.3g}, d={d}, delta={delta:g}; "
+                     "the distance must shrink (more PPME groups).")
   root = math.sqrt(2.0 * d * x)
   eta = d * g / (math.sqrt(2.0 * d * x + 2.0 * d * (epsilon - c0)) - root) * (1.0 + 1e-9)
   return MaskingCalibration(eta, gamma, epsilon, delta, c0)
@@ -203,11 +204,12 @@ def _fixed_loss(d: int, g: float, x: float) -> float:
   return d * d * g * g / 2.0 + math.sqrt(2.0) * d * g * math.sqrt(x) + g * x
 
 
-def _check(d, gamma, delta, eta=None):
+def _check(d, distance, delta, eta=None):
   d = v.check_int(d, "d", low=1)
-  gamma = v.check_positive(gamma, "gamma")
+  gamma = v.check_positive(distance, "distance")
   if gamma > 0.5:
-    raise ValueError(f"gamma must lie in (0, 1/2] for the masking calibration, got {gamma=}.")
+    raise ValueError(f"distance must lie in (0, 1/2] for the masking calibration, got "
+                     f"distance={gamma!r}.")
   delta = v.check_delta(delta)
   if eta is not None:
     eta = v.check_positive(eta, "eta")

@@ -8,8 +8,8 @@ candidates that PPME's weights ignore while they stay a minority (below ``1 − 
 
 Privacy is that of PPME, whatever the estimator: the estimator only has to be a deterministic
 function of its group's rows. Both learners are therefore (ε, δ)-DP under replace-one, exactly
-as :func:`~dpjax.covariance.populous_mean.ppme_mean` and
-:func:`~dpjax.covariance.covariance.al_covariance`.
+as :func:`~dpjax.ashtiani_liaw.ppme_mean` and
+:func:`~dpjax.ashtiani_liaw.al_covariance`.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import functools
 
 import jax
 
-from dpjax.covariance.covariance import al_covariance
-from dpjax.covariance.filtering import _check_corruption, filtered_covariance, filtered_mean
-from dpjax.covariance.populous_mean import ppme_mean
-from dpjax.covariance.result import PrivateEstimate
+from dpjax.ashtiani_liaw.covariance import al_covariance
+from dpjax.robust_stats import _check_corruption, filtered_covariance, filtered_mean
+from dpjax.ashtiani_liaw.populous_mean import ppme_mean
+from dpjax.results import PrivateEstimate
 
 
 def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: float,
                 num_groups: int, radius: float, **ppme_kwargs) -> PrivateEstimate:
   """Private robust mean of ``N(μ, I)`` from an η_c-corrupted sample ([AL22] Algorithm 5).
 
-  Euclidean PPME with :func:`~dpjax.covariance.filtering.filtered_mean` on every group and the
+  Euclidean PPME with :func:`~dpjax.robust_stats.filtered_mean` on every group and the
   Gaussian masking mechanism ([AL22] Lemma 7.2; σ the analytic Gaussian σ for ℓ2-sensitivity
   ``γ = (4 + 2/(b − a))·2r/W_min``, 28r/W_min with the default thresholds).
 
@@ -62,8 +62,8 @@ def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corrup
                       **covariance_kwargs) -> PrivateEstimate:
   """Private robust covariance of ``N(0, Σ)`` from an η_c-corrupted sample ([AL22] Algorithm 4).
 
-  :func:`~dpjax.covariance.covariance.al_covariance` with
-  :func:`~dpjax.covariance.filtering.filtered_covariance` as the group estimator; Σ unbounded.
+  :func:`~dpjax.ashtiani_liaw.al_covariance` with
+  :func:`~dpjax.robust_stats.filtered_covariance` as the group estimator; Σ unbounded.
   The calibration is the non-robust one (its group-size rule simulates clean data: pass
   ``min_group_size`` large enough for the filter's error at η_c to stay well inside the radius).
 

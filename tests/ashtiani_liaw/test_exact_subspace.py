@@ -10,8 +10,8 @@ import pytest
 
 from dpjax import metrics
 from dpjax.mechanisms import truncated_laplace_survival
-from dpjax.subspace import al_subspace, al_subspace_parameters
-from dpjax.subspace.exact import al_subspace_core
+from dpjax.ashtiani_liaw import al_subspace, al_subspace_parameters
+from dpjax.ashtiani_liaw.exact_subspace import al_subspace_core
 
 EPS, DELTA = 1.0, 1e-6
 N, D = 2000, 10                  # one shape for most tests (default k = 200 groups of 10 rows)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpjax.covariance import masking as mk
-from dpjax.covariance import semimetric
+from dpjax.ashtiani_liaw import masking as mk
+from dpjax.ashtiani_liaw import semimetric
 from dpjax.metrics import clopper_pearson
 
 
@@ -175,7 +175,7 @@ def test_calibrate_masking_gives_the_smallest_private_eta():
     feasible += 1
     cal = mk.calibrate_masking(d, gamma, eps, delta)
     assert cal.fixed_loss == pytest.approx(c0, rel=1e-12)
-    assert (cal.gamma, cal.epsilon, cal.delta) == (gamma, eps, delta)
+    assert (cal.distance, cal.epsilon, cal.delta) == (gamma, eps, delta)
     assert mk.masking_privacy_loss(d, gamma, cal.eta, delta) <= eps
     assert mk.masking_privacy_loss(d, gamma, 0.99 * cal.eta, delta) > eps
     assert mk.masking_privacy_loss(d, gamma, 2 * cal.eta, delta) < eps      # larger η: private
@@ -196,9 +196,9 @@ def test_privacy_loss_bound_monotonicity():
 
 
 def test_calibration_errors():
-  with pytest.raises(ValueError, match="gamma"):
+  with pytest.raises(ValueError, match="distance"):
     mk.calibrate_masking(3, 0.51, 1.0, 1e-5)
-  with pytest.raises(ValueError, match="gamma"):
+  with pytest.raises(ValueError, match="distance"):
     mk.calibrate_masking(3, 0.0, 1.0, 1e-5)
   with pytest.raises(ValueError, match="C_0"):
     mk.calibrate_masking(10, 0.3, 0.5, 1e-6)
@@ -209,7 +209,7 @@ def test_calibration_errors():
       mk.calibrate_masking(3, 0.01, 1.0, bad_delta)
   with pytest.raises(ValueError, match="eta"):
     mk.masking_privacy_loss(3, 0.01, 0.0, 1e-5)
-  with pytest.raises(ValueError, match="gamma"):
+  with pytest.raises(ValueError, match="distance"):
     mk.masking_privacy_loss(3, 0.6, 0.1, 1e-5)
   with pytest.raises(TypeError):
     mk.calibrate_masking(2.5, 0.01, 1.0, 1e-5)

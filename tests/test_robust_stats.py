@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax.covariance.filtering import (FilterInfo, coordinatewise_median, filtered_covariance,
+from dpjax.robust_stats import (FilterInfo, coordinatewise_median, filtered_covariance,
                                         filtered_mean, trimmed_covariance)
 
 ETA = 0.1

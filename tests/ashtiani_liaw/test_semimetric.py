@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from dpjax.covariance import semimetric as sm
+from dpjax.ashtiani_liaw import semimetric as sm
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from dpjax import metrics
-from dpjax.covariance import al_covariance, ppme_mean
-from dpjax.covariance.robust import robust_covariance, robust_mean
+from dpjax.ashtiani_liaw import al_covariance, ppme_mean
+from dpjax.ashtiani_liaw.robust import robust_covariance, robust_mean
 
 EPS, DELTA, ETA = 20.0, 1e-6, 0.1
 

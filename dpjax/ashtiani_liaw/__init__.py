@@ -1,0 +1,17 @@
+"""Ashtiani & Liaw (COLT 2022): private covariances, subspaces and Gaussians with no bound on the
+scale or the condition number (ALGORITHMS.md §3), and their robust variants."""
+
+from dpjax.ashtiani_liaw.calibration import (CovarianceCalibration, covariance_calibration,
+                                             required_n)
+from dpjax.ashtiani_liaw.covariance import (al_covariance, learn_covariance, pair_differences,
+                                            second_moment)
+from dpjax.ashtiani_liaw.exact_subspace import (ALSubspaceParameters, al_subspace,
+                                                al_subspace_parameters)
+from dpjax.ashtiani_liaw.gaussian import gaussian_batch_sizes, learn_gaussian
+from dpjax.ashtiani_liaw.masking import (MaskingCalibration, calibrate_masking, covariance_mask,
+                                         masking_concentration, masking_privacy_loss)
+from dpjax.ashtiani_liaw.populous_mean import (PopulousThresholds, min_groups_for_test,
+                                               ppme_calibration, ppme_mean)
+from dpjax.ashtiani_liaw.robust import robust_covariance, robust_mean
+from dpjax.ashtiani_liaw.semimetric import (closeness_matrix, euclidean_neighbour_counts,
+                                            neighbour_counts, psd_distance)

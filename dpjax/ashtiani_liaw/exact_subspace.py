@@ -1,0 +1,340 @@
+"""The Ashtiani–Liaw exact subspace learner ([AL22] Algorithm 2, Thm 4.1; ALGORITHMS.md §3.3).
+
+Learns ``range(Σ)`` exactly in its stable-mode form: split the rows into groups, let every group
+propose the projection onto its row space, snap the proposals to a public random grid, and
+release the majority proposal behind a truncated-Laplace test on its count. Polynomial time (one
+SVD per group, jitted, float64).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax import _validation as v
+from dpjax.mechanisms.truncated_laplace import (_truncated_laplace, truncated_laplace_params,
+                                                truncated_laplace_survival)
+from dpjax.results import SubspaceResult
+
+_SNAP_DELTA_SHARE = 11.0       # as in dpese: the test gets δ/1.1, snapping is given δ/11
+_SNAP_SCALE_RANGE = (2.0**-40, 0.25)   # × (1/d) at the top: keeps ‖snapping error‖ < 1/4
+
+
+class ALSubspaceParameters(NamedTuple):
+  """The public parameters of one :func:`al_subspace` run, from ``(n, d, ε, δ)`` and options only.
+
+  Attributes:
+    num_groups: ``k``, the number of disjoint groups.
+    group_size: ``m = ⌊n/k⌋`` rows per group (the last ``n − km`` permuted rows are unused).
+    min_groups: ``k_min = ⌈4A⌉ + 3``, the fewest groups for which unanimous groups pass surely.
+    rank_tol: a group's rank counts singular values ``> rank_tol · σ_max`` of its block.
+    snap_scale: the grid step ``s`` of the snapping grid ``s(ℤ + ω)``.
+    tlap_epsilon, tlap_delta: the parameters of the test noise ``TLap(1, ε, δ/1.1)``.
+    tlap_bound: ``A = (1/ε) ln(1 + (e^ε − 1)/(2 δ_T))``, the noise's support bound.
+    majority: ``⌊k/2⌋ + 1``; a winning count ``c* ≤ majority`` gives ⊥ surely.
+    threshold: ``majority + A``; the test passes iff ``c* + Z > threshold``.
+    sure_pass_count: ``majority + ⌊2A⌋ + 1``; ``c* ≥`` this passes surely.
+  """
+  num_groups: int
+  group_size: int
+  min_groups: int
+  rank_tol: float
+  snap_scale: float
+  tlap_epsilon: float
+  tlap_delta: float
+  tlap_bound: float
+  majority: int
+  threshold: float
+  sure_pass_count: int
+
+
+def _al_min_groups(epsilon: float, delta: float) -> tuple[int, float]:
+  bound = truncated_laplace_params(1.0, epsilon, delta / 1.1).bound
+  return math.ceil(4.0 * bound) + 3, bound
+
+
+def al_subspace_parameters(n: int, d: int, *, epsilon: float, delta: float,
+                           num_groups: int | None = None, rank_tol: float | None = None,
+                           snap_scale: float | None = None,
+                           unit_roundoff: float = 2.0**-53) -> ALSubspaceParameters:
+  """Computes (and validates) the public parameters of :func:`al_subspace`.
+
+  Defaults (ALGORITHMS.md §3.3, PROPOSED):
+
+  * ``num_groups = max(k_min, min(n // d, 4 k_min))`` with ``k_min = ⌈4A⌉ + 3`` (A at the test's
+    δ/1.1): at least ``k_min`` groups, so that unanimous groups pass surely; group size
+    ``m = ⌊n/k⌋ ≥ d`` so that a group spans ``range(Σ)`` whatever its (unknown) rank; extra rows
+    buy more groups (more tolerated outlier groups) up to ``4 k_min``, then larger groups.
+  * ``rank_tol = 1e-9`` for float64 / integer data: a singular value counts if it exceeds
+    ``1e-9 σ_max`` of its block. Rounding leaves ≈ 1e-16·√d σ_max outside the range (cut with a
+    wide margin), while data whose covariance has condition number 1e8 within its range
+    (singular values spread 1e4) keep their rank with a wide margin (checked up to 1e16 at
+    d = 10, m = 10). 1e-5 for float32 data, 1e-2 for 16-bit.
+  * ``snap_scale = min(10 d e_F/(δ/11), 1/(100 d))`` with ``e_F = 100 d u`` (u the input's unit
+    roundoff; κ = 1): dpese's rule, capped so that the snapping error (≤ d s in operator norm)
+    stays ≤ 0.01 and the nearest projection keeps the rank.
+
+  Args:
+    n, d: the data's shape (public).
+    epsilon, delta: the budget; δ ∈ (0, 1/2).
+    num_groups: ``k ≥ 3`` (``k ≤ 2`` can never pass), ``k ≤ n``.
+    rank_tol: in (0, 1).
+    snap_scale: ``s ∈ [2^-40, 1/(4d)]``.
+    unit_roundoff: u of the data's dtype (2^-53 for float64 and integer data, 2^-24 for float32).
+
+  Returns:
+    :class:`ALSubspaceParameters`.
+
+  Raises:
+    ValueError: a bad argument, ``n < k_min · d`` with the default ``num_groups``, or a
+      ``num_groups`` so small that even unanimous groups pass the test with probability
+      ≤ δ/1.1 (``num_groups ≤ 4``: ⊥ would be certain).
+    TypeError: a non-integer ``num_groups``.
+
+  Warns:
+    UserWarning: a ``num_groups`` with which unanimous groups do not pass surely (at most
+      ``k_min − 1``); the message gives the largest pass probability and ``k_min``.
+  """
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  epsilon = v.check_epsilon(epsilon)
+  delta = v.check_delta(delta, upper=0.5)
+  tlap_delta = delta / 1.1
+  k_min, bound = _al_min_groups(epsilon, delta)
+  if num_groups is None:
+    if n < k_min * d:
+      raise ValueError(
+          f"n too small: needs at least {k_min * d} rows (k_min = {k_min} groups of at least "
+          f"d = {d} rows each, for epsilon={epsilon:g}, delta={delta:g}), got n={n}. Use more "
+          f"rows, a larger epsilon or delta, or pass num_groups knowingly.")
+    k = max(k_min, min(n // d, 4 * k_min))
+  else:
+    k = v.check_int(num_groups, "num_groups", low=3, high=n)
+    # ⊥ from public numbers alone: c* ≤ k, so even unanimous groups pass only when the test
+    # noise Z ~ TLap(1, ε, δ/1.1) exceeds A + ⌊k/2⌋ + 1 − k. Refuse when that is ≤ δ/1.1
+    # (k ≤ 4), warn when it is < 1. No data involved: privacy is unchanged.
+    best = truncated_laplace_survival(bound + (k // 2 + 1) - k, 1.0 / epsilon, bound)
+    v.check_test_can_pass(
+        best, tlap_delta, sure=best >= 1.0,
+        refusal=(f"al_subspace would answer ⊥ (almost) surely: with num_groups={k} even "
+                 f"unanimous groups pass the test with probability {best:.3g} <= "
+                 f"delta/1.1={tlap_delta:g}; use num_groups >= min_groups = {k_min} (for "
+                 f"epsilon={epsilon:g}, delta={delta:g})."),
+        warning=(f"al_subspace: with num_groups={k} < min_groups = {k_min} (for "
+                 f"epsilon={epsilon:g}, delta={delta:g}), the test passes with probability at "
+                 f"most {v.probability_text(best)} even when all groups agree (⊥ otherwise); "
+                 f"use num_groups >= {k_min} for a sure pass."))
+  if rank_tol is None:
+    rank_tol = 1e-9 if unit_roundoff <= 2.0**-53 else (1e-5 if unit_roundoff <= 2.0**-24
+                                                        else 1e-2)
+  rank_tol = v.check_positive(rank_tol, "rank_tol")
+  if rank_tol >= 1.0:
+    raise ValueError(f"rank_tol must lie in (0, 1), got rank_tol={rank_tol!r}.")
+  if snap_scale is None:
+    e_f = 100 * d * unit_roundoff                           # κ = 1
+    snap_scale = min(10 * d * e_f / (delta / _SNAP_DELTA_SHARE), 0.01 / d)
+  s = v.check_positive(snap_scale, "snap_scale")
+  lo, hi = _SNAP_SCALE_RANGE[0], _SNAP_SCALE_RANGE[1] / d
+  if not lo <= s <= hi:
+    raise ValueError(f"snap_scale must lie in [2^-40, 1/(4d)] = [{lo:.3g}, {hi:.3g}] for d={d}, "
+                     f"got snap_scale={snap_scale!r}.")
+  majority = k // 2 + 1
+  return ALSubspaceParameters(
+      num_groups=k, group_size=n // k, min_groups=k_min, rank_tol=rank_tol, snap_scale=s,
+      tlap_epsilon=epsilon, tlap_delta=tlap_delta, tlap_bound=bound, majority=majority,
+      threshold=majority + bound, sure_pass_count=majority + math.floor(2.0 * bound) + 1)
+
+
+def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
+                num_groups: int | None = None, rank_tol: float | None = None,
+                snap_scale: float | None = None) -> SubspaceResult:
+  """Learns ``range(Σ)`` exactly from zero-mean rows with the Ashtiani–Liaw exact learner.
+
+  For ``x_i ~ N(0, Σ)`` with Σ possibly singular, every group of ``m ≥ rank Σ`` rows spans
+  ``range(Σ)`` almost surely; the learner releases the projection onto it (to within the public
+  snapping grid) from ``n = O(d ln(1/δ)/ε)`` rows, or ⊥. Stable-mode form of [AL22] Algorithm 2
+  (ALGORITHMS.md §3.3, PROPOSED)::
+
+    rows → public random permutation → k groups of m = ⌊n/k⌋ rows        (k, m, d)
+    Π_i = projection onto the row space of group i (SVD; rank: σ > rank_tol·σ_max)
+    z_i = round(Π_i/s − ω) ∈ ℤ^{d×d}  (public s, public offset ω ~ U[0,1)^{d×d})
+    c_i = #{j : z_j = z_i};  c* = max_i c_i;  Π* = s(z_{i*} + ω) for i* = argmax c_i
+    Z ~ TLap(1, ε, δ/1.1);  A its bound
+    ok iff c* + Z > ⌊k/2⌋ + 1 + A;  release nearest_projection(Π*) (eigenvalues > 1/2), else ⊥
+
+  Privacy guarantee: (ε, δ)-DP under replace-one (n public). Fix the public randomness
+  (permutation, ω). Replacing one row changes one group, and ``Π_i`` (hence ``z_i``) is a
+  deterministic function of group i's rows alone (the SVDs run group by group under
+  ``lax.map``, so no group's floats depend on another's). Snapping makes "same proposal" an exact
+  equivalence relation on integer matrices, so for every fixed value ``z`` the count
+  ``#{i : z_i = z}`` moves by at most 1, and so does ``c*``. Since ``|Z| ≤ A``:
+
+  * if ``c* ≤ ⌊k/2⌋ + 1`` on both neighbours, both output ⊥ surely;
+  * otherwise one side has ``c* ≥ ⌊k/2⌋ + 2``, so its winning value ``z*`` has at least
+    ``⌊k/2⌋ + 1 > k/2`` groups on the other side too: ``z*`` is the strict majority, hence the
+    unique mode, on both sides, and both output "``Π* = s(z* + ω)`` or ⊥" with the same ``Π*``.
+    The decision thresholds ``f = #{i : z_i = z*}``, a count of sensitivity 1, with TLap(1, ε, δ_T)
+    noise, which is (ε, δ_T)-DP: on a unit shift only ``P[Z > A − 1] = δ_T`` falls outside the
+    common support.
+
+  Hence (ε, δ/1.1)-DP, for any ``s`` and any rank rule; the released value is identical on
+  neighbours, so the floating-point leak of §1.10 does not arise. The remaining δ/11 is kept
+  unspent as in :func:`dpese` (a margin; the argument above needs no snapping δ). The test is
+  computed as ``Z > A + (⌊k/2⌋ + 1 − c*)`` in float64, so ``c* ≤ ⌊k/2⌋ + 1`` fails exactly.
+
+  Utility: if all groups agree, ``c* = k`` and the test passes surely iff ``⌈k/2⌉ > 2A + 1``,
+  which ``k ≥ k_min = ⌈4A⌉ + 3`` guarantees; more generally it passes surely whenever
+  ``c* ≥ info["sure_pass_count"] = ⌊k/2⌋ + ⌊2A⌋ + 2``, so up to
+  ``info["outlier_groups_tolerated"]`` groups may be spoiled (e.g. by outlier rows). Groups that
+  agree in exact arithmetic snap apart only if a computed ``Π_i`` crosses a grid cell boundary
+  (probability ≤ ``d‖E_i‖_F/s`` for a numerical error ``E_i``). The released projection is
+  within ``d·s`` of the common one in operator norm.
+
+  Output is ⊥ when the groups disagree: data not exactly low-rank within ``rank_tol`` in some
+  groups with different spans, ``m`` below the rank (every group then spans a different
+  subspace), outliers in more than about half of the groups, or a data-dependent rank decision
+  close to ``rank_tol``. Full-rank data give ``Π_i = I`` in every group: the answer is ``R^d``.
+
+  Numerics: the per-group SVDs run in float64 (``jax.enable_x64`` inside, not global). NumPy
+  float64 input keeps its precision even when x64 is off; float32 rows are low-rank only up to
+  ≈ 1e-7 relative rounding, hence the looser float32 defaults (``rank_tol = 1e-5``, ``s = 0.01/d``).
+
+  Args:
+    key: PRNG key (split into the permutation, the offset ω and the test noise).
+    X: ``(n, d)`` real array, rows are individuals, zero mean (for an unknown mean pass pairwise
+      differences ``x_{2i} − x_{2i−1}``). Integer and float64 data are used exactly.
+    epsilon: ε > 0 (nats).
+    delta: δ ∈ (0, 1/2).
+    num_groups: ``k`` (default ``max(k_min, min(n // d, 4 k_min))``, see
+      :func:`al_subspace_parameters`); with an explicit ``k`` the group size may be below d (good
+      when rank Σ is known to be small).
+    rank_tol: relative singular-value threshold of a group's rank (default 1e-9 for float64 /
+      integer data, 1e-5 for float32).
+    snap_scale: the grid step ``s`` (default ``min(10 d e_F/(δ/11), 1/(100 d))``,
+      ``e_F = 100 d u``).
+
+  Returns:
+    :class:`SubspaceResult`: ``ok`` (bool scalar), ``basis (d, r)`` orthonormal in the default
+    float dtype, ``r`` the rank of the released projection (ordered by decreasing eigenvalue of
+    ``Π*``; ``(d, 0)`` zeros on ⊥), ``epsilon``, ``delta``, ``neighbouring="replace_one"``, and
+    ``info`` with the public parameters (``num_groups``, ``group_size``, ``min_groups``,
+    ``snap_scale``, ``rank_tol``, ``threshold``, ``tlap_bound``, ``sure_pass_count``,
+    ``outlier_groups_tolerated``) and, only when ok, the released ``rank``.
+
+  Raises:
+    TypeError: ``key`` is not a PRNG key, ``X`` not a real array, ``num_groups`` not an integer.
+    ValueError: NaN/inf in ``X``, ``X`` not 2-D, ε ≤ 0, δ ∉ (0, 1/2), ``num_groups ∉ [3, n]``,
+      ``rank_tol ∉ (0, 1)``, ``snap_scale ∉ [2^-40, 1/(4d)]``, n too small for the default
+      ``num_groups`` (``n < k_min·d``), or ``num_groups ≤ 4`` (⊥ certain up to δ/1.1).
+
+  Warns:
+    UserWarning: a ``num_groups`` with which even unanimous groups may fail the test (see
+    :func:`al_subspace_parameters`).
+
+  References:
+    [AL22] Ashtiani & Liaw, "Private and polynomial time algorithms for learning Gaussians and
+    beyond", COLT 2022, Algorithm 2, Thm 4.1; ALGORITHMS.md §3.3 (and §1.3 TLap, §1.10 rule 3).
+  """
+  key = v.check_key(key)
+  checked = v.check_data(X, "X")
+  raw_dtype = np.asarray(X).dtype if not isinstance(X, jax.Array) else X.dtype
+  if np.issubdtype(raw_dtype, np.integer):
+    unit_roundoff = 2.0**-53
+  else:
+    unit_roundoff = float(jnp.finfo(raw_dtype).eps) / 2
+  n, d = checked.shape
+  params = al_subspace_parameters(n, d, epsilon=epsilon, delta=delta, num_groups=num_groups,
+                                  rank_tol=rank_tol, snap_scale=snap_scale,
+                                  unit_roundoff=unit_roundoff)
+  X64 = np.asarray(X, np.float64)                   # full precision even when x64 is off
+  with jax.enable_x64(True):
+    ok, snapped = al_subspace_core(key, jnp.asarray(X64), params)
+    ok, snapped = bool(ok), np.asarray(snapped, np.float64)
+  info = {
+      "num_groups": params.num_groups,
+      "group_size": params.group_size,
+      "min_groups": params.min_groups,
+      "snap_scale": params.snap_scale,
+      "rank_tol": params.rank_tol,
+      "threshold": params.threshold,
+      "tlap_bound": params.tlap_bound,
+      "sure_pass_count": params.sure_pass_count,
+      "outlier_groups_tolerated": params.num_groups - params.sure_pass_count,
+  }
+  out_dtype = checked.dtype
+  if not ok:
+    return SubspaceResult(ok=jnp.asarray(False), basis=jnp.zeros((d, 0), out_dtype),
+                          epsilon=params.tlap_epsilon, delta=float(delta),
+                          neighbouring="replace_one", info=info)
+  basis = nearest_projection_basis(snapped)         # post-processing of the released Π*
+  info["rank"] = int(basis.shape[1])
+  return SubspaceResult(ok=jnp.asarray(True), basis=jnp.asarray(basis, out_dtype),
+                        epsilon=params.tlap_epsilon, delta=float(delta),
+                        neighbouring="replace_one", info=info)
+
+
+def nearest_projection_basis(P) -> np.ndarray:
+  """Orthonormal basis ``(d, r)`` of the orthogonal projection nearest to ``P`` (host, float64).
+
+  The nearest projection (in Frobenius or operator norm) to a symmetric matrix keeps the
+  eigenvectors with eigenvalue > 1/2; columns are ordered by decreasing eigenvalue.
+  """
+  P = np.asarray(P, np.float64)
+  w, vecs = np.linalg.eigh((P + P.T) / 2)
+  keep = w > 0.5
+  return vecs[:, keep][:, ::-1]
+
+
+def al_subspace_core(key: jax.Array, X: jax.Array, params: ALSubspaceParameters):
+  """:func:`al_subspace` without validation or post-processing: traceable in ``key`` and ``X``.
+
+  Call it under ``jax.enable_x64(True)`` with float64 ``X`` (what :func:`al_subspace` does); the
+  privacy argument does not depend on the dtype, utility does. Same guarantee as
+  :func:`al_subspace` (the released value is ``(ok, Π*)``).
+
+  Returns:
+    ``(ok, Π* (d, d))``: the snapped majority projection ``s(z* + ω)`` when ``ok``, zeros
+    otherwise.
+  """
+  return _al_core(key, X, params.rank_tol, params.snap_scale, 1.0 / params.tlap_epsilon,
+                  params.tlap_bound, k=params.num_groups, m=params.group_size)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "m"))
+def _al_core(key, X, rank_tol, snap_scale, noise_scale, bound, *, k, m):
+  dtype = X.dtype
+  d = X.shape[1]
+  k_perm, k_off, k_noise = jax.random.split(key, 3)
+  perm = jax.random.permutation(k_perm, X.shape[0])
+  blocks = X[perm[: k * m]].reshape(k, m, d)
+
+  def group_projection(block):
+    _, sv, vt = jnp.linalg.svd(block, full_matrices=False)     # vt: (min(m, d), d)
+    keep = (sv > rank_tol * sv[0]).astype(dtype)                # σ_max = 0: rank 0
+    return (vt.T * keep[None, :]) @ vt
+
+  # lax.map, not vmap: each group's SVD is its own call, so Π_i depends on group i alone.
+  proj = jax.lax.map(group_projection, blocks)                  # (k, d, d)
+  offset = jax.random.uniform(k_off, (d, d), dtype)             # public ω ∈ [0, 1)
+  scaled = proj / snap_scale - offset[None]
+  valid = jnp.all(jnp.isfinite(scaled) & (jnp.abs(scaled) < 2.0**52), axis=(1, 2))
+  cells = jnp.where(valid[:, None, None], jnp.round(scaled), 0.0).astype(jnp.int64)
+
+  def count(args):
+    cell, ok_i = args
+    same = jnp.all(cells == cell[None], axis=(1, 2)) & valid
+    return jnp.where(ok_i, jnp.sum(same), 0)
+
+  counts = jax.lax.map(count, (cells, valid))                   # (k,): c_i, 0 if invalid
+  winner = jnp.argmax(counts)
+  c_star = counts[winner]
+  noise = _truncated_laplace(k_noise, (), noise_scale, bound, dtype)
+  majority = k // 2 + 1
+  ok = noise > bound + (majority - c_star).astype(dtype)       # ⊥ surely when c* ≤ majority
+  released = snap_scale * (cells[winner].astype(dtype) + offset)
+  return ok, jnp.where(ok, released, jnp.zeros_like(released))

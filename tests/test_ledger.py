@@ -1,0 +1,66 @@
+"""The privacy ledger: one relation, a hard budget, totals as dp_accounting composes them."""
+
+import dp_accounting
+import pytest
+
+from dpjax import accounting
+from dpjax import ledger as ledger_lib
+
+
+def test_ledger_total_equals_dp_accounting_for_the_same_events():
+  ledger = ledger_lib.PrivacyLedger(3.0, 1e-5)
+  ledger.record_approx_dp(0.5, 1e-6, label="subspace")
+  ledger.record_dpsgd(noise_multiplier=1.2, sampling_prob=0.02, steps=200)
+  ledger.record_event(dp_accounting.GaussianDpEvent(20.0), label="a released mean")
+  expected_acc = dp_accounting.rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent([
+      accounting.dpsgd_event(1.2, 0.02, 200), dp_accounting.GaussianDpEvent(20.0)]))
+  expected = 0.5 + expected_acc.get_epsilon(1e-5 - 1e-6)
+  assert ledger.spent.epsilon == pytest.approx(expected, rel=1e-12)
+  assert ledger.spent.delta == 1e-5 and len(ledger.entries) == 3
+
+
+def test_ledger_refuses_overspending_and_records_nothing():
+  ledger = ledger_lib.PrivacyLedger(1.0, 1e-5)
+  ledger.record_approx_dp(0.6, 1e-6)
+  with pytest.raises(ledger_lib.BudgetExceededError, match="refused"):
+    ledger.record_approx_dp(0.6, 1e-6, label="second")
+  with pytest.raises(ledger_lib.BudgetExceededError):
+    ledger.record_dpsgd(noise_multiplier=0.5, sampling_prob=0.5, steps=100)
+  assert len(ledger.entries) == 1 and ledger.spent.epsilon == 0.6
+  assert ledger.remaining_epsilon == pytest.approx(0.4)
+
+
+def test_ledger_enforces_one_relation():
+  ledger = ledger_lib.PrivacyLedger(1.0, 1e-5, neighbouring="replace_one")
+  with pytest.raises(ValueError, match="add_remove"):
+    ledger.record_dpsgd(noise_multiplier=5.0, sampling_prob=0.01, steps=10)
+  with pytest.raises(TypeError, match="DpEvent"):
+    ledger.record_event("gaussian")
+
+
+def test_dpase_and_training_record_into_a_ledger():
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from dpjax import data, sgd
+  from dpjax.subspace import dpase
+
+  X, _ = data.approximate_subspace_data(jax.random.key(0), 2_000, 10, 1, gamma=1e-4)
+  ledger = ledger_lib.PrivacyLedger(1.5, 1e-5, neighbouring="replace_one")
+  dpase(jax.random.key(1), X, epsilon=1.0, delta=1e-6, k=1, gamma=1e-4, ledger=ledger)
+  assert ledger.spent == accounting.PrivacySpend(1.0, 1e-6, "replace_one")
+  with pytest.raises(ledger_lib.BudgetExceededError):
+    dpase(jax.random.key(2), X, epsilon=1.0, delta=1e-6, k=1, gamma=1e-4, ledger=ledger)
+
+  ledger = ledger_lib.PrivacyLedger(2.0, 1e-5)
+  loss = lambda w, ex: optax.sigmoid_binary_cross_entropy(ex[0] @ w, ex[1])
+  y = (X[:, 0] > 0).astype(jnp.float32)
+  out = sgd.train_dp_sgd(jax.random.key(3), loss, jnp.zeros(10), (X, y), optax.sgd(0.1),
+                         epsilon=2.0, delta=1e-5, steps=3, expected_batch_size=100,
+                         clip_norm=1.0, ledger=ledger)
+  assert ledger.spent.epsilon == pytest.approx(out.budget.epsilon, rel=1e-9)
+  with pytest.raises(ledger_lib.BudgetExceededError):   # the ledger is full: refused up front
+    sgd.train_dp_sgd(jax.random.key(3), loss, jnp.zeros(10), (X, y), optax.sgd(0.1),
+                     epsilon=2.0, delta=1e-5, steps=3, expected_batch_size=100,
+                     clip_norm=1.0, ledger=ledger)
