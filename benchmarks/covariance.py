@@ -171,7 +171,7 @@ def gaussian_cell(d, n, trials, epsilon, delta, seed):
     del X
     if not res.ok:
       bottom += 1
-      failed.append(res.failed_step)
+      failed.append(res.failed_step_name)
       cov.append(None), mah.append(None), orth.append(None)
       continue
     V, U_perp = U[:, :rank], U[:, rank:]             # range(Σ) and its complement

@@ -2,7 +2,7 @@
 
 from dpjax import (accounting, ashtiani_liaw, audit, coinpress, data, ledger, linalg, mechanisms,
                    metrics, results, robust_stats, sgd, subspace)
-from dpjax.results import SubspaceResult
+from dpjax.results import DPResult, EstimateResult, GaussianResult, SubspaceResult
 from dpjax.subspace import calibrate_cell_length, dpase, dpase_parameters
 
 __version__ = "0.1.0"

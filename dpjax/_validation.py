@@ -14,6 +14,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 
 
 def check_epsilon(epsilon, name: str = "epsilon") -> float:
@@ -75,6 +76,18 @@ def check_choice(value, name: str, choices) -> str:
   return value
 
 
+def check_neighbouring(value, name: str = "neighbouring", choices=None):
+  """Returns ``value``, a ``dp_accounting.NeighboringRelation`` among ``choices`` (default: the
+  add/remove-one and replace-one relations); raises ``TypeError`` / ``ValueError`` otherwise."""
+  choices = choices or (NeighboringRelation.ADD_OR_REMOVE_ONE, NeighboringRelation.REPLACE_ONE)
+  if not isinstance(value, NeighboringRelation):
+    raise TypeError(f"{name} must be a dp_accounting.NeighboringRelation (e.g. "
+                    f"NeighboringRelation.REPLACE_ONE), got {value!r}.")
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {[c.name for c in choices]}, got {value.name}.")
+  return value
+
+
 def check_key(key, name: str = "key") -> jax.Array:
   """Raises ``TypeError`` unless ``key`` is a JAX PRNG key (typed or legacy uint32[2])."""
   if isinstance(key, jax.Array):
@@ -101,9 +114,13 @@ def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.A
     TypeError: if ``X`` is not numeric or has an integer/bool/complex dtype where a float is
       needed (integers are accepted and converted to the default float dtype).
     ValueError: wrong rank, fewer than ``min_rows`` rows, or NaN/inf entries.
+
+  Under tracing (``X`` a tracer inside ``jit`` / ``vmap``) only the structure is checked: the
+  values are unknown, and the learners turn a non-finite ``X`` into a typed ⊥ instead (a
+  dataset with a NaN lies outside the domain ℝ^{n×d} on which their guarantees are stated).
   """
   try:
-    arr = np.asarray(X) if not isinstance(X, jax.Array) else X
+    arr = X if isinstance(X, jax.Array) else np.asarray(X)
   except Exception as exc:  # pragma: no cover - exotic inputs
     raise TypeError(f"{name} must be an array, got {type(X).__name__}.") from exc
   dtype = arr.dtype
@@ -121,17 +138,42 @@ def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.A
     out = out.astype(jnp.result_type(float))
   elif jnp.finfo(out.dtype).bits < 32:
     out = out.astype(jnp.float32)                 # float16 / bfloat16: no LAPACK kernels
-  if not bool(jnp.all(jnp.isfinite(out))):
+  if not is_traced(out) and not bool(all_finite(out)):
     raise ValueError(f"{name} contains NaN or infinite entries; remove or impute them first.")
   return out
+
+
+def is_traced(*trees) -> bool:
+  """True if any leaf of ``trees`` is a JAX tracer (we are inside ``jit`` / ``vmap`` / ...)."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(trees))
+
+
+@jax.jit
+def all_finite(x: jax.Array) -> jax.Array:
+  """``all(isfinite(x))`` as one fused reduction (no ``n·d`` temporary; one host sync)."""
+  return jnp.all(jnp.isfinite(x))
+
+
+def domain_bottom(X, ok, *outputs):
+  """``(ok & all(isfinite(X)), *outputs zeroed unless ok)`` — traceable.
+
+  The typed ⊥ for a traced dataset with a NaN/inf entry: such a dataset lies outside the domain
+  ℝ^{n×d} on which the learners' guarantees are stated, so answering ⊥ on it changes no
+  guarantee (a concrete ``X`` is rejected by :func:`check_data` instead).
+  """
+  ok = jnp.logical_and(ok, all_finite(X))
+  return (ok,) + tuple(jnp.where(ok, out, jnp.zeros_like(out)) for out in outputs)
 
 
 def check_data64(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> np.ndarray:
   """:func:`check_data` at full precision: float64 input stays float64 whatever JAX's x64 flag.
 
   Returns a float64 NumPy array (for estimators whose utility needs float64, e.g. covariances
-  with condition numbers up to 1e12 or means of 1e6).
+  with condition numbers up to 1e12 or means of 1e6); under tracing, the tracer as
+  :func:`check_data` returns it (the host computation converts it to float64).
   """
+  if is_traced(X):
+    return check_data(X, name, ndim=ndim, min_rows=min_rows)
   with jax.enable_x64(True):
     return np.asarray(check_data(X, name, ndim=ndim, min_rows=min_rows), np.float64)
 
@@ -235,22 +277,39 @@ def check_float_dtype(dtype, name: str = "dtype"):
   return dt
 
 
-def check_float_value(value, name: str = "value") -> jax.Array:
-  """Returns ``value`` as a JAX float array; raises on other dtypes and on NaN/inf entries."""
+def sanitise_value(value, name: str = "value") -> jax.Array:
+  """Returns ``value`` as a JAX float array with every NaN/inf entry replaced by 0.
+
+  For a computed private statistic about to be released: raising on a non-finite entry would be
+  a data-dependent branch outside any DP mechanism, so a fixed public map is applied instead
+  (the guarantee then needs the stated sensitivity to bound the change of the sanitised value).
+  Traceable.
+
+  Raises:
+    TypeError: a non-float dtype.
+  """
   value = jnp.asarray(value)
   if not jnp.issubdtype(value.dtype, jnp.floating):
     raise TypeError(f"{name} must be a float array, got dtype={value.dtype}.")
-  if not bool(jnp.all(jnp.isfinite(value))):
-    raise ValueError(f"{name} contains NaN or infinite entries.")
-  return value
+  return jnp.where(jnp.isfinite(value), value, jnp.zeros((), value.dtype))
 
 
-def check_host_float_value(value, name: str = "value") -> np.ndarray:
-  """Returns ``value`` as a NumPy float array (its own precision, float64 kept whatever JAX's x64
-  flag), for the host-side float-safe releases; raises on other dtypes and on NaN/inf."""
-  value = np.asarray(value)
-  if not np.issubdtype(value.dtype, np.floating):
+def check_float_array(value, name: str = "value"):
+  """Checks that ``value`` is a float array (JAX, tracer or NumPy) and returns it unchanged
+  (NumPy stays NumPy, so that float64 survives whatever JAX's x64 flag).
+
+  Raises:
+    TypeError: a non-float dtype.
+  """
+  if not isinstance(value, jax.Array):
+    value = np.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
     raise TypeError(f"{name} must be a float array, got dtype={value.dtype}.")
-  if not np.all(np.isfinite(value)):
-    raise ValueError(f"{name} contains NaN or infinite entries.")
   return value
+
+
+def sanitise_host_value(value) -> np.ndarray:
+  """:func:`sanitise_value` on the host: a NumPy float array (its own precision, float64 kept
+  whatever JAX's x64 flag) with every NaN/inf entry replaced by 0."""
+  value = np.asarray(value)
+  return np.where(np.isfinite(value), value, np.zeros((), value.dtype))

@@ -5,13 +5,13 @@ No RDP or PLD formula is written here: DP-SGD steps are described as ``dp_accoun
 own (DPASE, the stability histogram) are composed with the SGD part by basic composition.
 
 Neighbouring relation: DP-SGD with Poisson sampling is accounted under **add/remove-one**
-(``ADD_REMOVE``: datasets differ by adding or removing one row), the only relation under which
-``dp_accounting``'s RDP accountant supports ``PoissonSampledDpEvent``. DPASE run with
+(``NeighboringRelation.ADD_OR_REMOVE_ONE``: datasets differ by adding or removing one row), the
+only relation under which ``dp_accounting``'s RDP accountant supports ``PoissonSampledDpEvent``. DPASE run with
 ``partition="random_labels"`` is (ε, δ)-DP under add/remove-one as well, so a private gradient
 subspace and the SGD steps compose under that single relation (ALGORITHMS.md §6.2 route (c)).
 :func:`replace_one_from_add_remove` converts a final (ε, δ) statement when replace-one
-(``REPLACE_ONE``: same n, one row changed) is needed. Never double an RDP curve, and never use
-``dp_accounting``'s ``REPLACE_SPECIAL`` as replace-one (it can understate ε by up to ≈ 2×).
+(``NeighboringRelation.REPLACE_ONE``: same n, one row changed) is needed. Never double an RDP
+curve, and never use ``dp_accounting``'s ``REPLACE_SPECIAL`` as replace-one (it can understate ε by up to ≈ 2×).
 
 References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
@@ -23,16 +23,17 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 from typing import NamedTuple
 
 import dp_accounting
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 
-ADD_REMOVE = "add_remove"
-REPLACE_ONE = "replace_one"
 ACCOUNTANTS = ("rdp", "pld")
 
 # σ is searched in [_SIGMA_FLOOR, _SIGMA_CEILING]. Below 0.1 DP-SGD offers no meaningful privacy
@@ -47,11 +48,36 @@ class PrivacySpend(NamedTuple):
   Attributes:
     epsilon: ε ≥ 0 in nats.
     delta: δ ∈ [0, 1].
-    neighbouring: ``ADD_REMOVE`` or ``REPLACE_ONE`` (or another relation named by its source).
+    neighbouring: a ``dp_accounting.NeighboringRelation``.
   """
   epsilon: float
   delta: float
-  neighbouring: str
+  neighbouring: NeighboringRelation
+
+
+class _DropRdpOrderWarnings(logging.Filter):
+  """Drops dp_accounting's per-order RDP warnings ("Excluding this order …"): an order whose
+  series does not converge is left out, and ε stays an upper bound over the remaining orders."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.pathname.endswith("rdp_privacy_accountant.py")
+
+
+@contextlib.contextmanager
+def quiet_rdp_logs():
+  """Context manager (and decorator) silencing dp_accounting's per-order RDP log lines.
+
+  Every dpjax entry point that runs the RDP accountant is wrapped in it, so a training loop's
+  output stays readable; other absl log records pass. Adds a filter to the ``absl`` logger for
+  the duration only.
+  """
+  logger = logging.getLogger("absl")
+  drop = _DropRdpOrderWarnings()
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
 
 
 def _accountant(name: str) -> dp_accounting.PrivacyAccountant:
@@ -75,7 +101,7 @@ def dpsgd_event(noise_multiplier: float, sampling_prob: float,
   ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), T)``: each step includes
   every example independently with probability q and releases the clipped sum (ℓ2-sensitivity
   C under add/remove-one) plus ``N(0, σ²C²)`` noise per coordinate. Meaningful under
-  add/remove-one (``ADD_REMOVE``).
+  add/remove-one (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
 
   Args:
     noise_multiplier: σ > 0, the Gaussian noise std divided by the clip norm C.
@@ -98,6 +124,7 @@ def dpsgd_event(noise_multiplier: float, sampling_prob: float,
   return dp_accounting.SelfComposedDpEvent(step, steps)
 
 
+@quiet_rdp_logs()
 def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, delta: float, *,
                   accountant: str = "rdp") -> float:
   """ε of T steps of Poisson-sampled DP-SGD at ``delta``, under add/remove-one.
@@ -130,6 +157,7 @@ def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, del
   return float(_accountant(accountant).compose(event).get_epsilon(delta))
 
 
+@quiet_rdp_logs()
 def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampling_prob: float,
                                steps: int, *, accountant: str = "rdp") -> float:
   """The smallest noise multiplier σ whose DP-SGD run is (target_ε, target_δ)-DP (add/remove-one).
@@ -235,7 +263,7 @@ def compose_basic(*spends: PrivacySpend) -> PrivacySpend:
   relations = {s.neighbouring for s in spends}
   if len(relations) != 1:
     raise ValueError(f"cannot compose guarantees stated under different neighbouring relations "
-                     f"{sorted(relations)}; convert first (replace_one_from_add_remove).")
+                     f"{sorted(r.name for r in relations)}; convert first (replace_one_from_add_remove).")
   return PrivacySpend(math.fsum(s.epsilon for s in spends), math.fsum(s.delta for s in spends),
                       relations.pop())
 
@@ -251,7 +279,7 @@ def replace_one_from_add_remove(epsilon: float, delta: float) -> PrivacySpend:
     delta: δ ∈ [0, 1) under add/remove-one.
 
   Returns:
-    :class:`PrivacySpend` with ``neighbouring == REPLACE_ONE`` (δ capped at 1).
+    :class:`PrivacySpend` under ``NeighboringRelation.REPLACE_ONE`` (δ capped at 1).
 
   Raises:
     ValueError: ε < 0 or not finite, δ ∉ [0, 1).
@@ -263,7 +291,8 @@ def replace_one_from_add_remove(epsilon: float, delta: float) -> PrivacySpend:
   delta = v.check_positive(delta, "delta", allow_zero=True)
   if delta >= 1.0:
     raise ValueError(f"delta must lie in [0, 1), got delta={delta!r}.")
-  return PrivacySpend(2.0 * epsilon, min(1.0, (1.0 + math.exp(epsilon)) * delta), REPLACE_ONE)
+  return PrivacySpend(2.0 * epsilon, min(1.0, (1.0 + math.exp(epsilon)) * delta),
+                      NeighboringRelation.REPLACE_ONE)
 
 
 class DPSGDBudget(NamedTuple):
@@ -276,7 +305,7 @@ class DPSGDBudget(NamedTuple):
     subspace_epsilon, subspace_delta: (ε_s, δ_s) of the private subspace step (0 if none).
     sgd_epsilon, sgd_delta: (ε_sgd, δ_sgd) of the T steps from the accountant.
     epsilon, delta: the composed totals ``(ε_s + ε_sgd, δ_s + δ_sgd)``.
-    neighbouring: the relation of every figure above (``ADD_REMOVE``).
+    neighbouring: the relation of every figure above (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
   """
   noise_multiplier: float
   sampling_prob: float
@@ -287,9 +316,10 @@ class DPSGDBudget(NamedTuple):
   sgd_delta: float
   epsilon: float
   delta: float
-  neighbouring: str
+  neighbouring: NeighboringRelation
 
 
+@quiet_rdp_logs()
 def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, steps: int,
                       subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
                       accountant: str = "rdp") -> DPSGDBudget:
@@ -335,10 +365,11 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
   sigma = calibrate_noise_multiplier(epsilon - subspace_epsilon, sgd_delta, sampling_prob, steps,
                                      accountant=accountant)
   sgd_epsilon = dpsgd_epsilon(sigma, sampling_prob, steps, sgd_delta, accountant=accountant)
-  total = compose_basic(PrivacySpend(subspace_epsilon, subspace_delta, ADD_REMOVE),
-                        PrivacySpend(sgd_epsilon, sgd_delta, ADD_REMOVE))
+  add_remove = NeighboringRelation.ADD_OR_REMOVE_ONE
+  total = compose_basic(PrivacySpend(subspace_epsilon, subspace_delta, add_remove),
+                        PrivacySpend(sgd_epsilon, sgd_delta, add_remove))
   return DPSGDBudget(sigma, sampling_prob, steps, subspace_epsilon, subspace_delta,
-                     sgd_epsilon, sgd_delta, total.epsilon, total.delta, ADD_REMOVE)
+                     sgd_epsilon, sgd_delta, total.epsilon, total.delta, add_remove)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,6 +401,7 @@ def gaussian_composition_event(noise_multipliers) -> dp_accounting.DpEvent:
   return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z) for z in zs])
 
 
+@quiet_rdp_logs()
 def gaussian_composition_epsilon(noise_multipliers, delta: float, *,
                                  accountant: str = "pld") -> float:
   """ε at ``delta`` of composed unsampled Gaussian mechanisms (:func:`gaussian_composition_event`).
@@ -388,6 +420,7 @@ def gaussian_composition_epsilon(noise_multipliers, delta: float, *,
   return float(_shift_one_accountant(accountant).compose(event).get_epsilon(delta))
 
 
+@quiet_rdp_logs()
 def calibrate_gaussian_composition(epsilon: float, delta: float, fractions, *,
                                    accountant: str = "pld") -> tuple[float, float]:
   """``(s, ε(s))``: the common scale for which ``z_t = s/sqrt(f_t)`` composes to (ε, δ)-DP.

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 import math
 import sys
 import textwrap
@@ -318,7 +317,7 @@ def run(args) -> dict:
 
   report = {"dataset": ds.name, "n_train": int(n_train), "n_test": int(ds.X_test.shape[0]),
             "n_public": int(n_public), "k": args.k, "steps": args.steps,
-            "neighbouring": "add_remove", "epsilon": args.epsilon, "delta": args.delta,
+            "neighbouring": "ADD_OR_REMOVE_ONE", "epsilon": args.epsilon, "delta": args.delta,
             "subspace_epsilon_fraction": args.subspace_epsilon_fraction,
             "privacy_note": _privacy_note(int(n_train), int(n_public), args.epsilon,
                                           args.delta),
@@ -443,9 +442,6 @@ def main(argv=None) -> dict:
                       help="evaluate every this many steps (default 25)")
   parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
   args = parser.parse_args(argv)
-  # dp_accounting logs every fractional RDP order it drops (the ε stays an upper bound); keep
-  # the main job's output readable.
-  logging.getLogger("absl").setLevel(logging.ERROR)
   if not (math.isfinite(args.epsilon) and args.epsilon > 0):
     parser.error(f"--epsilon must be > 0, got {args.epsilon}")
   if not 0 < args.delta < 1:

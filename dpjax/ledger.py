@@ -6,10 +6,10 @@ import math
 from typing import NamedTuple
 
 import dp_accounting
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
-from dpjax.accounting import (ACCOUNTANTS, ADD_REMOVE, REPLACE_ONE, PrivacySpend, _accountant,
-                              dpsgd_event)
+from dpjax.accounting import ACCOUNTANTS, PrivacySpend, _accountant, dpsgd_event, quiet_rdp_logs
 
 
 class BudgetExceededError(ValueError):
@@ -39,17 +39,24 @@ class PrivacyLedger:
 
   Example::
 
-      ledger = PrivacyLedger(epsilon=2.0, delta=1e-5, neighbouring="add_remove")
+      ledger = PrivacyLedger(epsilon=2.0, delta=1e-5)      # add/remove-one (the default)
       ledger.record_approx_dp(0.5, 1e-6, label="dpase subspace")
       ledger.record_dpsgd(noise_multiplier=1.1, sampling_prob=0.01, steps=1000)
-      ledger.spent  # PrivacySpend(epsilon=..., delta=1e-05, neighbouring='add_remove')
+      ledger.spent  # PrivacySpend(epsilon=..., delta=1e-05, neighbouring=ADD_OR_REMOVE_ONE)
+
+  Args:
+    epsilon, delta: the budget.
+    neighbouring: the ``dp_accounting.NeighboringRelation`` every recorded guarantee must hold
+      under: ``ADD_OR_REMOVE_ONE`` (default; DP-SGD's) or ``REPLACE_ONE``.
+    accountant: ``"rdp"`` (default) or ``"pld"``, for the recorded ``dp_accounting`` events.
   """
 
-  def __init__(self, epsilon: float, delta: float, *, neighbouring: str = ADD_REMOVE,
+  def __init__(self, epsilon: float, delta: float, *,
+               neighbouring: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
                accountant: str = "rdp"):
     self.epsilon = v.check_epsilon(epsilon)
     self.delta = v.check_delta(delta)
-    self.neighbouring = v.check_choice(neighbouring, "neighbouring", (ADD_REMOVE, REPLACE_ONE))
+    self.neighbouring = v.check_neighbouring(neighbouring)
     self.accountant = v.check_choice(accountant, "accountant", ACCOUNTANTS)
     self._entries: list[LedgerEntry] = []
 
@@ -74,7 +81,7 @@ class PrivacyLedger:
     return max(0.0, self.epsilon - self.spent.epsilon)
 
   def record_approx_dp(self, epsilon: float, delta: float, *, label: str = "",
-                       neighbouring: str | None = None) -> PrivacySpend:
+                       neighbouring: NeighboringRelation | None = None) -> PrivacySpend:
     """Records an (ε, δ)-DP release; raises :class:`BudgetExceededError` if over budget.
 
     ``neighbouring`` is the relation the release's guarantee holds under (default: the ledger's);
@@ -86,7 +93,7 @@ class PrivacyLedger:
     return self._add(LedgerEntry(label, "approx_dp", epsilon, delta, None))
 
   def record_event(self, event: dp_accounting.DpEvent, *, label: str = "",
-                   neighbouring: str | None = None) -> PrivacySpend:
+                   neighbouring: NeighboringRelation | None = None) -> PrivacySpend:
     """Records a release described by a ``dp_accounting`` event."""
     if not isinstance(event, dp_accounting.DpEvent):
       raise TypeError(f"event must be a dp_accounting.DpEvent, got {type(event).__name__}.")
@@ -97,12 +104,12 @@ class PrivacyLedger:
                    label: str = "dp-sgd") -> PrivacySpend:
     """Records Poisson-sampled DP-SGD steps (add/remove-one; refused by a replace-one ledger)."""
     return self.record_event(dpsgd_event(noise_multiplier, sampling_prob, steps), label=label,
-                             neighbouring=ADD_REMOVE)
+                             neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE)
 
   def _check_relation(self, neighbouring):
-    if neighbouring is not None and neighbouring != self.neighbouring:
-      raise ValueError(f"this ledger composes guarantees under {self.neighbouring!r}; a release "
-                       f"stated under {neighbouring!r} must be converted first.")
+    if neighbouring is not None and v.check_neighbouring(neighbouring) != self.neighbouring:
+      raise ValueError(f"this ledger composes guarantees under {self.neighbouring.name}; a "
+                       f"release stated under {neighbouring.name} must be converted first.")
 
   def _add(self, entry: LedgerEntry) -> PrivacySpend:
     total = self._total(self._entries + [entry])
@@ -114,6 +121,7 @@ class PrivacyLedger:
     self._entries.append(entry)
     return total
 
+  @quiet_rdp_logs()
   def _total(self, entries) -> PrivacySpend:
     eps = sum(e.epsilon for e in entries if e.kind == "approx_dp")
     delta = sum(e.delta for e in entries if e.kind == "approx_dp")

@@ -1,32 +1,154 @@
-"""The result types of dpjax's private learners (one module; see each type)."""
+"""The result type of dpjax's private learners: one family of frozen dataclass pytrees.
+
+Every learner returns a subclass of :class:`DPResult`. The arrays — the ⊥ flag ``ok``, the
+estimate, and ``released`` (the other DP-released quantities, e.g. a winning noisy count) — are
+pytree children, so a result passes through ``jax.jit`` and ``jax.vmap`` (e.g.
+``jax.vmap(lambda k: dpjax.dpase(k, X, ...))(keys)`` stacks the arrays and keeps one ε). The
+guarantee — ``epsilon``, ``delta``, ``neighbouring`` (a ``dp_accounting.NeighboringRelation``) —
+and ``info`` (public parameters only, an immutable :class:`PublicInfo`) are static metadata: they
+depend on public inputs alone, never on data.
+"""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+import enum
+import math
+import numbers
+from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
+
+_NAN = float("nan")       # one NaN object, so that equal infos compare equal (NaN != NaN)
 
 
-class SubspaceResult(NamedTuple):
-  """Outcome of a private subspace learner (a pytree).
+def _freeze(value, name: str):
+  """An immutable, hashable copy of a public info value (raises on arrays)."""
+  if value is None or isinstance(value, (bool, str, enum.Enum)):
+    return value
+  if isinstance(value, (jax.Array, np.ndarray)) and getattr(value, "ndim", 1) == 0 \
+      and not isinstance(value, jax.core.Tracer):
+    value = value.item()
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  if isinstance(value, numbers.Real):
+    value = float(value)
+    return _NAN if math.isnan(value) else value
+  if isinstance(value, Mapping):
+    return PublicInfo(value)
+  if isinstance(value, tuple) and hasattr(value, "_fields"):      # NamedTuple
+    return PublicInfo(value._asdict())
+  if isinstance(value, (tuple, list)):
+    return tuple(_freeze(x, name) for x in value)
+  raise TypeError(f"info[{name!r}] must be a public scalar, string, tuple or mapping, got "
+                  f"{type(value).__name__}; arrays (DP releases) belong in `released`.")
+
+
+class PublicInfo(Mapping):
+  """An immutable, hashable mapping of public diagnostics (a result's static metadata).
+
+  Values are frozen on construction: numbers become Python scalars, lists tuples, mappings and
+  NamedTuples nested :class:`PublicInfo`. Arrays are refused: anything computed from data is a
+  DP release and belongs in the result's ``released`` children.
+  """
+  __slots__ = ("_items",)
+
+  def __init__(self, items: Mapping | None = None):
+    items = {} if items is None else dict(items)
+    object.__setattr__(self, "_items",
+                       tuple((str(k), _freeze(val, str(k))) for k, val in items.items()))
+
+  def __getitem__(self, key):
+    for k, val in self._items:
+      if k == key:
+        return val
+    raise KeyError(key)
+
+  def __iter__(self):
+    return (k for k, _ in self._items)
+
+  def __len__(self):
+    return len(self._items)
+
+  def __hash__(self):
+    return hash(frozenset(self._items))
+
+  def __eq__(self, other):
+    if not isinstance(other, Mapping):
+      return NotImplemented
+    other = other if isinstance(other, PublicInfo) else PublicInfo(other)
+    return dict(self._items) == dict(other._items)
+
+  def __setattr__(self, name, value):
+    raise AttributeError("PublicInfo is immutable.")
+
+  def __repr__(self):
+    return "PublicInfo({" + ", ".join(f"{k!r}: {val!r}" for k, val in self._items) + "})"
+
+  def replace(self, **updates) -> "PublicInfo":
+    """A copy with ``updates`` added or replaced."""
+    return PublicInfo({**dict(self._items), **updates})
+
+
+def _static(**kwargs):
+  return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPResult:
+  """The common base of every learner's result (a pytree; see the module docstring).
 
   Attributes:
-    ok: bool scalar. ``False`` is the paper's ⊥ (NULL): the mechanism declined to answer. The
-      decision is itself a DP release.
-    basis: ``(d, k)`` orthonormal basis of the learned subspace when ``ok``; a fixed placeholder
-      (all zeros) when not, so that ⊥ carries no information.
-    epsilon: privacy loss spent (nats), whatever the outcome.
-    delta: failure probability spent, whatever the outcome.
-    neighbouring: the neighbouring relation under which ``(epsilon, delta)`` holds.
-    info: public diagnostics (parameters t, m, q, ℓ, ...) and DP-released quantities only.
+    ok: bool scalar array. ``False`` is the paper's ⊥: the mechanism declined to answer (a
+      private test failed). The decision is itself part of the DP release, and every other
+      array then holds a fixed placeholder (zeros), so ⊥ carries no further information.
+    released: dict of further DP-released arrays (covered by ``epsilon``, ``delta``), e.g. a
+      winning noisy count; a fixed placeholder (0) where nothing was released.
+    epsilon: ε spent (nats), whatever the outcome; ``inf`` for a non-private computation.
+    delta: δ spent, whatever the outcome.
+    neighbouring: the ``dp_accounting.NeighboringRelation`` under which ``(ε, δ)`` holds, or
+      None for a computation that is not private (ε = inf) or sees only public data (ε = 0).
+    info: :class:`PublicInfo`, the public parameters the learner used (never data).
   """
   ok: jax.Array
+  released: dict = dataclasses.field(default_factory=dict)
+  epsilon: float = _static()
+  delta: float = _static()
+  neighbouring: NeighboringRelation | None = _static()
+  info: PublicInfo = _static(default=PublicInfo())
+
+  def __post_init__(self):
+    for name in ("epsilon", "delta"):
+      value = getattr(self, name)
+      if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"a result's {name} is static metadata: pass a concrete number (the "
+                        "public wrappers take ε and δ as Python floats; use the traceable "
+                        "cores for traced ones).")
+      object.__setattr__(self, name, float(value))
+    if self.neighbouring is not None and not isinstance(self.neighbouring, NeighboringRelation):
+      raise TypeError("neighbouring must be a dp_accounting.NeighboringRelation or None, got "
+                      f"{self.neighbouring!r}.")
+    if not isinstance(self.info, PublicInfo):
+      object.__setattr__(self, "info", PublicInfo(self.info))
+
+  def replace(self, **changes):
+    """A copy with ``changes`` (``dataclasses.replace``)."""
+    return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SubspaceResult(DPResult):
+  """Outcome of a private subspace learner.
+
+  Attributes:
+    basis: ``(d, k)`` orthonormal basis of the learned subspace when ``ok``; zeros when not.
+      Learners that also learn the dimension (the Ashtiani–Liaw exact subspace) return ``(d, d)``
+      with the basis in the first ``released["rank"]`` columns and zeros after (static shapes).
+  """
   basis: jax.Array
-  epsilon: float
-  delta: float
-  neighbouring: str
-  info: dict[str, Any]
 
   @property
   def projection(self) -> jax.Array:
@@ -34,64 +156,43 @@ class SubspaceResult(NamedTuple):
     return self.basis @ self.basis.T
 
 
-class PrivateEstimate(NamedTuple):
-  """Outcome of a private estimator that may decline to answer (a pytree).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EstimateResult(DPResult):
+  """Outcome of a private mean or covariance estimator.
 
   Attributes:
-    ok: bool scalar. ``False`` is the paper's ⊥: the private test failed. The decision is itself
-      part of the DP release.
-    estimate: the released estimate when ``ok`` (a mean ``(d,)`` or a covariance ``(d, d)``); a
-      fixed placeholder (zeros) when not, so that ⊥ carries no information.
-    epsilon: privacy loss spent (nats), whatever the outcome.
-    delta: failure probability spent, whatever the outcome.
-    neighbouring: the neighbouring relation under which ``(epsilon, delta)`` holds.
-    info: public parameters (groups, radius, γ, η, ...) and DP-released quantities only.
+    estimate: a mean ``(d,)`` or a covariance ``(d, d)`` when ``ok``; zeros when not. Each
+      learner's docstring gives its dtype (the caller's precision, or float64 where the
+      algorithm needs it, with the reason).
   """
-  ok: jax.Array
   estimate: jax.Array
-  epsilon: float
-  delta: float
-  neighbouring: str
-  info: dict[str, Any]
 
 
-class CoinPressResult(NamedTuple):
-  """Outcome of :func:`coinpress_mean` or :func:`coinpress_covariance` (a pytree).
-
-  Attributes:
-    estimate: float64 NumPy array, ``(d,)`` for the mean, ``(d, d)`` symmetric PSD for the
-      covariance (NumPy, so that it keeps float64 whatever the global ``jax_enable_x64`` flag).
-    epsilon: ε (nats) spent, as composed by the accountant (≤ the requested ε).
-    delta: δ spent (the requested δ).
-    neighbouring: ``"replace_one"``: datasets with the same public n that differ in one row.
-    info: public quantities only — the step count, budget fractions, noise multipliers and
-      standard deviations, clipping radii and the other public bounds, and (mean only) the
-      released intermediate centres, which are DP releases accounted for in ``epsilon``.
-  """
-  estimate: np.ndarray
-  epsilon: float
-  delta: float
-  neighbouring: str
-  info: dict[str, Any]
+GAUSSIAN_STEPS = ("subspace", "covariance", "mean", "orthogonal_mean")
 
 
-class GaussianResult(NamedTuple):
-  """Outcome of :func:`learn_gaussian`.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GaussianResult(DPResult):
+  """Outcome of :func:`dpjax.ashtiani_liaw.learn_gaussian`.
 
   Attributes:
-    ok: False if any step returned ⊥.
-    mean: ``(d,)`` float64 μ̃ (zeros on ⊥).
-    covariance: ``(d, d)`` float64 Σ̃ (zeros on ⊥).
-    failed_step: None, or the first step that returned ⊥ (one of :data:`STEPS`).
-    epsilon, delta: the budget spent (the whole, whatever the outcome).
-    neighbouring: ``"replace_one"``.
-    info: batch sizes, each step's public parameters, the released rank.
+    mean: ``(d,)`` μ̃ (zeros on ⊥).
+    covariance: ``(d, d)`` Σ̃ (zeros on ⊥).
+    failed_step: int32 scalar array: 0 when ``ok``, else ``1 + i`` for the first step
+      ``GAUSSIAN_STEPS[i]`` that returned ⊥ (a DP release, part of the outcome);
+      :attr:`failed_step_name` spells it.
   """
-  ok: bool
-  mean: np.ndarray
-  covariance: np.ndarray
-  failed_step: str | None
-  epsilon: float
-  delta: float
-  neighbouring: str
-  info: dict[str, Any]
+  mean: jax.Array
+  covariance: jax.Array
+  failed_step: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
+
+  @property
+  def failed_step_name(self) -> str | None:
+    """The name of the failed step (None when ``ok``); needs a concrete result."""
+    index = int(self.failed_step)
+    return None if index == 0 else GAUSSIAN_STEPS[index - 1]
+
+
+for _cls in (DPResult, SubspaceResult, EstimateResult, GaussianResult):
+  jax.tree_util.register_dataclass(_cls)
+

@@ -4,6 +4,7 @@ import math
 
 import dp_accounting
 import pytest
+from dp_accounting import NeighboringRelation
 
 from dpjax import accounting
 
@@ -57,22 +58,22 @@ def test_plan_splits_and_totals_add_up():
   assert plan.sgd_epsilon <= 1.5 + 1e-12 and plan.sgd_delta == pytest.approx(9e-6)
   assert plan.epsilon == pytest.approx(0.5 + plan.sgd_epsilon)
   assert plan.delta == pytest.approx(1e-5) and plan.epsilon <= 2.0
-  assert plan.neighbouring == accounting.ADD_REMOVE
+  assert plan.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
   plain = accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=0.05, steps=300)
   assert plain.noise_multiplier < plan.noise_multiplier       # the subspace's share costs noise
 
 
 def test_compose_and_convert():
-  a = accounting.PrivacySpend(0.5, 1e-6, "add_remove")
-  b = accounting.PrivacySpend(1.0, 1e-6, "add_remove")
-  assert accounting.compose_basic(a, b) == accounting.PrivacySpend(1.5, 2e-6, "add_remove")
+  a = accounting.PrivacySpend(0.5, 1e-6, NeighboringRelation.ADD_OR_REMOVE_ONE)
+  b = accounting.PrivacySpend(1.0, 1e-6, NeighboringRelation.ADD_OR_REMOVE_ONE)
+  assert accounting.compose_basic(a, b) == accounting.PrivacySpend(1.5, 2e-6, NeighboringRelation.ADD_OR_REMOVE_ONE)
   with pytest.raises(ValueError, match="neighbouring"):
-    accounting.compose_basic(a, accounting.PrivacySpend(1.0, 1e-6, "replace_one"))
+    accounting.compose_basic(a, accounting.PrivacySpend(1.0, 1e-6, NeighboringRelation.REPLACE_ONE))
   r = accounting.replace_one_from_add_remove(1.0, 1e-6)
-  assert r == accounting.PrivacySpend(2.0, (1 + math.e) * 1e-6, "replace_one")
-  assert accounting.replace_one_from_add_remove(0.5, 0.0) == (1.0, 0.0, "replace_one")
+  assert r == accounting.PrivacySpend(2.0, (1 + math.e) * 1e-6, NeighboringRelation.REPLACE_ONE)
+  assert accounting.replace_one_from_add_remove(0.5, 0.0) == (1.0, 0.0, NeighboringRelation.REPLACE_ONE)
   with pytest.raises(TypeError, match="PrivacySpend"):
-    accounting.compose_basic(a, (1.0, 1e-6, "add_remove"))
+    accounting.compose_basic(a, (1.0, 1e-6, NeighboringRelation.ADD_OR_REMOVE_ONE))
   with pytest.raises(ValueError, match="at least one"):
     accounting.compose_basic()
 
@@ -101,3 +102,21 @@ def test_compose_and_convert():
 def test_bad_inputs(call, match):
   with pytest.raises((ValueError, TypeError), match=match):
     call()
+
+
+def test_rdp_order_warnings_are_silenced_at_the_source(caplog):
+  # q = 0.5, σ = 1: dp_accounting logs one line per fractional order it drops.
+  event = accounting.dpsgd_event(1.0, 0.5, 100)
+  with caplog.at_level("WARNING", logger="absl"):
+    dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+  raw = [r for r in caplog.records if "Excluding this order" in r.getMessage()]
+  assert raw                                         # the negative control: they exist
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="absl"):
+    accounting.dpsgd_epsilon(1.0, 0.5, 100, 1e-5)
+    accounting.calibrate_noise_multiplier(3.0, 1e-5, 0.5, 100)
+    with accounting.quiet_rdp_logs():
+      import logging
+      logging.getLogger("absl").warning("other absl records pass")
+  messages = [r.getMessage() for r in caplog.records]
+  assert messages == ["other absl records pass"]

@@ -6,7 +6,7 @@ from dpjax.ashtiani_liaw.calibration import (CovarianceCalibration, covariance_c
 from dpjax.ashtiani_liaw.covariance import (al_covariance, learn_covariance, pair_differences,
                                             second_moment)
 from dpjax.ashtiani_liaw.exact_subspace import (ALSubspaceParameters, al_subspace,
-                                                al_subspace_parameters)
+                                                al_subspace_parameters, released_basis)
 from dpjax.ashtiani_liaw.gaussian import gaussian_batch_sizes, learn_gaussian
 from dpjax.ashtiani_liaw.masking import (MaskingCalibration, calibrate_masking, covariance_mask,
                                          masking_concentration, masking_privacy_loss)

@@ -13,17 +13,23 @@ from __future__ import annotations
 import functools
 import math
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import linalg
+from dpjax._host import host_call
 from dpjax.ashtiani_liaw import masking, semimetric
-from dpjax.ashtiani_liaw.calibration import _TooFewRows, covariance_calibration
-from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PopulousThresholds,
+from dpjax.ashtiani_liaw.calibration import (CovarianceCalibration, _TooFewRows,
+                                             covariance_calibration)
+from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PPMECalibration,
+                                               PopulousThresholds, check_thresholds,
                                                populous_mean, ppme_calibration, split_groups)
-from dpjax.results import PrivateEstimate
+from dpjax.results import EstimateResult
 
 
 def second_moment(rows: jax.Array) -> jax.Array:
@@ -44,7 +50,7 @@ def pair_differences(X: jax.Array) -> jax.Array:
 def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: float = 0.25,
                   num_groups: int | None = None, min_group_size: int | None = None,
                   unknown_mean: bool = False, estimator=None, **calibration_kwargs
-                  ) -> PrivateEstimate:
+                  ) -> EstimateResult:
   """A constant-factor private approximation of an unbounded covariance ([AL22] Algorithm 3).
 
   PPME over groups of rows with the empirical covariance as candidate, the semimetric of §3.1
@@ -74,12 +80,16 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
     **calibration_kwargs: further :func:`covariance_calibration` arguments.
 
   Returns:
-    :class:`PrivateEstimate` with ``estimate (d, d)`` float64 NumPy (zeros on ⊥); ``info`` holds
-    the calibration.
+    :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``) with ``estimate
+    (d, d)`` (zeros on ⊥) — float64 NumPy eagerly: the masked preconditioner of a covariance with
+    condition number up to 1e12 needs float64 whatever JAX's x64 flag —; ``info`` holds the
+    calibration and the group size. Traceable in ``key`` and ``X``: under ``jit`` / ``vmap`` the
+    float64 computation runs on the host as a ``jax.pure_callback`` (same output per key),
+    returned in JAX's default float dtype; a non-finite traced ``X`` gives ⊥.
 
   Raises:
-    ValueError: bad input, or ``n`` below the calibration's ``required_n`` (the message gives it
-      with d, ε, δ and the groups). A hopeless ``n`` (below ``k·(d + 1)``, k the number of
+    ValueError: bad input (NaN/inf in a concrete X included), or ``n`` below the calibration's
+      ``required_n`` (the message gives it with d, ε, δ and the groups). A hopeless ``n`` (below ``k·(d + 1)``, k the number of
       groups, found without simulation) is refused at once, before the group-size simulation,
       with that lower bound; :func:`required_n` gives the exact figure.
 
@@ -89,6 +99,28 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
   key = v.check_key(key)
   X = v.check_data64(X, "X")
   n, d = X.shape
+  plan = _al_plan(n, d, epsilon, delta, radius=radius, num_groups=num_groups,
+                  min_group_size=min_group_size, unknown_mean=unknown_mean, **calibration_kwargs)
+  release = functools.partial(_al_covariance_host, plan=plan, estimator=estimator,
+                              unknown_mean=unknown_mean)
+  ok, estimate = host_call(release, (jax.ShapeDtypeStruct((), np.bool_),
+                                     jax.ShapeDtypeStruct((d, d), np.float64)), key, X)
+  return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=float(epsilon),
+                        delta=float(delta), neighbouring=NeighboringRelation.REPLACE_ONE,
+                        info=plan.info)
+
+
+class _ALPlan(NamedTuple):
+  """The public constants of one :func:`al_covariance` call."""
+  calibration: CovarianceCalibration
+  ppme: PPMECalibration
+  thresholds: PopulousThresholds
+  info: dict
+
+
+def _al_plan(n, d, epsilon, delta, *, radius, num_groups, min_group_size, unknown_mean,
+             **calibration_kwargs) -> _ALPlan:
+  """Calibrates :func:`al_covariance` from public numbers; raises ``_TooFewRows`` for small n."""
   # n (public) goes in so that a hopeless n fails before the group-size simulation runs.
   cal = covariance_calibration(d, epsilon, delta, radius=radius, num_groups=num_groups,
                                min_group_size=min_group_size, unknown_mean=unknown_mean,
@@ -97,26 +129,38 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
     raise _TooFewRows(n=n, d=d, epsilon=float(epsilon), delta=float(delta),
                       num_groups=cal.num_groups, group_size=cal.min_group_size,
                       pairs=2 if unknown_mean else 1, exact=True)
-  thresholds = calibration_kwargs.get("thresholds", PopulousThresholds())
+  thresholds = check_thresholds(calibration_kwargs.get("thresholds", PopulousThresholds()),
+                                cal.num_groups)
   ppme = ppme_calibration(cal.num_groups, cal.radius, cal.epsilon_test, cal.delta_test,
                           space="covariance", thresholds=thresholds,
                           radius_margin=calibration_kwargs.get("radius_margin",
                                                                DEFAULT_RADIUS_MARGIN))
+  info = dict(cal._asdict(), group_size=(n // (2 if unknown_mean else 1)) // cal.num_groups)
+  return _ALPlan(cal, ppme, thresholds, info)
+
+
+def _al_covariance_host(key, X, *, plan: _ALPlan, estimator, unknown_mean):
+  """al_covariance's release on the host in float64: ``(ok, estimate (d, d))``."""
+  X = np.asarray(X, np.float64)
+  d = X.shape[1]
+  if not np.all(np.isfinite(X)):                  # traced only: outside the domain
+    return False, np.zeros((d, d))
   vectorize = estimator is None                 # a user estimator may iterate: one group at a time
   estimator = second_moment if estimator is None else estimator
+  cal = plan.calibration
   with jax.enable_x64(True):
-    X64 = jnp.asarray(X, jnp.float64)
-    ok, estimate = _al_covariance(key, X64, cal.num_groups, cal.radius, cal.eta, ppme,
-                                  thresholds, estimator, unknown_mean, vectorize)
+    ok, estimate = _al_covariance(key, jnp.asarray(X), cal.radius, cal.eta, plan.ppme,
+                                  plan.thresholds, k=cal.num_groups, estimator=estimator,
+                                  unknown_mean=unknown_mean, vectorize=vectorize)
     estimate = linalg.symmetrize(estimate)          # exactly symmetric (post-processing)
-  info = dict(cal._asdict(), group_size=(n // (2 if unknown_mean else 1)) // cal.num_groups)
-  return PrivateEstimate(ok, np.asarray(estimate), float(epsilon), float(delta), "replace_one",
-                         info)
+    return bool(ok), np.asarray(estimate, np.float64)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
-def _al_covariance(key, X, k, radius, eta, ppme, thresholds, estimator, unknown_mean, vectorize):
-  """al_covariance's traced body; public constants static, so repeated calls reuse the program."""
+@functools.partial(jax.jit, static_argnames=("k", "estimator", "unknown_mean", "vectorize"))
+def _al_covariance(key, X, radius, eta, ppme, thresholds, *, k, estimator, unknown_mean,
+                   vectorize):
+  """al_covariance's jitted body. The public scalars (radius, η, the PPME calibration and
+  thresholds) are traced, so an ε sweep compiles once per shape."""
   d = X.shape[1]
   rows = pair_differences(X) if unknown_mean else X
   k_split, k_run = jax.random.split(key)
@@ -132,7 +176,7 @@ def _al_covariance(key, X, k, radius, eta, ppme, thresholds, estimator, unknown_
 def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
                      coarse_fraction: float = 0.5, refine: bool = True,
                      unknown_mean: bool = False, eta_accuracy: float | None = 0.5,
-                     **al_kwargs) -> PrivateEstimate:
+                     **al_kwargs) -> EstimateResult:
   """Unbounded covariance to small error: AL preconditioner, then CoinPress ([AL22] Thm 5.4–5.6).
 
   The rows are split by position (public) into a coarse batch (the first ``coarse_fraction``)
@@ -160,8 +204,11 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     **al_kwargs: further :func:`al_covariance` arguments.
 
   Returns:
-    :class:`PrivateEstimate` with ``estimate (d, d)`` float64; ``info["failed_step"]`` is
-    ``"covariance"`` on ⊥ and ``info["coarse"]`` the AL step's info.
+    :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``; ⊥ when the AL step
+    answers ⊥) with ``estimate (d, d)`` — float64 NumPy eagerly (as :func:`al_covariance`) —
+    and ``info`` with ``coarse`` (the AL step's public calibration), ``coarse_rows``,
+    ``refine`` and, when refining, ``preconditioner_factor`` K and ``refine_rows``. Traceable
+    in ``key`` and ``X`` (the host pipeline runs as a ``jax.pure_callback`` under tracing).
 
   Raises:
     ValueError: too few rows for the AL step (the message names the user's n, the coarse
@@ -177,10 +224,12 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
   frac = v.check_probability(coarse_fraction, "coarse_fraction", open_high=not refine)
   n, d = X.shape
   n_coarse = int(n * frac) if refine else n
-  k_coarse, k_refine = jax.random.split(key)
+  estimator = al_kwargs.pop("estimator", None)
+  al_args = dict(radius=al_kwargs.pop("radius", 0.25), num_groups=al_kwargs.pop("num_groups", None),
+                 min_group_size=al_kwargs.pop("min_group_size", None), unknown_mean=unknown_mean,
+                 eta_accuracy=eta_accuracy, **al_kwargs)
   try:
-    coarse = al_covariance(k_coarse, X[:n_coarse], epsilon=epsilon, delta=delta,
-                           unknown_mean=unknown_mean, eta_accuracy=eta_accuracy, **al_kwargs)
+    plan = _al_plan(n_coarse, d, epsilon, delta, **al_args)
   except _TooFewRows as err:
     if not refine:
       raise
@@ -196,24 +245,39 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
         "step). Collect more rows, raise epsilon or coarse_fraction, or pass "
         "num_groups/min_group_size to trade accuracy for rows (required_n(d, epsilon, delta, "
         f"eta_accuracy={eta_accuracy}) gives the AL step's exact figure).") from None
-  info = {"coarse": coarse.info, "failed_step": None if bool(coarse.ok) else "covariance",
-          "refined": False}
-  if not refine or not bool(coarse.ok):
-    return coarse._replace(info=info)
-  rows = X[n_coarse:]
-  if unknown_mean:
-    rows = pair_differences(rows)
-  if rows.shape[0] < 2:
+  info = {"coarse": plan.info, "coarse_rows": n_coarse, "refine": bool(refine)}
+  n_refine = (n - n_coarse) // (2 if unknown_mean else 1)
+  if refine and n_refine < 2:
     raise ValueError("learn_covariance has no rows left for the refinement step.")
-  c = (1.0 + coarse.info["radius"]) * (1.0 + coarse.info["mask_accuracy"]) - 1.0
+  c = (1.0 + plan.info["radius"]) * (1.0 + plan.info["mask_accuracy"]) - 1.0
   K = 1.0 + c
-  root, inv_root = _sqrt_and_inverse_sqrt(np.asarray(coarse.estimate, np.float64))
-  fine = coinpress_covariance(k_refine, math.sqrt(K) * rows @ inv_root, epsilon=epsilon,
-                              delta=delta, kappa=K * K)
-  estimate = root @ np.asarray(fine.estimate) @ root / K
-  info.update(refined=True, preconditioner_factor=K, refine_info=fine.info)
-  return PrivateEstimate(coarse.ok, (estimate + estimate.T) / 2, float(epsilon),
-                         float(delta), "replace_one", info)
+  if refine:
+    info.update(preconditioner_factor=K, refine_rows=n_refine)
+
+  def release(key, X):
+    X = np.asarray(X, np.float64)
+    k_coarse, k_refine = jax.random.split(key)
+    ok, coarse = _al_covariance_host(k_coarse, X[:n_coarse], plan=plan, estimator=estimator,
+                                     unknown_mean=unknown_mean)
+    if not refine or not ok:
+      return ok, coarse
+    rows = X[n_coarse:]
+    if unknown_mean:
+      rows = pair_differences(rows)
+    root, inv_root = _sqrt_and_inverse_sqrt(coarse)
+    whitened = math.sqrt(K) * rows @ inv_root
+    # A row that overflows in the whitening becomes 0: a fixed row-wise map given the released
+    # preconditioner, so the refinement's guarantee is unchanged (never an error on data).
+    whitened = np.where(np.all(np.isfinite(whitened), axis=1, keepdims=True), whitened, 0.0)
+    fine = coinpress_covariance(k_refine, whitened, epsilon=epsilon, delta=delta, kappa=K * K)
+    estimate = root @ np.asarray(fine.estimate) @ root / K
+    return True, (estimate + estimate.T) / 2
+
+  ok, estimate = host_call(release, (jax.ShapeDtypeStruct((), np.bool_),
+                                     jax.ShapeDtypeStruct((d, d), np.float64)), key, X)
+  return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=float(epsilon),
+                        delta=float(delta), neighbouring=NeighboringRelation.REPLACE_ONE,
+                        info=info)
 
 
 def _sqrt_and_inverse_sqrt(S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,8 +15,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax._host import host_call
 from dpjax.mechanisms.truncated_laplace import (_truncated_laplace, truncated_laplace_params,
                                                 truncated_laplace_survival)
 from dpjax.results import SubspaceResult
@@ -219,16 +221,23 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
       ``e_F = 100 d u``).
 
   Returns:
-    :class:`SubspaceResult`: ``ok`` (bool scalar), ``basis (d, r)`` orthonormal in the default
-    float dtype, ``r`` the rank of the released projection (ordered by decreasing eigenvalue of
-    ``Π*``; ``(d, 0)`` zeros on ⊥), ``epsilon``, ``delta``, ``neighbouring="replace_one"``, and
-    ``info`` with the public parameters (``num_groups``, ``group_size``, ``min_groups``,
-    ``snap_scale``, ``rank_tol``, ``threshold``, ``tlap_bound``, ``sure_pass_count``,
-    ``outlier_groups_tolerated``) and, only when ok, the released ``rank``.
+    :class:`~dpjax.results.SubspaceResult`: ``ok`` (bool scalar), ``basis (d, d)`` in X's dtype
+    (16-bit floats upcast to float32) whose first ``r = released["rank"]`` columns are an
+    orthonormal basis of the released projection (ordered by decreasing eigenvalue of ``Π*``)
+    and whose other columns are zeros (static shapes: r is itself part of the release; all zeros
+    and ``r = 0`` on ⊥), ``epsilon``, ``delta``, ``neighbouring=REPLACE_ONE``, and ``info``
+    with the public parameters (``num_groups``, ``group_size``, ``min_groups``, ``snap_scale``,
+    ``rank_tol``, ``threshold``, ``tlap_bound``, ``sure_pass_count``,
+    ``outlier_groups_tolerated``). :func:`released_basis` trims the basis to its r columns.
+
+  Traceable in ``key`` and ``X``: the float64 computation runs on the host (a
+  ``jax.pure_callback`` under tracing, the same output per key; float64 whatever JAX's x64 flag,
+  because the groups' ranks and snapped projections need it), and a non-finite traced ``X``
+  gives ⊥.
 
   Raises:
     TypeError: ``key`` is not a PRNG key, ``X`` not a real array, ``num_groups`` not an integer.
-    ValueError: NaN/inf in ``X``, ``X`` not 2-D, ε ≤ 0, δ ∉ (0, 1/2), ``num_groups ∉ [3, n]``,
+    ValueError: NaN/inf in a concrete ``X``, ``X`` not 2-D, ε ≤ 0, δ ∉ (0, 1/2), ``num_groups ∉ [3, n]``,
       ``rank_tol ∉ (0, 1)``, ``snap_scale ∉ [2^-40, 1/(4d)]``, n too small for the default
       ``num_groups`` (``n < k_min·d``), or ``num_groups ≤ 4`` (⊥ certain up to δ/1.1).
 
@@ -251,11 +260,21 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
   params = al_subspace_parameters(n, d, epsilon=epsilon, delta=delta, num_groups=num_groups,
                                   rank_tol=rank_tol, snap_scale=snap_scale,
                                   unit_roundoff=unit_roundoff)
-  X64 = np.asarray(X, np.float64)                   # full precision even when x64 is off
-  with jax.enable_x64(True):
-    ok, snapped = al_subspace_core(key, jnp.asarray(X64), params)
-    ok, snapped = bool(ok), np.asarray(snapped, np.float64)
-  info = {
+  info = al_subspace_info(params)
+  shapes = (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((d, d), np.float64),
+            jax.ShapeDtypeStruct((), np.int32))
+  raw = checked if v.is_traced(checked) else X     # NumPy float64 keeps its precision
+  ok, basis, rank = host_call(functools.partial(_al_subspace_host, params=params), shapes, key,
+                              raw)
+  return SubspaceResult(ok=jnp.asarray(ok), basis=jnp.asarray(basis, checked.dtype),
+                        released={"rank": jnp.asarray(rank, jnp.int32)},
+                        epsilon=params.tlap_epsilon, delta=float(delta),
+                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+
+
+def al_subspace_info(params: ALSubspaceParameters) -> dict:
+  """The public ``info`` of an :func:`al_subspace` result with these parameters."""
+  return {
       "num_groups": params.num_groups,
       "group_size": params.group_size,
       "min_groups": params.min_groups,
@@ -266,16 +285,28 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
       "sure_pass_count": params.sure_pass_count,
       "outlier_groups_tolerated": params.num_groups - params.sure_pass_count,
   }
-  out_dtype = checked.dtype
+
+
+def _al_subspace_host(key, X, params):
+  """:func:`al_subspace` on the host in float64: ``(ok, basis (d, d) zero-padded, rank)``."""
+  X64 = np.asarray(X, np.float64)                   # full precision even when x64 is off
+  d = X64.shape[1]
+  padded = np.zeros((d, d))
+  if not np.all(np.isfinite(X64)):                  # only reachable traced: outside the domain
+    return False, padded, 0
+  with jax.enable_x64(True):
+    ok, snapped = al_subspace_core(key, jnp.asarray(X64), params)
+    ok, snapped = bool(ok), np.asarray(snapped, np.float64)
   if not ok:
-    return SubspaceResult(ok=jnp.asarray(False), basis=jnp.zeros((d, 0), out_dtype),
-                          epsilon=params.tlap_epsilon, delta=float(delta),
-                          neighbouring="replace_one", info=info)
+    return False, padded, 0
   basis = nearest_projection_basis(snapped)         # post-processing of the released Π*
-  info["rank"] = int(basis.shape[1])
-  return SubspaceResult(ok=jnp.asarray(True), basis=jnp.asarray(basis, out_dtype),
-                        epsilon=params.tlap_epsilon, delta=float(delta),
-                        neighbouring="replace_one", info=info)
+  padded[:, :basis.shape[1]] = basis
+  return True, padded, basis.shape[1]
+
+
+def released_basis(result) -> np.ndarray:
+  """The ``(d, r)`` basis of a concrete :func:`al_subspace` result (``r = released["rank"]``)."""
+  return np.asarray(result.basis)[:, :int(result.released["rank"])]
 
 
 def nearest_projection_basis(P) -> np.ndarray:

@@ -33,22 +33,26 @@ orthogonal error separately (:func:`dpjax.metrics.gaussian_tv` does the former).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
-from dpjax.coinpress import coinpress_mean
+from dpjax._host import host_call
 from dpjax.ashtiani_liaw.covariance import (_sqrt_and_inverse_sqrt, learn_covariance,
-                                         pair_differences)
+                                            pair_differences)
+from dpjax.ashtiani_liaw.exact_subspace import (al_subspace, al_subspace_info,
+                                                al_subspace_parameters, released_basis)
 from dpjax.ashtiani_liaw.populous_mean import min_groups_for_test, ppme_mean
+from dpjax.coinpress import coinpress_mean
 from dpjax.mechanisms.histogram import histogram_threshold, stable_histogram, top_bin
+from dpjax.results import GAUSSIAN_STEPS as STEPS
 from dpjax.results import GaussianResult
-from dpjax.ashtiani_liaw.exact_subspace import al_subspace, al_subspace_parameters
-
-STEPS = ("subspace", "covariance", "mean", "orthogonal_mean")
 
 # Public floor on step 4's PPME radius (2^-400 ≈ 3.9e-121). On all-zero (or ≲ 1e-140) rows the
 # released scale S is ≈ 2^-1016 and the radius 2^-40·S·√d subnormal; the analytic Gaussian
@@ -97,10 +101,21 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
     subspace_kwargs: extra :func:`~dpjax.subspace.al_subspace` arguments (e.g. ``snap_scale``).
 
   Returns:
-    :class:`GaussianResult`.
+    :class:`~dpjax.results.GaussianResult` (neighbouring ``REPLACE_ONE``): ``mean (d,)`` and
+    ``covariance (d, d)`` — float64 NumPy eagerly (unbounded μ and Σ with condition numbers up
+    to 1e12 need float64 whatever JAX's x64 flag) —, ``failed_step`` (0, or 1 + the index in
+    ``STEPS`` of the first step that answered ⊥; ``failed_step_name`` spells it),
+    ``released["rank"]`` (the released rank r of Σ, 0 on ⊥ at step 1) and ``info`` with the
+    public ``batch_sizes`` and the subspace step's parameters. A step whose public row
+    requirement depends on the released rank (step 2 at rank r) and is not met answers ⊥ with a
+    ``UserWarning`` naming the requirement, never an exception after a release. Traceable in
+    ``key`` and ``X``: under ``jit`` / ``vmap`` the host pipeline runs as a
+    ``jax.pure_callback`` (same output per key), returned in JAX's default float dtype; a
+    non-finite traced ``X`` gives ⊥ at step 1.
 
   Raises:
-    ValueError: bad input, n too small for a step (the message says which and how many rows).
+    ValueError: bad input (NaN/inf in a concrete X included), n too small for a step (the
+      message says which and how many rows).
 
   References:
     [AL22] §5.1, Thm 5.7; ALGORITHMS.md §3.6.
@@ -114,77 +129,101 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
            else tuple(v.check_int(s, "batch_sizes[i]", low=2) for s in batch_sizes))
   if len(sizes) != 4 or sum(sizes) > n:
     raise ValueError(f"batch_sizes must be 4 sizes summing to <= n={n}, got {sizes}.")
+  k_mean = _mean_groups(epsilon, delta)
+  for step, rows in (("mean", sizes[2] // 2), ("orthogonal-mean", sizes[3] - sizes[3] // 2)):
+    if rows // k_mean < 2:
+      raise ValueError(f"learn_gaussian's {step} step needs at least {4 * k_mean} rows "
+                       f"(batch_sizes), got {2 * rows}.")
+  sub_params = al_subspace_parameters(sizes[0] // 2, d, epsilon=epsilon, delta=delta,
+                                      **(subspace_kwargs or {}))
+  info = {"batch_sizes": sizes, "subspace": al_subspace_info(sub_params)}
+  release = functools.partial(
+      _learn_gaussian_host, sizes=sizes, epsilon=epsilon, delta=delta, beta=beta,
+      covariance_kwargs=covariance_kwargs or {}, subspace_kwargs=subspace_kwargs or {},
+      snap_scale=sub_params.snap_scale)
+  shapes = (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((d,), np.float64),
+            jax.ShapeDtypeStruct((d, d), np.float64), jax.ShapeDtypeStruct((), np.int32),
+            jax.ShapeDtypeStruct((), np.int32))
+  ok, mean, covariance, failed, rank = host_call(release, shapes, key, X)
+  return GaussianResult(ok=jnp.asarray(ok), mean=mean, covariance=covariance,
+                        failed_step=jnp.asarray(failed, jnp.int32),
+                        released={"rank": jnp.asarray(rank, jnp.int32)}, epsilon=epsilon,
+                        delta=delta, neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+
+
+def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwargs,
+                         subspace_kwargs, snap_scale):
+  """The four steps on the host in float64: ``(ok, mean, covariance, failed_step, rank)``."""
+  X = np.asarray(X, np.float64)
+  d = X.shape[1]
+  fail = lambda step, rank=0: (False, np.zeros(d), np.zeros((d, d)),        # noqa: E731
+                               1 + STEPS.index(step), rank)
+  if not np.all(np.isfinite(X)):                  # traced only: outside the domain
+    return fail("subspace")
   ends = np.cumsum(sizes)
   B1, B2, B3, B4 = (X[e - s:e] for s, e in zip(sizes, ends))
   keys = jax.random.split(key, 6)
-  info: dict[str, Any] = {"batch_sizes": sizes}
-  fail = lambda step: GaussianResult(False, np.zeros(d), np.zeros((d, d)), step,  # noqa: E731
-                                     epsilon, delta, "replace_one", info)
 
   # 1. Subspace (float64 basis: the released projection is applied to rows of any scale).
   with jax.enable_x64(True):
     sub = al_subspace(keys[0], pair_differences(B1), epsilon=epsilon, delta=delta,
-                      **(subspace_kwargs or {}))
-  info["subspace"] = sub.info
+                      **subspace_kwargs)
   if not bool(sub.ok):
     return fail("subspace")
-  V = np.asarray(sub.basis, np.float64)
+  V = released_basis(sub).astype(np.float64)
   r = V.shape[1]
   U_perp = _orthogonal_complement(V)
-  info["rank"] = r
 
   # 2–3. Covariance and mean in the subspace.
   mean_in, Sigma_r = np.zeros(d), np.zeros((r, r))
   if r > 0:
-    cov = learn_covariance(keys[1], pair_differences(B2) @ V, epsilon=epsilon, delta=delta,
-                           **(covariance_kwargs or {}))
-    info["covariance"] = cov.info
+    try:
+      cov = learn_covariance(keys[1], pair_differences(B2) @ V, epsilon=epsilon, delta=delta,
+                             **covariance_kwargs)
+    except ValueError as err:          # the rows step 2 needs depend on the released rank r
+      warnings.warn(f"learn_gaussian: step 2 answers ⊥ at the released rank r={r}: {err}",
+                    UserWarning, stacklevel=2)
+      return fail("covariance", r)
     if not bool(cov.ok):
-      return fail("covariance")
+      return fail("covariance", r)
     Sigma_r = np.asarray(cov.estimate)
     root, inv_root = _sqrt_and_inverse_sqrt(Sigma_r)
     W = B3 @ V @ inv_root
-    mu_w, info["mean"] = _whitened_mean(keys[2], keys[3], W, epsilon, delta, beta)
+    mu_w = _whitened_mean(keys[2], keys[3], W, epsilon, delta, beta)
     if mu_w is None:
-      return fail("mean")
+      return fail("mean", r)
     mean_in = V @ (root @ mu_w)
 
   # 4. Mean outside the subspace.
   mean_out = np.zeros(d)
   if r < d:
     trace = float(np.trace(Sigma_r)) * 2.0                 # ≥ tr Σ up to the refinement error
-    tilt = 2.0 * d * sub.info["snap_scale"]                # ≥ ‖U_⊥ᵀ Π‖ for the snapped release
-    u, info["orthogonal_mean"] = _constant_mean(keys[4], keys[5], B4, U_perp, tilt, trace,
-                                                epsilon, delta, beta)
+    tilt = 2.0 * d * snap_scale                            # ≥ ‖U_⊥ᵀ Π‖ for the snapped release
+    u = _constant_mean(keys[4], keys[5], B4, U_perp, tilt, trace, epsilon, delta, beta)
     if u is None:
-      return fail("orthogonal_mean")
+      return fail("orthogonal_mean", r)
     mean_out = U_perp @ u
-  return GaussianResult(True, mean_in + mean_out, V @ Sigma_r @ V.T, None, epsilon, delta,
-                        "replace_one", info)
+  return True, mean_in + mean_out, V @ Sigma_r @ V.T, 0, r
 
 
 def _whitened_mean(k_coarse, k_fine, W, epsilon, delta, beta):
   """Step 3: PPME centre on one half, CoinPress on the other; rows with covariance ≈ I."""
   n, r = W.shape
   half = n // 2
-  k = max(min_groups_for_test(epsilon / 4, delta / 2), 40)
-  if half // k < 2:
-    raise ValueError(f"learn_gaussian's mean step needs at least {4 * k} rows, got {n}.")
+  k = _mean_groups(epsilon, delta)
   m = half // k
   K = 2.0                                                  # covariance of W within a factor 2
   group_error = math.sqrt(K / m) * (math.sqrt(r) + math.sqrt(2.0 * math.log(2.0 * k / beta)))
   coarse = ppme_mean(k_coarse, W[:half], epsilon=epsilon, delta=delta, num_groups=k,
                      radius=2.0 * group_error)
-  info = {"ppme": coarse.info}
   if not bool(coarse.ok):
-    return None, info
+    return None
   sigma = coarse.info["sigma"]
   radius = group_error + sigma * (math.sqrt(r) + math.sqrt(2.0 * math.log(1.0 / beta)))
   scale = math.sqrt(K)
   fine = coinpress_mean(k_fine, W[half:] / scale, epsilon=epsilon, delta=delta,
                         center=np.asarray(coarse.estimate) / scale, radius=radius / scale)
-  info["coinpress"] = fine.info
-  return np.asarray(fine.estimate) * scale, info
+  return np.asarray(fine.estimate) * scale
 
 
 def _constant_mean(k_scale, k_ppme, B, U_perp, tilt, trace, epsilon, delta, beta):
@@ -200,21 +239,22 @@ def _constant_mean(k_scale, k_ppme, B, U_perp, tilt, trace, epsilon, delta, beta
   octave = np.floor(np.log2(magnitude) / 8.0 + offset).astype(np.int32)[:, None]
   hist = stable_histogram(k_scale, octave, epsilon=epsilon, delta=delta)
   ok, bin_, _ = top_bin(hist)
-  info: dict[str, Any] = {}
   if not bool(ok):
-    return None, info
+    return None
   scale = 2.0 ** (8.0 * (int(bin_[0]) + 1 - offset))       # upper edge of the released octave
-  k = max(min_groups_for_test(epsilon / 4, delta / 2), 40)
+  k = _mean_groups(epsilon, delta)
   U = B[half:] @ U_perp
-  if U.shape[0] // k < 2:
-    raise ValueError(f"learn_gaussian's orthogonal-mean step needs at least {4 * k} rows.")
   m = U.shape[0] // k
   spread = tilt * math.sqrt(trace / m) * (1.0 + math.sqrt(2.0 * math.log(2.0 * k / beta)))
   radius = 2.0 * spread + 2.0 ** -40 * scale * math.sqrt(U.shape[1])
   radius = max(radius, _MIN_ORTHOGONAL_RADIUS)      # public: all-zero rows give S ≈ 2^-1016
   res = ppme_mean(k_ppme, U, epsilon=epsilon, delta=delta, num_groups=k, radius=radius)
-  info.update(scale=scale, ppme=res.info)
-  return (np.asarray(res.estimate) if bool(res.ok) else None), info
+  return np.asarray(res.estimate) if bool(res.ok) else None
+
+
+def _mean_groups(epsilon: float, delta: float) -> int:
+  """The PPME groups of steps 3 and 4 (public)."""
+  return max(min_groups_for_test(epsilon / 4, delta / 2), 40)
 
 
 def _orthogonal_complement(V: np.ndarray) -> np.ndarray:

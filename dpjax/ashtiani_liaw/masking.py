@@ -164,24 +164,30 @@ def covariance_mask(key: jax.Array, Sigma, *, eta: float) -> jax.Array:
     eta: noise level > 0 (public).
 
   Returns:
-    Array of Sigma's shape, symmetric, in Sigma's dtype (float32 for 16-bit input).
+    Array of Sigma's shape, symmetric, in Sigma's dtype (float32 for 16-bit input). A batch
+    member that is not positive definite (its Cholesky factor is not finite: NaN/inf entries
+    included) is masked as if it were the identity — a fixed map of that matrix alone, so the
+    masking guarantee for PD inputs is unchanged and no error depends on a private value.
+    Traceable in ``key`` and ``Sigma``.
 
   Raises:
-    TypeError: bad key. ValueError: wrong shape, non-finite entries, η ≤ 0, or a batch member
-      that is not positive definite.
+    TypeError: bad key or non-float ``Sigma``. ValueError: wrong shape, η ≤ 0.
 
   References:
     [AL22] Lemma 5.1/5.2 and App. D; ALGORITHMS.md §3.4.
   """
   v.check_key(key)
-  Sigma = v.check_data(Sigma, "Sigma", ndim=jnp.ndim(Sigma) if jnp.ndim(Sigma) in (2, 3) else 2)
-  if Sigma.shape[-1] != Sigma.shape[-2]:
-    raise ValueError(f"Sigma must be square, got shape {tuple(Sigma.shape)}.")
+  Sigma = jnp.asarray(v.check_float_array(Sigma, "Sigma"))
+  if Sigma.ndim not in (2, 3) or Sigma.shape[-1] != Sigma.shape[-2] or Sigma.shape[-1] == 0:
+    raise ValueError(f"Sigma must be a square (d, d) matrix or a (b, d, d) batch, got shape "
+                     f"{tuple(Sigma.shape)}.")
+  if jnp.finfo(Sigma.dtype).bits < 32:
+    Sigma = Sigma.astype(jnp.float32)                # no 16-bit Cholesky; exact and public
   eta = v.check_positive(eta, "eta")
   batch = Sigma if Sigma.ndim == 3 else Sigma[None]
   L = jnp.linalg.cholesky(batch)
-  if not bool(jnp.all(jnp.isfinite(L))):
-    raise ValueError("Sigma must be positive definite (its Cholesky factorisation failed).")
+  pd = jnp.all(jnp.isfinite(L), axis=(1, 2), keepdims=True)
+  L = jnp.where(pd, L, jnp.eye(L.shape[-1], dtype=L.dtype))
   out = linalg.symmetrize(jax.vmap(_mask_factor, in_axes=(0, 0, None))(
       jax.random.split(key, batch.shape[0]), L, eta))
   return out if Sigma.ndim == 3 else out[0]

@@ -47,10 +47,12 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax._host import host_call
 from dpjax.ashtiani_liaw import semimetric
-from dpjax.results import PrivateEstimate
+from dpjax.results import EstimateResult
 from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
                                        rdp_gaussian_sigma)
 from dpjax.mechanisms.grid import discretization
@@ -255,7 +257,7 @@ def split_groups(key: jax.Array, X: jax.Array, num_groups: int) -> jax.Array:
 def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: int,
               radius: float, estimator: Callable | None = None, test_fraction: float = 0.25,
               thresholds: PopulousThresholds = PopulousThresholds(),
-              radius_margin: float = DEFAULT_RADIUS_MARGIN, secure: bool = True) -> PrivateEstimate:
+              radius_margin: float = DEFAULT_RADIUS_MARGIN, secure: bool = True) -> EstimateResult:
   """Private mean with PPME in ℓ2 and Gaussian masking ([AL22] Algorithm 1; §3.7 Lemma 7.2).
 
   Each of the k groups (public random partition) gives ``Est(group) ∈ R^d`` (default the group
@@ -293,12 +295,16 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     secure: float-safe discretized Gaussian mask (default) or raw continuous noise.
 
   Returns:
-    :class:`PrivateEstimate` with ``estimate (d,)`` float64 NumPy (computed under
-    ``jax.enable_x64``: means of 1e6 keep their digits; with ``secure=True`` every entry is a
-    multiple of ``info["grid"]``); ``info`` holds k, m, r, γ, σ (the mask's std) and the grid.
+    :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``) with ``estimate
+    (d,)`` — float64 NumPy eagerly (computed under ``jax.enable_x64`` whatever the global flag:
+    means of 1e6 keep their digits; with ``secure=True`` every entry is a multiple of
+    ``info["grid"]``) —; ``info`` holds k, m, r, γ, σ (the mask's std) and the grid.
+    Traceable in ``key`` and ``X``: under ``jit`` / ``vmap`` the float64 computation runs on the
+    host as a ``jax.pure_callback`` (same output per key), returned in JAX's default float
+    dtype; a non-finite traced ``X`` gives ⊥.
 
   Raises:
-    TypeError/ValueError: bad key or data, ε ≤ 0, δ ∉ (0, 1), broken threshold constraints,
+    TypeError/ValueError: bad key or data (NaN/inf in a concrete X), ε ≤ 0, δ ∉ (0, 1), broken threshold constraints,
       fewer than 2 rows per group, or ``num_groups`` so small that even unanimous groups pass
       the test with probability ≤ δ1 (``num_groups ≤ 2/(1 − c0)``: ⊥ would be certain).
 
@@ -332,43 +338,55 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     # its masked version leaves this function); the mask runs on the host.
     z = rdp_gaussian_sigma(eps2, delta2)
     grid = discretization(cal.mask_sensitivity, d)
-    sigma, mask_sigma = None, z * grid.grid_sensitivity * grid.grid
+    mask_sigma = z * grid.grid_sensitivity * grid.grid
     info.update(sigma=mask_sigma, grid=grid.grid)
   else:
-    sigma = mask_sigma = analytic_gaussian_sigma(eps2, delta2, cal.mask_sensitivity)
+    mask_sigma = analytic_gaussian_sigma(eps2, delta2, cal.mask_sensitivity)
     info.update(sigma=mask_sigma)
-  k_run, k_mask = jax.random.split(key)
-  run = functools.partial(_ppme_mean_run, k=k, radius=r, sigma=sigma, calibration=cal,
-                          thresholds=check_thresholds(thresholds, k), estimator=estimator,
-                          vectorize=vectorize)
-  with jax.enable_x64(True):
-    ok, estimate = run(k_run, jnp.asarray(X))
-    ok, estimate = bool(ok), np.asarray(estimate, np.float64)
-  if secure:
-    estimate = (discretized_gaussian_mechanism(k_mask, estimate, sensitivity=cal.mask_sensitivity,
-                                               noise_multiplier=z) if ok
-                else np.zeros(d))                   # ok is the DP test's output: a public branch
-  return PrivateEstimate(jnp.asarray(ok), estimate, epsilon, delta, "replace_one", info)
+  run = functools.partial(_ppme_mean_run, k=k, estimator=estimator, vectorize=vectorize,
+                          mask=not secure)
+  thresholds = check_thresholds(thresholds, k)
+
+  def release(key, X):
+    X = np.asarray(X, np.float64)
+    if not np.all(np.isfinite(X)):                  # traced only: outside the domain
+      return False, np.zeros(d)
+    k_run, k_mask = jax.random.split(key)
+    with jax.enable_x64(True):
+      ok, estimate = run(k_run, jnp.asarray(X), r, mask_sigma, cal, thresholds)
+      ok, estimate = bool(ok), np.asarray(estimate, np.float64)
+    if secure:
+      estimate = (discretized_gaussian_mechanism(k_mask, estimate,
+                                                 sensitivity=cal.mask_sensitivity,
+                                                 noise_multiplier=z) if ok
+                  else np.zeros(d))                 # ok is the DP test's output: a public branch
+    return ok, estimate
+
+  ok, estimate = host_call(release, (jax.ShapeDtypeStruct((), np.bool_),
+                                     jax.ShapeDtypeStruct((d,), np.float64)), key, X)
+  return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=epsilon, delta=delta,
+                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 def _group_mean(rows):
   return jnp.mean(rows, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "radius", "sigma", "calibration", "thresholds",
-                                             "estimator", "vectorize"))
-def _ppme_mean_run(key, X, *, k, radius, sigma, calibration, thresholds, estimator, vectorize):
-  """ppme_mean's traced body; the public constants are static so repeated calls reuse the
-  compiled program. ``sigma=None``: no mask (the caller masks on the host)."""
+@functools.partial(jax.jit, static_argnames=("k", "estimator", "vectorize", "mask"))
+def _ppme_mean_run(key, X, radius, sigma, calibration, thresholds, *, k, estimator, vectorize,
+                   mask):
+  """ppme_mean's jitted body. The public scalars (radius, σ, the calibration and thresholds)
+  are traced, so an ε or radius sweep compiles once. ``mask=False``: the unmasked average
+  (never released: the caller masks it on the host)."""
   k_split, k_run = jax.random.split(key)
   groups = split_groups(k_split, X, k)
-  if sigma is None:
-    mask = lambda k_mask, y: y                                       # noqa: E731
+  if mask:
+    add_mask = lambda k_mask, y: y + sigma * jax.random.normal(k_mask, y.shape, y.dtype)  # noqa
   else:
-    mask = lambda k_mask, y: y + sigma * jax.random.normal(k_mask, y.shape, y.dtype)  # noqa
+    add_mask = lambda k_mask, y: y                                   # noqa: E731
   return populous_mean(
       k_run, groups, estimator=estimator,
       neighbour_counts=lambda Y: semimetric.euclidean_neighbour_counts(Y, radius),
-      mask=mask,
+      mask=add_mask,
       calibration=calibration, thresholds=thresholds,
       placeholder=jnp.zeros((X.shape[1],), X.dtype), vectorize=vectorize)

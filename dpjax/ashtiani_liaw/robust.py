@@ -21,11 +21,11 @@ import jax
 from dpjax.ashtiani_liaw.covariance import al_covariance
 from dpjax.robust_stats import _check_corruption, filtered_covariance, filtered_mean
 from dpjax.ashtiani_liaw.populous_mean import ppme_mean
-from dpjax.results import PrivateEstimate
+from dpjax.results import EstimateResult
 
 
 def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: float,
-                num_groups: int, radius: float, **ppme_kwargs) -> PrivateEstimate:
+                num_groups: int, radius: float, **ppme_kwargs) -> EstimateResult:
   """Private robust mean of ``N(μ, I)`` from an η_c-corrupted sample ([AL22] Algorithm 5).
 
   Euclidean PPME with :func:`~dpjax.robust_stats.filtered_mean` on every group and the
@@ -46,7 +46,8 @@ def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: 
     **ppme_kwargs: :func:`ppme_mean`'s ``test_fraction``, ``thresholds``, ``radius_margin``.
 
   Returns:
-    :class:`PrivateEstimate` with ``estimate (d,)``.
+    :class:`~dpjax.results.EstimateResult` with ``estimate (d,)`` (as :func:`ppme_mean`, which
+    also makes it traceable); ``info["corruption"]`` is η_c.
 
   References:
     [AL22] Algorithm 5, Thm 7.4, Lemma 7.2; ALGORITHMS.md §3.7.
@@ -55,11 +56,11 @@ def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: 
   estimator = _group_estimator(filtered_mean, corruption)
   res = ppme_mean(key, X, epsilon=epsilon, delta=delta, num_groups=num_groups, radius=radius,
                   estimator=estimator, **ppme_kwargs)
-  return res._replace(info=dict(res.info, corruption=corruption))
+  return res.replace(info=res.info.replace(corruption=corruption))
 
 
 def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corruption: float,
-                      **covariance_kwargs) -> PrivateEstimate:
+                      **covariance_kwargs) -> EstimateResult:
   """Private robust covariance of ``N(0, Σ)`` from an η_c-corrupted sample ([AL22] Algorithm 4).
 
   :func:`~dpjax.ashtiani_liaw.al_covariance` with
@@ -78,7 +79,8 @@ def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corrup
       ``min_group_size``, ...).
 
   Returns:
-    :class:`PrivateEstimate` with ``estimate (d, d)``.
+    :class:`~dpjax.results.EstimateResult` with ``estimate (d, d)`` (as :func:`al_covariance`,
+    which also makes it traceable); ``info["corruption"]`` is η_c.
 
   References:
     [AL22] Algorithm 4, Thm 6.3, Prop 6.2; ALGORITHMS.md §3.7.
@@ -87,7 +89,7 @@ def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corrup
   estimator = _group_estimator(filtered_covariance, corruption)
   res = al_covariance(key, X, epsilon=epsilon, delta=delta, estimator=estimator,
                       **covariance_kwargs)
-  return res._replace(info=dict(res.info, corruption=corruption))
+  return res.replace(info=res.info.replace(corruption=corruption))
 
 
 @functools.lru_cache(maxsize=64)

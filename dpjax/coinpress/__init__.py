@@ -3,4 +3,3 @@
 from dpjax.coinpress.covariance import choose_covariance_steps, coinpress_covariance
 from dpjax.coinpress.mean import coinpress_mean
 from dpjax.coinpress.schedule import calibrate_noise_scale, default_fractions, gaussian_norm_radius
-from dpjax.results import CoinPressResult

@@ -13,13 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dp_accounting import NeighboringRelation
+
 from dpjax import _validation as v
 from dpjax import accounting, linalg
-from dpjax.coinpress.schedule import (REPLACE_ONE, _check_common, _standard_normal,
-                                      default_fractions, gaussian_norm_radius)
-from dpjax.results import CoinPressResult
+from dpjax._host import host_call
+from dpjax.coinpress.schedule import (_check_common, _standard_normal, default_fractions,
+                                      gaussian_norm_radius)
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, discretized_gaussian_mechanism
 from dpjax.mechanisms.grid import discretization
+from dpjax.results import EstimateResult
 
 _AUTO_MAX_STEPS = 8          # choose_covariance_steps searches T in 1..8
 
@@ -27,7 +30,7 @@ _AUTO_MAX_STEPS = 8          # choose_covariance_steps searches T in 1..8
 def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kappa: float,
                          steps: int | None = None, beta: float = 0.01,
                          fractions: Sequence[float] | None = None,
-                         accountant: str | None = None, secure: bool = True) -> CoinPressResult:
+                         accountant: str | None = None, secure: bool = True) -> EstimateResult:
   """CoinPress private covariance (the paper's MVCRec, Algorithms 3–4), (ε, δ)-DP, replace-one.
 
   Model (for utility only): rows ``x_i ~ N(0, Σ)`` i.i.d. with ``I ⪯ Σ ⪯ κ I`` for a public κ
@@ -97,17 +100,22 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
     secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
-    :class:`CoinPressResult` with ``estimate`` a float64 ``(d, d)`` symmetric PSD array and
+    :class:`~dpjax.results.EstimateResult` (``ok`` always True; neighbouring ``REPLACE_ONE``;
+    ``epsilon`` the composed ε) with ``estimate`` a symmetric PSD ``(d, d)`` array — float64
+    NumPy eagerly (the whitening recursion runs in float64 whatever JAX's x64 flag) — and
     ``info`` holding ``steps``, ``fractions``, ``noise_scale``, ``noise_multipliers``,
     ``sigmas``, ``sensitivities`` (Δ per step), ``clip_radii`` (γ per step), ``etas``,
     ``lower_bounds`` (λ_0..λ_{T−1}), ``error_bound``, ``beta``, ``steps_rule``
     ("choose_covariance_steps" or "given"), ``zcdp_rho``, ``accountant``, ``secure`` and
-    (secure) ``grids`` (Λ_t) and ``releases`` (the ``(T, d, d)`` released Z_t, DP releases
-    accounted in ε, on their grids in the isometric coordinates).
+    (secure) ``grids`` (Λ_t); with ``secure=True`` ``released["releases"]`` holds the
+    ``(T, d, d)`` released Z_t (DP releases accounted in ε, on their grids in the isometric
+    coordinates). Traceable in ``key`` and ``X``: under ``jit`` / ``vmap`` the float64
+    recursion runs on the host as a ``jax.pure_callback`` (same output per key), returned in
+    JAX's default float dtype; a non-finite traced ``X`` gives ``ok=False``.
 
   Raises:
     TypeError: ``key`` not a PRNG key; non-numeric ``X``; non-integer ``steps``.
-    ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in ``X``; ``kappa`` not finite or < 1; ε ≤ 0;
+    ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in a concrete ``X``; ``kappa`` not finite or < 1; ε ≤ 0;
       δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or ``steps``; unknown ``accountant``, or
       ``"analytic"``/``"pld"`` with ``secure=True``.
 
@@ -136,9 +144,17 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
   norm_radius, sens, sigmas, etas = plan.norm_radius, plan.sensitivity, plan.sigmas, plan.etas
   m0 = 1.0 / math.sqrt(kappa)
 
-  with jax.enable_x64(True):
-    X_j = jnp.asarray(X64)
-    if secure:
+  def release(key, X):
+    X = np.asarray(X, np.float64)
+    if not np.all(np.isfinite(X)):                  # traced only: outside the domain
+      return False, np.zeros((d, d)), np.zeros((T, d, d))
+    with jax.enable_x64(True):
+      X_j = jnp.asarray(X)
+      if not secure:
+        estimate = _covariance_core(key, X_j, jnp.float64(m0), jnp.float64(norm_radius),
+                                    jnp.asarray(sigmas, jnp.float64),
+                                    jnp.asarray(etas, jnp.float64))
+        return True, np.asarray(linalg.symmetrize(estimate), np.float64), np.zeros((T, d, d))
       M, M_inv = jnp.eye(d) * m0, jnp.eye(d) / m0
       releases = []
       for k_step, z, eta in zip(jax.random.split(key, T), zs, etas):
@@ -150,19 +166,21 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
         M_inv_used = M_inv                              # the whitening Z was released in
         M, M_inv = _whitening_update(Z, M, M_inv, jnp.float64(eta))
       estimate = np.asarray(linalg.symmetrize(_covariance_estimate(Z, M_inv_used)), np.float64)
-    else:
-      estimate = _covariance_core(key, X_j, jnp.float64(m0), jnp.float64(norm_radius),
-                                  jnp.asarray(sigmas, jnp.float64),
-                                  jnp.asarray(etas, jnp.float64))
-      estimate = np.asarray(linalg.symmetrize(estimate), np.float64)
+    return True, estimate, np.stack(releases)
+
+  shapes = (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((d, d), np.float64),
+            jax.ShapeDtypeStruct((T, d, d), np.float64))
+  ok, estimate, releases = host_call(release, shapes, key, X64)
   info = dict(steps=T, fractions=fractions, noise_scale=s, noise_multipliers=zs,
               sigmas=sigmas, sensitivities=(sens,) * T, clip_radii=(norm_radius,) * T, etas=etas,
               lower_bounds=plan.lower_bounds, error_bound=plan.error_bound, beta=beta,
               steps_rule="choose_covariance_steps" if auto_steps else "given",
               zcdp_rho=1.0 / (2.0 * s * s), accountant=accountant, secure=bool(secure))
   if secure:
-    info.update(grids=(plan.grid,) * T, releases=np.stack(releases))
-  return CoinPressResult(estimate, spent, delta, REPLACE_ONE, info)
+    info.update(grids=(plan.grid,) * T)
+  return EstimateResult(ok=jnp.asarray(ok), estimate=estimate,
+                        released={"releases": releases} if secure else {}, epsilon=spent,
+                        delta=delta, neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 def choose_covariance_steps(n: int, d: int, *, kappa: float, epsilon: float, delta: float,

@@ -13,19 +13,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dp_accounting import NeighboringRelation
+
 from dpjax import _validation as v
 from dpjax import accounting
-from dpjax.coinpress.schedule import (REPLACE_ONE, _check_common, _standard_normal,
-                                      gaussian_norm_radius)
-from dpjax.results import CoinPressResult
+from dpjax._host import host_call
+from dpjax.coinpress.schedule import _check_common, _standard_normal, gaussian_norm_radius
 from dpjax.mechanisms.gaussian import discretized_gaussian_mechanism
 from dpjax.mechanisms.grid import discretization
+from dpjax.results import EstimateResult
 
 
 def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, radius: float,
                    steps: int | None = None, beta: float = 0.01,
                    fractions: Sequence[float] | None = None, accountant: str | None = None,
-                   secure: bool = True) -> CoinPressResult:
+                   secure: bool = True) -> EstimateResult:
   """CoinPress private mean (the paper's MVMRec, Algorithms 1–2), (ε, δ)-DP under replace-one.
 
   Model (for utility only): rows ``x_i ~ N(μ, Σ)`` i.i.d. with ``Σ ⪯ I`` and a public prior
@@ -80,16 +82,22 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
     secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
-    :class:`CoinPressResult` with ``estimate`` a float64 ``(d,)`` array (with ``secure=True``
-    a multiple of ``info["grids"][-1]``) and ``info`` holding
-    ``steps``, ``fractions``, ``noise_scale`` (s), ``noise_multipliers`` (z_t), ``sigmas``
-    (σ_t), ``sensitivities`` (Δ_t), ``clip_radii`` (R_t), ``radii`` (r_0..r_T),
-    ``error_bound`` (r_T), ``centers`` (``(T, d)`` released c_1..c_T), ``norm_radius``, ``beta``,
-    ``zcdp_rho`` (= 1/(2s²)), ``accountant``, ``secure`` and (secure) ``grids`` (Λ_t).
+    :class:`~dpjax.results.EstimateResult` (``ok`` always True; ``epsilon`` the composed ε ≤ the
+    requested one; neighbouring ``REPLACE_ONE``) with ``estimate`` a ``(d,)`` array — float64
+    NumPy eagerly (the algorithm runs in float64 whatever JAX's x64 flag: means of 1e6 keep
+    their digits), with ``secure=True`` a multiple of ``info["grids"][-1]`` —,
+    ``released["centers"]`` (``(T, d)``, the released c_1..c_T, covered by the guarantee) and
+    ``info`` holding ``steps``, ``fractions``, ``noise_scale`` (s), ``noise_multipliers``
+    (z_t), ``sigmas`` (σ_t), ``sensitivities`` (Δ_t), ``clip_radii`` (R_t), ``radii``
+    (r_0..r_T), ``error_bound`` (r_T), ``norm_radius``, ``beta``, ``zcdp_rho`` (= 1/(2s²)),
+    ``accountant``, ``secure`` and (secure) ``grids`` (Λ_t). Traceable in ``key``, ``X`` and
+    ``center``: under ``jit`` / ``vmap`` the float64 loop runs on the host as a
+    ``jax.pure_callback`` (the same output per key) and comes back in JAX's default float dtype;
+    a non-finite traced ``X`` gives ``ok=False``.
 
   Raises:
     TypeError: ``key`` not a PRNG key; non-numeric ``X``/``center``; non-integer ``steps``.
-    ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in ``X`` or ``center``; ``center`` not of
+    ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in a concrete ``X`` or ``center``; ``center`` not of
       shape ``(d,)``; ``radius ≤ 0``; ε ≤ 0; δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or
       ``steps``; unknown ``accountant``, or ``"analytic"``/``"pld"`` with ``secure=True``.
 
@@ -123,9 +131,16 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
       sigmas.append(z * sens[-1])
     radii.append(step_radius * math.sqrt(1.0 / n + sigmas[-1] ** 2))
 
-  with jax.enable_x64(True):
-    X_j, c = jnp.asarray(X64), jnp.asarray(center64)
-    if secure:
+  def release(key, X, center):
+    X, center = np.asarray(X, np.float64), np.asarray(center, np.float64)
+    if not (np.all(np.isfinite(X)) and np.all(np.isfinite(center))):   # traced only
+      return False, np.zeros(d), np.zeros((T, d))
+    with jax.enable_x64(True):
+      X_j, c = jnp.asarray(X), jnp.asarray(center)
+      if not secure:
+        estimate, centers = _mean_core(key, X_j, c, jnp.asarray(clip_radii, jnp.float64),
+                                       jnp.asarray(sigmas, jnp.float64))
+        return True, np.asarray(estimate, np.float64), np.asarray(centers, np.float64)
       centers = []
       for k_step, big_r, sensitivity, z in zip(jax.random.split(key, T), clip_radii, sens, zs):
         stat = np.asarray(_clipped_mean(X_j, c, jnp.float64(big_r)), np.float64)
@@ -133,20 +148,21 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
                                                   noise_multiplier=z)
         centers.append(released)
         c = jnp.asarray(released)
-      centers = np.stack(centers)
-      estimate = centers[-1]
-    else:
-      estimate, centers = _mean_core(key, X_j, c, jnp.asarray(clip_radii, jnp.float64),
-                                     jnp.asarray(sigmas, jnp.float64))
-      estimate, centers = np.asarray(estimate, np.float64), np.asarray(centers, np.float64)
+    return True, centers[-1], np.stack(centers)
+
+  shapes = (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((d,), np.float64),
+            jax.ShapeDtypeStruct((T, d), np.float64))
+  ok, estimate, centers = host_call(release, shapes, key, X64, center64)
   info = dict(steps=T, fractions=fractions, noise_scale=s, noise_multipliers=zs,
               sigmas=tuple(sigmas), sensitivities=tuple(sens), clip_radii=tuple(clip_radii),
-              radii=tuple(radii), error_bound=radii[-1], centers=centers, norm_radius=norm_radius,
+              radii=tuple(radii), error_bound=radii[-1], norm_radius=norm_radius,
               beta=beta, zcdp_rho=1.0 / (2.0 * s * s), accountant=accountant,
               secure=bool(secure))
   if secure:
     info["grids"] = tuple(grids)
-  return CoinPressResult(estimate, spent, delta, REPLACE_ONE, info)
+  return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, released={"centers": centers},
+                        epsilon=spent, delta=delta, neighbouring=NeighboringRelation.REPLACE_ONE,
+                        info=info)
 
 
 def _mean_core(key, X, center, clip_radii, sigmas):
@@ -179,7 +195,7 @@ def _mean_steps(X, center, clip_radii, sigmas, noise):
   return jax.lax.scan(step, center, (clip_radii, sigmas, noise))
 
 
-def _check_center(center, d: int) -> np.ndarray:
+def _check_center(center, d: int):
   arr = v.check_data64(center, "center", ndim=1)
   if arr.shape != (d,):
     raise ValueError(f"center must have shape (d,) = ({d},) to match X, got shape {arr.shape}.")

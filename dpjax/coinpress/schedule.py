@@ -76,7 +76,6 @@ import jax.numpy as jnp
 from dpjax import _validation as v
 from dpjax import accounting
 
-REPLACE_ONE = "replace_one"
 ACCOUNTANTS = accounting.GAUSSIAN_ACCOUNTANTS
 CONTINUOUS_ONLY = ("analytic", "pld")    # exact for continuous Gaussian noise only
 DEFAULT_STEPS = 4

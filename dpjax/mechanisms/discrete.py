@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
+from dpjax._host import host_call
 from dpjax.mechanisms import exact as exact_lib
 
 # The exact sampler needs num = ⌈scale·2^10⌉ ≤ 2^25 (its uint32 arithmetic); the geometric one
@@ -272,7 +273,9 @@ def discrete_gaussian(key: jax.Array, shape=(), *, sigma: float) -> np.ndarray:
     sigma: ``σ > 0``, at most 2^40.
 
   Returns:
-    int64 NumPy array of ``shape``.
+    Eagerly: an int64 NumPy array of ``shape``. Traced (``jit`` / ``vmap``; run as a
+    ``jax.pure_callback`` with the same draws per key): JAX's default int dtype, saturated at
+    its range (int32 without x64: reached with probability below e^-2000 for σ ≤ 2^20).
 
   Raises:
     TypeError: non-key ``key`` or bad ``shape``.
@@ -284,6 +287,13 @@ def discrete_gaussian(key: jax.Array, shape=(), *, sigma: float) -> np.ndarray:
   """
   v.check_key(key)
   shape = v.check_shape(shape)
+  discrete_gaussian_sigma2(sigma)
+  return host_call(lambda k: discrete_gaussian_host(k, shape, sigma),
+                   jax.ShapeDtypeStruct(shape, np.int64), key)
+
+
+def discrete_gaussian_host(key: jax.Array, shape, sigma: float) -> np.ndarray:
+  """:func:`discrete_gaussian` on the host, unvalidated (``sigma`` checked by the caller)."""
   sigma2 = discrete_gaussian_sigma2(sigma)
   rng = _host_rng(key)
   num, den = sigma2.numerator, sigma2.denominator
@@ -308,12 +318,23 @@ def truncated_discrete_laplace(key: jax.Array, shape=(), *, scale: int, bound: i
     bound: K, an integer ≥ 0.
 
   Returns:
-    int64 NumPy array of ``shape``.
+    Eagerly: an int64 NumPy array of ``shape``; traced (a ``jax.pure_callback``, the same draws
+    per key): JAX's default int dtype, saturated at its range.
+
+  Raises:
+    TypeError: non-key ``key``, bad ``shape``, non-integer ``scale`` / ``bound``.
+    ValueError: ``scale < 1`` or ``bound < 0``.
   """
   v.check_key(key)
   shape = v.check_shape(shape)
   t = v.check_int(scale, "scale", low=1)
   K = v.check_int(bound, "bound", low=0)
+  return host_call(lambda k: truncated_discrete_laplace_host(k, shape, t, K),
+                   jax.ShapeDtypeStruct(shape, np.int64), key)
+
+
+def truncated_discrete_laplace_host(key: jax.Array, shape, t: int, K: int) -> np.ndarray:
+  """:func:`truncated_discrete_laplace` on the host, unvalidated."""
   rng = _host_rng(key)
 
   def one():

@@ -32,17 +32,18 @@ def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon
 
   Args:
     key: JAX PRNG key.
-    scores: ``(C,)`` finite real (or integer) scores, C ≥ 1.
+    scores: ``(C,)`` real (or integer) scores, C ≥ 1. NaN/inf scores are replaced by 0 (a fixed
+      map: raising would branch on private data).
     sensitivity: ``Δu > 0``.
     epsilon: ``ε > 0``.
     monotone: see above.
 
   Returns:
-    int32 scalar index in ``[0, C)``.
+    int32 scalar index in ``[0, C)``. Traceable in ``key`` and ``scores``.
 
   Raises:
     TypeError: non-key ``key``, non-numeric or bool ``scores``.
-    ValueError: ``scores`` not of shape (C,), C ≥ 1; NaN/inf scores; bad ε or Δu.
+    ValueError: ``scores`` not of shape (C,), C ≥ 1; bad ε or Δu.
 
   References:
     ALGORITHMS.md §1.7; McSherry & Talwar, "Mechanism design via differential privacy",
@@ -51,11 +52,9 @@ def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon
   v.check_key(key)
   epsilon = v.check_epsilon(epsilon)
   sensitivity = v.check_positive(sensitivity, "sensitivity")
-  scores = jnp.asarray(v.check_scores(scores))
-  if not bool(jnp.all(jnp.isfinite(scores))):
-    raise ValueError("scores contain NaN or infinite entries.")
+  scores = v.sanitise_value(jnp.asarray(v.check_scores(scores)).astype(jnp.result_type(float)))
   factor = epsilon / (sensitivity if monotone else 2.0 * sensitivity)
-  return _gumbel_max(key, scores.astype(jnp.result_type(float)), factor)
+  return _gumbel_max(key, scores, factor)
 
 
 @jax.jit

@@ -23,7 +23,9 @@ import dp_accounting
 import jax
 import numpy as np
 
+from dpjax import accounting
 from dpjax import _validation as v
+from dpjax._host import host_call
 from dpjax.mechanisms import discrete
 from dpjax.mechanisms.grid import discretization
 
@@ -190,6 +192,7 @@ def rdp_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -
 
 
 @functools.lru_cache(maxsize=512)
+@accounting.quiet_rdp_logs()
 def _rdp_noise_multiplier(epsilon: float, delta: float) -> float:
   def make_event(z):
     return dp_accounting.GaussianDpEvent(z)
@@ -257,34 +260,46 @@ def discretized_gaussian_mechanism(key: jax.Array, value, *, sensitivity: float,
 
   Floating point: no float arithmetic touches the noise; every output is a multiple of Λ inside
   ``[−B − (noise), B + (noise)]``, so the set of possible outputs does not depend on ``f``
-  (Mironov's attack does not apply). ``Δ`` must bound the change of ``value`` as computed.
+  (Mironov's attack does not apply). ``Δ`` must bound the change of ``value`` as computed; a
+  NaN/inf entry is replaced by 0 first (a fixed map: raising would branch on private data).
+
+  Traceable: under ``jit`` / ``vmap`` the host computation runs as a ``jax.pure_callback`` (the
+  same output per key as the eager call) and the result comes back in JAX's default float
+  dtype (float32 without x64: a rounding of the released grid value, i.e. post-processing).
 
   Args:
     key: JAX PRNG key.
-    value: float array of any shape (the exact statistic; computed on the host in float64).
+    value: float array of any shape (the exact statistic; rounded on the host in float64).
     sensitivity: ℓ2-sensitivity ``Δ > 0``.
     noise_multiplier: ``z > 0``: the noise std in units of the (grid) sensitivity.
     bound: public clamp B (default ``2^50 Λ``).
 
   Returns:
-    float64 NumPy array shaped like ``value``, every entry a multiple of Λ.
+    Eagerly: a float64 NumPy array shaped like ``value`` (float64 so that every multiple of Λ
+    up to 2^53 steps is exact whatever JAX's x64 flag), every entry a multiple of Λ. Traced: a
+    JAX array of the default float dtype.
 
   Raises:
     TypeError: non-float ``value``, non-key ``key``.
-    ValueError: NaN/inf in ``value``; bad Δ, z or B; ``z·Δ_Λ > 2^40``.
+    ValueError: bad Δ, z or B; ``z·Δ_Λ > 2^40``.
 
   References:
     Canonne, Kamath & Steinke, "The discrete Gaussian for differential privacy", NeurIPS 2020;
     Mironov, "On significance of the least significant bits for differential privacy", CCS 2012.
   """
   v.check_key(key)
-  value = v.check_host_float_value(value)
+  value = v.check_float_array(value)
   z = v.check_positive(noise_multiplier, "noise_multiplier")
   grid = discretization(sensitivity, max(value.size, 1), bound)
   sigma = math.nextafter(z * grid.grid_sensitivity, math.inf)
-  index = grid.round(value)
-  noise = discrete.discrete_gaussian(key, (index.size,), sigma=sigma)
-  return grid.release(index + noise, value.shape)
+  discrete.discrete_gaussian_sigma2(sigma)                 # validates σ ≤ 2^40 before tracing
+
+  def release(key, value):
+    index = grid.round(v.sanitise_host_value(value))
+    noise = discrete.discrete_gaussian_host(key, (index.size,), sigma)
+    return grid.release(index + noise, value.shape)
+
+  return host_call(release, jax.ShapeDtypeStruct(value.shape, np.float64), key, value)
 
 
 def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: float,
@@ -322,14 +337,15 @@ def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
       :func:`dpjax.mechanisms.discretization`); ignored when ``secure=False``.
 
   Returns:
-    ``secure=True``: float64 NumPy array shaped like ``value`` (multiples of the public grid
-    step ``discretization(Δ, value.size).grid``). ``secure=False``: a JAX array with
-    ``value``'s shape and dtype.
+    ``secure=True``: as :func:`discretized_gaussian_mechanism` (eagerly float64 NumPy, multiples
+    of the public grid step ``discretization(Δ, value.size).grid``). ``secure=False``: a JAX
+    array with ``value``'s shape and dtype. NaN/inf entries of ``value`` are replaced by 0
+    before the noise (a fixed map, not a data-dependent error). Traceable either way.
 
   Raises:
     TypeError: non-float ``value``, non-key ``key``.
-    ValueError: NaN/inf in ``value``; bad ε, δ, Δ; unknown ``calibration``; ``"analytic"`` or
-      ``"classic"`` with ``secure=True``; ε ≥ 1 with ``"classic"``.
+    ValueError: bad ε, δ, Δ; unknown ``calibration``; ``"analytic"`` or ``"classic"`` with
+      ``secure=True``; ε ≥ 1 with ``"classic"``.
 
   References:
     ALGORITHMS.md §1.2, §1.10; [BW18] Thm 8; Dwork & Roth (2014), Thm A.1; Canonne, Kamath &
@@ -346,9 +362,9 @@ def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
           "secure=True adds discrete Gaussian noise, whose guarantee is proved through Rényi DP: "
           "use calibration='rdp' (the default) or secure=False.")
     z = rdp_gaussian_sigma(epsilon, delta)            # noise multiplier (sensitivity 1)
-    return discretized_gaussian_mechanism(key, np.asarray(value), sensitivity=sensitivity,
+    return discretized_gaussian_mechanism(key, value, sensitivity=sensitivity,
                                           noise_multiplier=z, bound=bound)
-  value = v.check_float_value(value)
+  value = v.sanitise_value(value)
   calibrate = {"analytic": analytic_gaussian_sigma, "classic": classic_gaussian_sigma,
                "rdp": rdp_gaussian_sigma}[calibration]
   sigma = calibrate(epsilon, delta, sensitivity)

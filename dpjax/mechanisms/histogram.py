@@ -22,12 +22,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 from jax import lax
 
 from dpjax import _validation as v
 from dpjax.mechanisms import discrete
+from dpjax.mechanisms import exact as exact_lib
 
-NEIGHBOURING = ("replace_one", "add_remove")
 NOISES = ("discrete",)
 GROUPINGS = ("auto", "pairwise", "hash")
 _PAIRWISE_LIMIT = 50_000_000          # t·t·D booleans above which "auto" hashes instead
@@ -55,9 +56,9 @@ class StableHistogram(NamedTuple):
   threshold: float
 
 
-def _sensitivity(neighbouring: str) -> int:
+def _sensitivity(neighbouring: NeighboringRelation) -> int:
   # Replace-one moves one item between two bins (ℓ1 change 2); add/remove changes one bin by 1.
-  return 2 if neighbouring == "replace_one" else 1
+  return 2 if v.check_neighbouring(neighbouring) == NeighboringRelation.REPLACE_ONE else 1
 
 
 def check_noise(noise: str) -> str:
@@ -71,7 +72,7 @@ def check_noise(noise: str) -> str:
   return v.check_choice(noise, "noise", NOISES)
 
 
-def _noise_scale(epsilon: float, neighbouring: str) -> float:
+def _noise_scale(epsilon: float, neighbouring: NeighboringRelation) -> float:
   """The scale the exact sampler really uses (rounded up, :func:`discrete.effective_scale`)."""
   scale = _sensitivity(neighbouring) / epsilon
   if scale > discrete.MAX_EXACT_SCALE:
@@ -80,7 +81,8 @@ def _noise_scale(epsilon: float, neighbouring: str) -> float:
   return discrete.effective_scale(scale)
 
 
-def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "replace_one",
+def histogram_threshold(epsilon: float, delta: float, *,
+                        neighbouring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
                         noise: str = "discrete") -> float:
   """The release threshold τ of the stability histogram (host, float64).
 
@@ -94,7 +96,8 @@ def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "re
   Args:
     epsilon: ``ε > 0``.
     delta: ``δ ∈ (0, 1)``.
-    neighbouring: ``"replace_one"`` (default) or ``"add_remove"``.
+    neighbouring: a ``dp_accounting.NeighboringRelation``: ``REPLACE_ONE`` (default) or
+      ``ADD_OR_REMOVE_ONE``.
     noise: ``"discrete"`` (the only option; ``"laplace"`` was removed, see the module docstring).
 
   Returns:
@@ -109,7 +112,7 @@ def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "re
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
-  v.check_choice(neighbouring, "neighbouring", NEIGHBOURING)
+  v.check_neighbouring(neighbouring)
   check_noise(noise)
   scale = _noise_scale(epsilon, neighbouring)
   p = math.exp(-1.0 / scale)
@@ -120,8 +123,8 @@ def histogram_threshold(epsilon: float, delta: float, *, neighbouring: str = "re
 
 
 def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
-                     neighbouring: str = "replace_one", noise: str = "discrete",
-                     grouping: str = "auto") -> StableHistogram:
+                     neighbouring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
+                     noise: str = "discrete", grouping: str = "auto") -> StableHistogram:
   """Releases the popular bins of ``items`` with the stability-based histogram.
 
   Counts ``c_b`` of every non-empty bin (distinct row of ``items``) get ONE noise draw each
@@ -130,9 +133,10 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
 
   Guarantee: (ε, δ)-DP under ``neighbouring``:
 
-  * ``"replace_one"``: one item replaced, the others fixed (t public). Two bin counts change by
-    1 (ℓ1 change 2): noise scale 2/ε.
-  * ``"add_remove"``: one item added or removed. One count changes by 1: scale 1/ε.
+  * ``NeighboringRelation.REPLACE_ONE``: one item replaced, the others fixed (t public). Two bin
+    counts change by 1 (ℓ1 change 2): noise scale 2/ε.
+  * ``NeighboringRelation.ADD_OR_REMOVE_ONE``: one item added or removed. One count changes by
+    1: scale 1/ε.
 
   On bins non-empty in both datasets the noisy counts are ε-DP (discrete Laplace with
   sensitivity Δ); a bin non-empty in only one holds exactly one item and is released with
@@ -155,10 +159,12 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
   Args:
     key: JAX PRNG key.
     items: ``(t, D)`` integer array, t ≥ 1, D ≥ 1; row ``i`` is the bin key (in ℤ^D) of item
-      ``i``. Values must fit in int32.
+      ``i``. Keys outside the int32 range are clamped to it (a fixed map of each item, which
+      keeps the neighbouring relation; raising would branch on private data).
     epsilon: ``ε > 0``.
     delta: ``δ ∈ (0, 1)``.
-    neighbouring: ``"replace_one"`` (default) or ``"add_remove"``.
+    neighbouring: a ``dp_accounting.NeighboringRelation``: ``REPLACE_ONE`` (default) or
+      ``ADD_OR_REMOVE_ONE``.
     noise: ``"discrete"`` (the default and only option: integer noise sampled exactly with
       integer arithmetic, so the release has no floating-point side channel; ALGORITHMS.md
       §1.10). ``"laplace"`` raises (removed: float32 Laplace counts leak, module docstring).
@@ -166,12 +172,14 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
 
   Returns:
     :class:`StableHistogram` with ``bins (t, D) int32``, ``noisy_counts (t,)``,
-    ``released (t,) bool`` and the public ``threshold``.
+    ``released (t,) bool`` and the public ``threshold``. Traceable in ``key`` and ``items``;
+    ε and δ enter the compiled core as traced integers, so an ε sweep compiles once.
 
   Raises:
-    TypeError: ``items`` not an integer array, or ``key`` not a PRNG key.
-    ValueError: ``items`` not 2-D, empty, or out of int32 range; ε not finite and > 0;
-      δ ∉ (0, 1); unknown ``neighbouring``, ``noise`` (``"laplace"`` included) or ``grouping``.
+    TypeError: ``items`` not an integer array, ``key`` not a PRNG key, ``neighbouring`` not a
+      ``NeighboringRelation``.
+    ValueError: ``items`` not 2-D or empty; ε not finite and > 0; δ ∉ (0, 1); an unsupported
+      relation, ``noise`` (``"laplace"`` included) or ``grouping``.
 
   References:
     ALGORITHMS.md §1.5; Bun, Nissim & Stemmer (2016); Vadhan (2017); [SS21] Lemma A.15.
@@ -180,11 +188,12 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
   items = _check_items(items)
   v.check_choice(grouping, "grouping", GROUPINGS)
   threshold = histogram_threshold(epsilon, delta, neighbouring=neighbouring, noise=noise)
-  scale = _noise_scale(float(epsilon), neighbouring)
+  num, den = exact_lib.rational_scale(_noise_scale(float(epsilon), neighbouring))
   t, d = items.shape
   if grouping == "auto":
     grouping = "pairwise" if t * t * d <= _PAIRWISE_LIMIT else "hash"
-  bins, counts, released = _stable_histogram(key, items, scale, threshold, grouping)
+  bins, counts, released = _stable_histogram(key, items, jnp.uint32(num), jnp.uint32(den),
+                                             jnp.int32(threshold), grouping)
   return StableHistogram(bins, counts, released, threshold)
 
 
@@ -203,16 +212,12 @@ def _check_items(items) -> jax.Array:
   if items.ndim != 2 or items.shape[0] == 0 or items.shape[1] == 0:
     raise ValueError(f"items must have shape (t, D) with t, D >= 1, got shape "
                      f"{tuple(items.shape)}.")
-  info, int32 = np.iinfo(dtype), np.iinfo(np.int32)
-  if info.min < int32.min or info.max > int32.max:
-    try:
-      low, high = int(items.min()), int(items.max())
-    except jax.errors.ConcretizationTypeError:       # traced: the caller vouches for the range
-      low, high = int32.min, int32.max
-    if low < int32.min or high > int32.max:
-      raise ValueError(f"items must fit in int32, got values in [{low}, {high}].")
   if isinstance(items, np.ndarray):
+    if np.iinfo(dtype).bits > 32 or dtype == np.uint32:
+      items = np.clip(items, np.iinfo(np.int32).min, np.iinfo(np.int32).max)
     return jnp.asarray(items.astype(np.int32))
+  if jnp.iinfo(dtype).bits > 32 or dtype == jnp.uint32:
+    items = jnp.clip(items, jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max)
   return items.astype(jnp.int32)
 
 
@@ -279,17 +284,18 @@ def _group_hash(key, items):
   return jnp.where(verified, first, jnp.arange(t))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "grouping"))
-def _stable_histogram(key, items, scale, threshold, grouping):
-  """Jitted core: ``scale`` a public Python float (static), ``threshold`` a public scalar."""
+@functools.partial(jax.jit, static_argnames=("grouping",))
+def _stable_histogram(key, items, num, den, threshold, grouping):
+  """Jitted core: the noise scale ``num/den`` and the integer ``threshold`` are public traced
+  scalars (one compilation for every ε and δ)."""
   t = items.shape[0]
   k_hash, k_noise, k_tie = jax.random.split(key, 3)
   group = _group_pairwise(items) if grouping == "pairwise" else _group_hash(k_hash, items)
   representative = group == jnp.arange(t)
   counts = jnp.zeros(t, jnp.int32).at[group].add(1)          # count stored at the first row
   # One draw per row position, used only at representatives: one draw per distinct bin.
-  noisy = counts + discrete._discrete_laplace(k_noise, (t,), scale)
-  passes = noisy >= jnp.ceil(threshold).astype(jnp.int32)      # τ is an integer
+  noisy = counts + exact_lib.exact_discrete_laplace(k_noise, (t,), num, den)
+  passes = noisy >= threshold
   sort_key = -noisy
   released = representative & passes
   # Released first, larger noisy count first; ties by a fresh uniform permutation (stable sort

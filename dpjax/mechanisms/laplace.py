@@ -83,21 +83,23 @@ def laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: flo
     bound: public clamp for snapping (default ``2^32 λ``); ignored when ``secure=False``.
 
   Returns:
-    ``secure=True``: float64 ``np.ndarray`` shaped like ``value``. ``secure=False``: a JAX array
-    with ``value``'s shape and dtype.
+    ``secure=True``: as :func:`dpjax.mechanisms.snapping_mechanism` (eagerly a float64
+    ``np.ndarray`` shaped like ``value``). ``secure=False``: a JAX array with ``value``'s shape
+    and dtype. NaN/inf entries of ``value`` are replaced by 0 before the noise (a fixed map, not
+    a data-dependent error). Traceable either way.
 
   Raises:
     TypeError: ``value`` is not a float array, ``key`` is not a PRNG key.
-    ValueError: NaN/inf in ``value``; ``sensitivity`` or ``epsilon`` not finite and > 0.
+    ValueError: ``sensitivity`` or ``epsilon`` not finite and > 0.
 
   References:
     ALGORITHMS.md §1.1, §1.10; Mironov (2012), "On significance of the least significant bits
     for differential privacy".
   """
   v.check_key(key)
-  value = v.check_float_value(value)
   if secure:
     from dpjax.mechanisms.snapping import snapping_mechanism
     return snapping_mechanism(key, value, sensitivity=sensitivity, epsilon=epsilon, bound=bound)
+  value = v.sanitise_value(value)
   b = laplace_scale(sensitivity, epsilon)
   return value + (b * jax.random.laplace(key, value.shape, value.dtype)).astype(value.dtype)

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from dpjax import _validation as v
+from dpjax._host import host_call
 
 _BOUND_FACTOR = 2.0**32          # default B = 2^32 λ: clamps nothing realistic, costs ε·2^-17
 
@@ -96,17 +97,25 @@ def snapping_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
     bound: public clamp B (default ``2^32 λ``, far beyond any value the noise scale suits).
 
   Returns:
-    float64 ``np.ndarray`` shaped like ``value``.
+    Eagerly: a float64 ``np.ndarray`` shaped like ``value`` (the mechanism's analysis is for
+    IEEE doubles). Traced (``jit`` / ``vmap``): the same host computation as a
+    ``jax.pure_callback`` (same output per key), returned in JAX's default float dtype (a
+    rounding of the released value: post-processing). NaN/inf entries of ``value`` are replaced
+    by 0 first (a fixed map: raising would branch on private data).
 
   Raises:
-    TypeError: non-float value or non-key key. ValueError: NaN/inf, bad Δ, ε, bound.
+    TypeError: non-float value or non-key key. ValueError: bad Δ, ε, bound.
   """
   v.check_key(key)
-  value = v.check_host_float_value(value)
+  value = v.check_float_array(value)
   lam, grid, b = snapping_parameters(sensitivity, epsilon, bound)
-  k_sign, k_u = jax.random.split(key)
-  flat = np.clip(value.astype(np.float64).reshape(-1), -b, b)
-  signs = np.where(np.asarray(jax.random.bernoulli(k_sign, 0.5, flat.shape)), 1.0, -1.0)
-  noisy = flat + signs * lam * np.log(_uniform_doubles(k_u, flat.size))
-  snapped = grid * np.round(noisy / grid)        # division by a power of two is exact
-  return np.clip(snapped, -b, b).reshape(value.shape)
+
+  def release(key, value):
+    k_sign, k_u = jax.random.split(key)
+    flat = np.clip(v.sanitise_host_value(value).astype(np.float64).reshape(-1), -b, b)
+    signs = np.where(np.asarray(jax.random.bernoulli(k_sign, 0.5, flat.shape)), 1.0, -1.0)
+    noisy = flat + signs * lam * np.log(_uniform_doubles(k_u, flat.size))
+    snapped = grid * np.round(noisy / grid)        # division by a power of two is exact
+    return np.clip(snapped, -b, b).reshape(value.shape)
+
+  return host_call(release, jax.ShapeDtypeStruct(value.shape, np.float64), key, value)

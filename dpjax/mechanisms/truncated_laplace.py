@@ -7,8 +7,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import _validation as v
+from dpjax._host import host_call
 from dpjax.mechanisms import discrete
 from dpjax.mechanisms.grid import discretization
 
@@ -214,28 +216,34 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
     bound: public clamp B for the secure release (default ``2^50 Λ``).
 
   Returns:
-    ``secure=True``: float64 NumPy array shaped like ``value``, multiples of
-    ``discretization(Δ, value.size, norm=1).grid``. ``secure=False``: a JAX array with
-    ``value``'s shape and dtype.
+    ``secure=True``: eagerly a float64 NumPy array shaped like ``value`` (exact multiples of
+    ``discretization(Δ, value.size, norm=1).grid`` whatever JAX's x64 flag); traced (the host
+    computation as a ``jax.pure_callback``, same output per key) a JAX array of the default
+    float dtype. ``secure=False``: a JAX array with ``value``'s shape and dtype. NaN/inf
+    entries of ``value`` are replaced by 0 first (a fixed map, not a data-dependent error).
 
   Raises:
     TypeError: ``value`` is not a float array, ``key`` is not a key.
-    ValueError: NaN/inf in ``value``, or bad Δ, ε, δ, B.
+    ValueError: bad Δ, ε, δ, B.
 
   References:
     ALGORITHMS.md §1.3, §1.10; [GDGK20]; Canonne, Kamath & Steinke (2020).
   """
   v.check_key(key)
   if secure:
-    value = v.check_host_float_value(value)
+    value = v.check_float_array(value)
     epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
     grid = discretization(sensitivity, max(value.size, 1), bound, norm=1)
     shift = math.floor(grid.grid_sensitivity)
     scale = math.ceil(grid.grid_sensitivity / epsilon)
     K = discrete_truncated_laplace_bound(scale, shift, delta)
-    index = grid.round(value)
-    noise = discrete.truncated_discrete_laplace(key, (index.size,), scale=scale, bound=K)
-    return grid.release(index + noise, value.shape)
-  value = v.check_float_value(value)
+
+    def release(key, value):
+      index = grid.round(v.sanitise_host_value(value))
+      noise = discrete.truncated_discrete_laplace_host(key, (index.size,), scale, K)
+      return grid.release(index + noise, value.shape)
+
+    return host_call(release, jax.ShapeDtypeStruct(value.shape, np.float64), key, value)
+  value = v.sanitise_value(value)
   params = truncated_laplace_params(sensitivity, epsilon, delta)
   return value + _truncated_laplace(key, value.shape, params.scale, params.bound, value.dtype)

@@ -13,14 +13,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 from jax.flatten_util import ravel_pytree
 
 from dpjax import _validation as v
 from dpjax import linalg
-from dpjax.subspace.approximate import dpase
 from dpjax.results import SubspaceResult
-
-ADD_REMOVE = "add_remove"     # == dpjax.accounting.ADD_REMOVE (no import: sgd sits above it)
+from dpjax.subspace.approximate import dpase
 
 
 def _num_examples(data) -> int:
@@ -89,12 +88,12 @@ def flat_per_example_grads(loss_fn: Callable, params, data, *,
   return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("clip_norm",))
-def _sanitise_rows(G, clip_norm):
+@functools.partial(jax.jit, static_argnames=("clip",))
+def _sanitise_rows(G, clip_norm, clip):
   # Row-wise, data-independent maps: they keep DPASE's guarantee (one row in, one row out).
   finite = jnp.all(jnp.isfinite(G), axis=1, keepdims=True)
   G = jnp.where(finite, G, jnp.zeros_like(G))
-  if clip_norm is None:
+  if not clip:
     return G
   norms = jnp.linalg.norm(G, axis=1, keepdims=True)
   return G * (clip_norm / jnp.maximum(norms, clip_norm)).astype(G.dtype)
@@ -139,8 +138,10 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
       ``cell_length``, ...). ``partition`` is fixed to "random_labels".
 
   Returns:
-    :class:`SubspaceResult` with a ``(p, k)`` basis over the flattened parameters (zeros on ⊥),
-    ``epsilon``/``delta`` spent whatever the outcome, ``neighbouring == "add_remove"``.
+    :class:`~dpjax.results.SubspaceResult` with a ``(p, k)`` basis over the flattened
+    parameters (zeros on ⊥), ``epsilon``/``delta`` spent whatever the outcome,
+    ``neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE``. Traceable in ``key``, ``params``
+    and ``data`` (as :func:`dpjax.subspace.dpase`).
 
   Raises:
     TypeError: ``key`` not a PRNG key, ``k`` not an integer.
@@ -158,11 +159,12 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
   dpase_kwargs["partition"] = "random_labels"
   if clip_norm is not None:
     clip_norm = v.check_positive(clip_norm, "clip_norm")
-  G = _sanitise_rows(flat_per_example_grads(loss_fn, params, data), clip_norm)
+  G = _sanitise_rows(flat_per_example_grads(loss_fn, params, data),
+                     1.0 if clip_norm is None else clip_norm, clip_norm is not None)
   result = dpase(key, G, epsilon=epsilon, delta=delta, k=k, gamma=gamma, **dpase_kwargs)
-  if result.neighbouring != ADD_REMOVE:  # pragma: no cover - guards a change in dpase
+  if result.neighbouring != NeighboringRelation.ADD_OR_REMOVE_ONE:  # pragma: no cover
     raise RuntimeError(f"dpase returned a guarantee under {result.neighbouring!r}, expected "
-                       f"{ADD_REMOVE!r}.")
+                       "add/remove-one.")
   return result
 
 
@@ -182,8 +184,10 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
     k: subspace dimension, ``1 ≤ k ≤ p``.
 
   Returns:
-    :class:`SubspaceResult` with ``ok=True``, a ``(p, k)`` orthonormal basis, ``epsilon=0``,
-    ``delta=0``, ``neighbouring="public_data"`` and ``info={"num_public": m}``.
+    :class:`~dpjax.results.SubspaceResult` with ``ok=True``, a ``(p, k)`` orthonormal basis,
+    ``epsilon=0``, ``delta=0``, ``neighbouring=None`` (no private data seen) and
+    ``info={"num_public": m}``. Traceable in ``params`` and ``public_data`` (under tracing a
+    non-finite gradient or basis gives ``ok=False`` instead of an error).
 
   Numerics: the gradients may have any finite scale (the top-k subspace is computed after
   dividing them by a power of two of their largest entry, so their Gram matrix cannot overflow or
@@ -206,8 +210,11 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
   # Scale-safe: the block is normalised by a power of two first, so gradients of any size give
   # a finite basis. The check below only guards that promise; it touches public data alone.
   basis = linalg.top_k_right_singular_vectors(G, k)
-  if not bool(jnp.all(jnp.isfinite(basis))):
+  ok = v.all_finite(basis)
+  if v.is_traced(G):
+    ok, basis = v.domain_bottom(G, ok, basis)
+  elif not bool(ok):
     raise ValueError("public_gradient_subspace could not compute a finite basis from the "
                      f"public per-example gradients (dtype {G.dtype}); use float64 parameters.")
-  return SubspaceResult(ok=jnp.asarray(True), basis=basis, epsilon=0.0, delta=0.0,
-                        neighbouring="public_data", info={"num_public": int(m)})
+  return SubspaceResult(ok=ok, basis=basis, epsilon=0.0, delta=0.0, neighbouring=None,
+                        info={"num_public": int(m)})

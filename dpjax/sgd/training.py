@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting
@@ -174,7 +175,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     result = subspace_sources.private_gradient_subspace(
         k_subspace, loss_fn, params, data, k=k, epsilon=budget.subspace_epsilon,
         delta=budget.subspace_delta, gamma=gamma, **dpase_kwargs)
-    if result.neighbouring != accounting.ADD_REMOVE:  # pragma: no cover - guarded upstream
+    if result.neighbouring != NeighboringRelation.ADD_OR_REMOVE_ONE:  # pragma: no cover
       raise RuntimeError("the private subspace must hold under add/remove-one to compose with "
                          f"DP-SGD, got {result.neighbouring!r}.")
     subspace_ok = bool(result.ok)
@@ -265,7 +266,7 @@ def _record_plan(ledger, budget: accounting.DPSGDBudget) -> None:
   if budget.subspace_epsilon > 0:
     ledger.record_approx_dp(budget.subspace_epsilon, budget.subspace_delta,
                             label="private gradient subspace (DPASE)",
-                            neighbouring=accounting.ADD_REMOVE)
+                            neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE)
   ledger.record_dpsgd(noise_multiplier=budget.noise_multiplier,
                       sampling_prob=budget.sampling_prob, steps=budget.steps)
 

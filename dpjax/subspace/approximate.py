@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dp_accounting import NeighboringRelation
+
 from dpjax import _validation as v
 from dpjax import linalg
 from dpjax.mechanisms import histogram
@@ -63,7 +65,7 @@ def num_subsets_for(epsilon: float, delta: float, *, noise: str = "discrete") ->
   ``0.4 t ≥ (2/ε) ln 20`` (its noisy count stays ≥ t/2) and ``0.8 t > (2/ε)(ln(20 t) + ln 20)``
   (it beats every other cell). Gives ``t = 37`` at ε = 1, δ = 1e-6.
   """
-  tau = histogram.histogram_threshold(epsilon, delta, neighbouring="replace_one", noise=noise)
+  tau = histogram.histogram_threshold(epsilon, delta, noise=noise)
   b = 2.0 / epsilon
   t = 1
   while not (0.9 * t >= tau + b * math.log(20.0) and 0.4 * t >= b * math.log(20.0)
@@ -127,7 +129,7 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
         f"n >= {t * (k + 1)}, got n={n}.")
   q = (max(math.ceil(2.25 * k), k + 1) if num_reference_points is None
        else v.check_int(num_reference_points, "num_reference_points", low=k))
-  tau = histogram.histogram_threshold(epsilon, delta, neighbouring="replace_one", noise=noise)
+  tau = histogram.histogram_threshold(epsilon, delta, noise=noise)
   if cell_length is not None:
     ell = v.check_positive(cell_length, "cell_length")
     return DPASEParameters(t, m, q, ell, "given", math.nan, math.nan, tau)
@@ -233,14 +235,19 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
       refused with ``BudgetExceededError``) before any data is touched.
 
   Returns:
-    :class:`SubspaceResult` with ``ok``, ``basis (d, k)`` (zeros on ⊥), ``epsilon``, ``delta``,
-    ``neighbouring`` and ``info`` (the public parameters and the released winning count, which is
-    0 when nothing was released).
+    :class:`~dpjax.results.SubspaceResult` with ``ok``, ``basis (d, k)`` in ``X``'s dtype (zeros
+    on ⊥), ``released["winning_count"]`` (the released noisy count of the winning cell, 0 when
+    nothing was released), ``epsilon``, ``delta``, ``neighbouring`` (``REPLACE_ONE`` for the
+    permutation, ``ADD_OR_REMOVE_ONE`` for random labels, which also holds under replace-one)
+    and ``info`` (the public parameters).
+
+  Traceable: ``jax.jit`` / ``jax.vmap`` over ``key`` and ``X`` work with the public arguments
+  fixed (closed over or static). Under tracing a non-finite ``X`` gives ⊥ instead of an error.
 
   Raises:
     TypeError: ``key`` is not a PRNG key, or ``X`` is not a real array.
-    ValueError: NaN/inf in ``X``, wrong rank, ε ≤ 0, δ ∉ (0, 1), k ∉ [1, d], ``n`` too small
-      (``⌊n/t⌋ < k + 1``), or a bad option.
+    ValueError: NaN/inf in a concrete ``X``, wrong rank, ε ≤ 0, δ ∉ (0, 1), k ∉ [1, d], ``n``
+      too small (``⌊n/t⌋ < k + 1``), or a bad option.
 
   References:
     Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2, Lemma 5.3,
@@ -258,7 +265,8 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
                             cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise,
                             alpha=alpha, float_eps=float(jnp.finfo(X.dtype).eps))
   t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
-  neighbouring = "replace_one" if partition == "permutation" else "add_remove"
+  neighbouring = (NeighboringRelation.REPLACE_ONE if partition == "permutation"
+                  else NeighboringRelation.ADD_OR_REMOVE_ONE)
   if ledger is not None:
     # Random labels hold under both relations, so they fit a ledger of either kind.
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASE",
@@ -266,6 +274,8 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
   ok, basis, count = dpase_core(key, X, params, k=k, epsilon=float(epsilon),
                                 delta=float(delta), partition=partition, noise=noise,
                                 grouping=grouping)
+  if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
+    ok, basis, count = v.domain_bottom(X, ok, basis, count)
   info = {
       "num_subsets": t,
       "subset_size": m,
@@ -274,10 +284,10 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
       "ell_rule": params.ell_rule,
       "partition": partition,
       "threshold": params.threshold,
-      "winning_count": count,
   }
-  return SubspaceResult(ok=ok, basis=basis, epsilon=float(epsilon), delta=float(delta),
-                        neighbouring=neighbouring, info=info)
+  return SubspaceResult(ok=ok, basis=basis, released={"winning_count": count},
+                        epsilon=float(epsilon), delta=float(delta), neighbouring=neighbouring,
+                        info=info)
 
 
 def dpase_core(key: jax.Array, X: jax.Array, params: DPASEParameters, *, k: int,
@@ -300,8 +310,8 @@ def dpase_core(key: jax.Array, X: jax.Array, params: DPASEParameters, *, k: int,
   else:
     blocks = _random_label_blocks(k_part, X, t, m + math.ceil(4 * math.sqrt(m)) + 4)
   cells, offset = _subset_cells(k_ref, k_off, blocks, k, q, params.cell_length)
-  hist = histogram.stable_histogram(k_hist, cells, epsilon=epsilon, delta=delta,
-                                    neighbouring="replace_one", noise=noise, grouping=grouping)
+  hist = histogram.stable_histogram(k_hist, cells, epsilon=epsilon, delta=delta, noise=noise,
+                                    grouping=grouping)
   return _finish(k_point, hist.bins[0], hist.released[0], hist.noisy_counts[0], offset,
                  params.cell_length, t, q, d, k)
 

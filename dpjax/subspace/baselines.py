@@ -8,9 +8,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import linalg
+from dpjax._host import host_call
 from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
                                        rdp_gaussian_sigma)
 from dpjax.mechanisms.grid import discretization
@@ -61,14 +63,18 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
     secure: float-safe discretized noise (default) or raw continuous noise.
 
   Returns:
-    :class:`SubspaceResult` (always ``ok``); ``info["sigma"]`` is the noise std in X's units
+    :class:`~dpjax.results.SubspaceResult` (always ``ok``; neighbouring ``REPLACE_ONE``), basis
+    ``(d, k)`` in X's dtype; ``info["sigma"]`` is the noise std in X's units
     (``σ = info["unit_sigma"]·C²``, computed on the host in float64: ``inf`` if C² overflows
     float64, which the computation never forms), ``info["unit_sigma"]`` the std in units of C²,
-    ``info["secure"]``, and with ``secure=True`` ``info["grid"]`` (in units of C²).
+    ``info["secure"]``, and with ``secure=True`` ``info["grid"]`` (in units of C²). Traceable in
+    ``key`` and ``X`` (the secure release and its eigendecomposition run on the host, as a
+    ``jax.pure_callback`` under tracing).
 
   Raises:
     TypeError: bad key, or X not a real array.
-    ValueError: NaN/inf in X, wrong rank, bad ε, δ, k, or ``clip_norm`` not finite and > 0.
+    ValueError: NaN/inf in a concrete X, wrong rank, bad ε, δ, k, or ``clip_norm`` not finite
+      and > 0.
   """
   key = v.check_key(key)
   X = v.check_data(X, "X")
@@ -81,33 +87,48 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
   info = {"clip_norm": clip_norm, "secure": bool(secure)}
   mantissa, exponent = math.frexp(float(clip_norm))
   if secure:
-    noisy, grid, unit_sigma = _secure_noisy_moment(key, X, mantissa, exponent, epsilon, delta)
-    _, evecs = np.linalg.eigh(noisy)                    # post-processing of the release
-    basis = jnp.asarray(evecs[:, ::-1][:, :k], X.dtype)
+    basis, grid, unit_sigma = _secure_basis(key, X, k, mantissa, exponent, epsilon, delta)
     info["grid"] = grid
   else:
     unit_sigma = analytic_gaussian_sigma(epsilon, delta, sensitivity=2.0)
     basis = _analyze_gauss_core(key, X, k, mantissa, exponent, unit_sigma)
   sigma = unit_sigma * clip_norm * clip_norm            # report only; inf beyond float64's range
   info.update(sigma=sigma, unit_sigma=unit_sigma)
-  return SubspaceResult(ok=jnp.asarray(True), basis=basis, epsilon=epsilon, delta=delta,
-                        neighbouring="replace_one", info=info)
+  ok = jnp.asarray(True)
+  if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
+    ok, basis = v.domain_bottom(X, ok, basis)
+  return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=delta,
+                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
-def _secure_noisy_moment(key, X, clip_mantissa, clip_exponent, epsilon, delta):
-  """``Σ u uᵀ`` (units of C²) with its upper triangle released by the float-safe discretized
-  Gaussian (ℓ2-sensitivity 2); returns ``(noisy (d, d) float64, grid step, noise std)``."""
-  A = np.asarray(_unit_second_moment(X, clip_mantissa, clip_exponent), np.float64)
+def _secure_basis(key, X, k, clip_mantissa, clip_exponent, epsilon, delta):
+  """The top-k eigenvectors of ``Σ u uᵀ`` (units of C²) with its upper triangle released by the
+  float-safe discretized Gaussian (ℓ2-sensitivity 2), the eigendecomposition on the host in
+  float64 (post-processing); returns ``(basis (d, k) in X's dtype, grid step, noise std)``."""
+  A = _unit_second_moment(X, clip_mantissa, clip_exponent)
+  d = A.shape[0]
+  z = rdp_gaussian_sigma(epsilon, delta)
+  grid = discretization(2.0, d * (d + 1) // 2)
+
+  def release(key, A):
+    return np.linalg.eigh(_secure_noisy_moment(key, A, z))[1][:, ::-1][:, :k]
+
+  basis = host_call(release, jax.ShapeDtypeStruct((d, k), np.float64), key, A)
+  return jnp.asarray(basis, X.dtype), grid.grid, z * grid.grid_sensitivity * grid.grid
+
+
+def _secure_noisy_moment(key, A, noise_multiplier) -> np.ndarray:
+  """Host: the upper triangle of ``A (d, d)`` released by the discretized Gaussian
+  (ℓ2-sensitivity 2, noise multiplier z), mirrored into a symmetric ``(d, d)`` float64 matrix."""
+  A = np.asarray(A, np.float64)
   d = A.shape[0]
   rows, cols = np.triu_indices(d)
-  z = rdp_gaussian_sigma(epsilon, delta)
-  grid = discretization(2.0, rows.size)
   released = discretized_gaussian_mechanism(key, A[rows, cols], sensitivity=2.0,
-                                            noise_multiplier=z)
+                                            noise_multiplier=noise_multiplier)
   noisy = np.zeros((d, d))
   noisy[rows, cols] = released
   noisy[cols, rows] = released
-  return noisy, grid.grid, z * grid.grid_sensitivity * grid.grid
+  return noisy
 
 
 @jax.jit
@@ -153,18 +174,23 @@ def pca_subspace(X, *, k: int) -> SubspaceResult:
   of two first); runs in X's dtype, 16-bit floats upcast to float32.
 
   Returns:
-    :class:`SubspaceResult` with ``ok=True``, ``epsilon=inf`` and ``neighbouring="non_private"``.
+    :class:`~dpjax.results.SubspaceResult` with ``ok=True``, ``epsilon=inf``, ``delta=1`` and
+    ``neighbouring=None`` (not private). Traceable; under tracing a non-finite X or basis gives
+    ``ok=False`` instead of an error.
 
   Raises:
-    TypeError: X not a real array. ValueError: NaN/inf in X, wrong rank, ``k ∉ [1, min(n, d)]``,
-      or (defensive, not expected after the normalisation) a non-finite basis.
+    TypeError: X not a real array. ValueError: NaN/inf in a concrete X, wrong rank,
+      ``k ∉ [1, min(n, d)]``, or (defensive, not expected after the normalisation) a non-finite
+      basis.
   """
   X = v.check_data(X, "X")
   k = v.check_int(k, "k", low=1, high=min(X.shape))
   basis = linalg.top_k_right_singular_vectors(X, k)
+  ok = v.all_finite(basis)
+  if v.is_traced(X):
+    ok, basis = v.domain_bottom(X, ok, basis)
   # Non-private baseline: checking its own output is fine (nothing private is released here).
-  if not bool(jnp.all(jnp.isfinite(basis))):
+  elif not bool(ok):
     raise ValueError("pca_subspace could not compute a finite basis for X in its dtype "
                      f"{X.dtype}; pass float64 data.")
-  return SubspaceResult(ok=jnp.asarray(True), basis=basis,
-                        epsilon=math.inf, delta=1.0, neighbouring="non_private", info={})
+  return SubspaceResult(ok=ok, basis=basis, epsilon=math.inf, delta=1.0, neighbouring=None)

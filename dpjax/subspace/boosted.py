@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax.subspace import approximate
@@ -55,8 +56,11 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
     **dpase_kwargs: public DPASE parameters (``num_subsets``, ``cell_length``, ``ell_rule``, …).
 
   Returns:
-    :class:`SubspaceResult`; ``info`` has ``num_blocks``, ``block_size``, ``agreeing`` (the vote
-    count of the returned run) and ``runs_ok`` (how many runs answered).
+    :class:`~dpjax.results.SubspaceResult` (neighbouring ``REPLACE_ONE``); ``info`` has
+    ``num_blocks``, ``block_size`` and the blocks' DPASE parameters; ``released`` has
+    ``agreeing`` (the vote count of the returned run, 0 on ⊥) and ``runs_ok`` (how many runs
+    answered), both covered by the guarantee. Traceable in ``key`` and ``X`` (a non-finite
+    traced ``X`` gives ⊥).
 
   Raises:
     ValueError / TypeError: as :func:`dpjax.subspace.dpase`, plus bad ``alpha``/``beta`` and
@@ -92,13 +96,15 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
                                         noise=noise, **dpase_kwargs)
   if ledger is not None:
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASEB",
-                            neighbouring="replace_one")
+                            neighbouring=NeighboringRelation.REPLACE_ONE)
   ok, basis, agreeing, runs_ok = _dpaseb(key, X, params, k, float(epsilon), float(delta), T,
                                          block, 2.0 * alpha / 3.0, noise, grouping)
-  info = {"num_blocks": T, "block_size": block, "agreeing": agreeing, "runs_ok": runs_ok,
-          "dpase": params._asdict()}
-  return SubspaceResult(ok=ok, basis=basis, epsilon=float(epsilon), delta=float(delta),
-                        neighbouring="replace_one", info=info)
+  if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
+    ok, basis, agreeing = v.domain_bottom(X, ok, basis, agreeing)
+  info = {"num_blocks": T, "block_size": block, "dpase": params._asdict()}
+  return SubspaceResult(ok=ok, basis=basis, released={"agreeing": agreeing, "runs_ok": runs_ok},
+                        epsilon=float(epsilon), delta=float(delta),
+                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 class _Rows(NamedTuple):

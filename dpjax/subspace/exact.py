@@ -19,8 +19,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax._host import host_call
 from dpjax.mechanisms.gap_max import gap_max
 from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
 from dpjax.results import SubspaceResult
@@ -146,16 +148,22 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
     unsafe_paper_variant, ell: see above (ℓ is only used by the paper's NULL score).
 
   Returns:
-    :class:`SubspaceResult`; ``info`` has the number of candidates and the work estimate.
+    :class:`~dpjax.results.SubspaceResult` (neighbouring ``REPLACE_ONE``) with a ``(d, k)``
+    basis in JAX's default float dtype; ``info`` has the public work estimate, ``tol`` and
+    ``snap_scale`` (the number of candidates is data-dependent and is not reported). With
+    ``unsafe_paper_variant=True``: ``epsilon=inf``, ``delta=1``, ``neighbouring=None`` (not
+    private) and the nominal budget in ``info``. Traceable in ``key`` and ``X``: the
+    enumeration runs on the host (a ``jax.pure_callback`` under tracing; the same output per
+    key), and a non-finite traced ``X`` gives ⊥.
 
   Raises:
-    ValueError: bad arguments, or the work estimate above ``max_work``.
+    ValueError: bad arguments (NaN/inf in a concrete X included), or the work estimate above
+      ``max_work``.
   """
   key = v.check_key(key)
   X = v.check_data(X, "X")
   if tol is None:
     tol = 1e-9 if X.dtype == jnp.float64 else 1e-4
-  X = np.asarray(X, np.float64)
   n, d = X.shape
   k = v.check_int(k, "k", low=1, high=d)
   epsilon = v.check_epsilon(epsilon)
@@ -167,19 +175,45 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
     raise ValueError(f"DPESE's enumeration would take about {work:.3g} candidate-hyperplane "
                      f"evaluations for n={n}, k={k}, above max_work={max_work:.3g}; use fewer "
                      "rows, a smaller k, DPASE, or raise max_work knowingly.")
+  if snap_scale is None:
+    e_f = 100 * d * 2.0**-53           # κ = 1: well-conditioned member rows
+    snap_scale = 10 * d * e_f / (delta / 11.0)
+  snap_scale = v.check_positive(snap_scale, "snap_scale")
+  if unsafe_paper_variant and ell is None:
+    raise ValueError("unsafe_paper_variant needs ell (the robustness parameter ℓ).")
+  ell = None if ell is None else v.check_int(ell, "ell", low=0)
+  info = {"work_estimate": work, "tol": tol, "snap_scale": snap_scale}
+
+  def release(key, X):
+    return _dpese_host(key, X, k=k, epsilon=epsilon, delta=delta, tol=tol,
+                       snap_scale=snap_scale, ell=ell if unsafe_paper_variant else None)
+
+  ok, basis = host_call(release, (jax.ShapeDtypeStruct((), np.bool_),
+                                  jax.ShapeDtypeStruct((d, k), np.float64)), key, X)
+  ok, basis = jnp.asarray(ok), jnp.asarray(basis, jnp.result_type(float))
+  if unsafe_paper_variant:
+    info.update(variant="unsafe_paper_variant", nominal_epsilon=epsilon, nominal_delta=delta)
+    return SubspaceResult(ok=ok, basis=basis, epsilon=math.inf, delta=1.0, neighbouring=None,
+                          info=info)
+  return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=delta,
+                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+
+
+def _dpese_host(key, X, *, k, epsilon, delta, tol, snap_scale, ell):
+  """DPESE on the host in float64: ``(ok, basis (d, k))``; ⊥ for a non-finite X (traced)."""
+  X = np.asarray(X, np.float64)
+  d = X.shape[1]
+  bottom = (False, np.zeros((d, k)))
+  if not np.all(np.isfinite(X)):                # only reachable traced: outside the domain
+    return bottom
   X = X[np.linalg.norm(X, axis=1) > 0]          # zero rows lie in every subspace: no information
   candidates = enumerate_candidates(X, k, tol=tol)
   k_noise, k_snap, k_order = jax.random.split(key, 3)
-  info = {"num_candidates": int(candidates.scores.size), "work_estimate": work}
-  if unsafe_paper_variant:
-    if ell is None:
-      raise ValueError("unsafe_paper_variant needs ell (the robustness parameter ℓ).")
-    index = paper_variant_select(k_noise, candidates.scores, epsilon=epsilon, delta=delta,
-                                 ell=v.check_int(ell, "ell", low=0))
+  if ell is not None:
+    index = int(paper_variant_select(k_noise, candidates.scores, epsilon=epsilon, delta=delta,
+                                     ell=ell))
     ok = index >= 0
-    return _release(k_snap, X, candidates, int(index), bool(ok), k, d, epsilon, delta,
-                    snap_scale, info, "unsafe_paper_variant")
-  if candidates.scores.size == 0:
+  elif candidates.scores.size == 0:
     ok, index = False, 0                        # no k independent rows: ⊥, same as a low gap
   else:
     # GAP-MAX breaks ties by list position; enumeration follows row order, which its proof does
@@ -188,8 +222,16 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
     res = gap_max(k_noise, jnp.asarray(candidates.scores[order]), epsilon=epsilon,
                   delta=delta / 1.1)
     ok, index = bool(res.ok), int(order[int(res.index)])
-  return _release(k_snap, X, candidates, index, ok, k, d, epsilon, delta, snap_scale, info,
-                  "replace_one")
+  if not ok:
+    return bottom
+  rows = X[candidates.members[index]]
+  _, vecs = np.linalg.eigh(rows.T @ rows)
+  projection = vecs[:, -k:] @ vecs[:, -k:].T                # canonical: all member rows
+  offset = np.asarray(jax.random.uniform(k_snap, (d, d), jnp.float32), np.float64)
+  snapped = snap_scale * (np.round(projection / snap_scale - offset) + offset)
+  snapped = (snapped + snapped.T) / 2
+  _, vecs = np.linalg.eigh(snapped)
+  return True, vecs[:, ::-1][:, :k]
 
 
 def paper_variant_select(key: jax.Array, scores, *, epsilon: float, delta: float,
@@ -209,25 +251,3 @@ def paper_variant_select(key: jax.Array, scores, *, epsilon: float, delta: float
   noise = _truncated_laplace(key, all_scores.shape, params.scale, params.bound, jnp.float32)
   winner = jnp.argmax(gaps + noise)
   return jnp.where(winner == scores.size, -1, winner)
-
-
-def _release(key, X, candidates, index, ok, k, d, epsilon, delta, snap_scale, info,
-             neighbouring):
-  if not ok:
-    return SubspaceResult(ok=jnp.asarray(False), basis=jnp.zeros((d, k)), epsilon=epsilon,
-                          delta=delta, neighbouring=neighbouring, info=info)
-  rows = X[candidates.members[index]]
-  _, vecs = np.linalg.eigh(rows.T @ rows)
-  projection = vecs[:, -k:] @ vecs[:, -k:].T                # canonical: all member rows
-  if snap_scale is None:
-    e_f = 100 * d * 2.0**-53           # κ = 1: well-conditioned member rows
-    snap_scale = 10 * d * e_f / (delta / 11.0)
-  s = v.check_positive(snap_scale, "snap_scale")
-  offset = np.asarray(jax.random.uniform(key, (d, d), jnp.float32), np.float64)
-  snapped = s * (np.round(projection / s - offset) + offset)
-  snapped = (snapped + snapped.T) / 2
-  _, vecs = np.linalg.eigh(snapped)
-  basis = jnp.asarray(vecs[:, ::-1][:, :k], jnp.result_type(float))
-  info = dict(info, snap_scale=s)
-  return SubspaceResult(ok=jnp.asarray(True), basis=basis, epsilon=epsilon, delta=delta,
-                        neighbouring=neighbouring, info=info)

@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_accounting import NeighboringRelation
 
 from dpjax import metrics
 from dpjax.mechanisms import truncated_laplace_survival
-from dpjax.ashtiani_liaw import al_subspace, al_subspace_parameters
+from dpjax.ashtiani_liaw import al_subspace, al_subspace_parameters, released_basis
 from dpjax.ashtiani_liaw.exact_subspace import al_subspace_core
 
 EPS, DELTA = 1.0, 1e-6
@@ -32,8 +33,10 @@ def _distance(basis, U):
 
 
 def _recovered(res, U):
-  return (bool(res.ok) and res.basis.shape == U.shape and res.info["rank"] == U.shape[1]
-          and _distance(res.basis, U) <= U.shape[0] * res.info["snap_scale"])
+  basis = released_basis(res)
+  return (bool(res.ok) and res.basis.shape == (U.shape[0],) * 2 and basis.shape == U.shape
+          and int(res.released["rank"]) == U.shape[1]
+          and _distance(basis, U) <= U.shape[0] * res.info["snap_scale"])
 
 
 @pytest.mark.parametrize("seed,r,spread", [(0, 1, 0.0), (1, 3, 0.0), (2, 6, 1.0), (3, 9, 0.0),
@@ -43,10 +46,11 @@ def test_exact_recovery_of_the_range(seed, r, spread):
   X, U = _gaussian(seed, r, spread)
   res = al_subspace(jax.random.key(seed), X, epsilon=EPS, delta=DELTA)
   assert _recovered(res, U), (seed, r, res.info, _distance(res.basis, U) if res.ok else None)
-  assert res.neighbouring == "replace_one" and res.epsilon == EPS and res.delta == DELTA
+  assert res.neighbouring == NeighboringRelation.REPLACE_ONE and res.epsilon == EPS and res.delta == DELTA
   assert res.basis.dtype == jnp.result_type(float)
-  np.testing.assert_allclose(np.asarray(res.basis).T @ np.asarray(res.basis), np.eye(r),
-                             atol=1e-6)
+  basis = released_basis(res)
+  np.testing.assert_allclose(basis.T @ basis, np.eye(r), atol=1e-6)
+  assert np.all(np.asarray(res.basis)[:, r:] == 0)                 # static (d, d): zeros after r
   k = res.info["num_groups"]
   assert k == max(res.info["min_groups"], min(N // D, 4 * res.info["min_groups"]))
   assert res.info["group_size"] == N // k >= D
@@ -77,7 +81,7 @@ def test_full_rank_data_release_the_whole_space():
 
 def test_zero_data_release_the_zero_subspace():
   res = al_subspace(jax.random.key(9), np.zeros((N, D)), epsilon=EPS, delta=DELTA)
-  assert bool(res.ok) and res.basis.shape == (D, 0) and res.info["rank"] == 0
+  assert bool(res.ok) and int(res.released["rank"]) == 0 and np.all(np.asarray(res.basis) == 0)
 
 
 def test_bottom_when_groups_disagree():
@@ -87,7 +91,7 @@ def test_bottom_when_groups_disagree():
   X = np.zeros((N, D))
   X[np.arange(N), rng.integers(0, D, N)] = rng.standard_normal(N)
   res = al_subspace(jax.random.key(10), X, epsilon=EPS, delta=DELTA)
-  assert not bool(res.ok) and res.basis.shape == (D, 0) and "rank" not in res.info
+  assert not bool(res.ok) and int(res.released["rank"]) == 0
   assert jnp.all(res.basis == 0)
   # Rank-3 data with outliers in most groups: spoiled groups span distinct 4- or 5-dim spaces.
   X, _ = _gaussian(11, 3)
@@ -137,7 +141,8 @@ def test_threshold_edge():
   for agree in (0, 1, params.majority, params.majority + 1):
     out = runs(agree)
     assert not any(bool(r.ok) for r in out), agree
-    assert all(r.basis.shape == (3, 0) for r in out)       # ⊥ carries nothing
+    assert all(np.all(np.asarray(r.basis) == 0) and int(r.released["rank"]) == 0
+               for r in out)                               # ⊥ carries nothing
   out = runs(params.sure_pass_count)
   assert all(_recovered(r, np.eye(3)[:, :1]) for r in out)
   rate = np.mean([bool(r.ok) for r in runs(params.majority + round(params.tlap_bound))])

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_accounting import NeighboringRelation
 
 from dpjax import ashtiani_liaw as cv
 from dpjax.ashtiani_liaw import masking
@@ -251,7 +252,7 @@ def test_ppme_mean_unbounded_mean_within_lemma_3_6_bound(seed):
   # Float-safe release (default): every entry on the public grid, whatever ‖μ‖.
   est = np.asarray(res.estimate)
   assert res.info["grid"] == grid.grid and np.all(est == np.round(est / grid.grid) * grid.grid)
-  assert (res.epsilon, res.delta, res.neighbouring) == (EPS, DELTA, "replace_one")
+  assert (res.epsilon, res.delta, res.neighbouring) == (EPS, DELTA, NeighboringRelation.REPLACE_ONE)
   if seed == 0:        # the raw continuous mask: analytic σ, same test bit and average
     raw = pm.ppme_mean(jax.random.key(seed), X, epsilon=EPS, delta=DELTA, num_groups=K_MEAN,
                        radius=r, secure=False)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dpjax import audit
+from dpjax.mechanisms import exact as exact_lib
 from dpjax.mechanisms import histogram as hist_lib
 from dpjax.mechanisms.gap_max import gap_max_core, gap_max_parameters
 
@@ -34,11 +35,12 @@ def test_flags_laplace_with_half_the_noise(audit_trials):
 def _histogram_released(threshold_on: bool):
   """A singleton bin [9] in X that X' replaces by a copy of the popular bin [0]."""
   eps, delta = 1.0, 1e-6
-  scale = 2.0 / eps
-  tau = hist_lib.histogram_threshold(eps, delta) if threshold_on else -1e9
+  num, den = exact_lib.rational_scale(2.0 / eps)
+  tau = hist_lib.histogram_threshold(eps, delta) if threshold_on else -2**30
 
   def mechanism(key, items):
-    bins, counts, released = hist_lib._stable_histogram(key, items, scale, tau, "pairwise")
+    bins, counts, released = hist_lib._stable_histogram(
+        key, items, jnp.uint32(num), jnp.uint32(den), jnp.int32(tau), "pairwise")
     return jnp.any(released & jnp.all(bins == 9, axis=1))
   return mechanism
 

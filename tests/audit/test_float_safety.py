@@ -174,7 +174,7 @@ def test_coinpress_releases_are_float_safe(audit_trials):
   kc = dict(epsilon=1.0, delta=0.02, kappa=1.0, steps=1)
   grid = coinpress_covariance(jax.random.key(0), Xc, **kc).info["grids"][0]
   report = audit.grid_output_audit(
-      jax.random.key(7), lambda key, data: coinpress_covariance(key, data, **kc).info[
+      jax.random.key(7), lambda key, data: coinpress_covariance(key, data, **kc).released[
           "releases"][0][0, 0], Xc, Xc_prime, grid_step=grid, delta=0.02, epsilon_claimed=1.0,
       trials=n)
   assert report.passed, report
@@ -196,12 +196,15 @@ def test_secure_truncated_laplace_is_float_safe(audit_trials):
 def test_analyze_gauss_release_is_float_safe(audit_trials):
   """Analyze Gauss's released noisy second moment (whose eigenvectors are returned) lies on the
   public grid; X' replaces a row along e1 by one along e0 (the change of XᵀX is 2C²)."""
-  from dpjax.subspace.baselines import _secure_noisy_moment
+  from dpjax.mechanisms.gaussian import rdp_gaussian_sigma
+  from dpjax.subspace.baselines import _secure_noisy_moment, _unit_second_moment
+  z = rdp_gaussian_sigma(1.0, 1e-5)
   n = audit_trials(1_000, 10_000)
   X = jnp.zeros((10, 3)).at[:, 1].set(1.0)
   X_prime = X.at[0].set(jnp.array([1.0, 0.0, 0.0]))
   grid = M.discretization(2.0, 6).grid
   report = audit.grid_output_audit(
-      jax.random.key(9), lambda k, rows: _secure_noisy_moment(k, rows, 0.5, 1, 1.0, 1e-5)[0][0, 0],
+      jax.random.key(9), lambda k, rows: _secure_noisy_moment(
+          k, _unit_second_moment(rows, 0.5, 1), z)[0, 0],
       X, X_prime, grid_step=grid, delta=1e-5, epsilon_claimed=1.0, trials=n)
   assert report.passed, report

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_accounting import NeighboringRelation
 
 from dpjax import accounting
 from dpjax import coinpress as cp
@@ -76,7 +77,7 @@ def test_mean_accuracy_several_seeds():
     assert err <= bound, (seed, err, bound)
     # Every intermediate ball contained μ (the induction behind the bound).
     radii = np.asarray(info["radii"][1:])
-    assert np.all(np.linalg.norm(info["centers"] - mu, axis=1) <= radii)
+    assert np.all(np.linalg.norm(res.released["centers"] - mu, axis=1) <= radii)
 
 
 def test_mean_error_decreases_with_n():
@@ -145,14 +146,14 @@ def test_secure_releases_lie_on_their_public_grids():
   X, _, center = _mean_problem(4, n=2_000)
   res = cp.coinpress_mean(jax.random.key(2), X, epsilon=EPS, delta=DELTA, center=center,
                           radius=100.0)
-  for c, grid in zip(res.info["centers"], res.info["grids"]):
+  for c, grid in zip(res.released["centers"], res.info["grids"]):
     assert np.all(c == np.round(c / grid) * grid)
-  assert np.array_equal(res.estimate, res.info["centers"][-1])
+  assert np.array_equal(res.estimate, res.released["centers"][-1])
   Xc, _ = _cov_problem(4, 5_000, 4)
   cov = cp.coinpress_covariance(jax.random.key(3), Xc, epsilon=EPS, delta=DELTA, kappa=10.0,
                                 steps=2)
   rows, cols = np.triu_indices(4)
-  for Z, grid in zip(cov.info["releases"], cov.info["grids"]):
+  for Z, grid in zip(cov.released["releases"], cov.info["grids"]):
     coords = Z[rows, cols] * np.where(rows == cols, 1.0, math.sqrt(2.0))
     assert np.array_equal(Z, Z.T)
     np.testing.assert_allclose(coords / grid, np.round(coords / grid), atol=1e-6)
@@ -280,7 +281,7 @@ def test_mean_composed_epsilon_meets_target():
   assert eps <= EPS
   assert EPS - eps < 1e-3
   assert res.epsilon <= EPS and res.epsilon == pytest.approx(eps, abs=1e-9)
-  assert res.delta == DELTA and res.neighbouring == "replace_one"
+  assert res.delta == DELTA and res.neighbouring == NeighboringRelation.REPLACE_ONE
   # Paper's split: z_t² f_t is the same for every step (ρ_t = f_t ρ), fractions 1/12,1/12,1/12,3/4.
   np.testing.assert_allclose(info["fractions"], [1 / 12, 1 / 12, 1 / 12, 3 / 4])
   np.testing.assert_allclose(np.square(zs) * np.asarray(info["fractions"]),
@@ -369,7 +370,7 @@ def test_determinism_and_key_use():
   assert not np.array_equal(a.estimate, c.estimate)
   assert legacy.estimate.shape == (D_MEAN,) and legacy.estimate.dtype == np.float64
   assert a.estimate.shape == (D_MEAN,) and a.estimate.dtype == np.float64
-  assert a.info["centers"].shape == (4, D_MEAN)
+  assert a.released["centers"].shape == (4, D_MEAN)
   Xc, _ = _cov_problem(0, 5_000, 5)
   kc = dict(epsilon=EPS, delta=DELTA, kappa=10.0, steps=3)
   s1 = cp.coinpress_covariance(jax.random.key(4), Xc, **kc).estimate

@@ -127,12 +127,9 @@ def test_key_hygiene():
 
 
 @pytest.mark.parametrize("scores,kw,exc,match", [
-    (jnp.array([1.0, jnp.nan]), {}, ValueError, "scores"),
-    (jnp.array([1.0, jnp.inf]), {}, ValueError, "scores"),
     (jnp.ones((2, 2)), {}, ValueError, "scores"),
     (jnp.ones((0,)), {}, ValueError, "scores"),
     (jnp.array([True, False]), {}, TypeError, "scores"),
-    (np.array([2**40, 0], np.int64), {}, ValueError, "scores"),
     (jnp.ones(3), dict(epsilon=0.0), ValueError, "epsilon"),
     (jnp.ones(3), dict(epsilon=float("nan")), ValueError, "epsilon"),
     (jnp.ones(3), dict(delta=0.0), ValueError, "delta"),

@@ -183,8 +183,6 @@ KEY = jax.random.key(0)
     (lambda: M.discrete_gaussian(KEY, (2,), sigma=2.0**41), ValueError, "sigma"),
     (lambda: M.gaussian_mechanism(KEY, jnp.ones(2, jnp.int32), sensitivity=1.0, epsilon=1.0,
                                   delta=1e-5), TypeError, "value"),
-    (lambda: M.gaussian_mechanism(KEY, jnp.array([jnp.inf]), sensitivity=1.0, epsilon=1.0,
-                                  delta=1e-5), ValueError, "value"),
 ])
 def test_bad_inputs_raise_naming_the_argument(call, exc, match):
   with pytest.raises(exc, match=match):

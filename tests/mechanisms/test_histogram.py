@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_accounting import NeighboringRelation
 from scipy import stats
 
 from dpjax import mechanisms as M
@@ -16,7 +17,7 @@ from dpjax.metrics import clopper_pearson
 def _singleton_pass_probability(epsilon, delta, neighbouring):
   """Exact probability that a bin holding one item is released."""
   tau = M.histogram_threshold(epsilon, delta, neighbouring=neighbouring)
-  sens = 2 if neighbouring == "replace_one" else 1
+  sens = 2 if neighbouring == NeighboringRelation.REPLACE_ONE else 1
   return discrete.discrete_laplace_tail(int(tau) - 1, discrete.effective_scale(sens / epsilon))
 
 
@@ -25,18 +26,18 @@ def test_thresholds_follow_the_formulas():
   p = math.exp(-1 / 2)
   assert M.histogram_threshold(1.0, d) == 1 + math.ceil(2 * math.log(1 / (d * (1 + p))))
   p = math.exp(-1)
-  assert M.histogram_threshold(1.0, d, neighbouring="add_remove") == 1 + math.ceil(
+  assert M.histogram_threshold(1.0, d, neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE) == 1 + math.ceil(
       math.log(1 / (d * (1 + p))))
   assert isinstance(M.histogram_threshold(1.0, d), float)
 
 
 @pytest.mark.parametrize("epsilon", [0.1, 0.3, 1.0, 2.5])
 @pytest.mark.parametrize("delta", [1e-9, 1e-5, 0.05])
-@pytest.mark.parametrize("neighbouring", ["replace_one", "add_remove"])
+@pytest.mark.parametrize("neighbouring", [NeighboringRelation.REPLACE_ONE, NeighboringRelation.ADD_OR_REMOVE_ONE])
 def test_singleton_passes_with_probability_at_most_and_close_to_delta(epsilon, delta,
                                                                       neighbouring):
   dis = _singleton_pass_probability(epsilon, delta, neighbouring)
-  p = math.exp(-1 / discrete.effective_scale((2 if neighbouring == "replace_one" else 1)
+  p = math.exp(-1 / discrete.effective_scale((2 if neighbouring == NeighboringRelation.REPLACE_ONE else 1)
                                              / epsilon))
   assert p * delta < dis <= delta                 # τ is the smallest integer threshold that works
 
@@ -50,7 +51,7 @@ def _released_per_trial(seed, items, **kwargs):
   return jax.vmap(lambda k: M.stable_histogram(k, items, epsilon=1.0, **kwargs))(keys)
 
 
-@pytest.mark.parametrize("neighbouring", ["replace_one", "add_remove"])
+@pytest.mark.parametrize("neighbouring", [NeighboringRelation.REPLACE_ONE, NeighboringRelation.ADD_OR_REMOVE_ONE])
 def test_singleton_release_frequency_matches_the_exact_probability(neighbouring):
   eps, delta = 1.0, 0.05
   hist = _released_per_trial(0, SINGLETONS, delta=delta, neighbouring=neighbouring)
@@ -188,12 +189,12 @@ def test_deterministic_and_jittable():
     (dict(items=jnp.ones((3, 2), jnp.bool_)), TypeError, "items"),
     (dict(items=jnp.ones((3,), jnp.int32)), ValueError, "items"),
     (dict(items=jnp.ones((0, 2), jnp.int32)), ValueError, "items"),
-    (dict(items=np.array([[2**40]], np.int64)), ValueError, "items"),
     (dict(epsilon=0.0), ValueError, "epsilon"),
     (dict(epsilon=float("nan")), ValueError, "epsilon"),
     (dict(delta=2.0), ValueError, "delta"),
     (dict(delta=0.0), ValueError, "delta"),
-    (dict(neighbouring="swap"), ValueError, "neighbouring"),
+    (dict(neighbouring="replace_one"), TypeError, "neighbouring"),
+    (dict(neighbouring=NeighboringRelation.REPLACE_SPECIAL), ValueError, "neighbouring"),
     (dict(noise="gauss"), ValueError, "noise"),
     (dict(grouping="sort"), ValueError, "grouping"),
     (dict(key=0), TypeError, "key"),

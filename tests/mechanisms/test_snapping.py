@@ -60,8 +60,6 @@ def test_laplace_mechanism_snaps_by_default_and_noise_has_laplace_scale():
 
 
 def test_bad_inputs():
-  with pytest.raises(ValueError, match="NaN"):
-    M.snapping_mechanism(jax.random.key(0), np.array([np.nan]), sensitivity=1.0, epsilon=1.0)
   with pytest.raises(TypeError, match="float"):
     M.snapping_mechanism(jax.random.key(0), np.array([1]), sensitivity=1.0, epsilon=1.0)
   with pytest.raises(ValueError, match="epsilon"):

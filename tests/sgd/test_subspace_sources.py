@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from dp_accounting import NeighboringRelation
 from jax.flatten_util import ravel_pytree
 
 from dpjax import data, metrics
@@ -50,7 +51,7 @@ def test_public_subspace_captures_an_exactly_low_rank_gradient_space():
   X, y, B = _logistic(100)
   res = ss.public_gradient_subspace(_loss, jnp.zeros(20), (X, y), k=3)
   assert bool(res.ok) and res.epsilon == 0.0 and res.delta == 0.0
-  assert res.neighbouring == "public_data" and res.info == {"num_public": 100}
+  assert res.neighbouring is None and res.info == {"num_public": 100}
   assert res.basis.shape == (20, 3)
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(3), atol=1e-4)
   assert float(metrics.projection_distance(res.basis, B)) < 1e-3
@@ -60,7 +61,7 @@ def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_rem
   X, y, B = _logistic(8_000)
   res = ss.private_gradient_subspace(jax.random.key(5), _loss, jnp.zeros(20), (X, y), k=3,
                                      epsilon=EPS_S, delta=DELTA_S, gamma=1e-6)
-  assert res.neighbouring == "add_remove" and res.info["partition"] == "random_labels"
+  assert res.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE and res.info["partition"] == "random_labels"
   assert (res.epsilon, res.delta) == (EPS_S, DELTA_S)
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
 
@@ -80,7 +81,7 @@ def test_private_subspace_survives_non_finite_gradients_and_clips_rows():
   res = ss.private_gradient_subspace(jax.random.key(8), _loss, jnp.zeros(20), (X, y), k=3,
                                      epsilon=EPS_S, delta=DELTA_S, gamma=1e-6, clip_norm=0.5)
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
-  G = ss._sanitise_rows(jnp.array([[3.0, 4.0], [jnp.nan, 1.0], [0.3, 0.4]]), 1.0)
+  G = ss._sanitise_rows(jnp.array([[3.0, 4.0], [jnp.nan, 1.0], [0.3, 0.4]]), 1.0, True)
   np.testing.assert_allclose(np.asarray(G), [[0.6, 0.8], [0.0, 0.0], [0.3, 0.4]], rtol=1e-6)
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_accounting import NeighboringRelation
 
 from dpjax import data, linalg, metrics
 from dpjax.subspace import approximate, tuning
@@ -53,9 +54,9 @@ def test_shapes_orthonormality_and_result_fields():
   assert res.basis.shape == (D, K) and res.basis.dtype == X.dtype
   assert bool(res.ok)
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(K), atol=1e-4)
-  assert res.epsilon == EPS and res.delta == DELTA and res.neighbouring == "replace_one"
+  assert res.epsilon == EPS and res.delta == DELTA and res.neighbouring == NeighboringRelation.REPLACE_ONE
   t = approximate.num_subsets_for(EPS, DELTA)          # discrete noise: 38 (Laplace: 37)
-  assert res.info["num_subsets"] == t and int(res.info["winning_count"]) >= t / 2
+  assert res.info["num_subsets"] == t and int(res.released["winning_count"]) >= t / 2
 
 
 def test_same_key_same_output_different_key_different_output():
@@ -112,7 +113,7 @@ def test_random_labels_partition_holds_under_add_remove_and_succeeds():
   X, model = _model(seed=11)
   res = approximate.dpase(jax.random.key(12), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA,
                           partition="random_labels")
-  assert res.neighbouring == "add_remove"
+  assert res.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_accounting import NeighboringRelation
 
 from dpjax import data, metrics
 from dpjax.mechanisms import analytic_gaussian_sigma, rdp_gaussian_sigma
@@ -25,7 +26,7 @@ def test_dpaseb_succeeds_where_single_dpase_does():
   res = dpaseb(jax.random.key(1), X, epsilon=1.0, delta=1e-6, k=2, alpha=0.1, num_blocks=12,
                gamma=1e-5)
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) <= 0.1
-  assert int(res.info["agreeing"]) >= 0.6 * 12 - 1 and res.neighbouring == "replace_one"
+  assert int(res.released["agreeing"]) >= 0.6 * 12 - 1 and res.neighbouring == NeighboringRelation.REPLACE_ONE
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(2), atol=1e-4)
 
 
@@ -34,7 +35,7 @@ def test_dpaseb_bottom_when_blocks_disagree():
   X = jax.random.normal(jax.random.key(2), (12 * 1_000, 20))
   res = dpaseb(jax.random.key(3), X, epsilon=1.0, delta=1e-6, k=2, alpha=0.1, num_blocks=12,
                cell_length=1e3)
-  assert int(res.info["runs_ok"]) == 12
+  assert int(res.released["runs_ok"]) == 12
   assert not bool(res.ok) and bool(jnp.all(res.basis == 0))
 
 
@@ -84,5 +85,5 @@ def test_analyze_gauss_noise_is_symmetric_with_the_stated_std():
 def test_pca_subspace_is_exact_and_labelled_non_private():
   X, B = data.exact_subspace_data(jax.random.key(7), 50, 12, 3)
   res = pca_subspace(X, k=3)
-  assert res.neighbouring == "non_private" and math.isinf(res.epsilon)
+  assert res.neighbouring is None and math.isinf(res.epsilon)
   assert float(metrics.projection_distance(res.basis, B)) < 1e-3

@@ -1,0 +1,202 @@
+"""Every public key/data function runs under ``jax.jit`` and under ``jax.vmap`` over keys.
+
+Issue 11 §1/§2: host-side validation never touches traced values, results are pytrees whose
+static metadata (ε, δ, the neighbouring relation, public info) is not a leaf, and the host-side
+float-safe releases (``dpjax._host.host_call``) give the same answer eagerly, under ``jit`` and
+per row of a ``vmap``. ``poisson_microbatches`` is host-only by design (its output size is the
+sampled batch size) and is absent here.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dpjax
+from dpjax import ashtiani_liaw as AL
+from dpjax import coinpress as CP
+from dpjax import linalg as L
+from dpjax import mechanisms as M
+from dpjax import sgd as G
+from dpjax import subspace as S
+from dpjax.ashtiani_liaw import populous_mean
+
+_rng = np.random.default_rng(0)
+X = jnp.asarray(_rng.normal(size=(200, 6)) * np.array([3, 2, 1, .01, .01, .01]), jnp.float32)
+X8 = jnp.asarray(_rng.normal(size=(2000, 2)) @ _rng.normal(size=(2, 5)), jnp.float32)
+XL = jnp.asarray(_rng.normal(size=(30000, 3)) * np.array([1., 2., 3.]), jnp.float32)
+VEC = jnp.asarray(_rng.normal(size=(5,)), jnp.float32)
+IVEC = jnp.arange(5, dtype=jnp.int32)
+SCORES = jnp.asarray([10., 3., 1., 0.], jnp.float32)
+ITEMS = jnp.asarray(_rng.integers(0, 3, size=(200, 2)), jnp.int32)
+PARAMS = {"w": jnp.zeros((3,))}
+DATA = (jnp.asarray(_rng.normal(size=(64, 3)), jnp.float32),
+        jnp.asarray(_rng.normal(size=(64,)), jnp.float32))
+
+
+def _loss(p, ex):
+  x, y = ex
+  return (x @ p["w"] - y) ** 2
+
+
+# Releases computed on the host (host_call): eager, jit and vmap must agree bit for bit.
+HOST = {
+    "gaussian_mechanism": (lambda k, x: M.gaussian_mechanism(k, x, sensitivity=1., epsilon=1.,
+                                                             delta=1e-5), VEC),
+    "discretized_gaussian_mechanism": (lambda k, x: M.discretized_gaussian_mechanism(
+        k, x, sensitivity=1., noise_multiplier=1.), VEC),
+    "laplace_mechanism": (lambda k, x: M.laplace_mechanism(k, x, sensitivity=1., epsilon=1.), VEC),
+    "truncated_laplace_mechanism": (lambda k, x: M.truncated_laplace_mechanism(
+        k, x, sensitivity=1., epsilon=1., delta=1e-5), VEC),
+    "snapping_mechanism": (lambda k, x: M.snapping_mechanism(k, x, sensitivity=1., epsilon=1.),
+                           VEC),
+    "discrete_gaussian": (lambda k, _: M.discrete_gaussian(k, (3,), sigma=2.), VEC),
+    "truncated_discrete_laplace": (lambda k, _: M.truncated_discrete_laplace(k, (3,), scale=2,
+                                                                             bound=10), VEC),
+}
+
+# Everything else: runs under jit and vmap, is deterministic per key.
+TRACED = {
+    "gaussian_mechanism(secure=False)": (lambda k, x: M.gaussian_mechanism(
+        k, x, sensitivity=1., epsilon=1., delta=1e-5, secure=False), VEC),
+    "laplace_mechanism(secure=False)": (lambda k, x: M.laplace_mechanism(
+        k, x, sensitivity=1., epsilon=1., secure=False), VEC),
+    "truncated_laplace_mechanism(secure=False)": (lambda k, x: M.truncated_laplace_mechanism(
+        k, x, sensitivity=1., epsilon=1., delta=1e-5, secure=False), VEC),
+    "discrete_laplace_mechanism": (lambda k, x: M.discrete_laplace_mechanism(
+        k, x, sensitivity=1, epsilon=1.), IVEC),
+    "exponential_mechanism": (lambda k, s: M.exponential_mechanism(k, s, sensitivity=1.,
+                                                                   epsilon=1.), SCORES),
+    "gap_max": (lambda k, s: M.gap_max(k, s, epsilon=1., delta=1e-5), SCORES),
+    "gap_max_core": (lambda k, s: M.gap_max_core(k, s, M.gap_max_parameters(1., 1e-5)), SCORES),
+    "stable_histogram": (lambda k, it: M.stable_histogram(k, it, epsilon=1., delta=1e-5), ITEMS),
+    "gaussian_noise": (lambda k, _: M.gaussian_noise(k, (3,), sigma=1.), VEC),
+    "laplace_noise": (lambda k, _: M.laplace_noise(k, (3,), scale=1.), VEC),
+    "truncated_laplace": (lambda k, _: M.truncated_laplace(k, (3,), sensitivity=1., epsilon=1.,
+                                                           delta=1e-5), VEC),
+    "discrete_laplace": (lambda k, _: M.discrete_laplace(k, (3,), scale=2.), VEC),
+    "dpase": (lambda k, x: S.dpase(k, x, epsilon=4., delta=1e-5, k=2, gamma=0.01), X8),
+    "dpase_core": (lambda k, x: S.dpase_core(k, x, S.dpase_parameters(
+        2000, 5, 2, epsilon=4., delta=1e-5, gamma=0.01), k=2, epsilon=4., delta=1e-5), X8),
+    "dpaseb": (lambda k, x: S.dpaseb(k, x, epsilon=4., delta=1e-5, k=2, alpha=0.5, num_blocks=3,
+                                     gamma=0.01), X8),
+    "dpese": (lambda k, x: S.dpese(k, x, epsilon=4., delta=1e-5, k=2), X8[:60]),
+    "analyze_gauss": (lambda k, x: S.analyze_gauss(k, x, epsilon=1., delta=1e-5, k=2,
+                                                   clip_norm=1.), X),
+    "pca_subspace": (lambda k, x: S.pca_subspace(x, k=2), X),
+    "al_subspace": (lambda k, x: AL.al_subspace(k, x, epsilon=4., delta=1e-5), X8),
+    "al_covariance": (lambda k, x: AL.al_covariance(k, x, epsilon=20., delta=1e-6,
+                                                    min_group_size=50, num_groups=300), XL),
+    "learn_covariance": (lambda k, x: AL.learn_covariance(k, x, epsilon=20., delta=1e-6,
+                                                          min_group_size=50, num_groups=150), XL),
+    "learn_gaussian": (lambda k, x: AL.learn_gaussian(
+        k, x, epsilon=20., delta=1e-6, covariance_kwargs=dict(min_group_size=50)), XL),
+    "ppme_mean": (lambda k, x: AL.ppme_mean(k, x, epsilon=4., delta=1e-5, num_groups=100,
+                                            radius=10.), X8),
+    "robust_mean": (lambda k, x: AL.robust_mean(k, x, epsilon=4., delta=1e-5, corruption=0.01,
+                                                num_groups=100, radius=10.), X8),
+    "robust_covariance": (lambda k, x: AL.robust_covariance(
+        k, x, epsilon=20., delta=1e-6, corruption=0.01, min_group_size=50, num_groups=300), XL),
+    "covariance_mask": (lambda k, s: AL.covariance_mask(k, s, eta=0.1), jnp.eye(4)),
+    "closeness_matrix": (lambda k, x: AL.closeness_matrix(x[:4, :3, None] * x[:4, None, :3]
+                                                          + jnp.eye(3), 0.5), X),
+    "neighbour_counts": (lambda k, x: AL.neighbour_counts(x[:4, :3, None] * x[:4, None, :3]
+                                                          + jnp.eye(3), 0.5), X),
+    "euclidean_neighbour_counts": (lambda k, x: AL.euclidean_neighbour_counts(x, 1.0), X),
+    "coinpress_mean": (lambda k, x: CP.coinpress_mean(k, x, epsilon=2., delta=1e-5,
+                                                      center=jnp.zeros(5), radius=10.), X8),
+    "coinpress_covariance": (lambda k, x: CP.coinpress_covariance(k, x, epsilon=2., delta=1e-5,
+                                                                  kappa=100.), X8),
+    "private_gradient_subspace": (lambda k, d: G.private_gradient_subspace(
+        k, _loss, PARAMS, d, k=1, epsilon=4., delta=1e-5, clip_norm=1., gamma=0.01), DATA),
+    "public_gradient_subspace": (lambda k, d: G.public_gradient_subspace(_loss, PARAMS, d, k=1),
+                                 DATA),
+    "poisson_mask": (lambda k, _: G.poisson_mask(k, 10, 0.5), VEC),
+    "clip_per_example": (lambda k, d: G.clip_per_example({"g": d[0]}, 1.0), DATA),
+    "clipped_grad_sum": (lambda k, d: G.clipped_grad_sum(_loss, clip_norm=1.)(
+        PARAMS, d, jnp.ones(64)), DATA),
+    "flat_per_example_grads": (lambda k, d: G.flat_per_example_grads(_loss, PARAMS, d), DATA),
+    "orthonormal_basis": (lambda k, _: L.orthonormal_basis(k, 5, 2), VEC),
+    "approximate_subspace_data": (lambda k, _: dpjax.data.approximate_subspace_data(
+        k, 50, 5, 2, gamma=0.1)[0], VEC),
+    "exact_subspace_data": (lambda k, _: dpjax.data.exact_subspace_data(k, 50, 5, 2)[0], VEC),
+}
+SLOW = {"al_covariance", "learn_covariance", "learn_gaussian", "robust_covariance"}
+
+KEYS = jax.random.split(jax.random.key(7), 2)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_accounting():
+  logging.disable(logging.WARNING)       # dp_accounting's RDP order warnings
+  yield
+  logging.disable(logging.NOTSET)
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _assert_same(a, b, exact):
+  la, lb = _leaves(a), _leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    if exact:
+      np.testing.assert_array_equal(x, y)
+    else:
+      np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(HOST))
+def test_host_releases_agree_eagerly_under_jit_and_vmap(name):
+  f, x = HOST[name]
+  batched = jax.vmap(lambda k: f(k, x))(KEYS)
+  jitted = jax.jit(f)
+  for i, key in enumerate(KEYS):
+    traced = jitted(key, x)
+    # Eagerly the release is NumPy in full precision; traced, the same value in JAX's canonical
+    # dtype (host_call's contract): equal after that cast.
+    eager = np.asarray(f(key, x)).astype(traced.dtype)
+    _assert_same(eager, traced, exact=True)
+    _assert_same(traced, batched[i], exact=True)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in sorted(TRACED)])
+def test_public_functions_run_under_jit_and_vmap(name):
+  f, x = TRACED[name]
+  jitted = jax.jit(f)
+  first = jitted(KEYS[0], x)
+  _assert_same(first, jitted(KEYS[0], x), exact=True)               # deterministic per key
+  batched = jax.vmap(lambda k: f(k, x))(KEYS)
+  # Static metadata stays static: the batched result has the same tree structure.
+  assert jax.tree_util.tree_structure(batched) == jax.tree_util.tree_structure(first)
+  for a, b in zip(_leaves(first), _leaves(batched)):
+    assert b.shape == (len(KEYS),) + a.shape and b.dtype == a.dtype
+  if isinstance(first, dpjax.DPResult):
+    assert first.ok.dtype == jnp.bool_ and first.ok.shape == ()
+    eager = f(KEYS[0], x)
+    assert type(eager) is type(first)
+    assert (eager.epsilon, eager.delta, eager.neighbouring, eager.info) == (
+        first.epsilon, first.delta, first.neighbouring, first.info)
+
+
+def test_results_vmap_over_keys_with_the_relation_as_metadata():
+  """The issue's example: ``vmap(lambda k: dpase(k, X, ...))(keys)`` (str leaves broke it)."""
+  out = jax.vmap(lambda k: S.dpase(k, X8, epsilon=4., delta=1e-5, k=2, gamma=0.01))(KEYS)
+  assert out.basis.shape == (2, 5, 2) and out.ok.shape == (2,)
+  assert out.neighbouring is not None and out.epsilon == 4.0
+
+
+@pytest.mark.filterwarnings("ignore:ppme_mean")
+def test_an_epsilon_sweep_does_not_recompile():
+  """Public scalars are traced arguments of the jitted cores: ε changes, the program does not."""
+  run = populous_mean._ppme_mean_run
+  AL.ppme_mean(KEYS[0], X8, epsilon=4., delta=1e-5, num_groups=100, radius=10.)
+  before = run._cache_size()
+  for eps in (1.0, 2.0, 8.0):
+    AL.ppme_mean(KEYS[0], X8, epsilon=eps, delta=1e-5, num_groups=100, radius=10.)
+  assert run._cache_size() == before
