@@ -7,6 +7,7 @@ import pytest
 from dp_accounting import NeighboringRelation
 
 from dpjax import accounting
+from dpjax.mechanisms import analytic_gaussian_sigma
 
 
 def test_dpsgd_epsilon_equals_dp_accounting():
@@ -36,12 +37,62 @@ def test_event_is_the_self_composed_poisson_sampled_gaussian():
   assert accounting.dpsgd_event(0.9, 0.02, 40) == expected
 
 
-def test_pld_calibration_is_tight_and_below_rdp():
-  # One full-batch step (q = 1) keeps the PLD accountant fast; the Gaussian's PLD is exact.
+@pytest.mark.parametrize("eps,q,steps", [(2.0, 0.05, 300), (0.05, 1.0, 1), (40.0, 1.0, 1),
+                                         (1.0, 1.0, 1)])
+def test_rdp_calibration_is_tight_far_from_its_guess(eps, q, steps):
+  # σ ≈ 2.1, 96, 0.15 and 4.0: dp_accounting widens the bracket from the guess σ = 1 upward, or
+  # searches down to the floor 0.1; the relative precision is about 1e-5.
+  sigma = accounting.calibrate_noise_multiplier(eps, 1e-5, q, steps)
+  assert accounting.dpsgd_epsilon(sigma, q, steps, 1e-5) <= eps
+  assert accounting.dpsgd_epsilon(sigma * (1 - 2e-5), q, steps, 1e-5) > eps
+
+
+def _record_pld_sigmas(monkeypatch) -> list:
+  """Every σ the PLD accountant is run at (the event is Self(Poisson(Gaussian(σ))))."""
+  seen = []
+  compose = dp_accounting.pld.PLDAccountant.compose
+
+  def recording(self, event, count=1):
+    seen.append(event.event.event.noise_multiplier)
+    return compose(self, event, count)
+
+  monkeypatch.setattr(dp_accounting.pld.PLDAccountant, "compose", recording)
+  return seen
+
+
+def test_pld_calibration_is_tight_and_below_rdp(monkeypatch):
+  # One full-batch step (q = 1) keeps the PLD accountant fast; the Gaussian's PLD is exact. The
+  # search never runs PLD below 1/1.25 of the RDP σ (its memory grows without bound as σ → 0).
+  rdp = accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1)
+  seen = _record_pld_sigmas(monkeypatch)
   sigma = accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1, accountant="pld")
+  assert min(seen) >= rdp / 1.25 * (1 - 1e-12)
   assert accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5, accountant="pld") <= 1.0
   assert accounting.dpsgd_epsilon(sigma * 0.99, 1.0, 1, 1e-5, accountant="pld") > 1.0
-  assert sigma < accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1)    # PLD is tighter
+  assert sigma < rdp                                                        # PLD is tighter
+
+
+@pytest.mark.parametrize("inflate", [1.8, 3.0])
+def test_pld_calibration_when_the_rdp_start_is_far_above(monkeypatch, inflate):
+  # Were PLD's σ more than 1.25× below RDP's, the search goes down to half the RDP σ, no lower:
+  # it finds σ there (1.8×), or returns that valid σ (3×). One Gaussian step: PLD is exact.
+  exact = analytic_gaussian_sigma(1.0, 1e-5)
+  calibrate = accounting.calibrate_noise_multiplier
+
+  def inflated_rdp(*args, accountant="rdp"):
+    sigma = calibrate(*args, accountant=accountant)
+    return inflate * sigma if accountant == "rdp" else sigma
+
+  monkeypatch.setattr(accounting, "calibrate_noise_multiplier", inflated_rdp)
+  start = inflated_rdp(1.0, 1e-5, 1.0, 1)
+  seen = _record_pld_sigmas(monkeypatch)
+  sigma = calibrate(1.0, 1e-5, 1.0, 1, accountant="pld")
+  assert min(seen) >= start / 2 * (1 - 1e-12)
+  assert accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5, accountant="pld") <= 1.0
+  if start / 2 < exact:
+    assert sigma == pytest.approx(exact, rel=1e-4)
+  else:
+    assert sigma == start / 2
 
 
 def test_calibration_edges_loose_and_impossible_targets():

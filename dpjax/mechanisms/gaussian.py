@@ -1,9 +1,9 @@
 """The Gaussian mechanism: analytic, classic and Rényi calibrations; a float-safe release (§1.2).
 
-The calibrations run on the host in float64: the analytic (Balle–Wang) and classic ones with
-:mod:`math` only (the standard normal log-CDF is evaluated with ``math.erfc`` and, deep in the
-lower tail, with its asymptotic series, so the Balle–Wang condition stays accurate for tiny δ and
-large ε); the Rényi one with ``dp_accounting``'s RDP accountant.
+The calibrations run on the host in float64: the analytic (Balle–Wang) one with
+``dp_accounting``'s exact Gaussian solver (the condition in log space with SciPy's log-CDF, so it
+stays accurate for tiny δ and large ε), the classic one with :mod:`math`, the Rényi one with
+``dp_accounting``'s RDP accountant.
 
 Floating point (ALGORITHMS.md §1.10). Continuous Gaussian noise sampled in floating point has the
 same weakness as Laplace noise (Mironov 2012): the float values ``f + Z`` can reach depend on
@@ -31,40 +31,6 @@ from dpjax.mechanisms.grid import discretization
 
 CALIBRATIONS = ("analytic", "classic", "rdp")
 
-_SQRT2 = math.sqrt(2.0)
-_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
-
-
-def _log_ndtr(x: float) -> float:
-  """``log Φ(x)`` for the standard normal CDF Φ, accurate to a few ulps in both tails (host)."""
-  if x > 0.0:
-    return math.log1p(-0.5 * math.erfc(x / _SQRT2))
-  if x > -20.0:
-    return math.log(0.5 * math.erfc(-x / _SQRT2))
-  # Φ(x) = φ(x)/|x| · (1 − 1/x² + 3/x⁴ − 15/x⁶ + …); at x ≤ −20 ten terms leave < 1e-17.
-  inv = 1.0 / (x * x)
-  term, series = 1.0, 1.0
-  for n in range(1, 11):
-    term *= -(2 * n - 1) * inv
-    series += term
-  return -0.5 * x * x - math.log(-x) - _HALF_LOG_2PI + math.log(series)
-
-
-def _log_analytic_delta(sigma: float, epsilon: float, sensitivity: float) -> float:
-  """``log δ(σ)`` with ``δ(σ) = Φ(Δ/2σ − εσ/Δ) − e^ε Φ(−Δ/2σ − εσ/Δ)`` [BW18, Thm 8].
-
-  Computed as ``log Φ(a−b) + log(1 − exp(ε + log Φ(−a−b) − log Φ(a−b)))`` so that neither the
-  two terms nor their difference under- or overflows. ``−inf`` where rounding leaves nothing.
-  """
-  a = sensitivity / (2.0 * sigma)
-  b = epsilon * sigma / sensitivity
-  log_first = _log_ndtr(a - b)
-  ratio = epsilon + _log_ndtr(-a - b) - log_first          # log of (second term / first term)
-  if ratio >= 0.0:
-    return -math.inf
-  return log_first + math.log(-math.expm1(ratio))
-
-
 def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
   """The smallest σ for which ``N(0, σ²)`` noise is (ε, δ)-DP at ℓ2-sensitivity Δ.
 
@@ -72,9 +38,13 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1
 
     ``Φ(Δ/(2σ) − εσ/Δ) − e^ε Φ(−Δ/(2σ) − εσ/Δ) ≤ δ``
 
-  by bisection on ``log σ`` on the host in float64 (the left side decreases in σ; both terms are
-  handled in log space). Valid for every ε > 0, unlike the classic calibration. The returned σ
-  satisfies the condition, and σ·(1 − 1e-12) does not.
+  with ``dp_accounting``'s solver on the host in float64 (the left side decreases in σ):
+  ``dp_accounting.get_sigma_gaussian`` (dp-accounting ≥ 0.6: Brent's method on the condition in
+  log space with SciPy's log Φ, run to its relative tolerance of 4 ulps, so σ is the root to
+  float64 precision, and σ·(1 − 1e-12) does not meet the condition for ordinary ε, δ); on
+  dp-accounting 0.5, which lacks it, ``GaussianPrivacyLoss.from_privacy_guarantee`` (bisection on
+  the same hockey-stick divergence, returning the end that meets it, within 1e-7 of the root in
+  σ/Δ). Valid for every ε > 0, unlike the classic calibration.
 
   Args:
     epsilon: ``ε > 0``.
@@ -85,8 +55,8 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1
     σ as a Python float (``Δ`` times the σ of Δ = 1: the condition depends on σ/Δ only).
 
   Raises:
-    ValueError: ε not finite and > 0, δ ∉ (0, 1), Δ not finite and > 0 (NaN included), or σ
-      overflows float64.
+    ValueError: ε not finite and > 0, δ ∉ (0, 1), Δ not finite and > 0 (NaN included), σ
+      overflows float64, or the solver fails in float64 (ε ≳ 1e155).
     TypeError: a non-real argument.
 
   References:
@@ -94,7 +64,7 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1
     privacy: analytical calibration and optimal denoising", ICML 2018, Thm 8.
   """
   # The condition depends on σ/Δ only: solve at Δ = 1 and scale, so that tiny or huge Δ can
-  # neither underflow the bisection nor overflow it.
+  # neither underflow the search nor overflow it.
   return _scaled_sigma(_analytic_unit_sigma, epsilon, delta, sensitivity)
 
 
@@ -111,27 +81,22 @@ def _scaled_sigma(unit_sigma, epsilon, delta, sensitivity) -> float:
 
 @functools.lru_cache(maxsize=512)
 def _analytic_unit_sigma(epsilon: float, delta: float) -> float:
-  """:func:`analytic_gaussian_sigma` at Δ = 1 (cached: the bisection is the costly part)."""
-  target = math.log(delta)
-  sensitivity = 1.0
-
-  def too_small(sigma):        # True iff σ does not yet meet the condition
-    return _log_analytic_delta(sigma, epsilon, sensitivity) > target
-
-  lo = hi = sensitivity
-  while too_small(hi):
-    lo, hi = hi, 2.0 * hi
-  while lo == hi or not too_small(lo):
-    lo *= 0.5
-  for _ in range(200):                       # geometric bisection: relative precision 1e-15
-    if hi / lo - 1.0 <= 1e-15:
-      break
-    mid = math.sqrt(lo * hi)
-    if too_small(mid):
-      lo = mid
-    else:
-      hi = mid
-  return hi
+  """:func:`analytic_gaussian_sigma` at Δ = 1, by ``dp_accounting`` (cached per ``(ε, δ)``)."""
+  solve = getattr(dp_accounting, "get_sigma_gaussian", None)          # dp-accounting >= 0.6
+  try:
+    with np.errstate(all="ignore"):     # log δ = −inf where the two terms round equal: meant
+      if solve is not None:
+        # ``tol`` is brentq's absolute tolerance: a negligible one leaves its relative one in
+        # charge (4 ulps), whatever the scale of σ.
+        sigma = solve(epsilon, delta, tol=1e-300)
+      else:
+        guarantee = dp_accounting.pld.common.DifferentialPrivacyParameters(epsilon, delta)
+        loss = dp_accounting.pld.privacy_loss_mechanism.GaussianPrivacyLoss
+        sigma = loss.from_privacy_guarantee(guarantee).standard_deviation
+  except (ArithmeticError, ValueError, RuntimeError) as err:
+    raise ValueError(f"dp_accounting cannot calibrate the analytic Gaussian at "
+                     f"epsilon={epsilon!r}, delta={delta!r} in float64.") from err
+  return float(sigma)
 
 
 def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:

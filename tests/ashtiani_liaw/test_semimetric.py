@@ -315,13 +315,12 @@ def test_euclidean_neighbour_counts_match_brute_force(k, p, block_size, offset, 
 # ------------------------------------------------------------------------- _cholesky_succeeds
 
 
-@pytest.mark.parametrize("d", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 8, 12, 16, 24])   # unrolled (d ≤ 12) and LAPACK paths
 def test_cholesky_succeeds_agrees_with_eigenvalues(d):
   rng = np.random.default_rng(80 + d)
   batch = 400
   H = rng.normal(size=(batch, d, d))
   H = (H + np.swapaxes(H, 1, 2)) / 2
-  # Shift so that about half are positive definite.
   # Shift the spectrum so that λ_min(A) ~ U(−1, 1): about half are positive definite.
   shift = np.linalg.eigvalsh(H)[:, 0] - rng.uniform(-1.0, 1.0, size=batch)
   A = H - shift[:, None, None] * np.eye(d)
@@ -330,14 +329,16 @@ def test_cholesky_succeeds_agrees_with_eigenvalues(d):
   decided = np.abs(lam_min) > 1e-8 * scale
   with jax.enable_x64(True):
     succeeds = jax.jit(sm._cholesky_succeeds)
-    got = np.asarray(succeeds(jnp.asarray(np.moveaxis(A, 0, -1))))
+    got = np.asarray(succeeds(jnp.asarray(A)))
   assert got.shape == (batch,)
   np.testing.assert_array_equal(got[decided], (lam_min > 0)[decided])
   assert 0.2 < got.mean() < 0.8
-  # Extra batch axes (the tile layout) and NaN entries (fail).
-  A2 = np.moveaxis(A[:12].reshape(3, 4, d, d), (0, 1), (-2, -1))
+  # Extra batch axes and NaN / inf entries (fail).
+  A2 = A[:12].reshape(3, 4, d, d)
   with jax.enable_x64(True):
     got2 = np.asarray(succeeds(jnp.asarray(A2)))
-    nan = jnp.full((d, d, 2), jnp.nan)
+    nan = jnp.full((2, d, d), jnp.nan)
     assert not np.asarray(succeeds(nan)).any()
+    assert not np.asarray(succeeds(jnp.full((1, d, d), jnp.inf))).any()
   np.testing.assert_array_equal(got2, got[:12].reshape(3, 4))
+
