@@ -6,5 +6,5 @@ from dpjax.sgd.sampling import poisson_mask, poisson_microbatches
 from dpjax.sgd.subspace_sources import (flat_per_example_grads, private_gradient_subspace,
                                         public_gradient_subspace)
 from dpjax.sgd.training import TrainResult, train_dp_sgd
-from dpjax.sgd.transforms import (DPNoiseState, dp_aggregate, dp_gaussian_noise,
-                                  subspace_dp_gaussian_noise)
+from dpjax.sgd.transforms import (DPNoiseState, SubspaceNoiseState, dp_aggregate,
+                                  dp_gaussian_noise, subspace_dp_gaussian_noise, update_basis)

@@ -190,11 +190,15 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     basis = subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
     subspace_ok = True
 
-  base_std = budget.noise_multiplier * clip_norm
+  base_std = transforms.round_up_float32(budget.noise_multiplier * clip_norm)
   if basis is not None:
     basis = transforms.check_basis(basis)
-  std = _noise_std(base_std, basis)
-  opt_state = _make_tx(optimizer, basis, std, batch, k_noise).init(params)
+    tx = transforms._subspace_noise(batch, k_noise, basis, base_std,
+                                    transforms.subspace_noise_std(base_std, basis))
+  else:
+    tx = transforms._gaussian_noise(base_std, batch, k_noise)
+  opt_state = optax.chain(tx, optimizer).init(params)
+  std = jnp.asarray(base_std)
   # The data are an argument, not a closure constant, so they are not baked into the program;
   # the jitted steps live at module level, so repeated runs reuse their compilations.
   data = jax.tree_util.tree_map(jnp.asarray, data)
@@ -207,31 +211,14 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     total = jax.tree_util.tree_map(jnp.zeros_like, params)
     for idx, msk in zip(indices, mask):
       total = _accumulate(total, params, data, idx, msk, loss_fn=loss_fn, clip_norm=clip_norm)
-    params, opt_state = apply(params, opt_state, total, basis, std, batch)
+    params, opt_state = apply(params, opt_state, total, std, batch, subspace=basis is not None)
     if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
-      basis = transforms.check_basis(
+      opt_state = transforms.update_basis(
+          opt_state,
           subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis)
-      std = _noise_std(base_std, basis)
     if eval_fn is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
       history.append({"step": step + 1, **eval_fn(params)})
   return TrainResult(params, budget, subspace_ok, history)
-
-
-def _noise_std(base_std: float, basis) -> jax.Array:
-  """σC, times ``max(1, ‖V‖₂)`` for a subspace (the sensitivity of ``Vᵀs`` is ``C‖V‖₂``;
-  :func:`dpjax.sgd.transforms.basis_norm_bound`), as a traced float32 scalar rounded UP, never
-  below the accounted value (a scalar argument, so no recompilation per σ)."""
-  std = base_std if basis is None else base_std * max(1.0, transforms.basis_norm_bound(basis))
-  std32 = np.float32(std)
-  if float(std32) < std:
-    std32 = np.nextafter(std32, np.float32(np.inf))
-  return jnp.asarray(std32)
-
-
-def _make_tx(optimizer, basis, std, batch, key) -> optax.GradientTransformation:
-  noise = (transforms._gaussian_noise(std, batch, key) if basis is None
-           else transforms._subspace_noise(basis, std, batch, key))
-  return optax.chain(noise, optimizer)
 
 
 @functools.partial(jax.jit, static_argnames=("loss_fn", "clip_norm"))
@@ -242,23 +229,25 @@ def _accumulate(total, params, data, indices, mask, *, loss_fn, clip_norm):
   return jax.tree_util.tree_map(jnp.add, total, summed)
 
 
-def _apply_impl(params, opt_state, summed, basis, std, batch, *, optimizer):
-  """Noise (full or in span(basis)), divide by L, optimiser, apply. The noise key lives in
-  ``opt_state`` (the key given to ``_make_tx`` is only used by ``init``), so a refreshed public
-  basis or another run with the same shapes reuses the compiled step."""
-  updates, opt_state = _make_tx(optimizer, basis, std, batch, None).update(summed, opt_state,
-                                                                           params)
+def _apply_impl(params, opt_state, summed, std, batch, *, optimizer, subspace):
+  """Noise (full, std σC; or in span(V), V and its std read from the state), divide by L,
+  optimiser, apply. The key, and for a subspace the basis, live in ``opt_state``, so a
+  refreshed basis or another run with the same shapes reuses the compiled step."""
+  noise = (transforms._subspace_noise(batch, None) if subspace
+           else transforms._gaussian_noise(std, batch, None))
+  updates, opt_state = optax.chain(noise, optimizer).update(summed, opt_state, params)
   return optax.apply_updates(params, updates), opt_state
 
 
-_apply = jax.jit(_apply_impl, static_argnames=("optimizer",))
+_apply = jax.jit(_apply_impl, static_argnames=("optimizer", "subspace"))
 
 
 def _jitted_apply(optimizer):
   try:
     hash(optimizer)
   except TypeError:  # an unhashable optimizer cannot be a static argument: compile per run
-    return jax.jit(functools.partial(_apply_impl, optimizer=optimizer))
+    return jax.jit(functools.partial(_apply_impl, optimizer=optimizer),
+                   static_argnames=("subspace",))
   return functools.partial(_apply, optimizer=optimizer)
 
 

@@ -33,6 +33,22 @@ class DPNoiseState(NamedTuple):
   key: jax.Array
 
 
+class SubspaceNoiseState(NamedTuple):
+  """State of :func:`subspace_dp_gaussian_noise`: the basis lives here, not in the program.
+
+  Attributes:
+    key: PRNG key, split at every update (never reused; :func:`update_basis` keeps it).
+    basis: ``(p, k)`` public or DP-released basis V.
+    base_std: float32 scalar ``σ·C`` (rounded up).
+    noise_std: float32 scalar ``σ·C·max(1, ν̂)`` for this basis (:func:`basis_norm_bound`,
+      rounded up): the std of the k-dimensional noise.
+  """
+  key: jax.Array
+  basis: jax.Array
+  base_std: jax.Array
+  noise_std: jax.Array
+
+
 def _check(clip_norm, noise_multiplier, expected_batch_size, key):
   v.check_key(key)
   return (v.check_positive(clip_norm, "clip_norm"),
@@ -133,6 +149,9 @@ def subspace_dp_gaussian_noise(basis: jax.Array, *, clip_norm: float, noise_mult
 
   Returns:
     An ``optax.GradientTransformation`` whose updates lie in ``span(V)`` (as pytrees like S).
+    V and the noise std live in its state (:class:`SubspaceNoiseState`), not in the compiled
+    update (at p = 2·10⁵, k = 16 the update's HLO is 19 KB, against 25.6 MB with V baked in);
+    :func:`update_basis` swaps in a refreshed basis and keeps the key stream.
 
   Raises:
     ValueError: ``basis`` not 2-D with ``1 ≤ k ≤ p``, not finite, or its columns not
@@ -147,30 +166,89 @@ def subspace_dp_gaussian_noise(basis: jax.Array, *, clip_norm: float, noise_mult
   """
   clip_norm, sigma, batch = _check(clip_norm, noise_multiplier, expected_batch_size, key)
   basis = check_basis(basis, tol=tol)
-  stretch = max(1.0, basis_norm_bound(basis))
-  return _subspace_noise(basis, sigma * clip_norm * stretch, batch, key)
+  base_std = round_up_float32(sigma * clip_norm)
+  return _subspace_noise(batch, key, basis, base_std, subspace_noise_std(base_std, basis))
 
 
-def _subspace_noise(basis, std, batch, key) -> optax.GradientTransformation:
-  """Unvalidated builder of :func:`subspace_dp_gaussian_noise` (traceable in ``basis``)."""
+def _subspace_noise(batch, key, basis=None, base_std=None,
+                    noise_std=None) -> optax.GradientTransformation:
+  """Unvalidated builder of :func:`subspace_dp_gaussian_noise`: ``update`` reads V and the noise
+  std from the state, so neither is a constant of the compiled program (``basis`` and the stds
+  are needed by ``init`` only)."""
 
   def init_fn(params):
     p = ravel_pytree(params)[0].shape[0]
     if p != basis.shape[0]:
       raise ValueError(f"basis must have one row per parameter: p={p}, got basis of shape "
                        f"{tuple(basis.shape)}.")
-    return DPNoiseState(key)
+    return SubspaceNoiseState(key, jnp.asarray(basis), jnp.asarray(base_std, jnp.float32),
+                              jnp.asarray(noise_std, jnp.float32))
 
   def update_fn(updates, state, params=None):
     del params
     next_key, noise_key = jax.random.split(state.key)
     flat, unravel = ravel_pytree(updates)
-    V = basis.astype(flat.dtype)
+    V = state.basis.astype(flat.dtype)
     noise = jax.random.normal(noise_key, (V.shape[1],), flat.dtype)
-    coefficients = V.T @ flat + jnp.asarray(std, flat.dtype) * noise
-    return unravel(V @ coefficients / jnp.asarray(batch, flat.dtype)), DPNoiseState(next_key)
+    coefficients = V.T @ flat + state.noise_std.astype(flat.dtype) * noise
+    return (unravel(V @ coefficients / jnp.asarray(batch, flat.dtype)),
+            state._replace(key=next_key))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def update_basis(opt_state, basis, *, tol: float = 1e-3):
+  """Swaps a new basis into every :class:`SubspaceNoiseState` of ``opt_state``; keys are kept.
+
+  For a refreshed subspace (a new public basis, or a new DP release whose cost is composed in):
+  the transformation, its compiled update and its key stream stay; only V and the noise std
+  ``σ·C·max(1, ν̂(V))`` (:func:`basis_norm_bound`) change. Host-side (validates V in float64),
+  call it between jitted steps. Works on a whole ``optax.chain`` state.
+
+  Args:
+    opt_state: an optimiser state containing one or more :class:`SubspaceNoiseState`.
+    basis: ``(p, k)`` float array with orthonormal columns, of the same shape and dtype as the
+      current one (so the compiled update is reused).
+    tol: accepted ``‖VᵀV − I‖₂``, as in :func:`subspace_dp_gaussian_noise`.
+
+  Returns:
+    ``opt_state`` with the new basis and noise std.
+
+  Raises:
+    ValueError: no :class:`SubspaceNoiseState` in ``opt_state``; a basis of another shape; as
+      :func:`check_basis`.
+  """
+  basis = check_basis(basis, tol=tol)
+  is_state = lambda x: isinstance(x, SubspaceNoiseState)  # noqa: E731
+  found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(x)]
+  if not found:
+    raise ValueError("opt_state has no SubspaceNoiseState (from subspace_dp_gaussian_noise).")
+
+  def swap(state):
+    if not is_state(state):
+      return state
+    if state.basis.shape != basis.shape:
+      raise ValueError(f"the new basis must have the current shape {tuple(state.basis.shape)}, "
+                       f"got {tuple(basis.shape)}.")
+    std = subspace_noise_std(float(state.base_std), basis)
+    return state._replace(basis=basis.astype(state.basis.dtype),
+                          noise_std=jnp.asarray(std, jnp.float32))
+
+  return jax.tree_util.tree_map(swap, opt_state, is_leaf=is_state)
+
+
+def round_up_float32(value: float) -> np.float32:
+  """``value`` as float32, rounded UP (a noise std is never below the accounted one)."""
+  out = np.float32(value)
+  if float(out) < value:
+    out = np.nextafter(out, np.float32(np.inf))
+  return out
+
+
+def subspace_noise_std(base_std: float, basis) -> np.float32:
+  """``σC·max(1, ν̂)`` in float32 rounded up: the sensitivity of ``Vᵀs`` is ``C‖V‖₂`` and
+  ``ν̂ ≥ ‖V‖₂`` (:func:`basis_norm_bound`)."""
+  return round_up_float32(float(base_std) * max(1.0, basis_norm_bound(basis)))
 
 
 def dp_aggregate(*, clip_norm: float, noise_multiplier: float, expected_batch_size: float,

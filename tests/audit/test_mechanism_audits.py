@@ -261,7 +261,7 @@ def _canary_step(basis=None, sigma=1.0, tol=1e-3, unscaled=False):
       tx = sgd.dp_gaussian_noise(clip_norm=C, noise_multiplier=sigma, expected_batch_size=1.0,
                                  key=key)
     elif unscaled:
-      tx = sgd.transforms._subspace_noise(basis, sigma * C, 1.0, key)
+      tx = sgd.transforms._subspace_noise(1.0, key, basis, sigma * C, sigma * C)
     else:
       tx = sgd.subspace_dp_gaussian_noise(basis, clip_norm=C, noise_multiplier=sigma,
                                           expected_batch_size=1.0, key=key, tol=tol)

@@ -20,8 +20,8 @@ def _basis(key, p, k):
 def _noise_over_keys(tx, updates, trials, seed):
   """One update per fresh state key (vmapped): samples of the output distribution."""
   keys = jax.random.split(jax.random.key(seed), trials)
-  return jax.vmap(lambda k: ravel_pytree(tx.update(updates, transforms.DPNoiseState(k))[0])[0]
-                  )(keys)
+  state = tx.init(updates)
+  return jax.vmap(lambda k: ravel_pytree(tx.update(updates, state._replace(key=k))[0])[0])(keys)
 
 
 def _chi2_ok(total, dof, level=1e-4):
@@ -69,7 +69,6 @@ def test_subspace_output_lies_in_span_and_has_k_dims_of_noise_energy():
   params = {"w": jnp.zeros((6, 8)), "b": jnp.zeros(12)}
   tx = transforms.subspace_dp_gaussian_noise(V, clip_norm=C, noise_multiplier=sigma,
                                              expected_batch_size=L, key=jax.random.key(5))
-  tx.init(params)
   out = np.asarray(_noise_over_keys(tx, params, trials, seed=6), np.float64)   # (trials, p)
   Vn = np.asarray(V, np.float64)
   residual = out - out @ Vn @ Vn.T
@@ -208,3 +207,46 @@ _K = jax.random.key(0)
 def test_bad_inputs(call, exc, match):
   with pytest.raises(exc, match=match):
     call()
+
+
+def test_the_basis_lives_in_the_state_not_in_the_program():
+  """A refreshed basis reuses the compiled update and keeps the key stream (issue 11 §3)."""
+  p, k = 2_000, 4
+  V1, V2 = _basis(jax.random.key(1), p, k), _basis(jax.random.key(2), p, k)
+  tx = transforms.subspace_dp_gaussian_noise(V1, clip_norm=1.0, noise_multiplier=1.0,
+                                             expected_batch_size=10.0, key=jax.random.key(3))
+  params = jnp.zeros(p)
+  state = tx.init(params)
+  assert isinstance(state, transforms.SubspaceNoiseState)
+  update = jax.jit(tx.update)
+  hlo = update.lower(params, state).as_text()
+  assert len(hlo) < 20_000                                # no (p, k) constant baked in
+  out1, state = update(jnp.ones(p), state)
+  swapped = transforms.update_basis(state, V2)
+  assert jnp.array_equal(jax.random.key_data(swapped.key), jax.random.key_data(state.key))
+  assert swapped.noise_std == state.noise_std             # both orthonormal: same ν = 1
+  out2, _ = update(jnp.ones(p), swapped)
+  assert update._cache_size() == 1                        # no recompilation
+  for out, V in ((out1, V1), (out2, V2)):                 # each update lies in its own span
+    out = np.asarray(out, np.float64)
+    Vn = np.asarray(V, np.float64)
+    assert np.abs(out - Vn @ (Vn.T @ out)).max() < 1e-5
+
+
+def test_update_basis_works_on_a_chain_and_rescales_the_noise():
+  p, k = 30, 3
+  V = _basis(jax.random.key(1), p, k)
+  tx = optax.chain(transforms.subspace_dp_gaussian_noise(
+      V, clip_norm=0.5, noise_multiplier=2.0, expected_batch_size=4.0, key=jax.random.key(3)),
+      optax.sgd(0.1))
+  state = tx.init(jnp.zeros(p))
+  stretched = V * (1 + 2e-4)                              # accepted (tol 1e-3), ‖V‖₂ > 1
+  new = transforms.update_basis(state, stretched)
+  assert float(new[0].noise_std) >= (1 + 2e-4) * float(state[0].noise_std)
+  assert float(state[0].noise_std) >= 2.0 * 0.5           # σC, never below
+  with pytest.raises(ValueError, match="shape"):
+    transforms.update_basis(state, _basis(jax.random.key(2), p, k + 1))
+  with pytest.raises(ValueError, match="orthonormal"):
+    transforms.update_basis(state, 2 * V)
+  with pytest.raises(ValueError, match="SubspaceNoiseState"):
+    transforms.update_basis(optax.sgd(0.1).init(jnp.zeros(p)), V)
