@@ -196,3 +196,20 @@ def test_plan_names_the_reason_a_route_cannot_run(kwargs, method, expected):
 def test_demo_rejects_bad_options(argv):
   with pytest.raises(SystemExit):
     demo.main(argv)
+
+
+@pytest.mark.slow
+def test_demo_at_default_settings_learns_privately(tmp_path):
+  """What the main job must show at its defaults (ε = 2, 300 steps, digits): private training
+  learns — far above the 10% of chance and close to the non-private model — within its budget.
+  (That the subspace routes beat plain DP-SGD is issue 12's target, not asserted yet.)"""
+  report = demo.main(["--no-progress", "--json", str(tmp_path / "r.json")])
+  rows = {r["method"]: r for r in report["results"]}
+  assert rows["non_private"]["test_accuracy"] >= 0.93
+  assert rows["dp_sgd"]["test_accuracy"] >= 0.80
+  assert rows["subspace_dp_sgd_public"]["test_accuracy"] >= 0.75
+  private = rows["subspace_dp_sgd_private"]
+  assert private["status"] == "ok" and private["test_accuracy"] >= 0.75
+  for m in ("dp_sgd", "subspace_dp_sgd_private", "subspace_dp_sgd_public"):
+    assert rows[m]["epsilon"] <= 2.0 + 1e-9 and rows[m]["delta"] <= 1e-5 * (1 + 1e-9)
+  assert demo.exit_status(report) == 0
