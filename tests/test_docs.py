@@ -30,6 +30,16 @@ def test_readme_covariance_example_runs():
                                                                ns["Sigma"]) < 0.1
 
 
+def test_readme_privatizer_example_runs():
+  """The optax-loop example: at most 5 DP-specific lines (issue 11 §3), and it learns."""
+  text = (ROOT / "README.md").read_text()
+  code = re.findall(r"```python\n(.*?)```", text, re.S)[2]
+  assert 1 <= code.count("# DP") <= 5
+  ns = _run(code, "README.md#privatizer")
+  assert float(ns["jnp"].linalg.norm(ns["params"] - ns["jnp"].arange(1.0, 6.0))) < 0.5
+  assert ns["dp"].budget.epsilon <= 2.0 + 1e-9
+
+
 def test_quickstart_notebook_runs():
   nb = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text())
   code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")

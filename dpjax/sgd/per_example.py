@@ -21,10 +21,12 @@ so ``‖ḡ‖ ≤ C`` always, and the sum over a batch has ℓ2-sensitivity C u
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 
@@ -118,8 +120,33 @@ def clip_per_example(grads, clip_norm: float):
   return jax.vmap(lambda g: _clip_one(g, clip_norm))(grads)
 
 
+@dataclasses.dataclass(frozen=True)
+class ClippedGradSum:
+  """A clipped-gradient sum that carries its ℓ2 bound (a sensitivity-bearing callable).
+
+  Field names follow ``jax_privacy.clipping.BoundedSensitivityCallable`` so either library's
+  object can drive the other's noise: ``fun(params, batch, mask)`` is the sum,
+  ``l2_norm_bound`` = C bounds every term.
+  """
+  fun: Callable
+  l2_norm_bound: float
+  has_aux: bool = False
+
+  def __call__(self, *args, **kwargs):
+    return self.fun(*args, **kwargs)
+
+  def sensitivity(self, neighbouring: NeighboringRelation = (
+      NeighboringRelation.ADD_OR_REMOVE_ONE)) -> float:
+    """ℓ2-sensitivity of the sum: C under add/remove-one, 2C under replace-one."""
+    if neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE:
+      return self.l2_norm_bound
+    if neighbouring == NeighboringRelation.REPLACE_ONE:
+      return 2.0 * self.l2_norm_bound
+    raise ValueError(f"unsupported neighbouring relation {neighbouring!r}.")
+
+
 def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
-                     pre_clipping_transform: Callable | None = None) -> Callable:
+                     pre_clipping_transform: Callable | None = None) -> ClippedGradSum:
   """``fn(params, batch, mask)`` = ``Σ_i mask_i · clip_C(T(∇ loss_fn(params, example_i)))``.
 
   The sum of clipped per-example gradients, fused in one jittable function: ``vmap`` of
@@ -139,7 +166,9 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
       clipping. It must not look at other examples (it is vmapped).
 
   Returns:
-    ``fn(params, batch, mask)``: ``batch`` a pytree with leading axis B, ``mask`` ``(B,)`` with 1
+    A :class:`ClippedGradSum` ``fn(params, batch, mask)`` carrying ``fn.l2_norm_bound = C``
+    (pass it to :func:`dpjax.sgd.dp_sgd_privatizer`, which reads C from it): ``batch`` a
+    pytree with leading axis B, ``mask`` ``(B,)`` with 1
     (True) for real, sampled examples and 0 (False) for padding; returns a pytree like
     ``params`` (or like the transform's output), in the gradients' dtypes.
 
@@ -170,4 +199,4 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
     return jax.tree_util.tree_map(
         lambda g: jnp.tensordot(jnp.asarray(mask).astype(g.dtype), g, axes=1), grads)
 
-  return fn
+  return ClippedGradSum(fn, clip_norm)
