@@ -395,9 +395,16 @@ def _events(pilot: np.ndarray, num_buckets: int) -> list[tuple[str, Callable]]:
   return events
 
 
+def _cp_interval(hits: int, n: int, alpha: float):
+  """One-sided level-(1 − α) Clopper–Pearson bounds = the two-sided exact interval at
+  confidence 1 − 2α (SciPy's ``binomtest(...).proportion_ci(method="exact")``)."""
+  return stats.binomtest(int(hits), int(n)).proportion_ci(confidence_level=1.0 - 2.0 * alpha,
+                                                          method="exact")
+
+
 def _cp_lower(hits: int, n: int, alpha: float) -> float:
-  return 0.0 if hits == 0 else float(stats.beta.ppf(alpha, hits, n - hits + 1))
+  return float(_cp_interval(hits, n, alpha).low)
 
 
 def _cp_upper(hits: int, n: int, alpha: float) -> float:
-  return 1.0 if hits == n else float(stats.beta.ppf(1 - alpha, hits + 1, n - hits))
+  return float(_cp_interval(hits, n, alpha).high)

@@ -35,9 +35,8 @@ def projection_distance(V_hat: jax.Array, V: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.maximum(1.0 - smallest**2, 0.0))
 
 
-def principal_angles(V_hat: jax.Array, V: jax.Array) -> jax.Array:
-  """Principal angles between two subspaces (radians, ascending); see ``dpjax.linalg``."""
-  return linalg.principal_angles(V_hat, V)
+# One implementation: principal angles (radians, ascending) live in dpjax.linalg.
+principal_angles = linalg.principal_angles
 
 
 def captured_energy(V: jax.Array, G: jax.Array) -> jax.Array:
@@ -47,17 +46,23 @@ def captured_energy(V: jax.Array, G: jax.Array) -> jax.Array:
 
 def clopper_pearson(successes: int, trials: int, confidence: float = 0.95
                     ) -> tuple[float, float]:
-  """Exact (Clopper–Pearson) two-sided confidence interval for a binomial proportion."""
+  """Exact (Clopper–Pearson) two-sided confidence interval for a binomial proportion.
+
+  SciPy's ``binomtest(successes, trials).proportion_ci(confidence, method="exact")``.
+
+  Returns:
+    ``(low, high)`` Python floats.
+
+  Raises:
+    ValueError: ``trials ≤ 0`` or ``successes ∉ [0, trials]``.
+  """
   if trials <= 0:
     raise ValueError(f"trials must be > 0, got trials={trials}.")
   if not 0 <= successes <= trials:
     raise ValueError(f"successes must lie in [0, trials], got successes={successes}.")
-  alpha = 1.0 - confidence
-  low = 0.0 if successes == 0 else float(stats.beta.ppf(alpha / 2, successes,
-                                                        trials - successes + 1))
-  high = 1.0 if successes == trials else float(stats.beta.ppf(1 - alpha / 2, successes + 1,
-                                                              trials - successes))
-  return low, high
+  ci = stats.binomtest(int(successes), int(trials)).proportion_ci(confidence_level=confidence,
+                                                                 method="exact")
+  return float(ci.low), float(ci.high)
 
 
 def success_rate(errors, alpha: float, confidence: float = 0.95) -> dict:
@@ -130,7 +135,4 @@ def gaussian_tv(key: jax.Array, mu1, Sigma1, mu2, Sigma2, num_samples: int = 100
 
 
 def _gaussian_logpdf(x, mu, Sigma):
-  L = np.linalg.cholesky(Sigma)
-  y = np.linalg.solve(L, (x - mu).T)
-  return -0.5 * np.sum(y * y, axis=0) - np.sum(np.log(np.diag(L))) \
-      - 0.5 * x.shape[1] * np.log(2 * np.pi)
+  return stats.multivariate_normal.logpdf(x, mean=mu, cov=Sigma)
