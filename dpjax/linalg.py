@@ -81,8 +81,37 @@ def times_power_of_two(x: jax.Array, n: jax.Array) -> jax.Array:
   return x * jnp.ldexp(one, half) * jnp.ldexp(one, n - half)
 
 
+# Batching policy (issue 11 §4). A private mechanism that decomposes one block per group (DPASE's
+# subsets, Ashtiani–Liaw's groups, PPME's candidates) needs block i's output to depend on block i
+# alone, bit for bit: otherwise one individual's row could move another group's output at
+# rounding level. ``tests/test_batching.py`` checks, for every batched decomposition the library
+# uses, that changing one block leaves every other block's output bitwise unchanged. It passes on
+# the CPU (XLA runs one LAPACK call per matrix), so there blocks are batched with ``vmap``;
+# on the backends it has not been run on, :func:`map_blocks` keeps one call per block
+# (``lax.map``), since batched GPU/TPU solvers (e.g. Jacobi eigensolvers) may iterate until every
+# batch member converges.
+VERIFIED_BATCHING_BACKENDS = ("cpu",)
+
+
+def map_blocks(fn, blocks):
+  """``fn`` over the leading axis of ``blocks``: ``vmap`` where block independence is verified
+  (:data:`VERIFIED_BATCHING_BACKENDS`), else ``lax.map`` (one call per block).
+
+  Args:
+    fn: ``block -> pytree`` (traceable).
+    blocks: pytree of arrays with a shared leading axis.
+
+  Returns:
+    The stacked outputs, identical in value to ``[fn(b) for b in blocks]`` up to rounding, and
+    with block i's output a function of block i alone.
+  """
+  if jax.default_backend() in VERIFIED_BATCHING_BACKENDS:
+    return jax.vmap(fn)(blocks)
+  return jax.lax.map(fn, blocks)
+
+
 def batched_top_k_subspaces(blocks: jax.Array, k: int) -> jax.Array:
-  """Top-k right singular subspaces of a stack of blocks, ``vmap``-ed.
+  """Top-k right singular subspaces of a stack of blocks, batched by :func:`map_blocks`.
 
   Args:
     blocks: ``(t, m, d)`` float array: t blocks of m rows each.
@@ -91,7 +120,7 @@ def batched_top_k_subspaces(blocks: jax.Array, k: int) -> jax.Array:
   Returns:
     ``(t, d, k)`` orthonormal bases.
   """
-  return jax.vmap(top_k_right_singular_vectors, in_axes=(0, None))(blocks, k)
+  return map_blocks(lambda b: top_k_right_singular_vectors(b, k), blocks)
 
 
 def project_points(points: jax.Array, bases: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax import linalg
 from dpjax._host import host_call
 from dpjax.mechanisms.truncated_laplace import (_truncated_laplace, truncated_laplace_params,
                                                 truncated_laplace_survival)
@@ -171,8 +172,9 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
 
   Privacy guarantee: (ε, δ)-DP under replace-one (n public). Fix the public randomness
   (permutation, ω). Replacing one row changes one group, and ``Π_i`` (hence ``z_i``) is a
-  deterministic function of group i's rows alone (the SVDs run group by group under
-  ``lax.map``, so no group's floats depend on another's). Snapping makes "same proposal" an exact
+  deterministic function of group i's rows alone (the SVDs are batched only where block
+  independence is verified, :func:`dpjax.linalg.map_blocks`, so no group's floats depend on
+  another's). Snapping makes "same proposal" an exact
   equivalence relation on integer matrices, so for every fixed value ``z`` the count
   ``#{i : z_i = z}`` moves by at most 1, and so does ``c*``. Since ``|Z| ≤ A``:
 
@@ -349,8 +351,8 @@ def _al_core(key, X, rank_tol, snap_scale, noise_scale, bound, *, k, m):
     keep = (sv > rank_tol * sv[0]).astype(dtype)                # σ_max = 0: rank 0
     return (vt.T * keep[None, :]) @ vt
 
-  # lax.map, not vmap: each group's SVD is its own call, so Π_i depends on group i alone.
-  proj = jax.lax.map(group_projection, blocks)                  # (k, d, d)
+  # Π_i must depend on group i alone: batched only where that is verified (linalg's policy).
+  proj = linalg.map_blocks(group_projection, blocks)            # (k, d, d)
   offset = jax.random.uniform(k_off, (d, d), dtype)             # public ω ∈ [0, 1)
   scaled = proj / snap_scale - offset[None]
   valid = jnp.all(jnp.isfinite(scaled) & (jnp.abs(scaled) < 2.0**52), axis=(1, 2))

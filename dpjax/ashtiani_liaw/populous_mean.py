@@ -50,6 +50,7 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax import linalg
 from dpjax._host import host_call
 from dpjax.ashtiani_liaw import semimetric
 from dpjax.results import EstimateResult
@@ -218,13 +219,14 @@ def populous_mean(key: jax.Array, groups: jax.Array, *, estimator: Callable,
       second moments: each candidate's floats depend on its own group only). Pass False for
       estimators with data-dependent iterations (eigensolvers, filters): a batched iterative
       solver may run until every batch member converges, which would let one group's rows move
-      another group's candidate at rounding level; ``lax.map`` runs them one by one.
+      another group's candidate at rounding level; :func:`dpjax.linalg.map_blocks` batches them
+      only on backends where block independence is verified (``tests/test_batching.py``).
 
   Returns:
     ``(ok, estimate)``: a bool scalar and ``M(Ŷ)`` (zeros of the same shape on ⊥).
   """
   k = groups.shape[0]
-  candidates = jax.vmap(estimator)(groups) if vectorize else jax.lax.map(estimator, groups)
+  candidates = jax.vmap(estimator)(groups) if vectorize else linalg.map_blocks(estimator, groups)
   q = neighbour_counts(candidates).astype(candidates.dtype) / k
   k_test, k_mask = jax.random.split(key)
   noise = _truncated_laplace(k_test, (), calibration.test_scale, calibration.test_bound,

@@ -1,0 +1,68 @@
+"""The batching policy (dpjax.linalg): block i's output depends on block i alone, bit for bit.
+
+For every batched decomposition the library uses, changing one block of a batch must leave every
+other block's output bitwise unchanged, and a block's output must not depend on the batch size.
+Where this holds on the running backend, ``dpjax.linalg.map_blocks`` batches with ``vmap``; the
+test runs on whatever backend JAX uses (the CPU in CI; a GPU too when one is present).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpjax import linalg
+from dpjax.ashtiani_liaw import semimetric
+
+
+def _sym(B):
+  return B @ jnp.swapaxes(B, -1, -2) / B.shape[-1] + 0.1 * jnp.eye(B.shape[-2], dtype=B.dtype)
+
+
+DECOMPOSITIONS = {
+    # name: (block -> output, block shape (m, d))
+    "eigh": (lambda B: jnp.linalg.eigh(_sym(B)), (12, 20)),
+    "svd": (lambda B: jnp.linalg.svd(B, full_matrices=False), (30, 12)),
+    "cholesky": (lambda B: jnp.linalg.cholesky(_sym(B)), (16, 24)),
+    "qr": (lambda B: jnp.linalg.qr(B), (30, 12)),
+    "top_k_right_singular_vectors (Gram route)": (
+        lambda B: linalg.top_k_right_singular_vectors(B, 3), (10, 40)),
+    "top_k_right_singular_vectors (covariance route)": (
+        lambda B: linalg.top_k_right_singular_vectors(B, 3), (40, 10)),
+    "semimetric Cholesky test (library, d > 12)": (
+        lambda B: semimetric._cholesky_succeeds(_sym(B)[None] - 0.3 * jnp.eye(B.shape[0])),
+        (16, 16)),
+}
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("name", sorted(DECOMPOSITIONS))
+def test_changing_one_block_leaves_the_others_bitwise_unchanged(name, dtype):
+  fn, (m, d) = DECOMPOSITIONS[name]
+  with jax.enable_x64(dtype == jnp.float64):
+    blocks = jax.random.normal(jax.random.key(0), (8, m, d), dtype)
+    other = 1e3 * jax.random.normal(jax.random.key(1), (m, d), dtype)   # a very different block
+    batched = jax.jit(lambda b: linalg.map_blocks(fn, b))
+    before, after = batched(blocks), batched(blocks.at[3].set(other))
+    half = batched(blocks[:4])
+    for i in range(8):
+      for x, y in zip(_leaves(before), _leaves(after)):
+        if i != 3:
+          np.testing.assert_array_equal(x[i], y[i], err_msg=f"{name}: block {i} moved")
+    for x, y in zip(_leaves(before), _leaves(half)):              # batch size does not matter
+      np.testing.assert_array_equal(x[:4], y)
+    assert any(not np.array_equal(x[3], y[3]) for x, y in zip(_leaves(before), _leaves(after)))
+
+
+def test_map_blocks_batches_on_verified_backends_only(monkeypatch):
+  blocks = jax.random.normal(jax.random.key(0), (3, 5, 4))
+  jaxpr = str(jax.make_jaxpr(lambda b: linalg.map_blocks(jnp.linalg.qr, b))(blocks))
+  assert ("while" not in jaxpr and "scan" not in jaxpr) == (
+      jax.default_backend() in linalg.VERIFIED_BATCHING_BACKENDS)
+  monkeypatch.setattr(linalg, "VERIFIED_BATCHING_BACKENDS", ())
+  jaxpr = str(jax.make_jaxpr(lambda b: linalg.map_blocks(jnp.linalg.qr, b))(blocks))
+  assert "scan" in jaxpr or "while" in jaxpr                        # one call per block
