@@ -200,3 +200,14 @@ def test_an_epsilon_sweep_does_not_recompile():
   for eps in (1.0, 2.0, 8.0):
     AL.ppme_mean(KEYS[0], X8, epsilon=eps, delta=1e-5, num_groups=100, radius=10.)
   assert run._cache_size() == before
+
+
+def test_a_dpaseb_epsilon_sweep_at_fixed_shapes_does_not_recompile():
+  """With t fixed (num_subsets), ε and δ only move traced scalars of DPASEB's jitted core."""
+  from dpjax.subspace import boosted
+  kw = dict(k=2, alpha=0.5, num_blocks=3, gamma=0.01, num_subsets=8)
+  S.dpaseb(KEYS[0], X8, epsilon=4., delta=1e-5, **kw)
+  before = boosted._dpaseb._cache_size()
+  for eps, delta in ((3.0, 1e-5), (6.0, 1e-6)):
+    S.dpaseb(KEYS[0], X8, epsilon=eps, delta=delta, **kw)
+  assert boosted._dpaseb._cache_size() == before

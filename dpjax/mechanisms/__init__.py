@@ -10,8 +10,9 @@ from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, classic_gaussian
                                        discretized_gaussian_mechanism, gaussian_mechanism,
                                        gaussian_noise, rdp_gaussian_sigma)
 from dpjax.mechanisms.grid import Discretization, discretization
-from dpjax.mechanisms.histogram import (StableHistogram, histogram_threshold, stable_histogram,
-                                        top_bin)
+from dpjax.mechanisms.histogram import (HistogramScalars, StableHistogram, histogram_scalars,
+                                        histogram_threshold, stable_histogram,
+                                        stable_histogram_core, top_bin)
 from dpjax.mechanisms.laplace import laplace_mechanism, laplace_noise, laplace_scale
 from dpjax.mechanisms.snapping import snapping_mechanism, snapping_parameters
 from dpjax.mechanisms.truncated_laplace import (TruncatedLaplaceParams,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -187,14 +187,43 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
   v.check_key(key)
   items = _check_items(items)
   v.check_choice(grouping, "grouping", GROUPINGS)
+  scalars = histogram_scalars(epsilon, delta, neighbouring=neighbouring, noise=noise)
+  bins, counts, released = stable_histogram_core(key, items, scalars, grouping)
+  return StableHistogram(bins, counts, released, float(scalars.threshold))
+
+
+class HistogramScalars(NamedTuple):
+  """The public scalars of :func:`stable_histogram`: the noise scale ``num/den`` (exact rational,
+  ``Δ/ε``) and the integer threshold τ. Python ints, or traced arrays inside a jitted caller."""
+  num: Any
+  den: Any
+  threshold: Any
+
+
+def histogram_scalars(epsilon: float, delta: float, *,
+                      neighbouring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
+                      noise: str = "discrete") -> HistogramScalars:
+  """Host side of :func:`stable_histogram`: validates (ε, δ, relation, noise) and returns the
+  :class:`HistogramScalars` its traceable core uses (same errors as :func:`stable_histogram`)."""
   threshold = histogram_threshold(epsilon, delta, neighbouring=neighbouring, noise=noise)
   num, den = exact_lib.rational_scale(_noise_scale(float(epsilon), neighbouring))
+  return HistogramScalars(int(num), int(den), int(threshold))
+
+
+def stable_histogram_core(key: jax.Array, items: jax.Array, scalars: HistogramScalars,
+                          grouping: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
+  """:func:`stable_histogram` without validation: ``(bins, noisy_counts, released)``.
+
+  Traceable in ``key``, ``items`` and the ``scalars`` (from :func:`histogram_scalars`, possibly
+  traced), so a caller jitting over ε compiles once. Same guarantee as :func:`stable_histogram`
+  for the (ε, δ) the scalars were computed from.
+  """
   t, d = items.shape
   if grouping == "auto":
     grouping = "pairwise" if t * t * d <= _PAIRWISE_LIMIT else "hash"
-  bins, counts, released = _stable_histogram(key, items, jnp.uint32(num), jnp.uint32(den),
-                                             jnp.int32(threshold), grouping)
-  return StableHistogram(bins, counts, released, threshold)
+  return _stable_histogram(key, items, jnp.asarray(scalars.num, jnp.uint32),
+                           jnp.asarray(scalars.den, jnp.uint32),
+                           jnp.asarray(scalars.threshold, jnp.int32), grouping)
 
 
 def top_bin(hist: StableHistogram) -> tuple[jax.Array, jax.Array, jax.Array]:

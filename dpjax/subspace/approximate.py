@@ -302,18 +302,24 @@ def dpase_core(key: jax.Array, X: jax.Array, params: DPASEParameters, *, k: int,
   Returns:
     ``(ok, basis (d, k), winning_count)``.
   """
-  t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
+  scalars = histogram.histogram_scalars(epsilon, delta, noise=noise)
+  return _dpase_traced(key, X, params.cell_length, scalars, t=params.num_subsets,
+                       m=params.subset_size, q=params.num_reference_points, k=k,
+                       partition=partition, grouping=grouping)
+
+
+def _dpase_traced(key, X, cell_length, scalars, *, t, m, q, k, partition, grouping):
+  """DPASE with its public scalars (ℓ, the histogram's noise scale and τ) traced: only the
+  shapes (t, m, q, k) and the partition/grouping choices are static."""
   d = X.shape[1]
   k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
   if partition == "permutation":
     blocks = _permutation_blocks(k_part, X, t, m)
   else:
     blocks = _random_label_blocks(k_part, X, t, m + math.ceil(4 * math.sqrt(m)) + 4)
-  cells, offset = _subset_cells(k_ref, k_off, blocks, k, q, params.cell_length)
-  hist = histogram.stable_histogram(k_hist, cells, epsilon=epsilon, delta=delta, noise=noise,
-                                    grouping=grouping)
-  return _finish(k_point, hist.bins[0], hist.released[0], hist.noisy_counts[0], offset,
-                 params.cell_length, t, q, d, k)
+  cells, offset = _subset_cells(k_ref, k_off, blocks, k, q, cell_length)
+  bins, counts, released = histogram.stable_histogram_core(k_hist, cells, scalars, grouping)
+  return _finish(k_point, bins[0], released[0], counts[0], offset, cell_length, t, q, d, k)
 
 
 @functools.partial(jax.jit, static_argnames=("t", "m"))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax.mechanisms import histogram
 from dpjax.subspace import approximate
 from dpjax.results import SubspaceResult
 
@@ -97,8 +98,11 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
   if ledger is not None:
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASEB",
                             neighbouring=NeighboringRelation.REPLACE_ONE)
-  ok, basis, agreeing, runs_ok = _dpaseb(key, X, params, k, float(epsilon), float(delta), T,
-                                         block, 2.0 * alpha / 3.0, noise, grouping)
+  scalars = histogram.histogram_scalars(epsilon, delta, noise=noise)
+  ok, basis, agreeing, runs_ok = _dpaseb(
+      key, X, params.cell_length, scalars, 2.0 * alpha / 3.0, t=params.num_subsets,
+      m=params.subset_size, q=params.num_reference_points, k=k, T=T, block=block,
+      grouping=grouping)
   if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
     ok, basis, agreeing = v.domain_bottom(X, ok, basis, agreeing)
   info = {"num_blocks": T, "block_size": block, "dpase": params._asdict()}
@@ -124,14 +128,15 @@ def _rows_needed(d, k, epsilon, delta, T, noise, num_subsets) -> _Rows:
   return _Rows(t, T * t * (k + 1))
 
 
-@functools.partial(jax.jit, static_argnames=("params", "k", "epsilon", "delta", "T", "block",
-                                             "noise", "grouping"))
-def _dpaseb(key, X, params, k, epsilon, delta, T, block, radius, noise, grouping):
+@functools.partial(jax.jit, static_argnames=("t", "m", "q", "k", "T", "block", "grouping"))
+def _dpaseb(key, X, cell_length, scalars, radius, *, t, m, q, k, T, block, grouping):
+  """ε, δ (through the histogram's scalars), ℓ and the radius are traced: an ε sweep at fixed
+  shapes compiles once."""
   k_perm, k_runs = jax.random.split(key)
   perm = jax.random.permutation(k_perm, X.shape[0])
   blocks = X[perm[: T * block]].reshape(T, block, X.shape[1])
-  run = functools.partial(approximate.dpase_core, params=params, k=k, epsilon=epsilon,
-                          delta=delta, noise=noise, grouping=grouping)
+  run = functools.partial(approximate._dpase_traced, cell_length=cell_length, scalars=scalars,
+                          t=t, m=m, q=q, k=k, partition="permutation", grouping=grouping)
   oks, bases, _ = jax.vmap(lambda kk, xb: run(kk, xb))(jax.random.split(k_runs, T), blocks)
   # sin of the largest principal angle between every pair of runs: from the (k, k) overlaps.
   overlaps = jnp.einsum("idk,jdl->ijkl", bases, bases)
