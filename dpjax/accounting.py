@@ -1,4 +1,4 @@
-"""Privacy accounting on Google's ``dp_accounting`` (ALGORITHMS.md §1.8, §6).
+"""Privacy accounting on Google's ``dp_accounting`` (docs/algorithms.md §1.8, §6).
 
 No RDP or PLD formula is written here: DP-SGD steps are described as ``dp_accounting`` events
 (data, not code) and composed by its accountants. Approximate-DP steps that have no event of their
@@ -8,7 +8,7 @@ Neighbouring relation: DP-SGD with Poisson sampling is accounted under **add/rem
 (``NeighboringRelation.ADD_OR_REMOVE_ONE``: datasets differ by adding or removing one row), the
 only relation under which ``dp_accounting``'s RDP accountant supports ``PoissonSampledDpEvent``. DPASE run with
 ``partition="random_labels"`` is (ε, δ)-DP under add/remove-one as well, so a private gradient
-subspace and the SGD steps compose under that single relation (ALGORITHMS.md §6.2 route (c)).
+subspace and the SGD steps compose under that single relation (docs/algorithms.md §6.2 route (c)).
 :func:`replace_one_from_add_remove` converts a final (ε, δ) statement when replace-one
 (``NeighboringRelation.REPLACE_ONE``: same n, one row changed) is needed. Never double an RDP
 curve, and never use ``dp_accounting``'s ``REPLACE_SPECIAL`` as replace-one (it can understate ε by up to ≈ 2×).
@@ -235,7 +235,7 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
 def compose_basic(*spends: PrivacySpend) -> PrivacySpend:
   """Basic sequential composition: ``(Σ ε_i, Σ δ_i)``, all under one neighbouring relation.
 
-  Valid for adaptively chosen mechanisms run on the same data (ALGORITHMS.md §1.8). This is how
+  Valid for adaptively chosen mechanisms run on the same data (docs/algorithms.md §1.8). This is how
   an approximate-DP step with no ``dp_accounting`` event (DPASE) is composed with the DP-SGD
   steps' (ε, δ).
 
@@ -249,6 +249,10 @@ def compose_basic(*spends: PrivacySpend) -> PrivacySpend:
     ValueError: no spends, or spends stated under different neighbouring relations (convert
       first with :func:`replace_one_from_add_remove`).
     TypeError: an argument that is not a :class:`PrivacySpend`.
+
+  References:
+    Dwork & Roth, "The Algorithmic Foundations of Differential Privacy", 2014,
+    Thm 3.16 (basic composition); docs/algorithms.md §1.8.
   """
   if not spends:
     raise ValueError("compose_basic needs at least one PrivacySpend.")
@@ -267,7 +271,7 @@ def replace_one_from_add_remove(epsilon: float, delta: float) -> PrivacySpend:
   """Converts (ε, δ)-DP under add/remove-one to ``(2ε, (1 + e^ε) δ)``-DP under replace-one.
 
   A replacement is a removal followed by an addition: group privacy for a group of two
-  (ALGORITHMS.md §1.8). Apply it to the final (ε, δ), never to an RDP curve.
+  (docs/algorithms.md §1.8). Apply it to the final (ε, δ), never to an RDP curve.
 
   Args:
     epsilon: ε ≥ 0 under add/remove-one.
@@ -324,7 +328,7 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
   SGD steps get ``δ_sgd = δ − δ_s`` and the smallest noise multiplier σ with
   ``ε_sgd(δ_sgd) ≤ ε − ε_s`` by the accountant. The subspace is learned from the same rows and
   used adaptively, so the total is ``(ε_s + ε_sgd, δ_s + δ_sgd) ≤ (ε, δ)`` by basic
-  composition, under add/remove-one (ALGORITHMS.md §6.2 route (c)). With ``ε_s = δ_s = 0`` this
+  composition, under add/remove-one (docs/algorithms.md §6.2 route (c)). With ``ε_s = δ_s = 0`` this
   is plain DP-SGD calibration.
 
   Args:
@@ -344,6 +348,11 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
     ValueError: ε ≤ 0, δ ∉ (0, 1), ``ε_s ∉ [0, ε)``, ``δ_s ∉ [0, δ)``, bad q, T or accountant,
       or no σ ≤ 1e4 meets the SGD share.
     TypeError: non-numeric arguments, non-integer ``steps``.
+
+  References:
+    Abadi et al., "Deep Learning with Differential Privacy", CCS 2016, Algorithm 1 (DP-SGD);
+    Mironov, Talwar & Zhang, "Rényi differential privacy of the sampled Gaussian mechanism",
+    2019 (the accountant); docs/algorithms.md §6.1, §6.2.
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)

@@ -22,7 +22,7 @@ your own::
 The auditor can only *refute* a guarantee (a lower bound above the claim is evidence of a bug); a
 pass is evidence for the chosen neighbours and events only.
 
-Floating-point leaks (Mironov 2012; ALGORITHMS.md §1.10) need other events: the value ``c + Z`` of
+Floating-point leaks (Mironov 2012; docs/algorithms.md §1.10) need other events: the value ``c + Z`` of
 a float noise sample can only take values whose set depends on ``c``, so a single output value may
 identify the input. Two detectors look for this class of leak:
 

@@ -1,4 +1,4 @@
-"""Model-data generators from the papers and bundled real datasets (ALGORITHMS.md §2.4, §7).
+"""Model-data generators from the papers and bundled real datasets (docs/algorithms.md §2.4, §7).
 
 Generators are pure functions of an explicit key. The real data come from scikit-learn's bundled
 files (no download); scikit-learn is an optional dependency (`pip install dpjax[examples]`).
@@ -36,7 +36,7 @@ def approximate_subspace_data(key: jax.Array, n: int, d: int, k: int, *, gamma: 
 
   ``Σ = U diag(λ) Uᵀ`` with a Haar-random eigenbasis, top-k eigenvalues uniform in ``[1, 2]``
   (the smallest set to 1) and the remaining ``d − k`` eigenvalues equal to ``γ²``, so that
-  ``λ_{k+1} = γ² λ_k`` ([SS21] Problem 5.1; ALGORITHMS.md §2.4). Sampled without forming Σ:
+  ``λ_{k+1} = γ² λ_k`` ([SS21] Problem 5.1; docs/algorithms.md §2.4). Sampled without forming Σ:
   ``x = V (√λ ⊙ z) + γ (I − V Vᵀ) w`` with ``z ~ N(0, I_k)``, ``w ~ N(0, I_d)``, so memory and time
   are ``O(n d k)`` and large ``d`` is fine.
 
@@ -81,7 +81,7 @@ def exact_subspace_data(key: jax.Array, n: int, d: int, k: int, *, num_outliers:
                         dtype=None) -> tuple[jax.Array, jax.Array]:
   """Rows ``x_i = B z_i`` in a random k-dim subspace plus ``num_outliers`` rows from N(0, I_d).
 
-  The exact case of [SS21] Problem 4.1 (ALGORITHMS.md §2.4): all but ``num_outliers`` rows lie in
+  The exact case of [SS21] Problem 4.1 (docs/algorithms.md §2.4): all but ``num_outliers`` rows lie in
   ``span(B)`` and are in general position there with probability 1. The outliers are the last
   rows.
 

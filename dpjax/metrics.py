@@ -1,4 +1,4 @@
-"""Utility metrics (ALGORITHMS.md §2.4, §7). Non-private: they compare an estimate with the truth.
+"""Utility metrics (docs/algorithms.md §2.4, §7). Non-private: they compare an estimate with the truth.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def success_rate(errors, alpha: float, confidence: float = 0.95) -> dict:
   return {"rate": hits / errors.size, "low": low, "high": high, "trials": int(errors.size)}
 
 
-# --- Gaussians and covariances ([AL22] §3.8; host-side float64) ---------------------------------
+# --- Gaussians and covariances (docs/algorithms.md §3.8; host-side float64) -----------------------
 
 def _whitener(Sigma: np.ndarray) -> np.ndarray:
   w, V = np.linalg.eigh((Sigma + Sigma.T) / 2)
@@ -114,7 +114,7 @@ def gaussian_kl(mu1, Sigma1, mu2, Sigma2) -> float:
 
 
 def gaussian_tv(key: jax.Array, mu1, Sigma1, mu2, Sigma2, num_samples: int = 100_000) -> dict:
-  """TV between two non-degenerate Gaussians: Monte Carlo and the Pinsker bound ([AL22] §3.8).
+  """TV between two non-degenerate Gaussians: Monte Carlo and the Pinsker bound (docs/algorithms.md §3.8).
 
   ``TV = E_{x∼P}[(1 − q(x)/p(x))_+]`` estimated from ``num_samples`` draws of P (log-densities in
   float64), with its standard error, and ``sqrt(KL(P‖Q)/2)`` (Pinsker, an upper bound).

@@ -1,4 +1,4 @@
-"""Non-private robust estimators for η-corrupted Gaussian samples (ALGORITHMS.md §3.7).
+"""Non-private robust estimators for η-corrupted Gaussian samples (docs/algorithms.md §3.7).
 
 NOTHING HERE IS PRIVATE. These are the non-private estimators ``Est`` that the robust private
 learners of [AL22] (Algorithms 4 and 5) run on each of k groups inside subsample-and-aggregate;
@@ -339,7 +339,7 @@ def filtered_mean(X, *, corruption: float, iterations: int | None = None,
       ``corruption`` outside [0, 0.5); negative ``iterations``, ``stop_constant`` or
       ``score_threshold``.
 
-  References: [DKKLMS16], [DKKLMS17], [DHL19], [DK23]; ALGORITHMS.md §3.7 ([AL22] Algorithm 5).
+  References: [DKKLMS16], [DKKLMS17], [DHL19], [DK23]; docs/algorithms.md §3.7 ([AL22] Algorithm 5).
   """
   X = _check_rows(X)
   eta = _check_corruption(corruption)
@@ -410,7 +410,7 @@ def filtered_covariance(X, *, corruption: float, iterations: int | None = None,
   Guarantee. [DKKLMS16] prove that their covariance filter (the same features, a certificate of
   the form ``‖M − 2I‖ <= O(η ln²(1/η))``, hard removal of rows beyond a tail threshold) achieves
   ``‖Σ^{-1/2} Σ̂ Σ^{-1/2} − I‖_F = O(η ln(1/η))`` w.h.p. from ``n = Ω̃(d² / η²)`` samples; this
-  is the estimator guarantee that [AL22] Thm 6.3 plugs in (ALGORITHMS.md §3.7). The weighted form
+  is the estimator guarantee that [AL22] Thm 6.3 plugs in (docs/algorithms.md §3.7). The weighted form
   with thresholded scores and the cap follows the same argument for a large enough constant C
   (as sketched for :func:`filtered_mean`); with our practical defaults (``C = 1``,
   ``T = ln²(1/η)``, cap ½) the rate is an empirical statement. Measured relative Frobenius
@@ -446,7 +446,7 @@ def filtered_covariance(X, *, corruption: float, iterations: int | None = None,
       entries; ``corruption`` outside [0, 0.5); negative ``iterations``, ``stop_constant`` or
       ``score_threshold``.
 
-  References: [DKKLMS16], [DKKLMS17], [DK23]; ALGORITHMS.md §3.7 ([AL22] Algorithm 4).
+  References: [DKKLMS16], [DKKLMS17], [DK23]; docs/algorithms.md §3.7 ([AL22] Algorithm 4).
   """
   X = _check_rows(X, min_rows=2)
   eta = _check_corruption(corruption)
@@ -493,7 +493,7 @@ def coordinatewise_median(X) -> jax.Array:
   worst case (plus ``O(1/sqrt(n))`` sampling error), so ``‖μ̂ − μ‖ = Θ(η sqrt(d))``: an adversary
   that shifts every coordinate at once gets a factor ``sqrt(d)`` more than against
   :func:`filtered_mean` (``O(η sqrt(ln(1/η)))``). Good enough for smoke tests of the robust
-  learners' plumbing, not for their guarantees (ALGORITHMS.md §3.7).
+  learners' plumbing, not for their guarantees (docs/algorithms.md §3.7).
 
   Args:
     X: ``(n, d)`` float32 or float64 rows.
@@ -504,6 +504,12 @@ def coordinatewise_median(X) -> jax.Array:
   Raises:
     TypeError: non-numeric ``X``.
     ValueError: ``X`` not 2-D, empty, or (outside ``jit``/``vmap``) with NaN/inf entries.
+
+  References:
+    Diakonikolas, Kamath, Kane, Li, Moitra & Stewart, "Robust estimators in high dimensions
+    without the computational intractability", FOCS 2016 (the filtering rate it does not reach);
+    Ashtiani & Liaw, "Private and polynomial time algorithms for learning Gaussians and
+    beyond", COLT 2022, §6–7.
   """
   X = _check_rows(X)
   dtype = X.dtype

@@ -1,4 +1,4 @@
-"""Non-private robust estimators (ALGORITHMS.md §3.7): accuracy on clean and η-corrupted Gaussian
+"""Non-private robust estimators (docs/algorithms.md §3.7): accuracy on clean and η-corrupted Gaussian
 samples, affine equivariance, vmap/jit, determinism, dtypes and input errors."""
 
 import math

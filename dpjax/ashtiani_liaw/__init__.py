@@ -1,5 +1,5 @@
 """Ashtiani & Liaw (COLT 2022): private covariances, subspaces and Gaussians with no bound on the
-scale or the condition number (ALGORITHMS.md §3), and their robust variants."""
+scale or the condition number (docs/algorithms.md §3), and their robust variants."""
 
 from dpjax.ashtiani_liaw.calibration import (CovarianceCalibration, covariance_calibration,
                                              required_n)

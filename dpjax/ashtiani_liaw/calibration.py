@@ -1,4 +1,4 @@
-"""Public calibration of the Ashtiani–Liaw covariance learner ([AL22] Thm 5.4; ALGORITHMS.md §3.5).
+"""Public calibration of the Ashtiani–Liaw covariance learner ([AL22] Thm 5.4; docs/algorithms.md §3.5).
 
 Everything here is a function of public quantities (d, ε, δ and the options): the number of
 groups, the group size, the mask's η and the rows the learner needs. [PROPOSED] end-to-end

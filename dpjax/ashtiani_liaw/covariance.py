@@ -1,4 +1,4 @@
-"""The Ashtiani–Liaw covariance learner ([AL22] Algorithm 3, Thm 5.4; ALGORITHMS.md §3.5).
+"""The Ashtiani–Liaw covariance learner ([AL22] Algorithm 3, Thm 5.4; docs/algorithms.md §3.5).
 
 PPME (``populous_mean.py``) over the affine-invariant semimetric (``semimetric.py``) with the
 empirical covariance of each group as candidate and the covariance masking mechanism
@@ -94,7 +94,7 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
       with that lower bound; :func:`required_n` gives the exact figure.
 
   References:
-    [AL22] Algorithm 3, Lemma 5.1/5.2, Thm 5.4; ALGORITHMS.md §3.5.
+    [AL22] Algorithm 3, Lemma 5.1/5.2, Thm 5.4; docs/algorithms.md §3.5.
   """
   key = v.check_key(key)
   X = v.check_data64(X, "X")
@@ -216,7 +216,7 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
       too few refinement rows, or as :func:`al_covariance`.
 
   References:
-    [AL22] Algorithm 3, Thm 5.4–5.6; Biswas, Dong, Kamath & Ullman (2020); ALGORITHMS.md §3.5.
+    [AL22] Algorithm 3, Thm 5.4–5.6; Biswas, Dong, Kamath & Ullman (2020); docs/algorithms.md §3.5.
   """
   from dpjax.coinpress import coinpress_covariance     # refinement is optional
   key = v.check_key(key)

@@ -1,4 +1,4 @@
-"""The Ashtiani–Liaw exact subspace learner ([AL22] Algorithm 2, Thm 4.1; ALGORITHMS.md §3.3).
+"""The Ashtiani–Liaw exact subspace learner ([AL22] Algorithm 2, Thm 4.1; docs/algorithms.md §3.3).
 
 Learns ``range(Σ)`` exactly in its stable-mode form: split the rows into groups, let every group
 propose the projection onto its row space, snap the proposals to a public random grid, and
@@ -67,7 +67,7 @@ def al_subspace_parameters(n: int, d: int, *, epsilon: float, delta: float,
                            unit_roundoff: float = 2.0**-53) -> ALSubspaceParameters:
   """Computes (and validates) the public parameters of :func:`al_subspace`.
 
-  Defaults (ALGORITHMS.md §3.3, PROPOSED):
+  Defaults (docs/algorithms.md §3.3, PROPOSED):
 
   * ``num_groups = max(k_min, min(n // d, 4 k_min))`` with ``k_min = ⌈4A⌉ + 3`` (A at the test's
     δ/1.1): at least ``k_min`` groups, so that unanimous groups pass surely; group size
@@ -102,6 +102,10 @@ def al_subspace_parameters(n: int, d: int, *, epsilon: float, delta: float,
   Warns:
     UserWarning: a ``num_groups`` with which unanimous groups do not pass surely (at most
       ``k_min − 1``); the message gives the largest pass probability and ``k_min``.
+
+  References:
+    Ashtiani & Liaw, "Private and polynomial time algorithms for learning Gaussians and
+    beyond", COLT 2022, Algorithm 2, Thm 4.1 (constants PROPOSED in docs/algorithms.md §3.3).
   """
   n = v.check_int(n, "n", low=1)
   d = v.check_int(d, "d", low=1)
@@ -161,7 +165,7 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
   For ``x_i ~ N(0, Σ)`` with Σ possibly singular, every group of ``m ≥ rank Σ`` rows spans
   ``range(Σ)`` almost surely; the learner releases the projection onto it (to within the public
   snapping grid) from ``n = O(d ln(1/δ)/ε)`` rows, or ⊥. Stable-mode form of [AL22] Algorithm 2
-  (ALGORITHMS.md §3.3, PROPOSED)::
+  (docs/algorithms.md §3.3, PROPOSED)::
 
     rows → public random permutation → k groups of m = ⌊n/k⌋ rows        (k, m, d)
     Π_i = projection onto the row space of group i (SVD; rank: σ > rank_tol·σ_max)
@@ -249,7 +253,7 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
 
   References:
     [AL22] Ashtiani & Liaw, "Private and polynomial time algorithms for learning Gaussians and
-    beyond", COLT 2022, Algorithm 2, Thm 4.1; ALGORITHMS.md §3.3 (and §1.3 TLap, §1.10 rule 3).
+    beyond", COLT 2022, Algorithm 2, Thm 4.1; docs/algorithms.md §3.3 (and §1.3 TLap, §1.10 rule 3).
   """
   key = v.check_key(key)
   checked = v.check_data(X, "X")

@@ -1,4 +1,4 @@
-"""The full Ashtiani–Liaw Gaussian learner ([AL22] §5.1, Thm 5.7; ALGORITHMS.md §3.6).
+"""The full Ashtiani–Liaw Gaussian learner ([AL22] §5.1, Thm 5.7; docs/algorithms.md §3.6).
 
 Learns ``N(μ, Σ)`` with Σ possibly singular and μ, Σ unbounded, in four steps on disjoint
 batches of rows (fixed by position, public):
@@ -118,7 +118,7 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
       message says which and how many rows).
 
   References:
-    [AL22] §5.1, Thm 5.7; ALGORITHMS.md §3.6.
+    [AL22] §5.1, Thm 5.7; docs/algorithms.md §3.6.
   """
   key = v.check_key(key)
   X = v.check_data64(X, "X")

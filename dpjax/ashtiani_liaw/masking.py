@@ -1,7 +1,7 @@
 """The covariance masking mechanism ``M_η(Σ) = S (I + ηG)(I + ηG)ᵀ Sᵀ`` ([AL22] Lemma 5.1/5.2).
 
 A masking mechanism is not DP by itself: it makes two inputs within semimetric distance γ
-(ALGORITHMS.md §3.1) (ε, δ)-indistinguishable, and PPME (``populous_mean.py``) supplies the
+(docs/algorithms.md §3.1) (ε, δ)-indistinguishable, and PPME (``populous_mean.py``) supplies the
 stability that moves its input by at most γ when one row changes.
 
 ``S`` is any square root of Σ (``S Sᵀ = Σ``; Cholesky here): for orthogonal U,
@@ -10,7 +10,7 @@ sides), so the output distribution does not depend on the choice. The mechanism 
 mechanism on the d² numbers ``S(I + ηG)`` whose noise covariance is shaped by Σ itself, followed by
 the post-processing ``Y ↦ YYᵀ``.
 
-Calibration [DERIVED, ALGORITHMS.md §3.4; the paper's universal constant was not recovered]:
+Calibration [DERIVED, docs/algorithms.md §3.4; the paper's universal constant was not recovered]:
 for ``dist(Σ, Σ') ≤ γ ≤ ½``, ``g = γ/(1 − γ)`` and ``x = ln(3/δ)``, ``M_η(Σ)`` and ``M_η(Σ')`` are
 (ε, δ)-indistinguishable when
 
@@ -30,7 +30,7 @@ probability 2e^{−x}; the Gaussian part ``Σ_i (1 − √λ_i) z_{ii}/(λ_i η)
 So the privacy loss is ``≤ F`` except with probability ``3e^{−x} = δ``, in either direction, which
 gives (ε, δ)-indistinguishability. The audit suite checks it empirically.
 
-Floating point (ALGORITHMS.md §1.10): a threat this release does NOT cover. dpjax's additive
+Floating point (docs/algorithms.md §1.10): a threat this release does NOT cover. dpjax's additive
 releases are made float-safe by rounding the statistic to a public grid and adding exact integer
 noise (``dpjax.mechanisms.discretized_gaussian_mechanism``). That argument needs noise whose law
 does not depend on the data; the mask's noise is multiplicative, ``S(I + ηG)``, with covariance
@@ -95,7 +95,7 @@ def masking_privacy_loss(d: int, distance: float, eta: float, delta: float) -> f
 
 
 def calibrate_masking(d: int, distance: float, epsilon: float, delta: float) -> MaskingCalibration:
-  """The smallest η with ``F(γ, η) ≤ ε`` (closed form in ``1/η``; ALGORITHMS.md §3.4).
+  """The smallest η with ``F(γ, η) ≤ ε`` (closed form in ``1/η``; docs/algorithms.md §3.4).
 
   ``F = C_0 + (d g²/2) y² + √(2dx) g y`` with ``y = 1/η`` is increasing in y, so the admissible
   set is ``η ≥ η_min = d g / (√(2dx + 2d(ε − C_0)) − √(2dx))``. η_min is rounded up by one part
@@ -112,6 +112,11 @@ def calibrate_masking(d: int, distance: float, epsilon: float, delta: float) -> 
   Raises:
     ValueError: γ ∉ (0, 1/2], or ``C_0(γ) ≥ ε`` (no η is private: γ is too large for this
       (d, ε, δ); PPME needs more groups).
+
+  References:
+    Ashtiani & Liaw, "Private and polynomial time algorithms for learning Gaussians and
+    beyond", COLT 2022, Lemma 5.1 (its universal constant is replaced by the DERIVED
+    calibration of docs/algorithms.md §3.4).
   """
   d, gamma, delta, _ = _check(d, distance, delta)
   epsilon = v.check_epsilon(epsilon)
@@ -174,7 +179,7 @@ def covariance_mask(key: jax.Array, Sigma, *, eta: float) -> jax.Array:
     TypeError: bad key or non-float ``Sigma``. ValueError: wrong shape, η ≤ 0.
 
   References:
-    [AL22] Lemma 5.1/5.2 and App. D; ALGORITHMS.md §3.4.
+    [AL22] Lemma 5.1/5.2 and App. D; docs/algorithms.md §3.4.
   """
   v.check_key(key)
   Sigma = jnp.asarray(v.check_float_array(Sigma, "Sigma"))

@@ -1,4 +1,4 @@
-"""PPME — the Private Populous Mean Estimator ([AL22] Algorithm 1, Lemma 3.6; ALGORITHMS.md §3.2).
+"""PPME — the Private Populous Mean Estimator ([AL22] Algorithm 1, Lemma 3.6; docs/algorithms.md §3.2).
 
 Split the rows into k groups, run a non-private estimator on each (one ``vmap``), count for every
 candidate the fraction ``q_i`` of candidates within distance r of it, test privately that the
@@ -27,7 +27,7 @@ mechanism is ``γ = (4 + 2/(b − a))·ρ/W_min`` (Euclidean) or ``γ = (4 + 2/(
 mask is a (γ, ε2, δ2)-masking mechanism. Where the predicate is evaluated in floating point the
 radius used for γ is ``r(1 + radius_margin)`` (``semimetric.py``).
 
-Floating point (ALGORITHMS.md §1.10). The test releases one bit, ``Q + Z > c0 + A1``, with Z drawn
+Floating point (docs/algorithms.md §1.10). The test releases one bit, ``Q + Z > c0 + A1``, with Z drawn
 in float64 by inverse CDF from a 52-bit uniform: no float value is released, and the bit's
 probabilities are those of the analysis up to 2^-52 per draw, far below δ. The Euclidean mask of
 :func:`ppme_mean` is float-safe by default (an exact discrete Gaussian on a public grid); the
@@ -64,7 +64,12 @@ DEFAULT_RADIUS_MARGIN = 1e-2
 
 
 class PopulousThresholds(NamedTuple):
-  """PPME's thresholds [PROPOSED defaults, ALGORITHMS.md §3.2]: weight ramp ``a → b``, test ``c0``."""
+  """PPME's thresholds [PROPOSED defaults, docs/algorithms.md §3.2]: weight ramp ``a → b``, test ``c0``.
+
+  References:
+    Ashtiani & Liaw, "Private and polynomial time algorithms for learning Gaussians and
+    beyond", COLT 2022, Algorithm 1 (PPME), Lemma 3.6; docs/algorithms.md §3.2.
+  """
   a: float = 0.6
   b: float = 0.8
   c0: float = 0.9
@@ -270,7 +275,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
   public power-of-two grid, σ from :func:`dpjax.mechanisms.rdp_gaussian_sigma`), or, with
   ``secure=False``, continuous ``N(0, σ² I)`` with the analytic σ, added inside the jitted
   program (5–15% less noise, but the released float values can carry the low-order-bit leak of
-  ALGORITHMS.md §1.10).
+  docs/algorithms.md §1.10).
   The mean is unbounded: no clipping bound on the data is needed, only a radius that the group
   estimates of one dataset fall within of each other (e.g. ``≈ 2·(√d + 3)·σ_max/√m`` for Gaussian
   data with covariance ⪯ σ_max² I, groups of m rows).
@@ -315,7 +320,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
       groups agree; the message gives the largest pass probability and the recommended k.
 
   References:
-    [AL22] Algorithm 1, Lemma 3.6, Lemma 7.2, Algorithm 5; ALGORITHMS.md §3.2, §3.7.
+    [AL22] Algorithm 1, Lemma 3.6, Lemma 7.2, Algorithm 5; docs/algorithms.md §3.2, §3.7.
   """
   key = v.check_key(key)
   X = v.check_data64(X, "X")

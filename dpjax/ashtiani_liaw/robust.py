@@ -1,4 +1,4 @@
-"""Robust private estimators for corrupted Gaussian samples ([AL22] §6–7; ALGORITHMS.md §3.7).
+"""Robust private estimators for corrupted Gaussian samples ([AL22] §6–7; docs/algorithms.md §3.7).
 
 Model: an η_c-corrupted sample (an adversary sees the i.i.d. rows and replaces up to an η_c
 fraction arbitrarily). PPME runs a robust non-private estimator on every group
@@ -50,7 +50,7 @@ def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: 
     also makes it traceable); ``info["corruption"]`` is η_c.
 
   References:
-    [AL22] Algorithm 5, Thm 7.4, Lemma 7.2; ALGORITHMS.md §3.7.
+    [AL22] Algorithm 5, Thm 7.4, Lemma 7.2; docs/algorithms.md §3.7.
   """
   corruption = _check_corruption(corruption)
   estimator = _group_estimator(filtered_mean, corruption)
@@ -83,7 +83,7 @@ def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corrup
     which also makes it traceable); ``info["corruption"]`` is η_c.
 
   References:
-    [AL22] Algorithm 4, Thm 6.3, Prop 6.2; ALGORITHMS.md §3.7.
+    [AL22] Algorithm 4, Thm 6.3, Prop 6.2; docs/algorithms.md §3.7.
   """
   corruption = _check_corruption(corruption)
   estimator = _group_estimator(filtered_covariance, corruption)

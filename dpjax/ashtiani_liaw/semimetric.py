@@ -1,7 +1,7 @@
 """The affine-invariant semimetric on positive definite matrices and batched closeness tests.
 
 ``dist(A, B) = max{‖A^{-1/2} B A^{-1/2} − I‖, ‖B^{-1/2} A B^{-1/2} − I‖}`` ([AL22] Lemma 3.2,
-eq. (5.1); ALGORITHMS.md §3.1) equals ``max_λ max(|λ − 1|, |1/λ − 1|)`` over the eigenvalues λ
+eq. (5.1); docs/algorithms.md §3.1) equals ``max_λ max(|λ − 1|, |1/λ − 1|)`` over the eigenvalues λ
 of ``A^{-1}B``, so
 
     dist(A, B) ≤ r   ⟺   every eigenvalue of A^{-1}B lies in [1/(1+r), 1+r]
@@ -51,7 +51,7 @@ def psd_distance(A: jax.Array, B: jax.Array) -> jax.Array:
     ``+inf`` when A or B is not (numerically) positive definite.
 
   References:
-    [AL22] Lemma 3.2; ALGORITHMS.md §3.1.
+    [AL22] Lemma 3.2; docs/algorithms.md §3.1.
   """
   ev, ok = _whitened_eigenvalues(_inverse_cholesky(A), B)
   ok = ok & _is_positive_definite(A) & _is_positive_definite(B)   # both: dist is symmetric

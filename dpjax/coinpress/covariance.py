@@ -37,7 +37,7 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
   (only ``Σ ⪯ κI`` is needed for the no-clipping event; ``I ⪯ Σ`` enters the error bound). For
   an unknown mean use the differences ``(x_{2i} − x_{2i−1})/√2`` (n/2 rows).
 
-  Use after a preconditioner (ALGORITHMS.md §3.5): if Σ̃ satisfies ``(1/K) I ⪯ Σ_w ⪯ K I`` for
+  Use after a preconditioner (docs/algorithms.md §3.5): if Σ̃ satisfies ``(1/K) I ⪯ Σ_w ⪯ K I`` for
   ``Σ_w = Σ̃^{-1/2} Σ Σ̃^{-1/2}``, feed ``Y = sqrt(K) · X Σ̃^{-1/2}`` (covariance ``K Σ_w``, so
   ``I ⪯ K Σ_w ⪯ K² I``) with ``kappa = K²``, and map back
   ``Σ̂ = Σ̃^{1/2} Σ̂_Y Σ̃^{1/2} / K``. Since Σ̃ is itself a DP release, this is post-processing of

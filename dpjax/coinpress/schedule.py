@@ -1,10 +1,10 @@
-"""CoinPress's shared schedule: budget split, public radii, validation (ALGORITHMS.md §3.5–3.6).
+"""CoinPress's shared schedule: budget split, public radii, validation (docs/algorithms.md §3.5–3.6).
 
 Biswas, Dong, Kamath & Ullman (NeurIPS 2020) refine a coarse public confidence region — a ball
 ``B(c, r) ∋ μ`` for a mean, a Loewner bound ``Σ ⪯ κ I`` for a covariance — in a few rounds. Each
 round clips the rows to a region derived from the current bound, releases a clipped statistic
 with Gaussian noise, and shrinks the region around the release. This is the refinement step of
-the Ashtiani–Liaw pipeline (ALGORITHMS.md §3.5, Thm 5.5): the AL learner gives a constant-factor
+the Ashtiani–Liaw pipeline (docs/algorithms.md §3.5, Thm 5.5): the AL learner gives a constant-factor
 preconditioner, CoinPress turns it into a small-error estimate.
 
 Privacy accounting. Every round is a Gaussian mechanism on a statistic whose replace-one
@@ -43,7 +43,7 @@ Numerics: the public radii, noise scales and bounds are computed on the host in 
 ``math``); the jitted cores run under ``jax.enable_x64(True)`` in float64 and return float64
 arrays, whatever the global x64 flag.
 
-Floating point (ALGORITHMS.md §1.10). By default (``secure=True``) every step's release goes
+Floating point (docs/algorithms.md §1.10). By default (``secure=True``) every step's release goes
 through :func:`dpjax.mechanisms.discretized_gaussian_mechanism`: exact discrete Gaussian noise on
 a public power-of-two grid, so each released centre (mean) or noisy second moment (covariance) is a
 multiple of its grid step whatever the data, and the later steps and the output are

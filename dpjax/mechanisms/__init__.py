@@ -1,4 +1,4 @@
-"""DP primitives (ALGORITHMS.md §1)."""
+"""DP primitives (docs/algorithms.md §1)."""
 
 from dpjax.mechanisms.discrete import (discrete_gaussian, discrete_laplace,
                                        discrete_laplace_mechanism, discrete_laplace_tail,

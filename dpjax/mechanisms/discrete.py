@@ -1,4 +1,4 @@
-"""Discrete (integer) noise: Laplace and Gaussian (ALGORITHMS.md §1.4, §1.10).
+"""Discrete (integer) noise: Laplace and Gaussian (docs/algorithms.md §1.4, §1.10).
 
 Counts and integer scores get integer noise (§1.10 rule 1): an integer-valued statistic plus an
 integer sample has a support that does not depend on the statistic's value, so the
@@ -67,7 +67,7 @@ def discrete_laplace(key: jax.Array, shape=(), *, scale: float, exact: bool = Tr
     ValueError: ``scale`` not finite and > 0, or above the sampler's limit.
 
   References:
-    ALGORITHMS.md §1.4; Inusah & Kozubowski (2006); Canonne, Kamath & Steinke, "The discrete
+    docs/algorithms.md §1.4; Inusah & Kozubowski (2006); Canonne, Kamath & Steinke, "The discrete
     Gaussian for differential privacy", NeurIPS 2020, Algorithms 1–2; He, Vershynin & Zhu,
     Def. 2.4.
   """
@@ -119,7 +119,7 @@ def discrete_laplace_mechanism(key: jax.Array, value, *, sensitivity: int,
 
   Guarantee: ε-DP under any neighbouring relation for which the integer statistic ``value`` has
   ℓ1-sensitivity ``sensitivity``: the probabilities of an output under neighbours differ by a
-  factor ``p^{−Σ|Δz|} ≤ p^{−Δ} ≤ e^ε`` (ALGORITHMS.md §1.4; the scale is rounded up, which only
+  factor ``p^{−Σ|Δz|} ≤ p^{−Δ} ≤ e^ε`` (docs/algorithms.md §1.4; the scale is rounded up, which only
   lowers the factor). The output is an integer, so no floating-point side channel (§1.10).
 
   Args:
@@ -136,7 +136,9 @@ def discrete_laplace_mechanism(key: jax.Array, value, *, sensitivity: int,
     ValueError: ε not finite and > 0, Δ < 1, or ``Δ/ε`` above the sampler's limit.
 
   References:
-    ALGORITHMS.md §1.4; [CKS20].
+    Inusah & Kozubowski, "A discrete analogue of the Laplace distribution", J. Statist. Plann.
+    Inference 2006; Canonne, Kamath & Steinke, "The discrete Gaussian for differential
+    privacy", NeurIPS 2020 (exact sampler, [CKS20]); docs/algorithms.md §1.4.
   """
   v.check_key(key)
   epsilon = v.check_epsilon(epsilon)
@@ -167,7 +169,8 @@ def discrete_laplace_tail(z: int, scale: float) -> float:
     TypeError: ``z`` not an integer. ValueError: z < 1, bad ``scale``.
 
   References:
-    ALGORITHMS.md §1.4.
+    Inusah & Kozubowski, "A discrete analogue of the Laplace distribution", J. Statist. Plann.
+    Inference 2006; docs/algorithms.md §1.4.
   """
   z = v.check_int(z, "z", low=1)
   scale = v.check_positive(scale, "scale")

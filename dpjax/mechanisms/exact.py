@@ -4,7 +4,7 @@ The discrete Laplace sampler here uses no floating point at all: Bernoulli(exp(�
 γ ∈ [0, 1] by von Neumann's series trick, uniform integers by rejection from 32-bit words, and
 geometric variables built from those (CKS 2020, Algorithms 1 and 2). Its output distribution is
 exactly ``P(Z = z) ∝ exp(−|z|·den/num)``, so integer statistics released with it have no
-floating-point side channel (ALGORITHMS.md §1.10 rule 1). Loops are ``lax.while_loop``s;
+floating-point side channel (docs/algorithms.md §1.10 rule 1). Loops are ``lax.while_loop``s;
 everything is jittable and ``vmap``-able (all lanes run until the slowest finishes).
 """
 

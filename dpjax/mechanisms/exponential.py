@@ -1,4 +1,4 @@
-"""The exponential mechanism over a finite candidate set (ALGORITHMS.md §1.7)."""
+"""The exponential mechanism over a finite candidate set (docs/algorithms.md §1.7)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon
   law in real arithmetic; the scores are shifted by their maximum first (which changes nothing in
   law) so large scores keep their float precision.
 
-  Floating point (ALGORITHMS.md §1.10), a caveat this sampler does not remove: the Gumbel noise
+  Floating point (docs/algorithms.md §1.10), a caveat this sampler does not remove: the Gumbel noise
   comes from uniforms of the working dtype. In float32 they are multiples of 2^-23, so the noise
   is cut to about [−4.5, 15.9] and a candidate whose scaled score is ≳ 20 below the best is never
   output (probability 0 instead of ≈ e^{−20}); the output law is within total variation about
@@ -46,7 +46,7 @@ def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon
     ValueError: ``scores`` not of shape (C,), C ≥ 1; bad ε or Δu.
 
   References:
-    ALGORITHMS.md §1.7; McSherry & Talwar, "Mechanism design via differential privacy",
+    docs/algorithms.md §1.7; McSherry & Talwar, "Mechanism design via differential privacy",
     FOCS 2007.
   """
   v.check_key(key)

@@ -1,4 +1,4 @@
-"""Thresholded GAP-MAX ([BDRS18]; [SS21] Lemma A.16; ALGORITHMS.md §1.6)."""
+"""Thresholded GAP-MAX ([BDRS18]; [SS21] Lemma A.16; docs/algorithms.md §1.6)."""
 
 from __future__ import annotations
 
@@ -58,11 +58,17 @@ def integer_gap_max_bound(epsilon: float, delta: float,
   Noise ``P(Z = z) ∝ e^{−|z|·den/num}`` on ``{−K, …, K}`` with ``num/den ≥ 2S/ε`` (the scale
   rounded up to a multiple of 2^-10) and ``K`` the smallest integer ≥ 1 with
   ``P[Z ≥ K − 2S + 1] ≤ δ``: a shift of the gap by ≤ 2S leaves at most δ of the mass outside the
-  common support (ALGORITHMS.md §1.4 PROPOSED, here with per-score sensitivity S; S = 1 gives
+  common support (docs/algorithms.md §1.4 PROPOSED, here with per-score sensitivity S; S = 1 gives
   ``P[Z ≥ K − 1] ≤ δ``).
 
   Raises:
     ValueError: ε not finite and > 0 (or with ``2S/ε > 2^15``), δ ∉ (0, 1), S < 1.
+
+  References:
+    Bun, Dwork, Rothblum & Steinke, "Composable and versatile privacy via truncated CDP",
+    STOC 2018 (GAP-MAX); Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021,
+    Lemma A.16; Geng, Ding, Guo & Kumar, AISTATS 2020 (truncated Laplace); docs/algorithms.md
+    §1.4, §1.6.
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
@@ -117,11 +123,11 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
   support the ratio is ≤ e^ε, and ``P[Z ≥ K − 2S + 1] ≤ δ`` lies outside it. If it differs,
   ``G + G' ≤ 2S`` for the grid gaps forces ``g ≤ S`` on both sides, so either answer appears with
   probability ``≤ P[Z ≥ K − S] ≤ δ`` and with probability 0 on the other neighbour
-  (ALGORITHMS.md §1.6, with sensitivity S).
+  (docs/algorithms.md §1.6, with sensitivity S).
 
   Floating point: the decision depends on integers only (the floored scores and exact integer
   noise), so its probabilities are exactly those of the analysis — no float noise whose tail is
-  cut or rounded (ALGORITHMS.md §1.10). Float scores are floored to multiples of h (a loss of
+  cut or rounded (docs/algorithms.md §1.10). Float scores are floored to multiples of h (a loss of
   < h per score, ≤ 2^-10 for ε ≥ 1/8) and clamped to ``[−2^29 h, 2^29 h]`` (1-Lipschitz, so the
   sensitivity is kept; scores beyond that tie and give ⊥).
 
@@ -143,7 +149,7 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
     ValueError: ``scores`` not of shape (C,) with C ≥ 1, bad ε or δ.
 
   References:
-    ALGORITHMS.md §1.6; Bun, Dwork, Rothblum & Steinke, "Composable and versatile privacy via
+    docs/algorithms.md §1.6; Bun, Dwork, Rothblum & Steinke, "Composable and versatile privacy via
     truncated CDP", STOC 2018; [SS21] Lemma A.16; Canonne, Kamath & Steinke (2020) (exact
     integer noise).
   """

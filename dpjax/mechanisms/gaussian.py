@@ -5,7 +5,7 @@ The calibrations run on the host in float64: the analytic (Balle–Wang) one wit
 stays accurate for tiny δ and large ε), the classic one with :mod:`math`, the Rényi one with
 ``dp_accounting``'s RDP accountant.
 
-Floating point (ALGORITHMS.md §1.10). Continuous Gaussian noise sampled in floating point has the
+Floating point (docs/algorithms.md §1.10). Continuous Gaussian noise sampled in floating point has the
 same weakness as Laplace noise (Mironov 2012): the float values ``f + Z`` can reach depend on
 ``f``. For float32 noise on a value moved by its sensitivity, most of the output mass is on values
 the neighbouring input can never produce (``dpjax.audit.exact_output_audit``). The default
@@ -60,7 +60,7 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1
     TypeError: a non-real argument.
 
   References:
-    ALGORITHMS.md §1.2; Balle & Wang, "Improving the Gaussian mechanism for differential
+    docs/algorithms.md §1.2; Balle & Wang, "Improving the Gaussian mechanism for differential
     privacy: analytical calibration and optimal denoising", ICML 2018, Thm 8.
   """
   # The condition depends on σ/Δ only: solve at Δ = 1 and scale, so that tiny or huge Δ can
@@ -115,7 +115,7 @@ def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.
       bad ε, δ, Δ.
 
   References:
-    ALGORITHMS.md §1.2; Dwork & Roth (2014), Thm A.1.
+    docs/algorithms.md §1.2; Dwork & Roth (2014), Thm A.1.
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
@@ -195,7 +195,9 @@ def gaussian_noise(key: jax.Array, shape=(), *, sigma: float, dtype=None) -> jax
     ValueError: σ negative, NaN or infinite.
 
   References:
-    ALGORITHMS.md §1.2.
+    Balle & Wang, "Improving the Gaussian mechanism for differential privacy: analytical
+    calibration and optimal denoising", ICML 2018, Thm 8; Dwork & Roth 2014, Thm A.1 (classic);
+    docs/algorithms.md §1.2.
   """
   v.check_key(key)
   shape = v.check_shape(shape)
@@ -277,7 +279,7 @@ def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
 
   * ``secure=True`` (default, for released statistics): the float-safe
     :func:`discretized_gaussian_mechanism` — exact discrete Gaussian noise on a public
-    power-of-two grid, output on that grid whatever the input (ALGORITHMS.md §1.10), host-side
+    power-of-two grid, output on that grid whatever the input (docs/algorithms.md §1.10), host-side
     float64. Its guarantee is proved through Rényi DP, so σ comes from
     :func:`rdp_gaussian_sigma` at the grid sensitivity ``Δ_Λ ≤ (1 + 2^-10)Δ`` (5–15% more
     noise than the analytic calibration of continuous noise); ``calibration`` must be None or
@@ -313,7 +315,7 @@ def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
       ``secure=True``; ε ≥ 1 with ``"classic"``.
 
   References:
-    ALGORITHMS.md §1.2, §1.10; [BW18] Thm 8; Dwork & Roth (2014), Thm A.1; Canonne, Kamath &
+    docs/algorithms.md §1.2, §1.10; [BW18] Thm 8; Dwork & Roth (2014), Thm A.1; Canonne, Kamath &
     Steinke (2020).
   """
   v.check_key(key)

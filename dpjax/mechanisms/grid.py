@@ -1,4 +1,4 @@
-"""The public rounding grid of dpjax's float-safe releases (ALGORITHMS.md §1.10).
+"""The public rounding grid of dpjax's float-safe releases (docs/algorithms.md §1.10).
 
 A real statistic ``f`` is clamped to a public ``[−B, B]``, divided by a public power-of-two step
 Λ (exact in floating point) and rounded to the nearest integer; exact integer noise is added and

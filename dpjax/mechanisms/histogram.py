@@ -1,4 +1,4 @@
-"""Stability-based histogram over an unbounded domain (ALGORITHMS.md §1.5; [SS21] Lemma A.15).
+"""Stability-based histogram over an unbounded domain (docs/algorithms.md §1.5; [SS21] Lemma A.15).
 
 Only non-empty bins are ever touched, so the domain (e.g. all cells of a grid in Z^D) may be
 infinite: each non-empty bin gets one noise draw, and only bins whose noisy count clears a
@@ -108,7 +108,10 @@ def histogram_threshold(epsilon: float, delta: float, *,
       explanation for ``"laplace"``), or ``Δ/ε > 2^15``.
 
   References:
-    ALGORITHMS.md §1.5 (threshold re-derived there), §1.4 (discrete Laplace tail).
+    Bun, Nissim & Stemmer, "Simultaneous private learning of multiple concepts", ITCS 2016;
+    Vadhan, "The complexity of differential privacy", 2017; Singhal & Steinke, "Privately
+    Learning Subspaces", NeurIPS 2021, Lemma A.15; docs/algorithms.md §1.5 (threshold
+    re-derived there), §1.4 (discrete Laplace tail).
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
@@ -141,10 +144,10 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
   On bins non-empty in both datasets the noisy counts are ε-DP (discrete Laplace with
   sensitivity Δ); a bin non-empty in only one holds exactly one item and is released with
   probability ≤ δ; thresholding and ordering by noisy count (ties by fresh randomness) are
-  post-processing (ALGORITHMS.md §1.5). Only the released ``(bin, noisy count)`` pairs carry
+  post-processing (docs/algorithms.md §1.5). Only the released ``(bin, noisy count)`` pairs carry
   information; see :class:`StableHistogram`. Floating point: the noise is sampled exactly with
   integer arithmetic (Canonne–Kamath–Steinke) and the release is integer, so its set of
-  possible values does not depend on the counts (ALGORITHMS.md §1.10 rule 1; audited with
+  possible values does not depend on the counts (docs/algorithms.md §1.10 rule 1; audited with
   :func:`dpjax.audit.grid_output_audit`).
 
   Grouping of equal rows under ``jit`` with static shapes: ``"pairwise"`` compares all pairs of
@@ -166,7 +169,7 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
     neighbouring: a ``dp_accounting.NeighboringRelation``: ``REPLACE_ONE`` (default) or
       ``ADD_OR_REMOVE_ONE``.
     noise: ``"discrete"`` (the default and only option: integer noise sampled exactly with
-      integer arithmetic, so the release has no floating-point side channel; ALGORITHMS.md
+      integer arithmetic, so the release has no floating-point side channel; docs/algorithms.md
       §1.10). ``"laplace"`` raises (removed: float32 Laplace counts leak, module docstring).
     grouping: ``"auto"`` (default), ``"pairwise"`` or ``"hash"``.
 
@@ -182,7 +185,7 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
       relation, ``noise`` (``"laplace"`` included) or ``grouping``.
 
   References:
-    ALGORITHMS.md §1.5; Bun, Nissim & Stemmer (2016); Vadhan (2017); [SS21] Lemma A.15.
+    docs/algorithms.md §1.5; Bun, Nissim & Stemmer (2016); Vadhan (2017); [SS21] Lemma A.15.
   """
   v.check_key(key)
   items = _check_items(items)

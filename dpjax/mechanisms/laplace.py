@@ -1,4 +1,4 @@
-"""The Laplace mechanism (ALGORITHMS.md §1.1)."""
+"""The Laplace mechanism (docs/algorithms.md §1.1)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def laplace_scale(sensitivity: float, epsilon: float) -> float:
     TypeError: either is not a real scalar.
 
   References:
-    ALGORITHMS.md §1.1; Dwork & Roth (2014), Thm 3.6.
+    docs/algorithms.md §1.1; Dwork & Roth (2014), Thm 3.6.
   """
   return v.check_positive(sensitivity, "sensitivity") / v.check_epsilon(epsilon)
 
@@ -49,7 +49,9 @@ def laplace_noise(key: jax.Array, shape=(), *, scale: float, dtype=None) -> jax.
     ValueError: ``scale`` is not a finite number > 0, or ``shape`` has a negative entry.
 
   References:
-    ALGORITHMS.md §1.1 (floating-point caveat §1.10).
+    Dwork, McSherry, Nissim & Smith, "Calibrating noise to sensitivity in private data
+    analysis", TCC 2006; Mironov, "On significance of the least significant bits for
+    differential privacy", CCS 2012 (floating point); docs/algorithms.md §1.1, §1.10.
   """
   v.check_key(key)
   shape = v.check_shape(shape)
@@ -64,9 +66,9 @@ def laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: flo
 
   Guarantee: ε-DP under whatever neighbouring relation the caller uses, provided ``value`` has
   ℓ1-sensitivity ``sensitivity`` under it: the output density ratio between neighbours is
-  ``exp(ε ‖f(X) − f(X')‖₁/Δ₁) ≤ e^ε`` (ALGORITHMS.md §1.1).
+  ``exp(ε ‖f(X) − f(X')‖₁/Δ₁) ≤ e^ε`` (docs/algorithms.md §1.1).
 
-  Floating point (ALGORITHMS.md §1.10 rule 2): with ``secure=True`` (default, for released
+  Floating point (docs/algorithms.md §1.10 rule 2): with ``secure=True`` (default, for released
   statistics) the release goes through Mironov's snapping mechanism
   (:mod:`dpjax.mechanisms.snapping`): host-side float64, clamped to ``[−bound, bound]``, output on
   a public power-of-two grid, ε-DP including the floating-point effects (per coordinate with
@@ -93,7 +95,7 @@ def laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: flo
     ValueError: ``sensitivity`` or ``epsilon`` not finite and > 0.
 
   References:
-    ALGORITHMS.md §1.1, §1.10; Mironov (2012), "On significance of the least significant bits
+    docs/algorithms.md §1.1, §1.10; Mironov (2012), "On significance of the least significant bits
     for differential privacy".
   """
   v.check_key(key)

@@ -1,4 +1,4 @@
-"""The truncated Laplace mechanism ``TLap(Δ, ε, δ)`` (Geng et al. 2020; ALGORITHMS.md §1.3)."""
+"""The truncated Laplace mechanism ``TLap(Δ, ε, δ)`` (Geng et al. 2020; docs/algorithms.md §1.3)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def truncated_laplace_params(sensitivity: float, epsilon: float,
     TypeError: a non-real argument.
 
   References:
-    ALGORITHMS.md §1.3; Geng, Ding, Guo & Kumar, "Tight analysis of privacy and utility tradeoff
+    docs/algorithms.md §1.3; Geng, Ding, Guo & Kumar, "Tight analysis of privacy and utility tradeoff
     in approximate differential privacy", AISTATS 2020.
   """
   sensitivity = v.check_positive(sensitivity, "sensitivity")
@@ -103,7 +103,7 @@ def truncated_laplace(key: jax.Array, shape=(), *, sensitivity: float, epsilon: 
 
   ``|Z| = −λ ln(1 − U(1 − e^{−A/λ}))`` with ``U ~ U(0, 1)`` and an independent fair sign, in
   ``dtype``. The clamp keeps every sample inside the support even after rounding, which is what
-  the privacy proof uses (ALGORITHMS.md §1.10 rule 4). Mean 0, variance
+  the privacy proof uses (docs/algorithms.md §1.10 rule 4). Mean 0, variance
   ``2λ² − (A² + 2Aλ) e^{−A/λ}/(1 − e^{−A/λ})``.
 
   Args:
@@ -122,7 +122,7 @@ def truncated_laplace(key: jax.Array, shape=(), *, sensitivity: float, epsilon: 
     ValueError: bad Δ, ε, δ.
 
   References:
-    ALGORITHMS.md §1.3; [GDGK20].
+    docs/algorithms.md §1.3; [GDGK20].
   """
   v.check_key(key)
   shape = v.check_shape(shape)
@@ -149,7 +149,7 @@ def discrete_truncated_laplace_bound(scale, shift: int, delta: float) -> int:
   by at most ``shift`` (in ℓ1 over coordinates with independent noise) leaves at most δ of the
   output mass outside the common support. Inside it the probability ratio is
   ``e^{shift/b}`` at most. The ℓ1 case follows because ``a ↦ P[Z ≥ K − a + 1] ∝ e^{a/b} − 1`` is
-  superadditive (ALGORITHMS.md §1.3, §1.4 PROPOSED). Host, float64 (the tail sums in closed form).
+  superadditive (docs/algorithms.md §1.3, §1.4 PROPOSED). Host, float64 (the tail sums in closed form).
 
   Args:
     scale: b > 0 (a ``Fraction``, int or float).
@@ -158,6 +158,11 @@ def discrete_truncated_laplace_bound(scale, shift: int, delta: float) -> int:
 
   Returns:
     K as a Python int.
+
+  References:
+    Geng, Ding, Guo & Kumar, "Tight analysis of privacy and utility tradeoff in approximate
+    differential privacy", AISTATS 2020 (the continuous truncated Laplace); the discrete
+    variant is PROPOSED in docs/algorithms.md §1.4.
   """
   delta = v.check_delta(delta)
   shift = v.check_int(shift, "shift", low=1)
@@ -192,14 +197,14 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
   Guarantee: (ε, δ)-DP under the caller's neighbouring relation for a statistic of
   ℓ1-sensitivity Δ under it: inside the common support the density ratio is ≤ e^ε, and the mass
   outside it is ≤ δ (exactly δ for a scalar shift by Δ; for a vector shift ``‖s‖₁ ≤ Δ`` by
-  superadditivity of ``e^x − 1``) (ALGORITHMS.md §1.3, [GDGK20]).
+  superadditivity of ``e^x − 1``) (docs/algorithms.md §1.3, [GDGK20]).
 
   * ``secure=True`` (default, for released statistics): the value is clamped to ``[−B, B]``
     and rounded to the public power-of-two grid Λ of :func:`dpjax.mechanisms.discretization`
     (ℓ1: the shift in grid steps is at most ``D = ⌊Δ/Λ + p⌋ ≤ (1 + 2^-10)Δ/Λ``), and exact
     integer noise ``P(z) ∝ e^{−|z|/t}`` on ``{−K, …, K}`` is added with ``t = ⌈Δ_Λ/ε⌉`` and K
     from :func:`discrete_truncated_laplace_bound` (shift D): the same argument on ℤ, so
-    (ε, δ)-DP, and every output is a multiple of Λ whatever the value (ALGORITHMS.md §1.10;
+    (ε, δ)-DP, and every output is a multiple of Λ whatever the value (docs/algorithms.md §1.10;
     sampled on the host with Python integers, Canonne–Kamath–Steinke's discrete Laplace plus
     rejection). Output float64 NumPy.
   * ``secure=False``: continuous TLap noise sampled in ``value``'s dtype by inverse CDF
@@ -227,7 +232,7 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
     ValueError: bad Δ, ε, δ, B.
 
   References:
-    ALGORITHMS.md §1.3, §1.10; [GDGK20]; Canonne, Kamath & Steinke (2020).
+    docs/algorithms.md §1.3, §1.10; [GDGK20]; Canonne, Kamath & Steinke (2020).
   """
   v.check_key(key)
   if secure:

@@ -1,4 +1,4 @@
-"""DP-SGD with optional gradient-subspace projection (ALGORITHMS.md §6)."""
+"""DP-SGD with optional gradient-subspace projection (docs/algorithms.md §6)."""
 
 from dpjax.sgd.per_example import (ClippedGradSum, clip_per_example, clipped_grad_sum,
                                    global_norms, per_example_grads)

@@ -1,4 +1,4 @@
-"""Per-example gradients and their clipping (ALGORITHMS.md §6.1).
+"""Per-example gradients and their clipping (docs/algorithms.md §6.1).
 
 The clipping map ``g ↦ ḡ = g / max(1, ‖g‖₂/C)`` uses the global ℓ2 norm over the whole gradient
 pytree of one example. It is what bounds DP-SGD's sensitivity, so it must be bounded for EVERY

@@ -1,4 +1,4 @@
-"""Poisson sampling with fixed-size micro-batches (ALGORITHMS.md §6.1).
+"""Poisson sampling with fixed-size micro-batches (docs/algorithms.md §6.1).
 
 DP-SGD's accountant (``PoissonSampledDpEvent``, add/remove-one) assumes that every example is
 included in a step independently with probability q, so the batch size is random. To keep the

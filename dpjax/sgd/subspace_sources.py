@@ -1,4 +1,4 @@
-"""Where a gradient subspace comes from: private data (DPASE) or public data (ALGORITHMS.md §6.2).
+"""Where a gradient subspace comes from: private data (DPASE) or public data (docs/algorithms.md §6.2).
 
 ``None`` (no subspace) means plain DP-SGD. Bases are over the flattened parameters
 (``jax.flatten_util.ravel_pytree`` order), shape ``(p, k)``, ready for
@@ -116,7 +116,7 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
   ``data``. Each row's gradient is a function of that row alone, so adding or removing a row
   adds or removes one gradient row; DPASE assigns rows to its subsets by independent uniform
   public labels, so that changes exactly one subset, hence one item of its stability
-  histogram, which is (ε, δ)-DP for that change (ALGORITHMS.md §6.2 route (c)). Privacy is
+  histogram, which is (ε, δ)-DP for that change (docs/algorithms.md §6.2 route (c)). Privacy is
   worst case: gradients need not be Gaussian. N is treated as public (DPASE's parameters use it).
 
   [CAUTION, §6.2] DPASE's utility needs a strong multiplicative eigen-gap (a ``γ ≲ 1/d``-type

@@ -67,7 +67,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   Guarantee: ``(budget.epsilon, budget.delta)``-DP under add/remove-one for the rows of ``data``:
   the SGD steps are the Poisson-sampled Gaussian mechanism composed by ``dp_accounting``; the
   private subspace is (ε_s, δ_s)-DP under add/remove-one (DPASE with random labels) and is composed
-  by basic composition (ALGORITHMS.md §6.2 route (c)). The initial ``params`` must not depend on
+  by basic composition (docs/algorithms.md §6.2 route (c)). The initial ``params`` must not depend on
   ``data``. The dataset size N is treated as public: it sets q = L/N and, with
   ``subspace="private"``, DPASE's public parameters (subset count and size, cell length, label
   capacity), which is how DPASE with random labels holds under add/remove-one.

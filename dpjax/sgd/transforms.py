@@ -1,4 +1,4 @@
-"""optax transformations that privatise gradients (ALGORITHMS.md §6.1, §6.2).
+"""optax transformations that privatise gradients (docs/algorithms.md §6.1, §6.2).
 
 Like ``jax_privacy``'s ``clipped_grad``, the noise transformations take the SUM of clipped
 per-example gradients (:func:`dpjax.sgd.clipped_grad_sum`) and return a noisy average divided by
@@ -127,7 +127,7 @@ def subspace_dp_gaussian_noise(basis: jax.Array, *, clip_norm: float, noise_mult
   released vector is therefore the Gaussian mechanism with noise multiplier ≥ σ relative to its
   sensitivity, whatever V: a basis that is only nearly orthonormal (floating point; an
   orthonormal basis cast to float32) cannot stretch a clipped gradient past its noise. Mapping
-  back by V and dividing by L are post-processing (ALGORITHMS.md §6.2). Account it with the same
+  back by V and dividing by L are post-processing (docs/algorithms.md §6.2). Account it with the same
   :func:`dpjax.accounting.dpsgd_event`. The noise energy is ``σ²C²ν²k/L²`` instead of
   ``σ²C²p/L²``; the price is the discarded residual ``(I − VVᵀ)s``. (An entrywise check
   ``max |VᵀV − I| ≤ tol``, used before, accepted bases with ``‖V‖₂ ≈ 1.41`` at k = 1000: the

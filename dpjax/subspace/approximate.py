@@ -1,4 +1,4 @@
-"""DPASE — the DP Approximate Subspace Estimator ([SS21] Algorithm 2; ALGORITHMS.md §2.2).
+"""DPASE — the DP Approximate Subspace Estimator ([SS21] Algorithm 2; docs/algorithms.md §2.2).
 
 Subsample-and-aggregate: split the rows into ``t`` disjoint subsets, compute each subset's top-k
 subspace, describe it by the projections of ``q`` public random reference points, snap those
@@ -29,7 +29,7 @@ from dpjax.results import SubspaceResult
 ELL_RULES = ("paper_proof", "l1_safe", "paper_formula")
 PARTITIONS = ("permutation", "random_labels")
 
-# Failure probabilities of the explicit radius bounds (ALGORITHMS.md §2.2, PROPOSED).
+# Failure probabilities of the explicit radius bounds (docs/algorithms.md §2.2, PROPOSED).
 _BETA_S = 0.05
 _BETA_CUT = 0.1
 
@@ -60,7 +60,7 @@ class DPASEParameters(NamedTuple):
 def num_subsets_for(epsilon: float, delta: float, *, noise: str = "discrete") -> int:
   """The PROPOSED ``t`` (C2 of [SS21]): the smallest integer meeting three Laplace-tail bounds.
 
-  With ``f = 0.1`` of the subsets allowed to be bad and ``β_h = 0.05`` per event (ALGORITHMS.md
+  With ``f = 0.1`` of the subsets allowed to be bad and ``β_h = 0.05`` per event (docs/algorithms.md
   §2.2): ``0.9 t ≥ τ + (2/ε) ln 20`` (the popular cell passes the threshold τ),
   ``0.4 t ≥ (2/ε) ln 20`` (its noisy count stays ≥ t/2) and ``0.8 t > (2/ε)(ln(20 t) + ln 20)``
   (it beats every other cell). Gives ``t = 37`` at ε = 1, δ = 1e-6.
@@ -81,7 +81,7 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
                      c0: float | None = None, noise: str = "discrete",
                      alpha: float | None = 0.1,
                      float_eps: float = float(np.finfo(np.float32).eps)) -> DPASEParameters:
-  """Computes DPASE's public parameters (ALGORITHMS.md §2.2, PROPOSED constants).
+  """Computes DPASE's public parameters (docs/algorithms.md §2.2, PROPOSED constants).
 
   Every default can be overridden; none of them affects privacy, only the ⊥ rate and accuracy.
 
@@ -112,6 +112,10 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
   Raises:
     ValueError: bad arguments, ``gamma`` missing when a rule needs it, or ``n`` too small for
       ``m = ⌊n/t⌋ ≥ k + 1``.
+
+  References:
+    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021,
+    Algorithm 2, Thm 1.2, Lemmas D.1–D.5; docs/algorithms.md §2.2.
   """
   n = v.check_int(n, "n", low=1)
   d = v.check_int(d, "d", low=1)
@@ -199,7 +203,7 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
 
   Privacy guarantee: (ε, δ)-DP. Replacing one row changes one subset, hence one histogram item
   (two bin counts change by 1); the stability histogram with replace-one thresholds is (ε, δ)-DP
-  for that change (ALGORITHMS.md §1.5), and the reference points, the offset, ``ℓ``, ``t``, ``m``
+  for that change (docs/algorithms.md §1.5), and the reference points, the offset, ``ℓ``, ``t``, ``m``
   are public. Choosing the cell, the ``t/2`` rule and the final PCA are post-processing.
 
   * ``partition="permutation"`` (default): a public random permutation, then ``t`` blocks of
@@ -209,7 +213,7 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
     ``{1..t}``; subset j holds the rows labelled j (up to a public capacity ``m + 4√m + 4``; any
     overflow is dropped within that subset only). Adding, removing or replacing one row changes
     exactly one subset, so the same guarantee holds under **add/remove-one** as well as
-    replace-one (ALGORITHMS.md §6.2 route (c)); this is what DP-SGD composition uses. ``ℓ`` and the
+    replace-one (docs/algorithms.md §6.2 route (c)); this is what DP-SGD composition uses. ``ℓ`` and the
     capacity are computed from ``n``, which is treated as public (as DP-SGD's expected batch size
     ``qN`` is); pass ``cell_length`` to remove that dependence from ``ℓ``.
 
@@ -227,7 +231,7 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
     alpha: accuracy target that caps a rule's ℓ (default 0.1; None disables the cap; an explicit
       ``cell_length`` is never capped).
     partition: "permutation" or "random_labels" (see above).
-    noise: histogram noise: "discrete" (exact integer noise, the only option; ALGORITHMS.md
+    noise: histogram noise: "discrete" (exact integer noise, the only option; docs/algorithms.md
       §1.10). "laplace" raises: it was removed because float32 Laplace counts leak the count,
       and DPASE releases the winning noisy count in ``info``.
     grouping: how the histogram groups equal cells ("auto", "pairwise", "hash").

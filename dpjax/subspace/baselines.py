@@ -36,7 +36,7 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
     :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact discrete Gaussian noise on a
     public power-of-two grid, σ from the Rényi calibration,
     :func:`dpjax.mechanisms.rdp_gaussian_sigma`), so the matrix whose eigenvectors are returned
-    lies on a public grid whatever the data (ALGORITHMS.md §1.10); host-side, about
+    lies on a public grid whatever the data (docs/algorithms.md §1.10); host-side, about
     ``d(d+1)/2 · 10 µs`` for the noise.
   * ``secure=False``: continuous noise with the analytic (Balle & Wang 2018) σ inside one jitted
     program (5–15% less noise; the floating-point caveat of §1.10 applies to the noisy matrix).

@@ -1,4 +1,4 @@
-"""DPASEB — boosted DPASE ([SS21] Algorithm 3, Thm E.1; ALGORITHMS.md §2.3).
+"""DPASEB — boosted DPASE ([SS21] Algorithm 3, Thm E.1; docs/algorithms.md §2.3).
 
 T independent DPASE runs on disjoint blocks (one ``vmap``), then a public agreement check: a run
 whose subspace is within 2α of at least 0.6T − 1 other runs is returned; if none is, ⊥. Failure
@@ -24,7 +24,12 @@ C3 = 45.0      # PROPOSED: T = ⌈45 ln(1/β)⌉ (Chernoff with KL(0.6 ‖ 0.7) 
 
 
 def num_blocks_for(beta: float, c3: float = C3) -> int:
-  """``T = ⌈c3 · ln(1/β)⌉`` DPASE runs (PROPOSED c3 = 45, ALGORITHMS.md §2.3)."""
+  """``T = ⌈c3 · ln(1/β)⌉`` DPASE runs (PROPOSED c3 = 45, docs/algorithms.md §2.3).
+
+  References:
+    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021,
+    Algorithm 3 (DPASEB), Thm E.1; docs/algorithms.md §2.3.
+  """
   beta = v.check_probability(beta, "beta", open_high=True)
   return max(1, math.ceil(v.check_positive(c3, "c3") * math.log(1.0 / beta)))
 

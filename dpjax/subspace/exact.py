@@ -1,4 +1,4 @@
-"""DPESE — the DP Exact Subspace Estimator ([SS21] Algorithm 1; ALGORITHMS.md §2.1).
+"""DPESE — the DP Exact Subspace Estimator ([SS21] Algorithm 1; docs/algorithms.md §2.1).
 
 For data of which all but ℓ rows lie in one k-dimensional subspace, DPESE outputs that subspace
 exactly with ``n = O(ℓ + ln(1/δ)/ε)`` rows, whatever d. Every k-dim subspace gets the score
@@ -107,7 +107,7 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
           unsafe_paper_variant: bool = False, ell: int | None = None) -> SubspaceResult:
   """Learns a subspace that contains all but a few rows, exactly, with DPESE.
 
-  Default (thresholded GAP-MAX, ALGORITHMS.md §2.1 [DERIVED]): score every distinct k-dim
+  Default (thresholded GAP-MAX, docs/algorithms.md §2.1 [DERIVED]): score every distinct k-dim
   subspace spanned by k rows, take the top two scores u1 ≥ u2 (u2 = 0 with one candidate),
   ``g = max(0, u1 − u2 − 1)``, and release the top subspace iff ``g + Z ≥ K`` with ``Z`` exact
   discrete truncated Laplace (:func:`dpjax.mechanisms.gap_max`), else ⊥. The candidates reach
@@ -133,7 +133,7 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
   ``ℓ + 4 ln(1/δ)/ε + 1``, TLap noise on every candidate's gap, argmax). It is NOT (ε, δ)-DP for
   data-dependent candidate sets: with two competing subspaces every gap is 0 and the output is a
   near-uniform draw from candidates, a fraction ≈ k/n of which exist only because of one row
-  (ALGORITHMS.md §2.1 CAUTION; tests/subspace/test_exact.py demonstrates it). For replication
+  (docs/algorithms.md §2.1 CAUTION; tests/subspace/test_exact.py demonstrates it). For replication
   only.
 
   Args:

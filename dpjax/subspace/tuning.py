@@ -1,4 +1,4 @@
-"""Simulation-based tuning of DPASE's public parameters on public model data (ALGORITHMS.md §2.2).
+"""Simulation-based tuning of DPASE's public parameters on public model data (docs/algorithms.md §2.2).
 
 Nothing here touches private data: the tuner generates data from the paper's model at the user's
 public configuration, so its choice costs no privacy budget.
@@ -29,7 +29,7 @@ def calibrate_cell_length(key: jax.Array, *, n: int, d: int, k: int, gamma: floa
                           epsilon: float, delta: float, alpha: float = 0.1,
                           grid: np.ndarray | None = None, trials: int = 10,
                           dtype=None, **dpase_kwargs) -> CellLengthCalibration:
-  """Chooses DPASE's cell length ``ℓ`` by simulation on public model data (ALGORITHMS.md §2.2).
+  """Chooses DPASE's cell length ``ℓ`` by simulation on public model data (docs/algorithms.md §2.2).
 
   Generates ``trials`` datasets from the paper's model with the user's *public* configuration
   ``(n, d, k, γ)`` (:func:`dpjax.data.approximate_subspace_data`), runs DPASE with every ``ℓ`` in
@@ -39,6 +39,10 @@ def calibrate_cell_length(key: jax.Array, *, n: int, d: int, k: int, gamma: floa
 
   Returns:
     :class:`CellLengthCalibration`.
+
+  References:
+    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021,
+    Algorithm 2 and Lemma D.3 (the cell length ℓ); docs/algorithms.md §2.2.
   """
   key = v.check_key(key)
   alpha = v.check_positive(alpha, "alpha")

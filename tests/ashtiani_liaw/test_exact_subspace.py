@@ -1,4 +1,4 @@
-"""The Ashtiani–Liaw exact subspace learner (ALGORITHMS.md §3.3): exact recovery of range(Σ),
+"""The Ashtiani–Liaw exact subspace learner (docs/algorithms.md §3.3): exact recovery of range(Σ),
 the threshold edge, ⊥ cases, robustness, determinism and clear errors."""
 
 import math

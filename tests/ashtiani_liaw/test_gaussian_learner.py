@@ -1,4 +1,4 @@
-"""learn_covariance (AL + CoinPress) and learn_gaussian (ALGORITHMS.md §3.5–3.6) on model data."""
+"""learn_covariance (AL + CoinPress) and learn_gaussian (docs/algorithms.md §3.5–3.6) on model data."""
 
 import jax
 import numpy as np

@@ -1,4 +1,4 @@
-"""The covariance masking mechanism M_η(Σ) = S(I + ηG)(I + ηG)ᵀSᵀ (ALGORITHMS.md §3.4).
+"""The covariance masking mechanism M_η(Σ) = S(I + ηG)(I + ηG)ᵀSᵀ (docs/algorithms.md §3.4).
 
 Covers: the output law against its definition (moments in closed form, two-sample KS tests of
 whitened statistics against a direct NumPy simulation of W Wᵀ), the square-root invariance claim,

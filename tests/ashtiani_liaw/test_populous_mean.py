@@ -1,4 +1,4 @@
-"""PPME (ALGORITHMS.md §3.2) and its two instances: the Euclidean mean with Gaussian masking
+"""PPME (docs/algorithms.md §3.2) and its two instances: the Euclidean mean with Gaussian masking
 (``ppme_mean``) and the Ashtiani–Liaw covariance learner (``al_covariance``, §3.5).
 
 Covers the threshold constraints, the calibration formulas (γ, test level, minimal k), the generic

@@ -1,4 +1,4 @@
-"""Robust private learners ([AL22] §6–7, ALGORITHMS.md §3.7) under a corrupted fraction."""
+"""Robust private learners ([AL22] §6–7, docs/algorithms.md §3.7) under a corrupted fraction."""
 
 import jax
 import numpy as np

@@ -1,4 +1,4 @@
-"""The affine-invariant semimetric and its batched closeness predicates (ALGORITHMS.md §3.1).
+"""The affine-invariant semimetric and its batched closeness predicates (docs/algorithms.md §3.1).
 
 Every check compares against an independent NumPy/SciPy reference (generalised eigenvalues of the
 pencil (B, A)) or against a property the spec states; nothing is a hard-coded result. float64

@@ -1,4 +1,4 @@
-"""Floating-point leak detectors (issue 10 §1, §3; ALGORITHMS.md §1.10; Mironov 2012).
+"""Floating-point leak detectors (issue 10 §1, §3; docs/algorithms.md §1.10; Mironov 2012).
 
 Two detectors from ``dpjax.audit``:
 

@@ -1,4 +1,4 @@
-"""Privacy audits of every mechanism and learner in dpjax (ALGORITHMS.md §7).
+"""Privacy audits of every mechanism and learner in dpjax (docs/algorithms.md §7).
 
 Each audit runs the library's own public function many times on neighbouring inputs chosen to
 stress its proof, and checks that the empirical lower bound on ε does not exceed the claim.
@@ -180,7 +180,7 @@ def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
 
 
 def test_dpese_two_competing_planes(audit_trials):
-  """ALGORITHMS.md §2.1's counterexample: two planes with equal support; X' replaces the last
+  """docs/algorithms.md §2.1's counterexample: two planes with equal support; X' replaces the last
   row by a generic point. The thresholded DPESE must stay within (ε, δ)."""
   n = audit_trials(60, 600)
   rng = np.random.default_rng(0)

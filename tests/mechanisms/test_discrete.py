@@ -1,4 +1,4 @@
-"""Discrete Laplace (ALGORITHMS.md §1.4): pmf (chi-square), tail, mechanism, guards, errors."""
+"""Discrete Laplace (docs/algorithms.md §1.4): pmf (chi-square), tail, mechanism, guards, errors."""
 
 import math
 

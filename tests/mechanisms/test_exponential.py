@@ -1,4 +1,4 @@
-"""The exponential mechanism by Gumbel-max (ALGORITHMS.md §1.7)."""
+"""The exponential mechanism by Gumbel-max (docs/algorithms.md §1.7)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Thresholded GAP-MAX (ALGORITHMS.md §1.6)."""
+"""Thresholded GAP-MAX (docs/algorithms.md §1.6)."""
 
 import math
 

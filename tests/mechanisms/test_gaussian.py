@@ -1,4 +1,4 @@
-"""The Gaussian mechanism (ALGORITHMS.md §1.2): analytic and classic calibrations, sampler law."""
+"""The Gaussian mechanism (docs/algorithms.md §1.2): analytic and classic calibrations, sampler law."""
 
 import math
 

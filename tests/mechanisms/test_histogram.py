@@ -1,4 +1,4 @@
-"""The stability-based histogram (ALGORITHMS.md §1.5)."""
+"""The stability-based histogram (docs/algorithms.md §1.5)."""
 
 import math
 

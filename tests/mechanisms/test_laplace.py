@@ -1,4 +1,4 @@
-"""The Laplace mechanism (ALGORITHMS.md §1.1): scale, sampler law, dtypes, keys, errors."""
+"""The Laplace mechanism (docs/algorithms.md §1.1): scale, sampler law, dtypes, keys, errors."""
 
 import jax
 import jax.numpy as jnp

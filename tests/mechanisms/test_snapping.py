@@ -1,4 +1,4 @@
-"""Mironov's snapping mechanism (ALGORITHMS.md §1.10)."""
+"""Mironov's snapping mechanism (docs/algorithms.md §1.10)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Truncated Laplace TLap(Δ, ε, δ) (ALGORITHMS.md §1.3): constants, δ identity, sampler law."""
+"""Truncated Laplace TLap(Δ, ε, δ) (docs/algorithms.md §1.3): constants, δ identity, sampler law."""
 
 import math
 

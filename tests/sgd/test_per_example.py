@@ -1,4 +1,4 @@
-"""Per-example gradients, global-norm clipping and the fused clipped sum (ALGORITHMS.md §6.1)."""
+"""Per-example gradients, global-norm clipping and the fused clipped sum (docs/algorithms.md §6.1)."""
 
 import jax
 import jax.numpy as jnp

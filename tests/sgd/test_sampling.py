@@ -1,4 +1,4 @@
-"""Poisson sampling laid out in padded micro-batches, never truncated (ALGORITHMS.md §6.1)."""
+"""Poisson sampling laid out in padded micro-batches, never truncated (docs/algorithms.md §6.1)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The private training loop (ALGORITHMS.md §6): budgets, subspace sources, fallbacks.
+"""The private training loop (docs/algorithms.md §6): budgets, subspace sources, fallbacks.
 
 All runs share one data shape, loss, clip norm and optimiser so that the jitted steps (and DPASE)
 compile once for the whole module.

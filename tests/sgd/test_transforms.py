@@ -1,4 +1,4 @@
-"""optax noise transformations: DP-SGD and subspace DP-SGD (ALGORITHMS.md §6.1, §6.2)."""
+"""optax noise transformations: DP-SGD and subspace DP-SGD (docs/algorithms.md §6.1, §6.2)."""
 
 import math
 

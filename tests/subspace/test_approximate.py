@@ -1,4 +1,4 @@
-"""Tests for DPASE (dpjax.subspace.approximate; ALGORITHMS.md §2.2)."""
+"""Tests for DPASE (dpjax.subspace.approximate; docs/algorithms.md §2.2)."""
 
 import math
 
@@ -22,7 +22,7 @@ def _model(seed=0, n=N, d=D, k=K, gamma=GAMMA):
 
 
 def test_parameters_match_the_spec_examples():
-  # ALGORITHMS.md §2.2: ε=1, δ=1e-6 → t=37; ε=0.5, δ=1e-6 → t=73; ε=2, δ=1e-8 → t=25. The
+  # docs/algorithms.md §2.2: ε=1, δ=1e-6 → t=37; ε=0.5, δ=1e-6 → t=73; ε=2, δ=1e-8 → t=25. The
   # spec's figures use the continuous-Laplace threshold τ = 1 + (2/ε) ln(1/(2δ)); the integer
   # threshold of the (only) discrete noise is at most one count higher, so t is one more.
   for (eps, delta), spec in {(1.0, 1e-6): 37, (0.5, 1e-6): 73, (2.0, 1e-8): 25}.items():

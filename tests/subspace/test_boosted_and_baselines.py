@@ -1,4 +1,4 @@
-"""DPASEB (ALGORITHMS.md §2.3) and the Analyze Gauss / non-private PCA baselines."""
+"""DPASEB (docs/algorithms.md §2.3) and the Analyze Gauss / non-private PCA baselines."""
 
 import math
 

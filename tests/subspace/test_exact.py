@@ -1,4 +1,4 @@
-"""DPESE (ALGORITHMS.md §2.1): exact recovery, robustness, ⊥ cases, the guard, and the privacy
+"""DPESE (docs/algorithms.md §2.1): exact recovery, robustness, ⊥ cases, the guard, and the privacy
 failure of the printed algorithm."""
 
 import jax
@@ -62,7 +62,7 @@ def test_enumeration_guard():
 
 
 def test_printed_algorithm_is_not_private_on_two_planes():
-  """ALGORITHMS.md §2.1: on X the printed algorithm outputs a plane through the last row with
+  """docs/algorithms.md §2.1: on X the printed algorithm outputs a plane through the last row with
   probability ≈ 0.02; on X' (that row replaced by a generic point) such planes do not exist, so
   the probability is 0 — far above δ = 1e-3. The thresholded default never outputs them."""
   rng = np.random.default_rng(2)
