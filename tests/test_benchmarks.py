@@ -1,0 +1,87 @@
+"""The speed benchmarks run with every documented option at tiny sizes, and their NumPy baselines
+compute the same thing as dpjax. No timing is asserted: timings belong to the benchmarks' output."""
+
+import importlib
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpjax import linalg
+from dpjax.ashtiani_liaw import closeness_matrix
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name):
+  if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))     # the scripts import their shared _timing module
+  return importlib.import_module(name)
+
+
+def test_numpy_top_k_matches_dpjax():
+  bench = _load("dpase_speed")
+  rng = np.random.default_rng(0)
+  for m, d in ((6, 9), (12, 5)):            # Gram route (m < d) and covariance route
+    blocks = rng.standard_normal((3, m, d)).astype(np.float32)
+    ours = bench.numpy_top_k(blocks, 2)
+    theirs = linalg.batched_top_k_subspaces(jnp.asarray(blocks), 2)
+    np.testing.assert_allclose(ours, np.asarray(theirs), atol=1e-4)   # same signs (QR fix)
+
+
+@pytest.mark.parametrize("shape", [("600", "40"), ("1500", "8")])   # m < d, then m ≥ d
+def test_dpase_speed_options(tmp_path, shape):
+  pytest.importorskip("threadpoolctl")
+  n, d = shape
+  path = tmp_path / "out.json"
+  out = _load("dpase_speed").main(
+      ["--quick", "--n", n, "--d", d, "--k", "2", "--epsilon", "2", "--delta", "1e-5",
+       "--gamma", "1e-6", "--repeats", "1", "--blas-threads", "1", "--json", str(path)])
+  saved = json.loads(path.read_text())
+  assert saved["summary"]["speedup_vs_numpy"] == out["summary"]["speedup_vs_numpy"] > 0
+  assert saved["config"]["route"] == ("gram" if shape[0] == "600" else "covariance")
+  assert set(saved["summary"]["gflops"]) == {"gram", "eigh", "matmul"}
+  assert all(e < 0.5 for e in saved["summary"]["dpjax_errors"] + saved["summary"]["numpy_errors"])
+
+
+def test_closeness_baselines_match_dpjax():
+  bench = _load("covariance")
+  rng = np.random.default_rng(1)
+  for d in (3, 14):                         # both of dpjax's Cholesky paths (d ≤ 12 and d > 12)
+    X = rng.standard_normal((9, 4 * d, d))
+    Y = np.einsum("kmi,kmj->kij", X, X) / (4 * d)
+    Y[4] = np.diag(np.r_[np.ones(d - 1), 0.0])          # singular: close to nothing
+    with jax.enable_x64(True):
+      ours = np.asarray(closeness_matrix(jnp.asarray(Y), 1.5))
+    assert 0 < ours.sum() < ours.size and not ours[4].any()
+    np.testing.assert_array_equal(bench.numpy_closeness_loop(Y, 1.5), ours)
+    np.testing.assert_array_equal(bench.numpy_closeness_batched(Y, 1.5, chunk_bytes=1), ours)
+
+
+def test_covariance_speed_options(tmp_path):
+  pytest.importorskip("threadpoolctl")
+  path = tmp_path / "out.json"
+  out = _load("covariance").main(
+      ["--speed-only", "--speed-dims", "4,13", "--speed-k", "7", "--repeats", "1",
+       "--blas-threads", "1", "--seed", "3", "--json", str(path)])
+  saved = json.loads(path.read_text())
+  assert set(saved["summary"]["pairwise_speedup_vs_numpy"]) == {"4", "13"}
+  for sp in out["pairwise"]:
+    assert sp["mismatched_pairs"] == {"loop": 0, "batched": 0} and sp["counts_agree"]
+    assert len(sp["results"]) == 4
+
+
+@pytest.mark.slow
+def test_covariance_accuracy_options(tmp_path):
+  pytest.importorskip("matplotlib")
+  path, plot = tmp_path / "out.json", tmp_path / "fig.png"
+  _load("covariance").main(
+      ["--quick", "--dims", "3", "--trials", "1", "--epsilon", "1000", "--delta", "1e-5",
+       "--seed", "2", "--speed-dims", "3", "--speed-k", "4", "--repeats", "1",
+       "--json", str(path), "--plot", str(plot)])
+  saved = json.loads(path.read_text())
+  assert saved["config"]["dims"] == [3] and saved["gaussian"] and plot.stat().st_size > 0
