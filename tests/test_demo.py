@@ -57,6 +57,7 @@ def _check_schema(report, *, epsilon, delta):
   assert f"other {n_rest}" in note and "public only because this experiment" in note
 
 
+@pytest.mark.slow
 def test_demo_epsilon_1_finishes_and_writes_json_and_plot(tmp_path, capsys):
   # Issue 10 §5: at ε = 1 DPASE's share asked for more subsets than digits has rows, and the
   # ValueError ended the run with no JSON and no plot.
@@ -82,6 +83,7 @@ def test_demo_epsilon_1_finishes_and_writes_json_and_plot(tmp_path, capsys):
   assert "not_runnable" in printed if private["status"] == "not_runnable" else True
 
 
+@pytest.mark.slow
 def test_demo_runs_every_other_option(user_data, tmp_path):
   # --data, --delta, --k, --steps, --batch-size, --clip-norm, --learning-rate, --hidden,
   # --public-fraction, --gamma, --subspace-epsilon-fraction, --refresh-every, --eval-every,
@@ -105,6 +107,7 @@ def test_demo_runs_every_other_option(user_data, tmp_path):
   assert demo.exit_status(report) == 0
 
 
+@pytest.mark.slow
 def test_a_failing_run_is_recorded_and_the_others_are_written(user_data, tmp_path,
                                                                monkeypatch, capsys):
   real = training.train_dp_sgd

@@ -4,6 +4,8 @@ import json
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +42,7 @@ def test_readme_privatizer_example_runs():
   assert ns["dp"].budget.epsilon <= 2.0 + 1e-9
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs():
   nb = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text())
   code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
@@ -47,6 +50,7 @@ def test_quickstart_notebook_runs():
   assert ns["out"].subspace_ok is True and ns["out"].history[-1]["accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_private_subspaces_notebook_runs_reduced(monkeypatch):
   monkeypatch.setenv("DPJAX_NOTEBOOK_QUICK", "1")
   nb = json.loads((ROOT / "notebooks" / "private_subspaces.ipynb").read_text())
@@ -56,6 +60,7 @@ def test_private_subspaces_notebook_runs_reduced(monkeypatch):
   assert all(r[1] < 0.1 for r in ns["rows"])                 # DPASE accurate at every d
 
 
+@pytest.mark.slow
 def test_private_gaussians_notebook_runs_reduced(monkeypatch):
   monkeypatch.setenv("DPJAX_NOTEBOOK_QUICK", "1")
   nb = json.loads((ROOT / "notebooks" / "private_gaussians.ipynb").read_text())

@@ -39,6 +39,7 @@ def test_ledger_enforces_one_relation():
     ledger.record_event("gaussian")
 
 
+@pytest.mark.slow
 def test_dpase_and_training_record_into_a_ledger():
   import jax
   import jax.numpy as jnp

@@ -123,7 +123,8 @@ TRACED = {
         k, 50, 5, 2, gamma=0.1)[0], VEC),
     "exact_subspace_data": (lambda k, _: dpjax.data.exact_subspace_data(k, 50, 5, 2)[0], VEC),
 }
-SLOW = {"al_covariance", "learn_covariance", "learn_gaussian", "robust_covariance"}
+SLOW = {"al_covariance", "learn_covariance", "learn_gaussian", "robust_covariance", "dpaseb",
+        "private_gradient_subspace", "dpase"}
 
 KEYS = jax.random.split(jax.random.key(7), 2)
 

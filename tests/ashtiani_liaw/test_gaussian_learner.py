@@ -80,6 +80,7 @@ def test_learn_gaussian_subspace_bottom_on_disagreeing_groups():
   assert not res.ok and res.failed_step_name == "subspace"
 
 
+@pytest.mark.slow
 def test_learn_covariance_refinement_beats_the_preconditioner():
   rng = np.random.default_rng(6)
   d = 3

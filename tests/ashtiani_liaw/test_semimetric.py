@@ -214,8 +214,9 @@ def _candidates(seed, k, d, *, num_singular=0, T=None):
   return Ys, ref, list(singular)
 
 
-@pytest.mark.parametrize("k,block_size", [(1, None), (7, 3), (13, 4), (20, 8), (20, None),
-                                          (6, 64)])
+@pytest.mark.parametrize("k,block_size", [
+    (1, None), (7, 3), pytest.param(13, 4, marks=pytest.mark.slow),
+    pytest.param(20, 8, marks=pytest.mark.slow), (20, None), (6, 64)])
 def test_closeness_matrix_matches_brute_force(k, block_size):
   d, r = 3, 0.25
   Ys, _, singular = _candidates(k * 7 + (block_size or 0), k, d, num_singular=min(2, k - 1))
@@ -315,7 +316,8 @@ def test_euclidean_neighbour_counts_match_brute_force(k, p, block_size, offset, 
 # ------------------------------------------------------------------------- _cholesky_succeeds
 
 
-@pytest.mark.parametrize("d", [1, 2, 3, 5, 8, 12, 16, 24])   # unrolled (d ≤ 12) and LAPACK paths
+@pytest.mark.parametrize("d", [1, 2, 3, 5, pytest.param(8, marks=pytest.mark.slow), 12,   # unrolled
+                               pytest.param(16, marks=pytest.mark.slow), 24])  # LAPACK paths
 def test_cholesky_succeeds_agrees_with_eigenvalues(d):
   rng = np.random.default_rng(80 + d)
   batch = 400

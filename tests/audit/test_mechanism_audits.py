@@ -2,7 +2,9 @@
 
 Each audit runs the library's own public function many times on neighbouring inputs chosen to
 stress its proof, and checks that the empirical lower bound on ε does not exceed the claim.
-Reduced trial counts by default; ``pytest -m audit --audit-full`` runs full counts.
+Reduced trial counts by default; ``--audit-full`` (and the full suite, ``--run-slow``) runs full
+counts. Negative controls (a deliberately broken variant that the same audit must flag) show that
+an audit has power; they are not in EXPECTED.
 """
 
 import math
@@ -138,7 +140,7 @@ def test_dpase_replaced_row_breaks_a_subset(audit_trials):
   That puts the t/2 rule and the histogram threshold on the edge, where ⊥ versus an answer is
   decided; the feature is the ok flag together with the released basis' first entry.
   """
-  n = audit_trials(300, 3_000)
+  n = audit_trials(2_000, 30_000)
   eps, delta = 1.0, 0.02
   t = approximate.num_subsets_for(eps, delta)
   m, d, k = 12, 6, 1
@@ -157,9 +159,42 @@ def test_dpase_replaced_row_breaks_a_subset(audit_trials):
   _check("DPASE", eps, rep.epsilon_lower_bound, n)
 
 
+def _dpase_at_the_half_rule(histogram_epsilon_factor):
+  """DPASE (ε = 1, δ = 1e-3, t = 23 subsets of 12 rows) on exact-subspace data with ⌊t/2⌋ huge
+  outlier rows; X' adds one more. On X at most ⌊t/2⌋ subsets are broken, so the winning count
+  is ≥ t/2; on X' all ⌊t/2⌋ + 1 outliers land in distinct subsets (the random partition) with
+  probability ≈ 0.03, and then the noiseless count is below t/2: ⊥. That event is δ-visible
+  only without the histogram's noise. ``histogram_epsilon_factor`` > 1 runs the histogram with
+  that much less noise (and its lower threshold) than the claim pays for: a negative control."""
+  eps, delta, m, d, k = 1.0, 1e-3, 12, 6, 1
+  t = approximate.num_subsets_for(eps, delta)
+  X, _ = data.exact_subspace_data(jax.random.key(6), t * m, d, k)
+  outliers = jax.random.normal(jax.random.key(7), (t, d)) * 1e3
+  X = X.at[:t // 2].set(outliers[:t // 2])
+  X_prime = X.at[t // 2].set(outliers[t // 2])
+  params = approximate.dpase_parameters(t * m, d, k, epsilon=eps, delta=delta, cell_length=0.05)
+
+  def run(key, rows):
+    ok, basis, _ = approximate.dpase_core(key, rows, params, k=k,
+                                          epsilon=eps * histogram_epsilon_factor, delta=delta)
+    return jnp.where(ok, jnp.round(jnp.abs(basis[0, 0]), 2), -1.0)
+  return run, X, X_prime, eps, delta
+
+
+def test_dpase_audit_catches_too_little_histogram_noise(audit_trials):
+  """Negative control (not in EXPECTED): DPASE passes at the t/2 edge; with its histogram noise
+  ten times too small (scale 0.2 instead of 2) the same audit flags it."""
+  n = audit_trials(5_000, 50_000)
+  for factor, seed, private in ((1.0, 21, True), (10.0, 22, False)):
+    run, X, X_prime, eps, delta = _dpase_at_the_half_rule(factor)
+    rep = audit.audit(jax.random.key(seed), run, X, X_prime, delta=delta, epsilon_claimed=eps,
+                      trials=n)
+    assert rep.passed == private, (factor, rep)
+
+
 def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
   """One block's DPASE is pushed to ⊥ by huge outliers; X' adds one more in that region."""
-  n = audit_trials(200, 2_000)
+  n = audit_trials(1_000, 20_000)
   eps, delta, T = 1.0, 0.02, 3
   t = approximate.num_subsets_for(eps, delta)
   block = t * 12
@@ -175,14 +210,14 @@ def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
     return jnp.where(res.ok, jnp.round(jnp.abs(res.basis[0, 0]), 2), -1.0)
 
   rep = audit.audit(jax.random.key(13), run, X, X_prime, delta=delta, epsilon_claimed=eps,
-                    trials=n, vectorized=False)
+                    trials=n)
   _check("DPASEB", eps, rep.epsilon_lower_bound, n)
 
 
 def test_dpese_two_competing_planes(audit_trials):
   """docs/algorithms.md §2.1's counterexample: two planes with equal support; X' replaces the last
   row by a generic point. The thresholded DPESE must stay within (ε, δ)."""
-  n = audit_trials(60, 600)
+  n = audit_trials(60, 1_000)
   rng = np.random.default_rng(0)
   X = np.zeros((40, 6))
   X[:20, :2] = rng.standard_normal((20, 2))

@@ -61,6 +61,7 @@ def test_singleton_release_frequency_matches_the_exact_probability(neighbouring)
   assert low <= exact <= high and exact <= delta
 
 
+@pytest.mark.slow
 def test_popular_bin_is_released_first_and_small_bins_stay_hidden():
   items = jnp.array([[1, 2]] * 80 + [[5, 5]] * 3 + [[7, 0]], jnp.int32)
   keys = jax.random.split(jax.random.key(1), 50)

@@ -57,6 +57,7 @@ def test_public_subspace_captures_an_exactly_low_rank_gradient_space():
   assert float(metrics.projection_distance(res.basis, B)) < 1e-3
 
 
+@pytest.mark.slow
 def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_remove():
   X, y, B = _logistic(8_000)
   res = ss.private_gradient_subspace(jax.random.key(5), _loss, jnp.zeros(20), (X, y), k=3,
@@ -66,6 +67,7 @@ def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_rem
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
 
 
+@pytest.mark.slow
 def test_private_subspace_is_bottom_on_isotropic_gradients_and_still_pays():
   X = jax.random.normal(jax.random.key(6), (8_000, 20))
   y = (X[:, 0] > 0).astype(jnp.float32)

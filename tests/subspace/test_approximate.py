@@ -133,6 +133,7 @@ def test_laplace_noise_option_is_refused():
                       noise="laplace")
 
 
+@pytest.mark.slow
 def test_float64():
   with jax.enable_x64(True):
     X, model = data.approximate_subspace_data(jax.random.key(15), N, D, K, gamma=GAMMA,
@@ -142,6 +143,7 @@ def test_float64():
     assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
 
 
+@pytest.mark.slow
 def test_calibrate_cell_length_picks_the_best_grid_point():
   cal = tuning.calibrate_cell_length(jax.random.key(17), n=3_000, d=10, k=1, gamma=1e-3,
                                           epsilon=EPS, delta=DELTA, trials=3,

@@ -19,6 +19,7 @@ def test_num_blocks_rule():
     num_blocks_for(0.0)
 
 
+@pytest.mark.slow
 def test_dpaseb_succeeds_where_single_dpase_does():
   # Per block (n/T rows): the configuration of tests/subspace/test_approximate.py, where a
   # single DPASE succeeds with probability ≥ 0.7 (measured: 50/50).
@@ -30,6 +31,7 @@ def test_dpaseb_succeeds_where_single_dpase_does():
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(2), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_dpaseb_bottom_when_blocks_disagree():
   """Isotropic data and huge cells: every run answers, each with a random subspace: ⊥."""
   X = jax.random.normal(jax.random.key(2), (12 * 1_000, 20))

@@ -17,6 +17,7 @@ def _recovered(res, B):
       B.shape[0] * res.info["snap_scale"]          # exact up to the public snapping grid
 
 
+@pytest.mark.slow
 def test_exact_recovery_in_general_position_with_adversarial_rows():
   for seed, outliers in [(0, 0), (1, 3), (2, 6)]:
     X, B = data.exact_subspace_data(jax.random.key(seed), 100, 8, 2, num_outliers=outliers)
@@ -104,6 +105,7 @@ def test_unsafe_variant_requires_ell_and_bad_inputs():
     dpese(jax.random.key(0), np.full((5, 3), np.nan), epsilon=1.0, delta=1e-6, k=1)
 
 
+@pytest.mark.slow
 def test_tied_candidates_are_not_broken_by_row_order():
   """Regression (issue 10 §7): GAP-MAX breaks ties by list position and the candidates were
   listed in row order, so with two equally supported planes the plane whose rows came first was
