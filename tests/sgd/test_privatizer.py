@@ -157,3 +157,15 @@ def test_interoperates_with_jax_privacy_clipped_grad():
                              np.asarray(dp_ours.clipped_sum(params, DATA, key)),
                              rtol=1e-4, atol=1e-4)
   assert theirs.sensitivity(NeighboringRelation.ADD_OR_REMOVE_ONE) == ours.sensitivity()
+
+
+def test_the_pld_accountant_option():
+  grad_fn = dpjax.sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  kw = dict(num_examples=N, expected_batch_size=40, steps=5, key=jax.random.key(0))
+  rdp = dpjax.sgd.dp_sgd_privatizer(grad_fn, noise_multiplier=1.0, **kw)
+  pld = dpjax.sgd.dp_sgd_privatizer(grad_fn, noise_multiplier=1.0, accountant="pld", **kw)
+  assert pld.budget.epsilon == pytest.approx(
+      accounting.dpsgd_epsilon(1.0, 40 / N, 5, 1e-5, accountant="pld"))
+  assert pld.budget.epsilon <= rdp.budget.epsilon                    # PLD is the tighter one
+  with pytest.raises(ValueError, match="accountant"):
+    dpjax.sgd.dp_sgd_privatizer(grad_fn, noise_multiplier=1.0, accountant="gdp", **kw)
