@@ -188,11 +188,15 @@ def _subspace_noise(batch, key, basis=None, base_std=None,
     del params
     next_key, noise_key = jax.random.split(state.key)
     flat, unravel = ravel_pytree(updates)
-    V = state.basis.astype(flat.dtype)
-    noise = jax.random.normal(noise_key, (V.shape[1],), flat.dtype)
-    coefficients = V.T @ flat + state.noise_std.astype(flat.dtype) * noise
-    return (unravel(V @ coefficients / jnp.asarray(batch, flat.dtype)),
-            state._replace(key=next_key))
+    # The released k-vector is computed with V as stored (at least float32), never with V cast
+    # down to 16-bit gradients: basis_norm_bound covers V's own values (and a float32 cast),
+    # not a 16-bit rounding of them. Casting the noisy result back is post-processing.
+    dtype = jnp.promote_types(jnp.promote_types(flat.dtype, state.basis.dtype), jnp.float32)
+    V = state.basis.astype(dtype)
+    noise = jax.random.normal(noise_key, (V.shape[1],), dtype)
+    coefficients = V.T @ flat.astype(dtype) + state.noise_std.astype(dtype) * noise
+    out = (V @ coefficients / jnp.asarray(batch, dtype)).astype(flat.dtype)
+    return unravel(out), state._replace(key=next_key)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

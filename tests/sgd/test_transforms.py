@@ -251,3 +251,17 @@ def test_update_basis_works_on_a_chain_and_rescales_the_noise():
     transforms.update_basis(state, 2 * V)
   with pytest.raises(ValueError, match="SubspaceNoiseState"):
     transforms.update_basis(optax.sgd(0.1).init(jnp.zeros(p)), V)
+
+
+def test_16_bit_gradients_keep_the_basis_precision():
+  """bfloat16/float16 updates: the k-vector is released with V as stored (float32), so the
+  noise bound ν̂ ≥ ‖V‖₂ still holds; the update comes back in the gradients' dtype."""
+  V = _basis(jax.random.key(1), 40, 3)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    tx = transforms.subspace_dp_gaussian_noise(V, clip_norm=1.0, noise_multiplier=0.0,
+                                               expected_batch_size=1.0, key=jax.random.key(2))
+    g = jnp.ones(40, dtype)
+    out, _ = tx.update(g, tx.init(g))
+    assert out.dtype == dtype
+    expected = np.asarray(V, np.float64) @ (np.asarray(V, np.float64).T @ np.ones(40))
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2e-2, atol=2e-2)
