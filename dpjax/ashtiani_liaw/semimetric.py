@@ -60,67 +60,52 @@ def psd_distance(A: jax.Array, B: jax.Array) -> jax.Array:
   return jnp.where(ok & (lo > 0), dist, jnp.inf)
 
 
-def closeness_matrix(Y: jax.Array, radius: float, *, block_size: int | None = None) -> jax.Array:
+def closeness_matrix(Y: jax.Array, radius: float, *, chunk_size: int | None = None) -> jax.Array:
   """The k×k boolean matrix ``close(i, j) ⟺ dist(Y_i, Y_j) ≤ radius`` (module predicate).
 
-  Pairs are evaluated in tiles, two batched Cholesky success tests per pair (module docstring),
-  with the batch axes last so that the factorisations vectorise (no whitening, no eigensolver:
-  about ``2d³/3`` flops per pair); memory ``O(block_size² d²)``.
+  Each pair ``i ≤ j`` is evaluated once (:func:`_scan_pairs`): the first Cholesky test on every
+  pair, the second only on the pairs that passed the first (a failed test decides the pair), in
+  batched factorisations of ``chunk_size`` pairs; about ``2d³/3`` flops per factorisation, no
+  whitening and no eigensolver. Memory ``O(k² + chunk_size·d²)``.
 
   Args:
     Y: ``(k, d, d)`` symmetric candidates.
-    radius: closeness radius ``r ≥ 0`` (Python float).
-    block_size: pairs are evaluated in ``block_size × block_size`` tiles (default: 128 for
-      d ≤ 12, else 64; measured fastest on CPU).
+    radius: closeness radius ``r ≥ 0``.
+    chunk_size: pairs per batched factorisation (default :func:`_default_chunk`); the answer does
+      not depend on it.
 
   Returns:
     ``(k, k)`` bool, symmetric.
   """
   k = Y.shape[0]
-  block_size = _default_block(Y, block_size)
-  tiles, pad, tile_close = _tile_predicate(Y, radius, block_size)
-  close = jax.lax.map(lambda t: tile_close(t)[2], jnp.asarray(tiles))   # (T, B, B), tiles I ≤ J
-  rows = (tiles[:, 0, None, None] * block_size + np.arange(block_size)[None, :, None])
-  cols = (tiles[:, 1, None, None] * block_size + np.arange(block_size)[None, None, :])
-  rows, cols = np.broadcast_to(rows, close.shape), np.broadcast_to(cols, close.shape)
-  upper = (rows <= cols) & (cols < k)
-  full = jnp.zeros((k + pad, k + pad), bool).at[rows, cols].set(close & upper)
-  full = full[:k, :k]
-  return full | full.T
+
+  def scatter(close, a, b, ok):
+    return close.at[a, b].set(ok, mode="drop").at[b, a].set(ok, mode="drop")
+
+  return _scan_pairs(Y, radius, chunk_size, jnp.zeros((k, k), bool), scatter)
 
 
-def neighbour_counts(Y: jax.Array, radius: float, *, block_size: int | None = None) -> jax.Array:
+def neighbour_counts(Y: jax.Array, radius: float, *, chunk_size: int | None = None) -> jax.Array:
   """``N_i = |{j : close(i, j)}|`` (j = i included) without materialising the k×k matrix.
 
-  Same predicate as :func:`closeness_matrix`; tiles are scanned and their row and column sums
-  accumulated, so memory is ``O(k + block_size² d²)``: this is PPME's ``k²`` step.
+  Same predicate and pair schedule as :func:`closeness_matrix`; each pair's answer is added to
+  both counts, so memory is ``O(k + chunk_size·d²)``: this is PPME's ``k²`` step.
 
   Args:
     Y: ``(k, d, d)`` symmetric candidates.
     radius: closeness radius ``r ≥ 0``.
-    block_size: tile size (default as in :func:`closeness_matrix`).
+    chunk_size: pairs per batched factorisation (default as in :func:`closeness_matrix`).
 
   Returns:
     ``(k,)`` int32 counts.
   """
   k = Y.shape[0]
-  block_size = _default_block(Y, block_size)
-  tiles, pad, tile_close = _tile_predicate(Y, radius, block_size)
-  idx = jnp.arange(block_size)
 
-  def body(counts, tile):
-    I, J = tile[0], tile[1]
-    sl_i, sl_j, c = tile_close(tile)
-    valid = (sl_i[:, None] < k) & (sl_j[None, :] < k)
-    # Diagonal tiles: count pairs i < j once in each direction and i = j once.
-    c = c & valid & ((I != J) | (idx[:, None] <= idx[None, :]))
-    off = c & (sl_i[:, None] != sl_j[None, :])
-    counts = counts.at[sl_i].add(jnp.sum(c, axis=1, dtype=jnp.int32))
-    counts = counts.at[sl_j].add(jnp.sum(off, axis=0, dtype=jnp.int32))
-    return counts, None
+  def count(counts, a, b, ok):
+    counts = counts.at[a].add(ok.astype(jnp.int32), mode="drop")
+    return counts.at[b].add((ok & (a != b)).astype(jnp.int32), mode="drop")
 
-  counts, _ = jax.lax.scan(body, jnp.zeros(k + pad, jnp.int32), jnp.asarray(tiles))
-  return counts[:k]
+  return _scan_pairs(Y, radius, chunk_size, jnp.zeros(k, jnp.int32), count)
 
 
 def euclidean_neighbour_counts(Y: jax.Array, radius: float, *,
@@ -141,7 +126,7 @@ def euclidean_neighbour_counts(Y: jax.Array, radius: float, *,
   # O(block_size·k·p), so the block is capped at ~2^24 elements (results do not depend on it).
   block_size = max(1, min(int(block_size), k, 2**24 // max(1, k * p)))
   pad = (-k) % block_size
-  Yp = _pad(Y, pad)
+  Yp = jnp.concatenate([Y, jnp.zeros((pad, p), Y.dtype)])
 
   def row_block(start):
     rows = jax.lax.dynamic_slice_in_dim(Yp, start, block_size)
@@ -152,63 +137,83 @@ def euclidean_neighbour_counts(Y: jax.Array, radius: float, *,
   return counts.reshape(-1)[:k]
 
 
-def _default_block(Y, block_size):
-  if block_size is None:
-    block_size = 128 if Y.shape[-1] <= 12 else 64
-  return min(int(block_size), max(1, Y.shape[0]))
+def _default_chunk(d: int) -> int:
+  """Pairs per batched factorisation: 4096 for the unrolled kernel (d ≤ 12, vector width), else
+  256 (one LAPACK call per matrix; the chunk only bounds the memory of the differences)."""
+  return 4096 if d <= _UNROLL_MAX_D else 256
 
 
-def _tiles(k: int, block_size: int) -> tuple[np.ndarray, int]:
-  """Upper-triangular tile pairs ``(I, J), I ≤ J`` and the padding that makes k a multiple."""
-  num = -(-k // block_size)
-  I, J = np.triu_indices(num)
-  return np.stack([I, J], axis=1).astype(np.int32), num * block_size - k
+# Pairs handled per step of the outer scan (a multiple of the chunk): bounds the index arrays.
+_CHUNKS_PER_STEP = 64
 
 
-def _pad(a: jax.Array, pad: int) -> jax.Array:
-  if pad == 0:
-    return a
-  if a.ndim == 3:                       # pad matrices with identities, keeping them well-formed
-    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), (pad,) + a.shape[1:])
-    return jnp.concatenate([a, eye])
-  return jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
+def _scan_pairs(Y, radius, chunk_size, init, accumulate):
+  """Evaluates ``close(a, b)`` for every pair ``a ≤ b`` once and folds the answers into ``init``.
 
+  The ``P = k(k+1)/2`` pairs are numbered in lower-triangular order (pair ``p`` is
+  ``(a, b) = (p − b(b+1)/2, b)``) and scanned in steps of ``S`` pairs. Within a step, the first
+  test ``Y_b − lo·Y_a ≻ 0`` runs on every pair in chunks; the pairs that passed are compacted
+  to the front and the second test ``hi·Y_a − Y_b ≻ 0`` runs on them only, chunk by chunk, in a
+  ``while_loop`` (the short-circuit: a pair that failed the first test is decided). Each matrix
+  is factorised on its own (``tests/test_batching.py``), so a pair's answer depends on
+  ``(Y_a, Y_b)`` alone, never on the chunk it lands in; only the run time depends on the data.
 
-def _tile_predicate(Y, radius, block_size):
-  """Tiles, padding, and ``tile -> (rows, cols, close)``."""
-  k = Y.shape[0]
-  tiles, pad = _tiles(k, block_size)
-  Yp = _pad(Y, pad)
+  Args:
+    accumulate: ``(carry, a (S,), b (S,), ok (S,) bool) -> carry``; padding pairs come with the
+      out-of-range index ``a = b = k`` and ``ok = False`` (scatter with ``mode="drop"``).
+  """
+  k, d = Y.shape[0], Y.shape[-1]
+  if k >= 2**16:
+    raise ValueError(f"at most 65535 candidates (int32 pair indices), got k={k}.")
+  num_pairs = k * (k + 1) // 2
+  chunk = max(1, min(int(chunk_size or _default_chunk(d)), num_pairs))
+  chunks = -(-num_pairs // chunk)
+  step = chunk * min(chunks, _CHUNKS_PER_STEP)
+  steps = -(-num_pairs // step)
+  offsets = jnp.asarray(np.arange(k) * (np.arange(k) + 1) // 2, jnp.int32)
   lo, hi = 1.0 / (1.0 + radius), 1.0 + radius
-  index = jnp.arange(k + pad)
 
-  def tile_close(tile):
-    i = jax.lax.dynamic_slice_in_dim(index, tile[0] * block_size, block_size)
-    j = jax.lax.dynamic_slice_in_dim(index, tile[1] * block_size, block_size)
-    return i, j, _block(Yp[i], Yp[j], lo, hi)
+  def first_test(ab):
+    return _cholesky_succeeds(Y[ab[1]] - lo * Y[ab[0]])
 
-  return tiles, pad, tile_close
+  def second_test(ab):
+    return _cholesky_succeeds(hi * Y[ab[0]] - Y[ab[1]])
+
+  def body(carry, s):
+    p = s * step + jnp.arange(step, dtype=jnp.int32)
+    valid = p < num_pairs
+    b = jnp.searchsorted(offsets, jnp.where(valid, p, 0), side="right").astype(jnp.int32) - 1
+    a = jnp.where(valid, p - offsets[b], 0)
+    ab = jnp.stack([a, b]).reshape(2, -1, chunk).transpose(1, 0, 2)       # (step/chunk, 2, C)
+    if d <= _UNROLL_MAX_D:              # vector kernel: a skipped test would save no time
+      ok = jax.lax.map(lambda x: first_test(x) & second_test(x), ab).reshape(step) & valid
+      return accumulate(carry, jnp.where(valid, a, k), jnp.where(valid, b, k), ok), None
+    passed = jax.lax.map(first_test, ab).reshape(step) & valid
+    survivors = jnp.sum(passed, dtype=jnp.int32)
+    order = jnp.nonzero(passed, size=step, fill_value=0)[0].astype(jnp.int32)
+
+    def more(state):
+      return state[0] * chunk < survivors
+
+    def second(state):
+      c, out = state
+      idx = jax.lax.dynamic_slice_in_dim(order, c * chunk, chunk)
+      return c + 1, jax.lax.dynamic_update_slice_in_dim(
+          out, second_test(jnp.stack([a[idx], b[idx]])), c * chunk, 0)
+
+    _, both = jax.lax.while_loop(more, second, (jnp.int32(0), jnp.zeros(step, bool)))
+    target = jnp.where(jnp.arange(step) < survivors, order, step)
+    ok = jnp.zeros(step, bool).at[target].set(both, mode="drop")
+    a, b = jnp.where(valid, a, k), jnp.where(valid, b, k)
+    return accumulate(carry, a, b, ok), None
+
+  return jax.lax.scan(body, init, jnp.arange(steps, dtype=jnp.int32))[0]
 
 
 # Up to this d the Cholesky test is an unrolled vector program with the batch axes last (it
 # compiles in O(d²) operations); above it, one batched library Cholesky is faster (measured on
 # CPU: at d = 16 equal, at d = 30 1.5× faster, at d ≤ 10 2–3× slower).
 _UNROLL_MAX_D = 12
-
-
-def _block(Y_i, Y_j, lo, hi):
-  """``close`` for every (i, j) of a tile: ``Y_j − lo·Y_i ≻ 0`` and ``hi·Y_i − Y_j ≻ 0``.
-
-  Each of the ``B²`` matrices is factorised on its own, so a pair's answer depends on
-  ``(Y_i, Y_j)`` alone, never on the tile it is in.
-  """
-  if Y_i.shape[-1] <= _UNROLL_MAX_D:
-    Yi = jnp.transpose(Y_i, (1, 2, 0))[:, :, :, None]          # (d, d, B, 1): batch axes last
-    Yj = jnp.transpose(Y_j, (1, 2, 0))[:, :, None, :]          # (d, d, 1, B)
-    return (_unrolled_cholesky_succeeds(Yj - lo * Yi)
-            & _unrolled_cholesky_succeeds(hi * Yi - Yj))
-  Yi, Yj = Y_i[:, None], Y_j[None, :]                            # (B, 1, d, d), (1, B, d, d)
-  return _cholesky_succeeds(Yj - lo * Yi) & _cholesky_succeeds(hi * Yi - Yj)
 
 
 def _cholesky_succeeds(A: jax.Array) -> jax.Array:

@@ -179,7 +179,7 @@ def test_singular_argument_is_infinitely_far_in_both_orders(kind):
     assert _dist(np.eye(2), nan) == np.inf
 
 
-# --------------------------------------------------------------------- closeness_matrix (tiles)
+# --------------------------------------------------------------------- closeness_matrix (pairs)
 
 
 def _ref_close(Ys, r, ref_Ys=None):
@@ -214,15 +214,21 @@ def _candidates(seed, k, d, *, num_singular=0, T=None):
   return Ys, ref, list(singular)
 
 
-@pytest.mark.parametrize("k,block_size", [
-    (1, None), (7, 3), pytest.param(13, 4, marks=pytest.mark.slow),
-    pytest.param(20, 8, marks=pytest.mark.slow), (20, None), (6, 64)])
-def test_closeness_matrix_matches_brute_force(k, block_size):
-  d, r = 3, 0.25
-  Ys, _, singular = _candidates(k * 7 + (block_size or 0), k, d, num_singular=min(2, k - 1))
-  close, dist = _ref_close(Ys, r)
+@pytest.mark.parametrize("k,chunk_size,d", [
+    (1, None, 3), (7, 3, 3), pytest.param(13, 4, 3, marks=pytest.mark.slow),
+    pytest.param(20, 8, 3, marks=pytest.mark.slow), (20, None, 3), (6, 64, 3),
+    # d > 12: LAPACK kernel and the short-circuit; chunk 3 makes two scan steps of 64 chunks,
+    # several chunks of survivors and a padded last step.
+    (9, None, 16), (20, 3, 16)])
+def test_closeness_matrix_matches_brute_force(k, chunk_size, d):
+  Ys, _, singular = _candidates(k * 7 + (chunk_size or 0), k, d, num_singular=min(2, k - 1))
+  _, dist = _ref_close(Ys, 0.0)
+  finite = np.unique(dist[np.isfinite(dist) & ~np.eye(k, dtype=bool)])
+  # About half of the pairs close (the d = 3 candidates are built for r = 0.25).
+  r = 0.25 if d <= 12 else float(finite[len(finite) // 2 - 1] + finite[len(finite) // 2]) / 2
+  close = dist < r
   with jax.enable_x64(True):
-    got = np.asarray(sm.closeness_matrix(jnp.asarray(Ys), r, block_size=block_size))
+    got = np.asarray(sm.closeness_matrix(jnp.asarray(Ys), r, chunk_size=chunk_size))
   assert got.shape == (k, k) and got.dtype == bool
   decided = np.abs(dist - r) > 1e-9 * r
   np.testing.assert_array_equal(got[decided], close[decided])
@@ -245,8 +251,8 @@ def test_closeness_matrix_ill_conditioned_candidates():
   assert np.linalg.cond(Ys[[i for i in range(k) if i not in singular][0]]) > 1e9
   close, dist = _ref_close(Ys, r, ref_Ys=ref)
   with jax.enable_x64(True):
-    got = np.asarray(sm.closeness_matrix(jnp.asarray(Ys), r, block_size=4))
-    counts = np.asarray(sm.neighbour_counts(jnp.asarray(Ys), r, block_size=4))
+    got = np.asarray(sm.closeness_matrix(jnp.asarray(Ys), r, chunk_size=4))
+    counts = np.asarray(sm.neighbour_counts(jnp.asarray(Ys), r, chunk_size=4))
   decided = np.abs(dist - r) > 1e-4 * r
   np.testing.assert_array_equal(got[decided], close[decided])
   assert not got[singular[0]].any()
@@ -257,19 +263,19 @@ def test_closeness_matrix_float32():
   d, k, r = 3, 11, 0.25
   Ys, _, _ = _candidates(62, k, d)
   close, dist = _ref_close(Ys, r)
-  got = np.asarray(sm.closeness_matrix(jnp.asarray(Ys, jnp.float32), r, block_size=4))
+  got = np.asarray(sm.closeness_matrix(jnp.asarray(Ys, jnp.float32), r, chunk_size=4))
   decided = np.abs(dist - r) > 1e-3 * r
   np.testing.assert_array_equal(got[decided], close[decided])
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 7, 13, None])
-def test_neighbour_counts_are_row_sums_of_the_closeness_matrix(block_size):
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 13, None])
+def test_neighbour_counts_are_row_sums_of_the_closeness_matrix(chunk_size):
   d, k, r = 2, 13, 0.3
   Ys, _, _ = _candidates(70, k, d, num_singular=2)
   with jax.enable_x64(True):
     Y = jnp.asarray(Ys)
-    full = np.asarray(sm.closeness_matrix(Y, r, block_size=block_size))
-    counts = sm.neighbour_counts(Y, r, block_size=block_size)
+    full = np.asarray(sm.closeness_matrix(Y, r, chunk_size=chunk_size))
+    counts = sm.neighbour_counts(Y, r, chunk_size=chunk_size)
   assert counts.shape == (k,) and counts.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(counts), full.sum(axis=1))
   assert 0 in np.asarray(counts)                  # the singular candidates
