@@ -17,6 +17,12 @@ any NaN or ±inf entry                       ``0`` for the whole example (a NaN 
 =========================================  ==================================================
 
 so ``‖ḡ‖ ≤ C`` always, and the sum over a batch has ℓ2-sensitivity C under add/remove-one.
+
+Normalised ("automatic") clipping, ``clipping="normalize"``: ``ḡ = C·g/(‖g‖ + γ)`` with a
+stability constant γ > 0 (Bu et al., "Automatic Clipping", NeurIPS 2023, AUTO-S; Yang et al.,
+DP-NSGD, 2022). Every example gets about the same weight C, so C only scales the learning rate
+and needs no tuning; ``‖ḡ‖ = C‖g‖/(‖g‖ + γ) < C`` for every finite g, and the non-finite rows of
+the table above become 0 as well, so the sensitivity is the same C.
 """
 
 from __future__ import annotations
@@ -61,12 +67,21 @@ def _tree_norm(tree) -> jax.Array:
   return scale * jnp.sqrt(total)
 
 
-def _clip_one(tree, clip_norm: float):
+CLIPPINGS = ("clip", "normalize")
+DEFAULT_STABILITY = 0.01
+
+
+def _clip_one(tree, clip_norm: float, clipping: str = "clip",
+              stability: float = DEFAULT_STABILITY):
   """Clips one example's pytree (see the module's edge-case table)."""
   norm = _tree_norm(tree)
   finite = jnp.isfinite(norm)
-  # C / max(‖g‖, C): 1 below the bound; a zero gradient stays zero (no 0/0).
-  factor = jnp.where(finite, clip_norm / jnp.maximum(norm, clip_norm), 0.0)
+  if clipping == "normalize":
+    # C / (‖g‖ + γ): the term's norm C‖g‖/(‖g‖ + γ) is < C; a zero gradient stays zero.
+    factor = jnp.where(finite, clip_norm / (norm + stability), 0.0)
+  else:
+    # C / max(‖g‖, C): 1 below the bound; a zero gradient stays zero (no 0/0).
+    factor = jnp.where(finite, clip_norm / jnp.maximum(norm, clip_norm), 0.0)
   return jax.tree_util.tree_map(
       lambda x: jnp.where(finite, x * factor.astype(x.dtype), jnp.zeros_like(x)), tree)
 
@@ -99,7 +114,8 @@ def global_norms(grads) -> jax.Array:
   return jax.vmap(_tree_norm)(grads)
 
 
-def clip_per_example(grads, clip_norm: float):
+def clip_per_example(grads, clip_norm: float, *, clipping: str = "clip",
+                     stability: float = DEFAULT_STABILITY):
   """Scales each example's gradient to global ℓ2 norm ≤ C: ``ḡ = g / max(1, ‖g‖/C)``.
 
   Edge cases (module table): within the bound unchanged; a zero gradient stays zero; an
@@ -108,16 +124,26 @@ def clip_per_example(grads, clip_norm: float):
   Args:
     grads: pytree of per-example gradients, leaves with a leading batch axis B.
     clip_norm: C > 0 (finite).
+    clipping: "clip" (above) or "normalize": ``ḡ = C·g/(‖g‖ + γ)`` (module docstring).
+    stability: γ > 0 of "normalize", in gradient-norm units (default 0.01, Bu et al.).
 
   Returns:
     A pytree like ``grads`` (same shapes and dtypes).
 
   Raises:
-    ValueError: C ≤ 0 or not finite; leaves without a shared leading axis.
+    ValueError: C ≤ 0 or not finite; γ ≤ 0; an unknown ``clipping``; leaves without a shared
+      leading axis.
   """
   clip_norm = v.check_positive(clip_norm, "clip_norm")
+  clipping, stability = check_clipping(clipping, stability)
   _check_batched(grads, "grads")
-  return jax.vmap(lambda g: _clip_one(g, clip_norm))(grads)
+  return jax.vmap(lambda g: _clip_one(g, clip_norm, clipping, stability))(grads)
+
+
+def check_clipping(clipping: str, stability: float) -> tuple[str, float]:
+  """Validates ``clipping`` ∈ :data:`CLIPPINGS` and γ > 0 (finite); returns them."""
+  v.check_choice(clipping, "clipping", CLIPPINGS)
+  return clipping, v.check_positive(stability, "stability")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +172,8 @@ class ClippedGradSum:
 
 
 def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
-                     pre_clipping_transform: Callable | None = None) -> ClippedGradSum:
+                     pre_clipping_transform: Callable | None = None, clipping: str = "clip",
+                     stability: float = DEFAULT_STABILITY) -> ClippedGradSum:
   """``fn(params, batch, mask)`` = ``Σ_i mask_i · clip_C(T(∇ loss_fn(params, example_i)))``.
 
   The sum of clipped per-example gradients, fused in one jittable function: ``vmap`` of
@@ -164,6 +191,9 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
     pre_clipping_transform: optional map of ONE example's gradient pytree to another pytree
       (e.g. a projection ``g ↦ Vᵀ ravel(g)``: "clip after projecting"), applied before
       clipping. It must not look at other examples (it is vmapped).
+    clipping: "clip" (``g / max(1, ‖g‖/C)``) or "normalize" (``C·g/(‖g‖ + γ)``, automatic
+      clipping; module docstring). Both bound every term by C.
+    stability: γ > 0 of "normalize" (default 0.01).
 
   Returns:
     A :class:`ClippedGradSum` ``fn(params, batch, mask)`` carrying ``fn.l2_norm_bound = C``
@@ -173,14 +203,17 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
     ``params`` (or like the transform's output), in the gradients' dtypes.
 
   Raises:
-    ValueError: C ≤ 0 or not finite.
+    ValueError: C ≤ 0 or not finite; γ ≤ 0; an unknown ``clipping``.
     TypeError: ``loss_fn`` or ``pre_clipping_transform`` not callable.
 
   References:
     Abadi et al., "Deep Learning with Differential Privacy", CCS 2016; the fused design follows
-    ``jax_privacy.clipped_grad`` (sum of clipped gradients, normalised by a public size).
+    ``jax_privacy.clipped_grad`` (sum of clipped gradients, normalised by a public size);
+    Bu et al., "Automatic Clipping: Differentially Private Deep Learning Made Easier and
+    Stronger", NeurIPS 2023 (``clipping="normalize"``).
   """
   clip_norm = v.check_positive(clip_norm, "clip_norm")
+  clipping, stability = check_clipping(clipping, stability)
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
   if pre_clipping_transform is not None and not callable(pre_clipping_transform):
@@ -192,7 +225,7 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
     g = grad_fn(params, example)
     if pre_clipping_transform is not None:
       g = pre_clipping_transform(g)
-    return _clip_one(g, clip_norm)
+    return _clip_one(g, clip_norm, clipping, stability)
 
   def fn(params, batch, mask):
     grads = jax.vmap(one, in_axes=(None, 0))(params, batch)

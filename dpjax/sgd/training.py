@@ -28,12 +28,15 @@ class TrainResult(NamedTuple):
     budget: the :class:`dpjax.accounting.DPSGDBudget` spent (totals under add/remove-one).
     subspace_ok: None for plain DP-SGD; True/False for whether the subspace was used (False: the
       private subspace answered ⊥ and training ran as plain DP-SGD).
-    history: one dict per evaluation: ``{"step": ..., **eval_fn(params)}``.
+    history: one dict per evaluation: ``{"step": ..., **eval_fn(params)}`` (of the averaged
+      weights when ``weight_ema`` is set).
+    averaged_params: the exponential moving average of the iterates (``weight_ema``), else None.
   """
   params: Any
   budget: accounting.DPSGDBudget
   subspace_ok: bool | None
   history: list
+  averaged_params: Any = None
 
 
 def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
@@ -45,7 +48,9 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                  microbatch_size: int | None = None,
                  eval_fn: Callable | None = None, eval_every: int | None = None,
                  progress: bool = False, dpase_kwargs: dict | None = None,
-                 accountant: str = "rdp", ledger=None) -> TrainResult:
+                 accountant: str = "rdp", ledger=None, clipping: str = "clip",
+                 stability: float = per_example.DEFAULT_STABILITY,
+                 weight_ema: float | None = None) -> TrainResult:
   """Trains ``params`` with DP-SGD at a total (ε, δ), the subspace's cost included.
 
   Each step: Poisson sampling with rate ``q = L/N`` laid out as fixed-size micro-batches (never
@@ -98,6 +103,14 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     accountant: "rdp" or "pld".
     ledger: optional :class:`dpjax.ledger.PrivacyLedger` (add/remove-one) that records the
       subspace release and the SGD steps, refusing them before they run if over its budget.
+    clipping, stability: "clip" or "normalize" (automatic clipping ``C·g/(‖g‖ + γ)``) and its γ
+      (:func:`dpjax.sgd.clipped_grad_sum`); both bound every term by C.
+    weight_ema: optional decay β ∈ (0, 1) of an exponential moving average of the iterates,
+      ``w̄_t = β_t w̄_{t−1} + (1 − β_t) w_t`` with ``β_t = min(β, (1 + t)/(10 + t))`` (a warm-up,
+      as TensorFlow's ``ExponentialMovingAverage``), starting from the initial params: returned
+      as ``averaged_params`` and evaluated by ``eval_fn``. Post-processing of the released
+      iterates, so it costs no privacy. A low-pass filter of the privatised GRADIENTS (DOPPLER,
+      momentum) is the optimiser's job: e.g. ``optax.chain(optax.ema(0.9), optax.adam(lr))``.
 
   Returns:
     :class:`TrainResult`.
@@ -106,6 +119,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     TypeError: ``key`` not a PRNG key, ``loss_fn`` not callable, ``optimizer`` not an optax
       transformation, non-integer ``steps`` / ``k`` / ``microbatch_size``.
     ValueError: NaN/inf in ``data`` or ``public_data``; ε ≤ 0, δ ∉ (0, 1); ``L > N``; C ≤ 0;
+      an unknown ``clipping`` or γ ≤ 0; ``weight_ema ∉ (0, 1)``;
       ``k ∉ [1, p]``; fractions ∉ (0, 1); missing ``k`` / ``public_data`` / ``gamma``; an
       unknown ``subspace``; ``refresh_every`` without a public subspace; no σ meets the budget.
     dpjax.ledger.BudgetExceededError: the plan does not fit ``ledger`` (nothing has run).
@@ -132,6 +146,9 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   if batch > n:
     raise ValueError(f"expected_batch_size must be <= the number of examples N={n}, got {batch}.")
   clip_norm = v.check_positive(clip_norm, "clip_norm")
+  clipping, stability = per_example.check_clipping(clipping, stability)
+  if weight_ema is not None:
+    weight_ema = v.check_probability(weight_ema, "weight_ema", open_low=True, open_high=True)
   if subspace != "none":
     p = sum(x.size for x in jax.tree_util.tree_leaves(params))
     k = v.check_int(k, "k", low=1, high=p)
@@ -206,26 +223,38 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   apply = _jitted_apply(optimizer)
 
   history = []
+  averaged = params if weight_ema is not None else None
   for step, step_key in enumerate(_progress(jax.random.split(k_sample, steps), progress)):
     indices, mask = sampling.poisson_microbatches(step_key, n, q, microbatch_size)
     total = jax.tree_util.tree_map(jnp.zeros_like, params)
     for idx, msk in zip(indices, mask):
-      total = _accumulate(total, params, data, idx, msk, loss_fn=loss_fn, clip_norm=clip_norm)
+      total = _accumulate(total, params, data, idx, msk, loss_fn=loss_fn, clip_norm=clip_norm,
+                          clipping=clipping, stability=stability)
     params, opt_state = apply(params, opt_state, total, std, batch, subspace=basis is not None)
+    if averaged is not None:
+      averaged = _average(params, averaged, min(weight_ema, (1 + step) / (10 + step)))
     if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
       opt_state = transforms.update_basis(
           opt_state,
           subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis)
     if eval_fn is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
-      history.append({"step": step + 1, **eval_fn(params)})
-  return TrainResult(params, budget, subspace_ok, history)
+      history.append({"step": step + 1,
+                      **eval_fn(params if averaged is None else averaged)})
+  return TrainResult(params, budget, subspace_ok, history, averaged)
 
 
-@functools.partial(jax.jit, static_argnames=("loss_fn", "clip_norm"))
-def _accumulate(total, params, data, indices, mask, *, loss_fn, clip_norm):
+@jax.jit
+def _average(params, averaged, decay):
+  # optax's Polyak update: step_size·new + (1 − step_size)·old.
+  return optax.incremental_update(params, averaged, 1.0 - decay)
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "clip_norm", "clipping", "stability"))
+def _accumulate(total, params, data, indices, mask, *, loss_fn, clip_norm, clipping, stability):
   """``total + Σ_i mask_i clip_C(∇ℓ(params, data[indices_i]))`` for one micro-batch."""
   chunk = jax.tree_util.tree_map(lambda x: x[indices], data)
-  summed = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm)(params, chunk, mask)
+  summed = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm, clipping=clipping,
+                                        stability=stability)(params, chunk, mask)
   return jax.tree_util.tree_map(jnp.add, total, summed)
 
 

@@ -88,6 +88,36 @@ def test_edge_cases_zero_nonfinite_and_huge_gradients():
   np.testing.assert_allclose(a[4], [0.3, 0.4], rtol=1e-6)          # below C: unchanged
 
 
+def test_normalised_clipping_bounds_every_term_and_keeps_directions():
+  """``C·g/(‖g‖ + γ)``: norm < C for every input (huge, tiny, zero, non-finite), direction kept."""
+  g = {"a": jnp.array([[0.0, 0.0], [jnp.nan, 1.0], [jnp.inf, 0.0], [3e30, 4e30], [0.3, 0.4],
+                       [3e-9, 4e-9]]),
+       "b": jnp.zeros(6)}
+  C, gamma = 2.0, 0.01
+  a = np.asarray(pe.clip_per_example(g, C, clipping="normalize", stability=gamma)["a"])
+  assert np.all(np.isfinite(a))
+  norms = np.linalg.norm(a, axis=1)
+  assert np.all(norms <= C * (1 + 1e-6))                           # = C up to rounding when huge
+  np.testing.assert_array_equal(a[:3], 0.0)                        # zero, NaN, inf rows
+  np.testing.assert_allclose(a[3], [1.2, 1.6], rtol=1e-5)          # huge: norm → C
+  np.testing.assert_allclose(a[4], C * np.array([0.3, 0.4]) / (0.5 + gamma), rtol=1e-5)
+  np.testing.assert_allclose(a[5], C * np.array([3e-9, 4e-9]) / (5e-9 + gamma), rtol=1e-4)
+  # Unlike "clip", a gradient below C is rescaled (every example gets about the same weight).
+  b = np.asarray(pe.clip_per_example(g, C)["a"])
+  assert np.linalg.norm(a[4]) > 3 * np.linalg.norm(b[4])
+
+
+def test_normalised_clipped_sum_moves_by_at_most_c_when_one_example_goes():
+  params, batch = _mlp_params(jax.random.key(15)), _batch(jax.random.key(16))
+  fn = jax.jit(pe.clipped_grad_sum(_loss, clip_norm=0.7, clipping="normalize"))
+  full = ravel_pytree(fn(params, batch, jnp.ones(12)))[0]
+  moves = [float(jnp.linalg.norm(full - ravel_pytree(fn(params, batch,
+                                                         jnp.ones(12).at[i].set(0.0)))[0]))
+           for i in range(12)]
+  assert max(moves) <= 0.7 and min(moves) > 0.5                    # all near C, none above
+  assert fn.l2_norm_bound == 0.7
+
+
 def test_clipped_grad_sum_is_the_masked_sum_of_clipped_grads():
   params, batch = _mlp_params(jax.random.key(6)), _batch(jax.random.key(7))
   mask = jnp.arange(12) % 3 != 0
@@ -145,6 +175,10 @@ def test_pre_clipping_transform_clips_after_projecting():
     (lambda: pe.clipped_grad_sum(_loss, clip_norm=1.0, pre_clipping_transform=3), TypeError,
      "pre_clipping_transform"),
     (lambda: pe.per_example_grads("loss"), TypeError, "loss_fn"),
+    (lambda: pe.clipped_grad_sum(_loss, clip_norm=1.0, clipping="auto"), ValueError,
+     "clipping"),
+    (lambda: pe.clip_per_example({"a": jnp.ones((2, 2))}, 1.0, clipping="normalize",
+                                 stability=0.0), ValueError, "stability"),
     (lambda: pe.global_norms({}), ValueError, "grads"),
 ])
 def test_bad_inputs(call, exc, match):

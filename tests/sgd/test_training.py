@@ -70,6 +70,24 @@ def test_training_decreases_the_loss_within_budget(subspace):
     assert float(jnp.linalg.norm(residual)) < 1e-3 * float(jnp.linalg.norm(out.params))
 
 
+def test_normalised_clipping_and_weight_averaging():
+  """The strong-baseline options: automatic clipping trains; the EMA of the iterates is returned
+  and evaluated, starts at the initial params and lags the last iterate."""
+  (X, y), _, _ = _low_rank()
+  seen = []
+  out = _train(11, (X, y), steps=20, clipping="normalize", weight_ema=0.9,
+               eval_fn=lambda w: seen.append(w) or {"loss": _full_loss(w, X, y)}, eval_every=20)
+  assert out.averaged_params is not None and out.averaged_params.shape == (D,)
+  assert _full_loss(out.averaged_params, X, y) < 0.8 * _full_loss(jnp.zeros(D), X, y)
+  assert jnp.array_equal(seen[-1], out.averaged_params)
+  assert not jnp.allclose(out.averaged_params, out.params)
+  # The average is a convex combination of the iterates: a one-step run averages w0 and w1.
+  one = _train(11, (X, y), steps=1, clipping="normalize", weight_ema=0.9)
+  np.testing.assert_allclose(np.asarray(one.averaged_params), 0.9 * np.asarray(one.params),
+                             rtol=1e-6)                             # β_0 = min(0.9, 1/10)
+  assert _train(11, (X, y), steps=1).averaged_params is None
+
+
 def test_training_is_deterministic_for_a_fixed_key():
   train, _, _ = _low_rank()
   first = _train(2, train, steps=5).params
@@ -132,6 +150,9 @@ def test_private_subspace_bottom_falls_back_to_plain_dp_sgd_and_pays():
     (dict(microbatch_size=0), "microbatch_size"),
     (dict(optimizer=0.1), "optimizer"),
     (dict(key=5), "key"),
+    (dict(clipping="flat"), "clipping"),
+    (dict(clipping="normalize", stability=-1.0), "stability"),
+    (dict(weight_ema=1.0), "weight_ema"),
 ])
 def test_bad_arguments(kwargs, match):
   X, y = _low_rank()[0]
