@@ -29,6 +29,12 @@ DECOMPOSITIONS = {
         lambda B: linalg.top_k_right_singular_vectors(B, 3), (10, 40)),
     "top_k_right_singular_vectors (covariance route)": (
         lambda B: linalg.top_k_right_singular_vectors(B, 3), (40, 10)),
+    "top_k_right_singular_vectors (subspace iteration, m < d)": (
+        lambda B: linalg.top_k_right_singular_vectors(B, 3, method="subspace_iteration"),
+        (10, 40)),
+    "top_k_right_singular_vectors (subspace iteration, m ≥ d)": (
+        lambda B: linalg.top_k_right_singular_vectors(B, 3, method="subspace_iteration"),
+        (40, 10)),
     "semimetric Cholesky test (library, d > 12)": (
         lambda B: semimetric._cholesky_succeeds(_sym(B)[None] - 0.3 * jnp.eye(B.shape[0])),
         (16, 16)),

@@ -146,3 +146,48 @@ def test_symmetrize_is_exactly_symmetric_on_computed_arrays():
     np.testing.assert_array_equal(np.tril(S), np.tril(np.asarray(raw)))   # the lower triangle kept
   batch = np.asarray(linalg.symmetrize(jax.random.normal(jax.random.key(2), (3, 4, 4))))
   np.testing.assert_array_equal(batch, np.swapaxes(batch, 1, 2))
+
+
+# ------------------------------------------------------- top-k by subspace iteration
+
+
+def _spiked(key, m, d, k, noise, dtype=jnp.float32):
+  kb, kz, ke = jax.random.split(key, 3)
+  B = jnp.linalg.qr(jax.random.normal(kb, (d, k), dtype))[0]
+  Z = jax.random.normal(kz, (m, k), dtype) * jnp.arange(k, 0, -1).astype(dtype)
+  return Z @ B.T + noise * jax.random.normal(ke, (m, d), dtype), B
+
+
+@pytest.mark.parametrize("m,d", [(300, 80), (40, 120)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_subspace_iteration_agrees_with_the_exact_top_k(m, d, dtype):
+  with jax.enable_x64(dtype == jnp.float64):
+    X, _ = _spiked(jax.random.key(m + d), m, d, 4, 0.05, dtype)
+    exact = linalg.top_k_right_singular_vectors(X, 4)
+    fast = linalg.top_k_right_singular_vectors(X, 4, method="subspace_iteration")
+    assert fast.shape == (d, 4) and fast.dtype == dtype
+    tol = 1e-3 if dtype == jnp.float32 else 1e-6
+    assert float(linalg.principal_angles(exact, fast).max()) < tol
+    np.testing.assert_allclose(np.asarray(fast.T @ fast), np.eye(4), atol=10 * tol)
+    # Scale safety: X·2^j gives the same bits; determinism.
+    again = linalg.top_k_right_singular_vectors(X * 2.0**40, 4, method="subspace_iteration")
+    np.testing.assert_array_equal(np.asarray(fast), np.asarray(again))
+
+
+def test_subspace_iteration_edge_cases():
+  zero = linalg.top_k_right_singular_vectors(jnp.zeros((20, 10)), 3, method="subspace_iteration")
+  assert bool(jnp.all(jnp.isfinite(zero)))
+  np.testing.assert_allclose(np.asarray(zero.T @ zero), np.eye(3), atol=1e-5)
+  rank_one = jnp.outer(jnp.arange(1.0, 21.0), jnp.ones(10))
+  V = linalg.top_k_right_singular_vectors(rank_one, 3, method="subspace_iteration")
+  np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(3), atol=1e-5)
+  assert abs(float(V[:, 0] @ jnp.ones(10))) / np.sqrt(10) > 1 - 1e-5
+  # k = d, and an iteration cap that is hit: still an orthonormal finite basis.
+  X, _ = _spiked(jax.random.key(5), 30, 6, 2, 1.0)
+  full = linalg.top_k_right_singular_vectors(X, 6, method="subspace_iteration")
+  np.testing.assert_allclose(np.asarray(full.T @ full), np.eye(6), atol=1e-5)
+  capped = linalg.top_k_right_singular_vectors(X, 2, method="subspace_iteration",
+                                               max_iterations=1)
+  np.testing.assert_allclose(np.asarray(capped.T @ capped), np.eye(2), atol=1e-5)
+  with pytest.raises(ValueError, match="method"):
+    linalg.top_k_right_singular_vectors(X, 2, method="lanczos")
