@@ -297,9 +297,11 @@ def pairwise_speed(d, k, repeats, seed, group=None):
   X = sample(rng, k * group, A).reshape(k, group, d)
   Y = np.einsum("kmi,kmj->kij", X, X) / group           # empirical covariances of the groups
   pairs = rng.integers(0, k, (200, 2))
-  pairs = pairs[pairs[:, 0] != pairs[:, 1]]
+  pairs = np.unique(np.sort(pairs[pairs[:, 0] != pairs[:, 1]], axis=1), axis=0)
   # Halfway between the two middle distances: a radius equal to some pair's distance would put
-  # that pair on the boundary, where rounding decides and the implementations may differ.
+  # that pair on the boundary, where rounding decides and the implementations may differ. Each
+  # unordered pair once: dist(Y_i, Y_j) and dist(Y_j, Y_i) are equal only up to rounding, and
+  # the midpoint of the two would be such a boundary.
   dist = np.unique(pairwise_psd_distances(Y, pairs))
   radius = float(dist[len(dist) // 2 - 1] + dist[len(dist) // 2]) / 2
   out = {"k": k, "d": d, "group_rows": group, "radius": radius}

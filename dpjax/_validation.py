@@ -138,7 +138,7 @@ def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.A
     out = out.astype(jnp.result_type(float))
   elif jnp.finfo(out.dtype).bits < 32:
     out = out.astype(jnp.float32)                 # float16 / bfloat16: no LAPACK kernels
-  if not is_traced(out) and not bool(all_finite(out)):
+  if not is_traced(out) and not _concrete_all_finite(out):
     raise ValueError(f"{name} contains NaN or infinite entries; remove or impute them first.")
   return out
 
@@ -152,6 +152,13 @@ def is_traced(*trees) -> bool:
 def all_finite(x: jax.Array) -> jax.Array:
   """``all(isfinite(x))`` as one fused reduction (no ``n·d`` temporary; one host sync)."""
   return jnp.all(jnp.isfinite(x))
+
+
+def _concrete_all_finite(x: jax.Array) -> bool:
+  """``all_finite`` of a concrete array, evaluated now even inside a ``jit`` trace (a dataset
+  closed over by a jitted function is concrete, but jnp operations on it would be staged)."""
+  with jax.ensure_compile_time_eval():
+    return bool(all_finite(x))
 
 
 def domain_bottom(X, ok, *outputs):

@@ -8,6 +8,7 @@ the input's dtype (float32 by default, float64 when the user enables x64).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,25 @@ TOP_K_METHODS = ("exact", "subspace_iteration")
 DEFAULT_OVERSAMPLING = 8
 DEFAULT_MAX_ITERATIONS = 100
 DEFAULT_TOL = 1e-6
+# float32 products on GPUs/TPUs default to TF32/bfloat16 passes (relative error ~1e-3), which
+# would set the subspaces' rounding floor there; the top-k products ask for full precision.
+_PRECISION = jax.lax.Precision.HIGHEST
+
+
+def _mm(a, b):
+  return jnp.matmul(a, b, precision=_PRECISION)
+
+
+def subspace_iteration_tolerance(tol: float, d: int, k: int, dtype) -> float:
+  """The stopping tolerance the subspace iteration uses: ``max(tol, eps·√(d k))``.
+
+  ``‖W_k − V_k V_kᵀ W_k‖_F`` cannot fall much below the rounding error of a ``(d, k)`` basis,
+  about ``eps·√(d k)`` (measured floors in float32 at d = 1000, k = 5: 0.6e-6 with XLA's matmul,
+  1.3–1.9e-6 with OpenBLAS through NumPy, against ``eps·√(d k)`` = 8.4e-6), so a tolerance below
+  it would spin to ``max_iterations`` depending on the BLAS. In float64 the floor is ~1e-13 and
+  ``tol`` decides.
+  """
+  return max(float(tol), float(jnp.finfo(dtype).eps) * math.sqrt(d * k))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "method", "oversampling", "max_iterations"))
@@ -47,9 +67,11 @@ def top_k_right_singular_vectors(X: jax.Array, k: int, *, method: str = "exact",
   from a fixed public start (a Gaussian matrix from ``jax.random.key(0)``: it depends on neither
   the data nor other blocks), until the leading k columns move less than ``tol`` in Frobenius
   norm (``‖W_k − V_k V_kᵀ W_k‖_F``, which bounds the sines of the principal angles between
-  successive iterates) or after ``max_iterations``; then a Rayleigh–Ritz step (SVD of the
-  ``(m, r)`` matrix ``X V``) orders the vectors. Each iteration costs ``4·m·d·r`` flops instead of
-  forming and fully decomposing a ``min(m, d)``-sized matrix; the error after t iterations decays
+  successive iterates; ``tol`` is raised to the dtype's rounding floor, see
+  :func:`subspace_iteration_tolerance`) or after ``max_iterations``; then a Rayleigh–Ritz step
+  (SVD of the ``(m, r)`` matrix ``X V``) orders the vectors. Each iteration costs ``4·m·d·r``
+  flops instead of forming and fully decomposing a ``min(m, d)``-sized matrix (all products at
+  full float32 precision, also on GPUs/TPUs); the error after t iterations decays
   like ``(σ_{r+1}/σ_k)^{2t}`` (Golub & Van Loan, §8.2.4; Halko, Martinsson & Tropp, SIAM Review
   2011, Alg. 4.4). The output is still a function of ``X`` alone (under ``vmap`` a converged
   block keeps its value while others iterate).
@@ -61,7 +83,9 @@ def top_k_right_singular_vectors(X: jax.Array, k: int, *, method: str = "exact",
     oversampling, max_iterations, tol: the iteration's parameters (PROPOSED 8, 100, 1e-6).
 
   Returns:
-    ``(d, k)`` array with orthonormal columns, ordered by decreasing singular value. If ``X`` has
+    ``(d, k)`` array with orthonormal columns, ordered by decreasing singular value, each
+    column's sign fixed by :func:`canonical_signs` (so both methods agree vector by vector
+    where the singular values are distinct, not only in span). If ``X`` has
     rank ``r < k``, the trailing ``k - r`` columns are completed to an orthonormal set by QR (they
     carry no information about ``X``).
   """
@@ -72,21 +96,31 @@ def top_k_right_singular_vectors(X: jax.Array, k: int, *, method: str = "exact",
   if method == "subspace_iteration":
     V = _subspace_iteration(X, k, oversampling, max_iterations, tol)
   elif m < d:
-    gram = X @ X.T
+    gram = _mm(X, X.T)
     evals, evecs = jnp.linalg.eigh(gram)
     top = evecs[:, ::-1][:, :k]                       # (m, k)
-    V = X.T @ top                                     # (d, k), column norms = singular values
+    V = _mm(X.T, top)                                    # (d, k), column norms = singular values
     norms = jnp.linalg.norm(V, axis=0, keepdims=True)
     tiny = jnp.finfo(X.dtype).tiny ** 0.5
     V = V / jnp.maximum(norms, tiny)
   else:
-    evals, evecs = jnp.linalg.eigh(X.T @ X)
+    evals, evecs = jnp.linalg.eigh(_mm(X.T, X))
     V = evecs[:, ::-1][:, :k]
   # Re-orthonormalise: the Gram route squares the condition number, and degenerate blocks give
-  # zero columns. QR keeps the span of the informative columns and fixes the signs canonically.
-  Q, R = jnp.linalg.qr(V)
-  signs = jnp.where(jnp.diagonal(R) < 0, -1.0, 1.0).astype(X.dtype)
-  return Q * signs[None, :]
+  # zero columns. QR keeps the span of the informative columns.
+  Q, _ = jnp.linalg.qr(V)
+  return canonical_signs(Q)
+
+
+def canonical_signs(V: jax.Array) -> jax.Array:
+  """``V (..., d, k)`` with each column's sign flipped so that its largest-magnitude entry is
+  positive (the first such entry on ties; as scikit-learn's ``svd_flip``): eigensolvers and SVDs
+  return each singular vector up to a sign that depends on the solver, so this makes the output
+  the same whichever solver or backend computed it. Negation is exact, so a projection
+  ``V Vᵀ`` is unchanged bit for bit. Traceable."""
+  top = jnp.argmax(jnp.abs(V), axis=-2, keepdims=True)
+  signs = jnp.where(jnp.take_along_axis(V, top, axis=-2) < 0, -1, 1).astype(V.dtype)
+  return V * signs
 
 
 def _subspace_iteration(X, k, oversampling, max_iterations, tol):
@@ -94,12 +128,13 @@ def _subspace_iteration(X, k, oversampling, max_iterations, tol):
   m, d = X.shape
   r = min(k + oversampling, d)
   V0, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(0), (d, r), X.dtype))
+  tol = jnp.maximum(tol, jnp.finfo(X.dtype).eps * math.sqrt(d * k))   # subspace_iteration_tolerance
 
   def body(state):
     i, V, _ = state
-    W, _ = jnp.linalg.qr(X.T @ (X @ V))
+    W, _ = jnp.linalg.qr(_mm(X.T, _mm(X, V)))
     Vk, Wk = V[:, :k], W[:, :k]
-    moved = jnp.linalg.norm(Wk - Vk @ (Vk.T @ Wk))
+    moved = jnp.linalg.norm(Wk - _mm(Vk, _mm(Vk.T, Wk)))
     return i + 1, W, moved
 
   def cond(state):
@@ -107,8 +142,8 @@ def _subspace_iteration(X, k, oversampling, max_iterations, tol):
     return (i < max_iterations) & ~(moved <= tol)      # NaN keeps iterating up to the cap
 
   _, V, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), V0, jnp.asarray(jnp.inf, X.dtype)))
-  _, _, Rt = jnp.linalg.svd(X @ V, full_matrices=False)           # Rayleigh–Ritz
-  return V @ Rt[:k].T
+  _, _, Rt = jnp.linalg.svd(_mm(X, V), full_matrices=False)       # Rayleigh–Ritz
+  return _mm(V, Rt[:k].T)
 
 
 def _normalise_scale(X: jax.Array) -> jax.Array:
@@ -143,34 +178,78 @@ def times_power_of_two(x: jax.Array, n: jax.Array) -> jax.Array:
 VERIFIED_BATCHING_BACKENDS = ("cpu",)
 
 
-def map_blocks(fn, blocks):
+def map_blocks(fn, blocks, *, batch_size: int | None = None):
   """``fn`` over the leading axis of ``blocks``: ``vmap`` where block independence is verified
   (:data:`VERIFIED_BATCHING_BACKENDS`), else ``lax.map`` (one call per block).
 
   Args:
     fn: ``block -> pytree`` (traceable).
     blocks: pytree of arrays with a shared leading axis.
+    batch_size: on a verified backend, ``vmap`` over chunks of this many blocks at a time
+      (``lax.map(..., batch_size=)``), so that the intermediates of only one chunk are live;
+      None vmaps over all blocks at once. Static.
 
   Returns:
     The stacked outputs, identical in value to ``[fn(b) for b in blocks]`` up to rounding, and
     with block i's output a function of block i alone.
   """
   if jax.default_backend() in VERIFIED_BATCHING_BACKENDS:
-    return jax.vmap(fn)(blocks)
+    if batch_size is None:
+      return jax.vmap(fn)(blocks)
+    return jax.lax.map(fn, blocks, batch_size=batch_size)
   return jax.lax.map(fn, blocks)
 
 
-def batched_top_k_subspaces(blocks: jax.Array, k: int) -> jax.Array:
+def batched_top_k_subspaces(blocks: jax.Array, k: int, *, method: str = "exact") -> jax.Array:
   """Top-k right singular subspaces of a stack of blocks, batched by :func:`map_blocks`.
 
   Args:
     blocks: ``(t, m, d)`` float array: t blocks of m rows each.
     k: subspace dimension (static).
+    method: :data:`TOP_K_METHODS` entry (static; see :func:`top_k_right_singular_vectors`).
 
   Returns:
     ``(t, d, k)`` orthonormal bases.
   """
-  return map_blocks(lambda b: top_k_right_singular_vectors(b, k), blocks)
+  return map_blocks(lambda b: top_k_right_singular_vectors(b, k, method=method), blocks)
+
+
+# Bytes of gathered rows live at once in :func:`gathered_top_k_subspaces` (PROPOSED).
+GATHER_CHUNK_BYTES = 1 << 26
+
+
+def gathered_top_k_subspaces(X: jax.Array, index: jax.Array, k: int, *,
+                             method: str = "exact",
+                             max_iterations: int = DEFAULT_MAX_ITERATIONS) -> jax.Array:
+  """Top-k right singular subspaces of the row subsets ``X[index[j]]``, gathered chunk by chunk.
+
+  Equal to ``batched_top_k_subspaces(X[index], k)`` (an index ``>= n`` selects a zero row, which
+  does not change a subspace: padding), but the ``(t, m, d)`` stack of subsets is never
+  materialised: :func:`map_blocks` runs over chunks of ``B`` subsets, ``B`` chosen from the
+  shapes so that about :data:`GATHER_CHUNK_BYTES` of gathered rows are live at once, and each
+  chunk gathers its own rows. Peak extra memory is therefore about that budget (plus each
+  subset's ``min(m, d)``-sized work matrices) instead of a second copy of ``X``.
+
+  Args:
+    X: ``(n, d)`` float array; rows are individuals.
+    index: ``(t, m)`` integer row indices; entries ``>= n`` stand for zero rows.
+    k: subspace dimension (static).
+    method: :data:`TOP_K_METHODS` entry (static).
+    max_iterations: the subspace iteration's cap (static).
+
+  Returns:
+    ``(t, d, k)`` orthonormal bases; subset j's basis is a function of the rows ``X[index[j]]``
+    alone (the batching policy above).
+  """
+  t, m = index.shape
+  d = X.shape[1]
+  batch = max(1, min(t, GATHER_CHUNK_BYTES // max(1, m * d * X.dtype.itemsize)))
+
+  def one(rows):
+    block = X.at[rows].get(mode="fill", fill_value=0)
+    return top_k_right_singular_vectors(block, k, method=method, max_iterations=max_iterations)
+
+  return map_blocks(one, index, batch_size=None if batch >= t else batch)
 
 
 def project_points(points: jax.Array, bases: jax.Array) -> jax.Array:

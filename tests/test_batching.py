@@ -45,7 +45,7 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(DECOMPOSITIONS))
 def test_changing_one_block_leaves_the_others_bitwise_unchanged(name, dtype):
   fn, (m, d) = DECOMPOSITIONS[name]
@@ -72,3 +72,27 @@ def test_map_blocks_batches_on_verified_backends_only(monkeypatch):
   monkeypatch.setattr(linalg, "VERIFIED_BATCHING_BACKENDS", ())
   jaxpr = str(jax.make_jaxpr(lambda b: linalg.map_blocks(jnp.linalg.qr, b))(blocks))
   assert "scan" in jaxpr or "while" in jaxpr                        # one call per block
+
+
+@pytest.mark.parametrize("method", [pytest.param("exact", marks=pytest.mark.slow),
+                                    "subspace_iteration"])
+def test_gathered_subsets_chunked_are_independent(method, monkeypatch):
+  """DPASE's path: subsets gathered by index from one X, a few subsets per chunk (``lax.map``
+  with ``batch_size``). Changing one subset's rows moves no other subset's basis, and a chunked
+  run equals one batch of all subsets bit for bit."""
+  X = jax.random.normal(jax.random.key(0), (8 * 12, 30)) * jnp.linspace(3.0, 0.1, 30)
+  index = jax.random.permutation(jax.random.key(1), X.shape[0]).reshape(8, 12)
+  index = index.at[5, -2:].set(X.shape[0])                         # padding rows
+  def run():   # a fresh function per trace: jit and make_jaxpr cache traces by function
+    return lambda A: linalg.gathered_top_k_subspaces(A, index, 3, method=method)
+
+  whole = jax.jit(run())(X)
+  monkeypatch.setattr(linalg, "GATHER_CHUNK_BYTES", 3 * 12 * 30 * 4)  # 3 subsets per chunk
+  assert "scan" in str(jax.make_jaxpr(run())(X))
+  before = jax.jit(run())(X)
+  after = jax.jit(run())(X.at[index[3]].set(1e3 * X[index[3]][:, ::-1]))
+  np.testing.assert_array_equal(np.asarray(before), np.asarray(whole))
+  for i in range(8):
+    if i != 3:
+      np.testing.assert_array_equal(np.asarray(before[i]), np.asarray(after[i]))
+  assert not np.array_equal(np.asarray(before[3]), np.asarray(after[3]))

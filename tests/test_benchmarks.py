@@ -23,16 +23,20 @@ def _load(name):
   return importlib.import_module(name)
 
 
+@pytest.mark.slow
 def test_numpy_top_k_matches_dpjax():
   bench = _load("dpase_speed")
   rng = np.random.default_rng(0)
-  for m, d in ((6, 9), (12, 5)):            # Gram route (m < d) and covariance route
-    blocks = rng.standard_normal((3, m, d)).astype(np.float32)
-    ours = bench.numpy_top_k(blocks, 2)
-    theirs = linalg.batched_top_k_subspaces(jnp.asarray(blocks), 2)
-    np.testing.assert_allclose(ours, np.asarray(theirs), atol=1e-4)   # same signs (QR fix)
+  for m, d in ((6, 9), (12, 5), (20, 30)):  # Gram route (m < d) and covariance route
+    blocks = rng.standard_normal((3, m, d)) * np.linspace(3.0, 0.1, d)
+    blocks = blocks.astype(np.float32)
+    for method in linalg.TOP_K_METHODS:
+      ours = bench.numpy_top_k(blocks, 2, method)
+      theirs = linalg.batched_top_k_subspaces(jnp.asarray(blocks), 2, method=method)
+      np.testing.assert_allclose(ours, np.asarray(theirs), atol=1e-4)   # same signs (canonical_signs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [("600", "40"), ("1500", "8")])   # m < d, then m ≥ d
 def test_dpase_speed_options(tmp_path, shape):
   pytest.importorskip("threadpoolctl")
@@ -44,8 +48,10 @@ def test_dpase_speed_options(tmp_path, shape):
   saved = json.loads(path.read_text())
   assert saved["summary"]["speedup_vs_numpy"] == out["summary"]["speedup_vs_numpy"] > 0
   assert saved["config"]["route"] == ("gram" if shape[0] == "600" else "covariance")
-  assert set(saved["summary"]["gflops"]) == {"gram", "eigh", "matmul"}
-  assert all(e < 0.5 for e in saved["summary"]["dpjax_errors"] + saved["summary"]["numpy_errors"])
+  assert set(saved["summary"]["gflops"]) == {"gram", "eigh", "iteration", "matmul"}
+  assert set(saved["summary"]["per_method"]) == set(linalg.TOP_K_METHODS)
+  for p in saved["summary"]["per_method"].values():
+    assert all(e < 0.5 for e in p["dpjax_errors"] + p["numpy_errors"])
 
 
 def test_closeness_baselines_match_dpjax():

@@ -158,8 +158,8 @@ def _spiked(key, m, d, k, noise, dtype=jnp.float32):
   return Z @ B.T + noise * jax.random.normal(ke, (m, d), dtype), B
 
 
-@pytest.mark.parametrize("m,d", [(300, 80), (40, 120)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("m,d", [(300, 80), pytest.param(40, 120, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=pytest.mark.slow)])
 def test_subspace_iteration_agrees_with_the_exact_top_k(m, d, dtype):
   with jax.enable_x64(dtype == jnp.float64):
     X, _ = _spiked(jax.random.key(m + d), m, d, 4, 0.05, dtype)
@@ -191,3 +191,14 @@ def test_subspace_iteration_edge_cases():
   np.testing.assert_allclose(np.asarray(capped.T @ capped), np.eye(2), atol=1e-5)
   with pytest.raises(ValueError, match="method"):
     linalg.top_k_right_singular_vectors(X, 2, method="lanczos")
+
+
+def test_gathered_top_k_equals_the_materialised_blocks():
+  X = jax.random.normal(jax.random.key(4), (60, 20)) * jnp.linspace(2.0, 0.1, 20)
+  index = jnp.arange(60).reshape(5, 12).at[2, -3:].set(60)         # 60 = a zero padding row
+  blocks = jnp.concatenate([X, jnp.zeros((1, 20))])[index]
+  for method in linalg.TOP_K_METHODS:
+    got = linalg.gathered_top_k_subspaces(X, index, 2, method=method)
+    want = linalg.batched_top_k_subspaces(blocks, 2, method=method)
+    assert got.shape == (5, 20, 2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

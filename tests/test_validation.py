@@ -131,7 +131,13 @@ SAMPLERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SAMPLERS))
+# Determinism of DPASE and DP-SGD is also checked by the default run elsewhere
+# (test_traceable's dpase_core, test_training's fixed-key test): here with the slow tests.
+_SLOW_SAMPLERS = {"dpase", "train_dp_sgd"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_SAMPLERS
+                                  else n for n in sorted(SAMPLERS)])
 def test_same_key_bit_identical_different_key_different(name):
   draw = SAMPLERS[name]
   a, b, c = (np.asarray(draw(jax.random.key(s))) for s in (7, 7, 8))
@@ -164,7 +170,7 @@ def _distance(basis, truth):
   return float(np.linalg.norm(basis @ basis.T - truth @ truth.T, 2))
 
 
-@pytest.mark.parametrize("scale", [1e25, 1e-25])
+@pytest.mark.parametrize("scale", [1e25, pytest.param(1e-25, marks=pytest.mark.slow)])
 def test_dpase_float32_gram_overflow_or_underflow_gives_the_unscaled_answer(scale):
   """Before: every subset's Gram matrix over/underflowed, all got the same garbage basis, they
   "agreed" and DPASE answered ok=True with a random subspace (distance ≈ 1)."""
@@ -176,6 +182,7 @@ def test_dpase_float32_gram_overflow_or_underflow_gives_the_unscaled_answer(scal
   assert abs(_distance(res.basis, MODEL.basis) - _distance(base.basis, MODEL.basis)) < 1e-3
 
 
+@pytest.mark.slow             # the float32 version above runs by default
 @pytest.mark.parametrize("scale", [1e200, 1e-200])
 def test_dpase_float64_gram_overflow_or_underflow_gives_the_unscaled_answer(scale):
   with jax.enable_x64(True):
@@ -273,6 +280,7 @@ def test_check_data_upcasts_16_bit_floats(dtype):
 
 
 @pytest.mark.filterwarnings("ignore:DPASE")     # dpaseb's small blocks: ⊥ likely, still private
+@pytest.mark.slow             # check_data's 16-bit upcast is unit-tested above by default
 @pytest.mark.parametrize("dtype", HALF)
 def test_learners_accept_16_bit_input(dtype):
   """Before: float16/bfloat16 passed validation and crashed in jaxlib's LAPACK bindings

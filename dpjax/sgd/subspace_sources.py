@@ -211,7 +211,7 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
   # a finite basis. The check below only guards that promise; it touches public data alone.
   basis = linalg.top_k_right_singular_vectors(G, k)
   ok = v.all_finite(basis)
-  if v.is_traced(G):
+  if v.is_traced(G, ok):              # ok is staged under jit even for a closed-over G
     ok, basis = v.domain_bottom(G, ok, basis)
   elif not bool(ok):
     raise ValueError("public_gradient_subspace could not compute a finite basis from the "

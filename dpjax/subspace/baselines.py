@@ -187,7 +187,7 @@ def pca_subspace(X, *, k: int) -> SubspaceResult:
   k = v.check_int(k, "k", low=1, high=min(X.shape))
   basis = linalg.top_k_right_singular_vectors(X, k)
   ok = v.all_finite(basis)
-  if v.is_traced(X):
+  if v.is_traced(X, ok):              # ok is staged under jit even for a closed-over X
     ok, basis = v.domain_bottom(X, ok, basis)
   # Non-private baseline: checking its own output is fine (nothing private is released here).
   elif not bool(ok):

@@ -59,7 +59,8 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
     num_blocks: override T.
     c3: the constant in T.
     ledger: optional :class:`dpjax.ledger.PrivacyLedger` (replace-one).
-    **dpase_kwargs: public DPASE parameters (``num_subsets``, ``cell_length``, ``ell_rule``, …).
+    **dpase_kwargs: public DPASE parameters (``num_subsets``, ``cell_length``, ``ell_rule``,
+      ``top_k_method``, …).
 
   Returns:
     :class:`~dpjax.results.SubspaceResult` (neighbouring ``REPLACE_ONE``); ``info`` has
@@ -82,6 +83,8 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
   block = n // T
   noise = dpase_kwargs.pop("noise", "discrete")
   grouping = dpase_kwargs.pop("grouping", "auto")
+  top_k_method = v.check_choice(dpase_kwargs.pop("top_k_method", "auto"), "top_k_method",
+                                approximate.TOP_K_METHOD_CHOICES)
   # Check the user's n here (public numbers only), so that the error names n and T rather than
   # the block size that DPASE's own check would call "n".
   num_subsets = dpase_kwargs.get("num_subsets")
@@ -100,6 +103,7 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
   dpase_kwargs.setdefault("float_eps", float(jnp.finfo(X.dtype).eps))
   params = approximate.dpase_parameters(block, d, k, epsilon=epsilon, delta=delta, gamma=gamma,
                                         noise=noise, **dpase_kwargs)
+  solver = approximate.top_k_solver(top_k_method, params.subset_size, d, k)
   if ledger is not None:
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASEB",
                             neighbouring=NeighboringRelation.REPLACE_ONE)
@@ -107,10 +111,11 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
   ok, basis, agreeing, runs_ok = _dpaseb(
       key, X, params.cell_length, scalars, 2.0 * alpha / 3.0, t=params.num_subsets,
       m=params.subset_size, q=params.num_reference_points, k=k, T=T, block=block,
-      grouping=grouping)
+      grouping=grouping, solver=solver)
   if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
     ok, basis, agreeing = v.domain_bottom(X, ok, basis, agreeing)
-  info = {"num_blocks": T, "block_size": block, "dpase": params._asdict()}
+  info = {"num_blocks": T, "block_size": block, "dpase": params._asdict(),
+          "top_k_method": solver.method}
   return SubspaceResult(ok=ok, basis=basis, released={"agreeing": agreeing, "runs_ok": runs_ok},
                         epsilon=float(epsilon), delta=float(delta),
                         neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
@@ -133,16 +138,19 @@ def _rows_needed(d, k, epsilon, delta, T, noise, num_subsets) -> _Rows:
   return _Rows(t, T * t * (k + 1))
 
 
-@functools.partial(jax.jit, static_argnames=("t", "m", "q", "k", "T", "block", "grouping"))
-def _dpaseb(key, X, cell_length, scalars, radius, *, t, m, q, k, T, block, grouping):
+@functools.partial(jax.jit, static_argnames=("t", "m", "q", "k", "T", "block", "grouping",
+                                             "solver"))
+def _dpaseb(key, X, cell_length, scalars, radius, *, t, m, q, k, T, block, grouping, solver):
   """ε, δ (through the histogram's scalars), ℓ and the radius are traced: an ε sweep at fixed
-  shapes compiles once."""
+  shapes compiles once. The blocks are index sets into ``X`` (no copy of the data)."""
   k_perm, k_runs = jax.random.split(key)
   perm = jax.random.permutation(k_perm, X.shape[0])
-  blocks = X[perm[: T * block]].reshape(T, block, X.shape[1])
+  blocks = perm[: T * block].reshape(T, block)
   run = functools.partial(approximate._dpase_traced, cell_length=cell_length, scalars=scalars,
-                          t=t, m=m, q=q, k=k, partition="permutation", grouping=grouping)
-  oks, bases, _ = jax.vmap(lambda kk, xb: run(kk, xb))(jax.random.split(k_runs, T), blocks)
+                          t=t, m=m, q=q, k=k, partition="permutation", grouping=grouping,
+                          solver=solver)
+  oks, bases, _ = jax.vmap(lambda kk, rows: run(kk, X, rows=rows))(jax.random.split(k_runs, T),
+                                                                    blocks)
   # sin of the largest principal angle between every pair of runs: from the (k, k) overlaps.
   overlaps = jnp.einsum("idk,jdl->ijkl", bases, bases)
   smallest = jnp.min(jnp.linalg.svd(overlaps, compute_uv=False), axis=-1)

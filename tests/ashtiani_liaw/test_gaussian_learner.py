@@ -37,6 +37,7 @@ def singular_gaussian():
                                          covariance_kwargs=small)
 
 
+@pytest.mark.slow
 def test_learn_gaussian_recovers_a_singular_gaussian_with_a_huge_mean(singular_gaussian):
   X, U, ev, mu, r, res = singular_gaussian
   assert res.ok and res.failed_step_name is None and int(res.released["rank"]) == r

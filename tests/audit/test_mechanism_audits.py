@@ -134,11 +134,13 @@ def test_exponential_mechanism(audit_trials):
   _check("exponential mechanism", 1.0, rep.epsilon_lower_bound, n)
 
 
-def test_dpase_replaced_row_breaks_a_subset(audit_trials):
+@pytest.mark.parametrize("top_k_method", ["exact", "subspace_iteration"])
+def test_dpase_replaced_row_breaks_a_subset(audit_trials, top_k_method):
   """About t/2 subsets hold a huge outlier; X' adds one more, moving the winning count by 1.
 
   That puts the t/2 rule and the histogram threshold on the edge, where ⊥ versus an answer is
-  decided; the feature is the ok flag together with the released basis' first entry.
+  decided; the feature is the ok flag together with the released basis' first entry. Run with
+  both per-subset solvers.
   """
   n = audit_trials(2_000, 30_000)
   eps, delta = 1.0, 0.02
@@ -151,7 +153,8 @@ def test_dpase_replaced_row_breaks_a_subset(audit_trials):
   X_prime = X.at[num_bad].set(outliers[num_bad])
 
   def run(key, rows):
-    res = approximate.dpase(key, rows, epsilon=eps, delta=delta, k=k, cell_length=0.05)
+    res = approximate.dpase(key, rows, epsilon=eps, delta=delta, k=k, cell_length=0.05,
+                            top_k_method=top_k_method)
     return jnp.where(res.ok, jnp.round(jnp.abs(res.basis[0, 0]), 2), -1.0)
 
   rep = audit.audit(jax.random.key(8), run, X, X_prime, delta=delta, epsilon_claimed=eps,

@@ -162,12 +162,49 @@ def test_calibrate_cell_length_picks_the_best_grid_point():
     (dict(gamma=None), ValueError, "gamma"),
     (dict(partition="rows"), ValueError, "partition"),
     (dict(cell_length=-1.0), ValueError, "cell_length"),
+    (dict(top_k_method="svd"), ValueError, "top_k_method"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, exc, match):
   X, _ = _model(n=2_000)
   args = dict(epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA) | kwargs
   with pytest.raises(exc, match=match):
     approximate.dpase(jax.random.key(0), X, **args)
+
+
+def test_top_k_solver_rule():
+  """"auto" iterates where one exact solve costs ≥ 16 iterations' flops; the cap is a quarter."""
+  # The speed benchmark's default (n = 10⁵, d = 10³, t = 38 → m = 2631): ratio ≈ 104.
+  assert approximate.top_k_solver("auto", 2631, 1000, 5) == ("subspace_iteration", 26)
+  assert approximate.top_k_solver("auto", 526, 200, 5) == ("subspace_iteration", 10)
+  assert approximate.top_k_solver("auto", 131, 1000, 5).method == "exact"   # ratio ≈ 8
+  assert approximate.top_k_solver("auto", 150, 20, 2).method == "exact"
+  assert approximate.top_k_solver("exact", 2631, 1000, 5).method == "exact"
+  assert approximate.top_k_solver("subspace_iteration", 10, 5, 1).method == "subspace_iteration"
+  with pytest.raises(ValueError, match="top_k_method"):
+    approximate.top_k_solver("lanczos", 10, 5, 1)
+
+
+@pytest.mark.slow             # two compilations of a vmapped DPASE; the audits run both solvers
+@pytest.mark.parametrize("partition", approximate.PARTITIONS)
+def test_subspace_iteration_releases_what_exact_does(partition):
+  """The solver moves a subset's basis by ~1e-6, far below a cell: the same key gives the same
+  ⊥/released cell and count, hence the same final basis (the final PCA is exact either way)."""
+  X, model = _model(n=4_000, d=30, k=3, gamma=1e-6)
+  keys = jax.random.split(jax.random.key(5), 6)
+
+  def run(method):
+    return jax.vmap(lambda kk: approximate.dpase(kk, X, epsilon=EPS, delta=DELTA, k=3,
+                                                 gamma=1e-6, partition=partition,
+                                                 top_k_method=method))(keys)
+  exact, iterated = run("exact"), run("subspace_iteration")
+  assert iterated.info["top_k_method"] == "subspace_iteration"
+  assert int(jnp.sum(exact.ok)) >= 4
+  np.testing.assert_array_equal(np.asarray(exact.ok), np.asarray(iterated.ok))
+  np.testing.assert_array_equal(np.asarray(exact.released["winning_count"]),
+                                np.asarray(iterated.released["winning_count"]))
+  np.testing.assert_allclose(np.asarray(exact.basis), np.asarray(iterated.basis), atol=1e-5)
+  for basis in iterated.basis[iterated.ok]:
+    assert float(metrics.projection_distance(basis, model.basis)) <= 0.1
 
 
 def test_bad_data_raise_clear_errors():

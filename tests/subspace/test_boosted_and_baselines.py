@@ -41,8 +41,24 @@ def test_dpaseb_bottom_when_blocks_disagree():
   assert not bool(res.ok) and bool(jnp.all(res.basis == 0))
 
 
+@pytest.mark.slow
+def test_dpaseb_passes_the_top_k_method_to_its_runs():
+  X, _ = data.approximate_subspace_data(jax.random.key(0), 2 * 1_200, 10, 2, gamma=1e-6)
+  kw = dict(epsilon=2.0, delta=1e-6, k=2, alpha=0.3, num_blocks=2, gamma=1e-6)
+  exact = dpaseb(jax.random.key(1), X, top_k_method="exact", **kw)
+  iterated = dpaseb(jax.random.key(1), X, top_k_method="subspace_iteration", **kw)
+  assert (exact.info["top_k_method"], iterated.info["top_k_method"]) == (
+      "exact", "subspace_iteration")
+  assert bool(exact.ok) == bool(iterated.ok)
+  assert int(exact.released["runs_ok"]) == int(iterated.released["runs_ok"]) >= 2
+  np.testing.assert_allclose(np.asarray(exact.basis), np.asarray(iterated.basis), atol=1e-5)
+
+
 def test_dpaseb_bad_input():
   X = jax.random.normal(jax.random.key(2), (100, 5))
+  with pytest.raises(ValueError, match="top_k_method"):
+    dpaseb(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=1, alpha=0.1, gamma=0.1,
+           num_blocks=1, top_k_method="svd")
   with pytest.raises(ValueError, match="alpha"):
     dpaseb(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=1, alpha=0.0, gamma=0.1)
   with pytest.raises(ValueError, match="n is too small"):

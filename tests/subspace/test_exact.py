@@ -62,6 +62,7 @@ def test_enumeration_guard():
     dpese(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=3)
 
 
+@pytest.mark.slow
 def test_printed_algorithm_is_not_private_on_two_planes():
   """docs/algorithms.md §2.1: on X the printed algorithm outputs a plane through the last row with
   probability ≈ 0.02; on X' (that row replaced by a generic point) such planes do not exist, so
