@@ -1,5 +1,7 @@
 """DP-SGD with optional gradient-subspace projection (docs/algorithms.md §6)."""
 
+from dpjax.sgd.denoise import (LowRankDenoiseState, filtered_noise_std, low_rank_denoise,
+                                shrink_singular_values)
 from dpjax.sgd.per_example import (ClippedGradSum, clip_per_example, clipped_grad_sum,
                                    global_norms, per_example_grads)
 from dpjax.sgd.privatizer import (DPSGDPrivatizer, accumulate_microbatches, dp_sgd_privatizer,

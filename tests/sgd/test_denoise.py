@@ -1,0 +1,130 @@
+"""Low-rank denoising of privatised gradients (post-processing; dpjax/sgd/denoise.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpjax.sgd import denoise, transforms
+
+
+def _spiked(key, m, n, rank, strength, noise):
+  k1, k2, k3 = jax.random.split(key, 3)
+  U = jnp.linalg.qr(jax.random.normal(k1, (m, rank)))[0]
+  V = jnp.linalg.qr(jax.random.normal(k2, (n, rank)))[0]
+  signal = strength * U @ V.T
+  return signal, signal + noise * jax.random.normal(k3, (m, n))
+
+
+def test_pure_noise_is_shrunk_to_almost_nothing():
+  G = 0.3 * jax.random.normal(jax.random.key(0), (64, 100))
+  out = denoise.shrink_singular_values(G, 0.3)
+  # Everything lies in the bulk below the edge s(√64 + √100): little or nothing survives.
+  assert float(jnp.linalg.norm(out)) < 0.05 * float(jnp.linalg.norm(G))
+
+
+@pytest.mark.parametrize("shape", [(64, 100), (100, 64)])
+def test_a_low_rank_signal_is_recovered_better_than_the_noisy_matrix(shape):
+  signal, G = _spiked(jax.random.key(1), *shape, rank=3, strength=30.0, noise=1.0)
+  out = denoise.shrink_singular_values(G, 1.0)
+  before = float(jnp.linalg.norm(G - signal))
+  after = float(jnp.linalg.norm(out - signal))
+  assert after < 0.4 * before
+  # The Gavish–Donoho shrinker beats keeping the top 3 singular values as they are (hard
+  # truncation at the true rank), which over-estimates each by the noise.
+  U, sv, Vt = jnp.linalg.svd(G, full_matrices=False)
+  truncated = (U[:, :3] * sv[:3]) @ Vt[:3]
+  assert after < float(jnp.linalg.norm(truncated - signal))
+
+
+def test_the_shrinker_matches_its_formula_on_one_value():
+  # A diagonal G: its singular values are its entries, so the map is checked value by value.
+  s, m, n = 0.5, 20, 80
+  beta = m / n
+  values = np.array([0.1, 1.0, 1.2, 2.0, 5.0]) * s * np.sqrt(n) * (1 + np.sqrt(beta))
+  G = np.zeros((m, n))
+  G[np.arange(5), np.arange(5)] = values
+  out = np.asarray(denoise.shrink_singular_values(jnp.asarray(G), s, 1.0), np.float64)
+  y = values / (s * np.sqrt(n))
+  expected = np.where(y > 1 + np.sqrt(beta),
+                      s * np.sqrt(n) * np.sqrt(np.clip((y**2 - beta - 1) ** 2 - 4 * beta, 0, None))
+                      / y, 0.0)
+  np.testing.assert_allclose(np.diag(out)[:5], expected, rtol=1e-4, atol=1e-5)
+  assert expected[0] == expected[1] == 0 and expected[-1] > 0
+
+
+def test_zero_noise_returns_the_input():
+  G = jax.random.normal(jax.random.key(2), (10, 7))
+  np.testing.assert_allclose(denoise.shrink_singular_values(G, 0.0), G, rtol=1e-5, atol=1e-5)
+
+
+def test_the_filtered_noise_std_is_the_ema_of_independent_noise():
+  s, decay, steps, trials = 2.0, 0.7, 6, 20000
+  noise = s * np.random.default_rng(0).standard_normal((trials, steps))
+  m = np.zeros(trials)
+  for t in range(steps):
+    m = decay * m + (1 - decay) * noise[:, t]
+    empirical = np.std(m / (1 - decay ** (t + 1)))
+    assert float(denoise.filtered_noise_std(s, decay, t + 1)) == pytest.approx(empirical,
+                                                                               rel=0.03)
+  assert float(denoise.filtered_noise_std(s, decay, 1)) == pytest.approx(s, rel=1e-6)
+  assert float(denoise.filtered_noise_std(s, 0.0, 5)) == s
+
+
+def test_the_transform_works_on_nested_pytrees_and_keeps_shapes_and_dtypes():
+  key = jax.random.key(3)
+  params = {"layers": [{"w": jnp.zeros((8, 6)), "b": jnp.zeros(6)},
+                       {"w": jnp.zeros((6, 3), jnp.bfloat16), "b": jnp.zeros(3)}],
+            "conv": jnp.zeros((3, 3, 2, 4)), "scale": jnp.zeros(())}
+  updates = jax.tree_util.tree_map(
+      lambda p: jax.random.normal(key, p.shape, p.dtype), params)
+  tx = denoise.low_rank_denoise(0.1)
+  out, state = jax.jit(tx.update)(updates, tx.init(params))
+  assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(params)
+  for o, p in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(params)):
+    assert o.shape == p.shape and o.dtype == p.dtype
+  # No filter: leaves that are not matrices pass through unchanged.
+  np.testing.assert_array_equal(out["layers"][0]["b"], updates["layers"][0]["b"])
+  np.testing.assert_array_equal(out["scale"], updates["scale"])
+  assert int(state.count) == 1
+
+
+def test_no_noise_and_no_filter_is_plain_dp_sgd():
+  params = {"w": jnp.ones((5, 4)), "b": jnp.zeros(4)}
+  summed = {"w": jax.random.normal(jax.random.key(4), (5, 4)), "b": jnp.arange(4.0)}
+  chain = lambda extra: optax.chain(  # noqa: E731
+      transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0,
+                                   key=jax.random.key(5)), *extra, optax.sgd(0.1))
+  plain, denoised = chain([]), chain([denoise.low_rank_denoise(0.0)])
+  s1, s2 = plain.init(params), denoised.init(params)
+  for _ in range(3):
+    u1, s1 = plain.update(summed, s1, params)
+    u2, s2 = denoised.update(summed, s2, params)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                           u1, u2)
+
+
+def test_denoising_reduces_the_error_of_a_noisy_low_rank_gradient_stream():
+  signal, _ = _spiked(jax.random.key(6), 32, 64, rank=2, strength=4.0, noise=0.0)
+  s = 0.2
+  tx = denoise.low_rank_denoise(s, decay=0.5)
+  state = tx.init({"w": signal})
+  keys = jax.random.split(jax.random.key(7), 10)
+  errors_raw, errors_out = [], []
+  for k in keys:
+    noisy = {"w": signal + s * jax.random.normal(k, signal.shape)}
+    out, state = tx.update(noisy, state)
+    errors_raw.append(float(jnp.linalg.norm(noisy["w"] - signal)))
+    errors_out.append(float(jnp.linalg.norm(out["w"] - signal)))
+  assert np.mean(errors_out[3:]) < 0.3 * np.mean(errors_raw[3:])
+
+
+@pytest.mark.parametrize("kwargs", [{"noise_std": -1.0}, {"noise_std": float("nan")},
+                                    {"noise_std": 1.0, "decay": 1.0},
+                                    {"noise_std": 1.0, "decay": -0.1},
+                                    {"noise_std": 1.0, "threshold_scale": 0.0},
+                                    {"noise_std": 1.0, "min_dim": 0}])
+def test_bad_options_raise(kwargs):
+  with pytest.raises(ValueError):
+    denoise.low_rank_denoise(**kwargs)
