@@ -15,6 +15,7 @@ def _run(source: str, name: str) -> dict:
   return namespace
 
 
+@pytest.mark.slow
 def test_readme_example_runs():
   text = (ROOT / "README.md").read_text()
   code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
@@ -24,6 +25,7 @@ def test_readme_example_runs():
   assert ns["out"].budget.epsilon <= 2.0 + 1e-9
 
 
+@pytest.mark.slow
 def test_readme_covariance_example_runs():
   text = (ROOT / "README.md").read_text()
   code = re.findall(r"```python\n(.*?)```", text, re.S)[1]

@@ -224,6 +224,7 @@ def test_determinism():
                         np.asarray(filtered_covariance(X, corruption=ETA)))
 
 
+@pytest.mark.slow
 def test_dtypes_are_preserved():
   Xm, _ = _mean_sample(2, "far")
   Xc, _ = _cov_sample(2, "far")

@@ -207,6 +207,7 @@ def test_an_epsilon_sweep_does_not_recompile():
   assert run._cache_size() == before
 
 
+@pytest.mark.slow
 def test_a_dpaseb_epsilon_sweep_at_fixed_shapes_does_not_recompile():
   """With t fixed (num_subsets), ε and δ only move traced scalars of DPASEB's jitted core."""
   from dpjax.subspace import boosted

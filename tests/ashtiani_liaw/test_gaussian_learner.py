@@ -58,6 +58,7 @@ def test_learn_gaussian_recovers_a_singular_gaussian_with_a_huge_mean(singular_g
   assert np.linalg.norm(U[:, r:].T @ (res.mean - mu)) <= 1e-6 * np.linalg.norm(mu)
 
 
+@pytest.mark.slow
 def test_learn_gaussian_names_the_failed_step_on_heavy_tails():
   rng = np.random.default_rng(3)
   d = 3

@@ -152,6 +152,7 @@ def test_grouping_matches_numpy_unique_including_chunked_and_adversarial_keys(mo
   assert {tuple(r) for r in released} <= set(expected_group)
 
 
+@pytest.mark.slow
 def test_hash_grouping_on_wide_items_via_auto():
   t, d = 40, 40_000                                   # t·t·D = 6.4e7 > 5e7: "auto" hashes
   items = jnp.zeros((t, d), jnp.int32).at[::2, -1].set(1)

@@ -25,6 +25,7 @@ def loss_fn(w, example):
   return (x @ w - y) ** 2
 
 
+@pytest.mark.slow
 def test_the_readme_loop_learns_within_its_budget():
   """The README's example: four DP-specific lines added to a plain optax loop."""
   params, steps = jnp.zeros(D), 150

@@ -35,6 +35,7 @@ def _logistic(n, d=20, k=3, seed=0):
   return X, y, B
 
 
+@pytest.mark.slow
 def test_flat_per_example_grads_match_vmap_and_do_not_depend_on_chunking():
   X, y, _ = _logistic(37)
   params = {"w": jax.random.normal(jax.random.key(1), (20,)) * 0.1, "b": jnp.ones(())}
@@ -77,6 +78,7 @@ def test_private_subspace_is_bottom_on_isotropic_gradients_and_still_pays():
   assert float(jnp.abs(res.basis).max()) == 0.0            # ⊥ carries no information
 
 
+@pytest.mark.slow
 def test_private_subspace_survives_non_finite_gradients_and_clips_rows():
   X, y, B = _logistic(8_000)
   X = X.at[:3].set(jnp.inf)                                   # a few poisoned rows

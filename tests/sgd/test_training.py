@@ -88,6 +88,7 @@ def test_normalised_clipping_and_weight_averaging():
   assert _train(11, (X, y), steps=1).averaged_params is None
 
 
+@pytest.mark.slow
 def test_training_is_deterministic_for_a_fixed_key():
   train, _, _ = _low_rank()
   first = _train(2, train, steps=5).params

@@ -49,6 +49,7 @@ def _two_planes(rng, n_each=50, d=6):
   return np.concatenate([A, Bm])
 
 
+@pytest.mark.slow
 def test_bottom_on_two_competing_subspaces():
   X = _two_planes(np.random.default_rng(0))
   oks = [bool(dpese(jax.random.key(s), X, epsilon=1.0, delta=1e-3, k=2).ok) for s in range(5)]
