@@ -2,6 +2,10 @@
 
 from dpjax.sgd.denoise import (LowRankDenoiseState, filtered_noise_std, low_rank_denoise,
                                 shrink_singular_values)
+from dpjax.sgd.layer_subspaces import (EmbeddingResidualState, LayerSubspaceNoiseState,
+                                        embedding_residual_grad_sum, embedding_residual_noise,
+                                        layer_subspace_noise, trajectory_bases,
+                                        update_layer_bases)
 from dpjax.sgd.per_example import (ClippedGradSum, clip_per_example, clipped_grad_sum,
                                    global_norms, per_example_grads)
 from dpjax.sgd.privatizer import (DPSGDPrivatizer, accumulate_microbatches, dp_sgd_privatizer,

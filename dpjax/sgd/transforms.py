@@ -223,14 +223,8 @@ def update_basis(opt_state, basis, *, tol: float = 1e-3):
       :func:`check_basis`.
   """
   basis = check_basis(basis, tol=tol)
-  is_state = lambda x: isinstance(x, SubspaceNoiseState)  # noqa: E731
-  found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(x)]
-  if not found:
-    raise ValueError("opt_state has no SubspaceNoiseState (from subspace_dp_gaussian_noise).")
 
   def swap(state):
-    if not is_state(state):
-      return state
     if state.basis.shape != basis.shape:
       raise ValueError(f"the new basis must have the current shape {tuple(state.basis.shape)}, "
                        f"got {tuple(basis.shape)}.")
@@ -238,7 +232,21 @@ def update_basis(opt_state, basis, *, tol: float = 1e-3):
     return state._replace(basis=basis.astype(state.basis.dtype),
                           noise_std=jnp.asarray(std, jnp.float32))
 
-  return jax.tree_util.tree_map(swap, opt_state, is_leaf=is_state)
+  return map_states(opt_state, SubspaceNoiseState, swap, "subspace_dp_gaussian_noise")
+
+
+def map_states(opt_state, state_type, fn, origin: str):
+  """Applies ``fn`` to every ``state_type`` node of an optimiser state (e.g. a whole
+  ``optax.chain`` state), leaving the rest as is.
+
+  Raises:
+    ValueError: ``opt_state`` holds no ``state_type`` (from the transform ``origin``).
+  """
+  is_state = lambda x: isinstance(x, state_type)  # noqa: E731
+  if not any(is_state(x) for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state)):
+    raise ValueError(f"opt_state has no {state_type.__name__} (from {origin}).")
+  return jax.tree_util.tree_map(lambda x: fn(x) if is_state(x) else x, opt_state,
+                                is_leaf=is_state)
 
 
 def round_up_float32(value: float) -> np.float32:

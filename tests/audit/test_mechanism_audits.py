@@ -349,6 +349,93 @@ def test_stretching_basis_audit_catches_unscaled_noise(audit_trials):
   assert rep.epsilon_lower_bound > claimed, rep
 
 
+def _layer_canary_step(stretch, sigma, unscaled=False):
+  """One full-batch step with per-layer bases: params {"w": (4, 2), "b": (2,)}, the canary's
+  gradient is 5·E₀₀ (clipped to E₀₀, norm C = 1), the basis of "w" is ``[stretch·e0, e1]``
+  (‖U‖₂ = stretch). ``unscaled``: noise σC, not σCν (a negative control)."""
+  from dpjax.sgd import layer_subspaces
+  C = 1.0
+  X = jnp.concatenate([jnp.zeros((1, 4, 2)).at[0, 0, 0].set(5.0), 0.1 * jnp.ones((5, 4, 2))])
+  loss = lambda p, x: jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["b"])   # gradient of w = x
+  grad_sum = sgd.clipped_grad_sum(loss, clip_norm=C)
+  params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+  bases = {"w": jnp.eye(4)[:, :2].at[0, 0].set(stretch), "b": None}
+
+  def step(key, mask):
+    summed = grad_sum(params, X, mask)
+    tx = layer_subspaces.layer_subspace_noise(bases, clip_norm=C, noise_multiplier=sigma,
+                                              expected_batch_size=1.0, key=key, tol=10.0)
+    state = tx.init(params)
+    if unscaled:
+      state = state._replace(noise_std=state.base_std)
+    out, _ = tx.update(summed, state)
+    return out["w"][0, 0]                            # the canary's coordinate
+  with_canary = jnp.ones(6)
+  without = with_canary.at[0].set(0.0)               # add/remove-one neighbour
+  return step, without, with_canary, accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5)
+
+
+def test_layer_subspace_dp_sgd_step_with_a_stretching_basis(audit_trials):
+  """Per-layer bases: a basis with ‖U‖₂ = 3 moves the canary's coefficient by 3C; the noise is
+  scaled by the largest basis norm, so the step keeps the claimed ε."""
+  n = audit_trials(5_000, 100_000)
+  step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0)
+  rep = audit.audit(jax.random.key(23), step, without, with_canary, delta=1e-5,
+                    epsilon_claimed=claimed, trials=n)
+  _check("per-layer subspace DP-SGD step", claimed, rep.epsilon_lower_bound, n)
+
+
+def test_layer_subspace_audit_catches_unscaled_noise(audit_trials):
+  """Negative control (not in EXPECTED): the same step with noise σC (not scaled by ‖U‖₂ = 3)."""
+  n = audit_trials(10_000, 100_000)
+  step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0, unscaled=True)
+  rep = audit.audit(jax.random.key(24), step, without, with_canary, delta=1e-5,
+                    epsilon_claimed=claimed, trials=n)
+  assert rep.epsilon_lower_bound > claimed, rep
+
+
+def _residual_canary_step(sigma):
+  """One full-batch step with the embedding+residual release: params {"w": (4, 2), "b": (2,)},
+  the basis of "w" is e1 (the canary's gradient 5·E₀₀ lies in the RESIDUAL, and its clipped
+  scaled norm is 1), C_e = 1, C_ρ = 0.5; the feature is the canary's coordinate."""
+  from dpjax.sgd import layer_subspaces
+  X = jnp.concatenate([jnp.zeros((1, 4, 2)).at[0, 0, 0].set(5.0), 0.1 * jnp.ones((5, 4, 2))])
+  loss = lambda p, x: jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["b"])   # gradient of w = x
+  params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+  bases = {"w": jnp.eye(4)[:, 1:2], "b": None}
+  grad_sum = layer_subspaces.embedding_residual_grad_sum(loss, embedding_clip=1.0,
+                                                         residual_clip=0.5)
+
+  def step(key, mask):
+    tx = layer_subspaces.embedding_residual_noise(
+        bases, embedding_clip=1.0, residual_clip=0.5, noise_multiplier=sigma,
+        expected_batch_size=1.0, key=key)
+    out, _ = tx.update(grad_sum(params, X, mask, bases), tx.init(params))
+    return out["w"][0, 0]
+  with_canary = jnp.ones(6)
+  return step, with_canary.at[0].set(0.0), with_canary
+
+
+def test_embedding_residual_dp_sgd_step_with_a_canary(audit_trials):
+  """Projection before clipping, GEP style: the canary sits in the residual channel."""
+  n = audit_trials(5_000, 100_000)
+  step, without, with_canary = _residual_canary_step(1.0)
+  claimed = accounting.dpsgd_epsilon(1.0, 1.0, 1, 1e-5)
+  rep = audit.audit(jax.random.key(25), step, without, with_canary, delta=1e-5,
+                    epsilon_claimed=claimed, trials=n)
+  _check("embedding+residual DP-SGD step", claimed, rep.epsilon_lower_bound, n)
+
+
+def test_embedding_residual_audit_catches_too_little_noise(audit_trials):
+  """Negative control (not in EXPECTED): the noise of σ/3 under the claim for σ."""
+  n = audit_trials(10_000, 100_000)
+  step, without, with_canary = _residual_canary_step(1.0 / 3.0)
+  claimed = accounting.dpsgd_epsilon(1.0, 1.0, 1, 1e-5)
+  rep = audit.audit(jax.random.key(26), step, without, with_canary, delta=1e-5,
+                    epsilon_claimed=claimed, trials=n)
+  assert rep.epsilon_lower_bound > claimed, rep
+
+
 # ------------------------------------------------------------------ Ashtiani–Liaw: PPME, masking
 
 
@@ -586,6 +673,8 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
             "AL exact subspace", "Analyze Gauss", "DP-SGD step", "subspace DP-SGD step",
             "subspace DP-SGD step, stretching basis",
+            "per-layer subspace DP-SGD step",
+            "embedding+residual DP-SGD step",
             "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
             "AL covariance", "AL covariance test bit", "CoinPress mean",
             "CoinPress covariance"}

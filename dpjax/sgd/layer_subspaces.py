@@ -1,0 +1,411 @@
+"""Per-layer gradient subspaces: a pytree of input-side bases, noise only in their span
+(docs/algorithms.md §6.4).
+
+A dense layer's per-example gradient is rank one, ``x δᵀ`` for a kernel ``(in, out)`` applied as
+``x @ W``: its column space lies in the span of the layer's inputs. A basis ``U_ℓ (a_ℓ, r_ℓ)``
+per weight matrix (its first axis, a_ℓ = in) keeps that structure, where one flattened (p, k)
+basis throws it away: the noise lives in ``Σ_ℓ r_ℓ b_ℓ`` coordinates (b_ℓ = the product of the
+other axes) instead of p.
+
+References:
+  Yu et al., "Large Scale Private Learning via Low-rank Reparametrization" (RGP), ICML 2021
+  (per-layer low-rank gradient carriers from the update history); Zhou, Wu & Banerjee, PDP-SGD,
+  ICLR 2021 (the noisy gradient projected on a subspace).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpjax import _validation as v
+from dpjax.sgd import per_example, transforms
+
+
+class LayerSubspaceNoiseState(NamedTuple):
+  """State of :func:`layer_subspace_noise`.
+
+  Attributes:
+    key: PRNG key, split at every update (never reused; :func:`update_layer_bases` keeps it).
+    bases: pytree like the params with ``None`` (full noise) or an ``(a, r)`` basis per leaf.
+    base_std: float32 scalar ``σ·C`` (rounded up).
+    noise_std: float32 scalar ``σ·C·max(1, max_ℓ ν̂_ℓ)`` (rounded up), the std in every released
+      coordinate.
+  """
+  key: jax.Array
+  bases: Any
+  base_std: jax.Array
+  noise_std: jax.Array
+
+
+def _is_none(x):
+  return x is None
+
+
+def _check_noise(clip_norm, noise_multiplier, expected_batch_size, key):
+  v.check_key(key)
+  return (v.check_positive(clip_norm, "clip_norm"),
+          v.check_positive(noise_multiplier, "noise_multiplier", allow_zero=True),
+          v.check_positive(expected_batch_size, "expected_batch_size"))
+
+
+def check_layer_bases(bases, params, *, tol: float = 1e-3):
+  """Validates a pytree of per-layer bases against ``params`` (host side).
+
+  ``bases`` has the structure of ``params`` with ``None`` where a leaf is not projected; a
+  projected leaf of shape ``(a, ...)`` needs an ``(a, r)`` basis with orthonormal columns
+  (:func:`dpjax.sgd.transforms.check_basis`, spectral tolerance ``tol``).
+
+  Returns:
+    The bases with arrays as ``jax.Array``.
+
+  Raises:
+    ValueError: another tree structure, no projected leaf, a basis whose row count is not the
+      leaf's first axis, a leaf with fewer than two axes given a basis, or as ``check_basis``.
+    TypeError: as ``check_basis``.
+  """
+  leaves = jax.tree_util.tree_leaves(bases, is_leaf=_is_none)
+  structure = jax.tree_util.tree_structure(bases, is_leaf=_is_none)
+  target = jax.tree_util.tree_structure(params)
+  if structure.num_leaves != target.num_leaves or (
+      jax.tree_util.tree_structure(jax.tree_util.tree_map(lambda _: 0, bases, is_leaf=_is_none))
+      != target):
+    raise ValueError("bases must have the structure of the params, with None for the leaves "
+                     "that are not projected.")
+  if all(b is None for b in leaves):
+    raise ValueError("bases has no projected leaf; use dp_gaussian_noise for full noise.")
+
+  def check(basis, leaf):
+    if basis is None:
+      return None
+    if jnp.ndim(leaf) < 2:
+      raise ValueError(f"a basis was given for a leaf of shape {jnp.shape(leaf)}: only leaves "
+                       "with at least two axes (weight matrices) are projected.")
+    basis = transforms.check_basis(basis, tol=tol)
+    if basis.shape[0] != jnp.shape(leaf)[0]:
+      raise ValueError(f"a basis for a leaf of shape {jnp.shape(leaf)} must have "
+                       f"{jnp.shape(leaf)[0]} rows (the leaf's first, input-side axis), got "
+                       f"{tuple(basis.shape)}.")
+    return basis
+
+  return jax.tree_util.tree_map(check, bases, params, is_leaf=_is_none)
+
+
+def layer_noise_std(base_std: float, bases) -> np.float32:
+  """``σC·max(1, max_ℓ ν̂_ℓ)`` in float32 rounded up: the released map is block diagonal, so its
+  spectral norm is the largest block's (identity blocks count 1)."""
+  bounds = [transforms.basis_norm_bound(b)
+            for b in jax.tree_util.tree_leaves(bases, is_leaf=_is_none) if b is not None]
+  return transforms.round_up_float32(float(base_std) * max([1.0] + bounds))
+
+
+def layer_subspace_noise(bases, *, clip_norm: float, noise_multiplier: float,
+                         expected_batch_size: float, key: jax.Array,
+                         tol: float = 1e-3) -> optax.GradientTransformation:
+  """Noise in per-layer input-side subspaces: ``W_ℓ ↦ U_ℓ (U_ℓᵀ S_ℓ + N(0, s²)) / L``.
+
+  ``S`` is the sum of per-example gradients clipped to global ℓ2 norm C (over all leaves;
+  :func:`dpjax.sgd.clipped_grad_sum`). A leaf with a basis ``U_ℓ (a, r)`` is read as the
+  matrix ``S_ℓ (a, b)`` (first axis by the rest) and only its ``r × b`` coefficients
+  ``U_ℓᵀ S_ℓ`` get noise; a leaf with ``None`` gets noise in all its coordinates, as in
+  :func:`dpjax.sgd.dp_gaussian_noise`.
+
+  Privacy: under add/remove-one, one step releases ``M S + N(0, s² I)`` with M the block-diagonal
+  map ``(U_ℓᵀ S_ℓ)_ℓ`` (identity blocks for unprojected leaves), ``‖M‖₂ = max(1, max_ℓ ‖U_ℓ‖₂)``
+  so the release has ℓ2-sensitivity ``≤ C·ν`` with
+  ``ν = max(1, max_ℓ ν̂_ℓ)`` (:func:`dpjax.sgd.transforms.basis_norm_bound`) and ``s = σCν``: the
+  Gaussian mechanism with noise multiplier σ, accounted exactly as DP-SGD
+  (:func:`dpjax.accounting.dpsgd_event`). Mapping back by ``U_ℓ`` and dividing by L are
+  post-processing. The bases must be public, DP releases whose cost is composed in, or
+  functions of earlier releases of this run (e.g. :func:`trajectory_bases`, free by
+  post-processing); bases computed non-privately from the training data void the guarantee.
+
+  With every leaf given an identity basis the update equals :func:`dp_gaussian_noise`'s with the
+  same key (same draws).
+
+  Args:
+    bases: pytree like the params; ``None`` or an ``(a, r)`` float array with orthonormal
+      columns per leaf (``a`` = the leaf's first axis; ``1 ≤ r ≤ a``).
+    clip_norm: C > 0.
+    noise_multiplier: σ ≥ 0.
+    expected_batch_size: L > 0, the public expected batch size.
+    key: PRNG key, kept in the state and split at every update.
+    tol: accepted ``‖UᵀU − I‖₂`` per basis (a usability check; privacy holds for any accepted
+      basis through ν).
+
+  Returns:
+    An ``optax.GradientTransformation`` (state :class:`LayerSubspaceNoiseState`); the bases are
+    checked against the params at ``init``; :func:`update_layer_bases` swaps in new ones.
+
+  Raises:
+    ValueError: as :func:`check_layer_bases` (at ``init``), and as
+      :func:`dpjax.sgd.dp_gaussian_noise`.
+    TypeError: as :func:`dpjax.sgd.dp_gaussian_noise`.
+
+  References:
+    Yu et al., RGP, ICML 2021; Zhou, Wu & Banerjee, PDP-SGD, ICLR 2021.
+  """
+  clip_norm, sigma, batch = _check_noise(clip_norm, noise_multiplier, expected_batch_size, key)
+  base_std = transforms.round_up_float32(sigma * clip_norm)
+  tol = v.check_positive(tol, "tol")
+
+  def init_fn(params):
+    checked = check_layer_bases(bases, params, tol=tol)
+    return LayerSubspaceNoiseState(key, checked, jnp.asarray(base_std, jnp.float32),
+                                   jnp.asarray(layer_noise_std(base_std, checked), jnp.float32))
+
+  return optax.GradientTransformation(init_fn, _layer_update(batch))
+
+
+def _layer_update(batch):
+  def update_fn(updates, state, params=None):
+    del params
+    next_key, noise_key = jax.random.split(state.key)
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    bases = treedef.flatten_up_to(state.bases)
+    keys = jax.random.split(noise_key, len(leaves))
+    out = []
+    for g, U, k in zip(leaves, bases, keys):
+      if U is None:
+        std = state.noise_std.astype(g.dtype)
+        out.append((g + std * jax.random.normal(k, g.shape, g.dtype)) / jnp.asarray(batch, g.dtype))
+        continue
+      # The coefficients are computed with U as stored (at least float32), as in
+      # subspace_dp_gaussian_noise: ν̂ covers U's own values, not a 16-bit rounding of them.
+      dtype = jnp.promote_types(jnp.promote_types(g.dtype, U.dtype), jnp.float32)
+      G = g.reshape(g.shape[0], -1).astype(dtype)
+      Ud = U.astype(dtype)
+      noise = jax.random.normal(k, (U.shape[1], G.shape[1]), dtype)
+      coefficients = Ud.T @ G + state.noise_std.astype(dtype) * noise
+      out.append((Ud @ coefficients / jnp.asarray(batch, dtype)).reshape(g.shape).astype(g.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out), state._replace(key=next_key)
+
+  return update_fn
+
+
+def update_layer_bases(opt_state, bases, *, tol: float = 1e-3):
+  """Swaps new per-layer bases into every :class:`LayerSubspaceNoiseState` of ``opt_state``.
+
+  The key stream is kept; the noise std is recomputed for the new bases. The new bases must have
+  the current ones' shapes and ``None`` pattern, so the compiled update is reused. Host side.
+
+  Raises:
+    ValueError: no :class:`LayerSubspaceNoiseState` in ``opt_state``; another structure or shape;
+      as :func:`dpjax.sgd.transforms.check_basis`.
+  """
+  def swap(state):
+    old = jax.tree_util.tree_structure(state.bases, is_leaf=_is_none)
+    if jax.tree_util.tree_structure(bases, is_leaf=_is_none) != old:
+      raise ValueError("the new bases must have the current structure and None pattern.")
+
+    def check(new, cur):
+      if (new is None) != (cur is None):
+        raise ValueError("the new bases must have the current None pattern.")
+      if new is None:
+        return None
+      new = transforms.check_basis(new, tol=tol)
+      if new.shape != cur.shape:
+        raise ValueError(f"a new basis must have the current shape {tuple(cur.shape)}, got "
+                         f"{tuple(new.shape)}.")
+      return new.astype(cur.dtype)
+
+    checked = jax.tree_util.tree_map(check, bases, state.bases, is_leaf=_is_none)
+    std = layer_noise_std(float(state.base_std), checked)
+    return state._replace(bases=checked, noise_std=jnp.asarray(std, jnp.float32))
+
+  return transforms.map_states(opt_state, LayerSubspaceNoiseState, swap, "layer_subspace_noise")
+
+
+def trajectory_bases(released, rank: int, *, min_dim: int = 2):
+  """Per-layer input-side bases from RELEASED updates: the top-``rank`` left singular vectors
+  of each weight matrix of ``released`` (e.g. an average of past privatised updates).
+
+  Privacy: a function of released quantities only, so it is post-processing and costs nothing;
+  pass it nothing computed from per-example or clipped gradients.
+
+  Args:
+    released: pytree of released (noisy) updates, shaped like the params.
+    rank: r ≥ 1; a leaf with at least two axes, first axis ``a ≥ max(min_dim, rank + 1)`` and
+      ``b ≥ min_dim`` (b = product of the other axes) gets an ``(a, r)`` basis; others ``None``.
+    min_dim: smallest side of a projected matrix.
+
+  Returns:
+    A pytree of bases for :func:`layer_subspace_noise` (orthonormal columns, canonical signs).
+
+  Raises:
+    ValueError: ``rank < 1``; no leaf qualifies.
+  """
+  from dpjax import linalg   # local: linalg is only needed here
+  rank = v.check_int(rank, "rank", low=1)
+  min_dim = v.check_int(min_dim, "min_dim", low=1)
+
+  def basis(g):
+    g = jnp.asarray(g)
+    if g.ndim < 2 or g.shape[0] < max(min_dim, rank + 1) or math.prod(g.shape[1:]) < min_dim:
+      return None
+    G = g.reshape(g.shape[0], -1).astype(jnp.promote_types(g.dtype, jnp.float32))
+    return linalg.top_k_right_singular_vectors(G.T, min(rank, G.shape[1]))
+
+  bases = jax.tree_util.tree_map(basis, released)
+  if all(b is None for b in jax.tree_util.tree_leaves(bases, is_leaf=_is_none)):
+    raise ValueError("no leaf of released is a matrix large enough to project.")
+  return bases
+
+
+# ------------------------------------------------------- projection BEFORE clipping (GEP style)
+
+
+class EmbeddingResidualState(NamedTuple):
+  """State of :func:`embedding_residual_noise`: the key (split every update) and the bases."""
+  key: jax.Array
+  bases: Any
+
+
+def _split(g, U, embedding_clip, residual_clip):
+  """One example's leaf → (embedding/C_e, residual/C_ρ); unprojected leaves have no residual."""
+  if U is None:
+    return g / embedding_clip, jnp.zeros((0,), g.dtype)
+  dtype = jnp.promote_types(g.dtype, jnp.float32)
+  G = g.reshape(g.shape[0], -1).astype(dtype)
+  Ud = U.astype(dtype)
+  e = Ud.T @ G
+  return e / embedding_clip, ((G - Ud @ e) / residual_clip).reshape(g.shape)
+
+
+def embedding_residual_grad_sum(loss_fn, *, embedding_clip: float, residual_clip: float,
+                                joint: bool = True, clipping: str = "clip",
+                                stability: float = per_example.DEFAULT_STABILITY
+                                ) -> per_example.ClippedGradSum:
+  """``fn(params, batch, mask, bases)``: per-example gradients split by per-layer bases BEFORE
+  clipping, into an embedding and a residual, jointly clipped in a weighted norm, then summed.
+
+  For one example with gradient leaves ``G_ℓ (a, b)`` and bases ``U_ℓ (a, r)``: the embedding
+  ``e_ℓ = U_ℓᵀ G_ℓ`` (r × b; the whole leaf where the basis is ``None``) and the residual
+  ``ρ_ℓ = G_ℓ − U_ℓ e_ℓ``. The pair is scaled to ``u = (e / C_e, ρ / C_ρ)``; ``joint=True``
+  clips ``‖u‖₂ ≤ 1`` (bound Δ = 1), ``joint=False`` clips each part to norm 1 on its own (GEP;
+  bound Δ = √2) (``clipping="clip"``, or "normalize"; the edge cases of
+  :func:`dpjax.sgd.clip_per_example`: non-finite examples contribute 0), so every term has
+  norm ≤ Δ in the scaled units whatever the bases are.
+
+  Privacy: the masked sum of the clipped ``u`` has ℓ2-sensitivity Δ (``fn.l2_norm_bound``)
+  under add/remove-one, so :func:`embedding_residual_noise` with ``l2_norm_bound=Δ`` (noise
+  ``N(0, σ²Δ²)`` on every coordinate of the scaled sums) is the Gaussian mechanism with noise
+  multiplier σ, accounted exactly as DP-SGD. In the original units the embedding gets noise
+  ``σΔC_e`` and the residual ``σΔC_ρ`` (Yu et al.'s GEP). The bases must not depend on the
+  private data except through DP releases (e.g. :func:`trajectory_bases`).
+
+  Args:
+    loss_fn: ``loss_fn(params, example) -> scalar`` for one example.
+    embedding_clip, residual_clip: ``C_e > 0`` and ``C_ρ > 0``.
+    joint: one clip of the scaled pair (True, Δ = 1) or one per part (False, Δ = √2).
+    clipping, stability: as :func:`dpjax.sgd.clipped_grad_sum`.
+
+  Returns:
+    A :class:`dpjax.sgd.ClippedGradSum` ``fn(params, batch, mask, bases) -> {"embedding": tree,
+    "residual": tree}`` in scaled units, carrying ``l2_norm_bound = Δ``: the embedding tree has ``(r, b)`` coefficient leaves where a basis is
+    given and the leaf itself elsewhere; the residual tree has the leaf's shape where a basis is
+    given and empty ``(0,)`` leaves elsewhere. ``bases`` is an argument (not baked into the
+    compiled program), as in :func:`layer_subspace_noise`.
+
+  Raises:
+    ValueError: a clip norm ≤ 0 or not finite; as :func:`dpjax.sgd.clipped_grad_sum`.
+    TypeError: ``loss_fn`` not callable.
+
+  References:
+    Yu, Zhang, Chen & Liu, "Do not Let Privacy Overbill Utility: Gradient Embedding
+    Perturbation for Private Learning" (GEP), ICLR 2021.
+  """
+  embedding_clip = v.check_positive(embedding_clip, "embedding_clip")
+  residual_clip = v.check_positive(residual_clip, "residual_clip")
+  clipping, stability = per_example.check_clipping(clipping, stability)
+  grads_fn = per_example.per_example_grads(loss_fn)
+
+  def fn(params, batch, mask, bases):
+    grads = grads_fn(params, batch)
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    bases_flat = treedef.flatten_up_to(bases)
+    pairs = [jax.vmap(lambda g, U=U: _split(g, U, embedding_clip, residual_clip))(g)
+             for g, U in zip(leaves, bases_flat)]
+    scaled = {"embedding": treedef.unflatten([e for e, _ in pairs]),
+              "residual": treedef.unflatten([r for _, r in pairs])}
+    if joint:
+      clipped = per_example.clip_per_example(scaled, 1.0, clipping=clipping,
+                                             stability=stability)
+    else:
+      clipped = {part: per_example.clip_per_example(tree, 1.0, clipping=clipping,
+                                                    stability=stability)
+                 for part, tree in scaled.items()}
+    weights = jnp.asarray(mask)
+    return jax.tree_util.tree_map(
+        lambda x: jnp.tensordot(weights.astype(x.dtype), x, axes=1), clipped)
+
+  return per_example.ClippedGradSum(fn, 1.0 if joint else math.sqrt(2.0))
+
+
+def embedding_residual_noise(bases, *, embedding_clip: float, residual_clip: float,
+                             noise_multiplier: float, expected_batch_size: float,
+                             key: jax.Array,
+                             l2_norm_bound: float = 1.0) -> optax.GradientTransformation:
+  """Noise for :func:`embedding_residual_grad_sum`'s sums, then back to the params' shape:
+  ``g̃_ℓ = (C_e U_ℓ (ē_ℓ + N(0, σ²Δ²)) + C_ρ (ρ̄_ℓ + N(0, σ²Δ²))) / L``.
+
+  ``ē, ρ̄`` are the scaled sums (per-example scaled norm ≤ Δ = the grad sum's
+  ``l2_norm_bound``). Privacy: add/remove-one moves the pair of sums by ≤ Δ in ℓ2, and every
+  released coordinate gets ``N(0, σ²Δ²)``: the Gaussian mechanism with noise multiplier σ (one DP-SGD step; accounted by
+  :func:`dpjax.accounting.dpsgd_event` with the same σ, q, T). Mapping back and dividing by the
+  public L are post-processing. A leaf whose basis spans it (``r = a``) has no residual and
+  releases none; with identity bases everywhere and ``C_e = C`` the step is
+  :func:`dp_gaussian_noise`'s, draw for draw (tested).
+
+  Args:
+    bases: pytree like the params, ``None`` or an ``(a, r)`` orthonormal basis per leaf
+      (checked at ``init`` by :func:`check_layer_bases`); held in the state.
+    embedding_clip, residual_clip: ``C_e, C_ρ > 0``, as given to the grad sum.
+    noise_multiplier: σ ≥ 0.
+    expected_batch_size: L > 0.
+    key: PRNG key, kept in the state and split every update.
+    l2_norm_bound: Δ, from the grad sum (``fn.l2_norm_bound``: 1 joint, √2 per part).
+
+  Returns:
+    An ``optax.GradientTransformation`` mapping ``{"embedding", "residual"}`` sums to a pytree
+    like the params (state :class:`EmbeddingResidualState`).
+
+  Raises:
+    ValueError / TypeError: as :func:`layer_subspace_noise` and for the clip norms.
+  """
+  _, sigma, batch = _check_noise(1.0, noise_multiplier, expected_batch_size, key)
+  c_e = v.check_positive(embedding_clip, "embedding_clip")
+  c_r = v.check_positive(residual_clip, "residual_clip")
+  std = transforms.round_up_float32(sigma * v.check_positive(l2_norm_bound, "l2_norm_bound"))
+
+  def init_fn(params):
+    return EmbeddingResidualState(key, check_layer_bases(bases, params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    next_key, noise_key = jax.random.split(state.key)
+    emb, treedef = jax.tree_util.tree_flatten(updates["embedding"])
+    res = treedef.flatten_up_to(updates["residual"])
+    Us = treedef.flatten_up_to(state.bases)
+    # The embedding draws use dp_gaussian_noise's key layout (identity bases: the same draws).
+    keys = jax.random.split(noise_key, len(emb))
+    residual_keys = jax.random.split(jax.random.fold_in(noise_key, 1), len(emb))
+    out = []
+    for e, r, U, k, k_r in zip(emb, res, Us, keys, residual_keys):
+      dtype = jnp.promote_types(e.dtype, jnp.float32)
+      noisy_e = e.astype(dtype) + std * jax.random.normal(k, e.shape, dtype)
+      if U is None:
+        out.append((c_e * noisy_e / batch).astype(e.dtype))
+        continue
+      back = (c_e * (U.astype(dtype) @ noisy_e)).reshape(r.shape)
+      if U.shape[1] < U.shape[0]:            # a full basis leaves no residual: nothing to release
+        back = back + c_r * (r.astype(dtype) + std * jax.random.normal(k_r, r.shape, dtype))
+      out.append((back / batch).astype(r.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out), state._replace(key=next_key)
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,228 @@
+"""Per-layer input-side subspaces (dpjax/sgd/layer_subspaces.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpjax.sgd import layer_subspaces as ls
+from dpjax.sgd import transforms
+
+
+def _params():
+  return {"layers": [{"w": jnp.zeros((6, 4)), "b": jnp.zeros(4)},
+                     {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}],
+          "conv": jnp.zeros((5, 2, 2))}
+
+
+def _orthonormal(key, a, r):
+  return jnp.linalg.qr(jax.random.normal(key, (a, r)))[0]
+
+
+def _bases(r=2):
+  keys = jax.random.split(jax.random.key(0), 3)
+  return {"layers": [{"w": _orthonormal(keys[0], 6, r), "b": None},
+                     {"w": None, "b": None}],
+          "conv": _orthonormal(keys[2], 5, r)}
+
+
+def _noise(bases, sigma=1.0, key=1):
+  return ls.layer_subspace_noise(bases, clip_norm=2.0, noise_multiplier=sigma,
+                                 expected_batch_size=4.0, key=jax.random.key(key))
+
+
+def test_identity_bases_give_plain_dp_sgd():
+  params = _params()
+  summed = jax.tree_util.tree_map(lambda p: jnp.ones_like(p) * 0.3, params)
+  eye = {"layers": [{"w": jnp.eye(6), "b": None}, {"w": jnp.eye(4), "b": None}],
+         "conv": jnp.eye(5)}
+  tx, plain = _noise(eye), transforms.dp_gaussian_noise(
+      clip_norm=2.0, noise_multiplier=1.0, expected_batch_size=4.0, key=jax.random.key(1))
+  s1, s2 = tx.init(params), plain.init(params)
+  for _ in range(2):
+    a, s1 = tx.update(summed, s1)
+    b, s2 = plain.update(summed, s2)
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+                           a, b)
+
+
+def test_projected_leaves_lie_in_their_span_and_others_get_full_noise():
+  params, bases = _params(), _bases()
+  summed = jax.tree_util.tree_map(lambda p: jnp.ones_like(p), params)
+  tx = jax.jit(_noise(bases).update)
+  out, state = tx(summed, _noise(bases).init(params))
+  U = bases["layers"][0]["w"]
+  W = out["layers"][0]["w"]
+  np.testing.assert_allclose(W - U @ (U.T @ W), 0, atol=1e-5)
+  C = out["conv"].reshape(5, -1)
+  np.testing.assert_allclose(C - bases["conv"] @ (bases["conv"].T @ C), 0, atol=1e-5)
+  assert not np.allclose(out["layers"][1]["w"], 0.25)             # unprojected leaf: noisy
+  for o, p in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(params)):
+    assert o.shape == p.shape and o.dtype == p.dtype
+  assert isinstance(state, ls.LayerSubspaceNoiseState)
+
+
+def test_noise_energy_is_r_times_b_coordinates_per_projected_leaf():
+  params, bases = _params(), _bases(r=2)
+  zero = jax.tree_util.tree_map(jnp.zeros_like, params)
+  tx = _noise(bases, sigma=1.5)
+  state = tx.init(params)
+  keys = jax.random.split(jax.random.key(5), 4000)
+  outs = jax.vmap(lambda k: tx.update(zero, state._replace(key=k))[0])(keys)
+  s = 1.5 * 2.0 / 4.0                                  # σC/L (ν̂ ≈ 1 for an orthonormal basis)
+  energy = lambda x: float(jnp.mean(jnp.sum(x.reshape(x.shape[0], -1) ** 2, axis=1)))  # noqa
+  assert energy(outs["layers"][0]["w"]) == pytest.approx(s**2 * 2 * 4, rel=0.05)
+  assert energy(outs["conv"]) == pytest.approx(s**2 * 2 * 4, rel=0.05)
+  assert energy(outs["layers"][1]["w"]) == pytest.approx(s**2 * 12, rel=0.05)
+
+
+def test_the_noise_is_scaled_by_the_largest_basis_norm():
+  params, bases = _params(), _bases()
+  bases["conv"] = bases["conv"].at[0, 0].multiply(1.5)   # ‖U‖₂ > 1 (accepted with a loose tol)
+  tx = ls.layer_subspace_noise(bases, clip_norm=2.0, noise_multiplier=1.0,
+                               expected_batch_size=4.0, key=jax.random.key(1), tol=10.0)
+  state = tx.init(params)
+  norm = float(jnp.linalg.norm(bases["conv"], 2))
+  assert float(state.noise_std) >= 2.0 * norm > 2.0 * 1.3
+  assert float(state.base_std) == pytest.approx(2.0)
+
+
+def test_update_layer_bases_keeps_the_key_and_recomputes_the_std():
+  params, bases = _params(), _bases()
+  tx = optax.chain(_noise(bases), optax.sgd(0.1))
+  opt_state = tx.init(params)
+  new = _bases()
+  new["conv"] = _orthonormal(jax.random.key(9), 5, 2)
+  swapped = ls.update_layer_bases(opt_state, new)
+  np.testing.assert_array_equal(jax.random.key_data(swapped[0].key),
+                                jax.random.key_data(opt_state[0].key))
+  np.testing.assert_array_equal(swapped[0].bases["conv"], new["conv"])
+  assert float(swapped[0].noise_std) == pytest.approx(float(opt_state[0].noise_std), rel=1e-5)
+  with pytest.raises(ValueError, match="None pattern|structure"):
+    ls.update_layer_bases(opt_state, {**new, "conv": None})
+  with pytest.raises(ValueError, match="shape"):
+    ls.update_layer_bases(opt_state, {**new, "conv": _orthonormal(jax.random.key(9), 5, 3)})
+  with pytest.raises(ValueError, match="no LayerSubspaceNoiseState"):
+    ls.update_layer_bases(optax.sgd(0.1).init(params), new)
+
+
+@pytest.mark.parametrize("change", ["rows", "vector_leaf", "structure", "none", "not_orthonormal"])
+def test_bad_bases_raise_at_init(change):
+  params, bases = _params(), _bases()
+  if change == "rows":
+    bases["conv"] = _orthonormal(jax.random.key(1), 4, 2)
+  elif change == "vector_leaf":
+    bases["layers"][0]["b"] = _orthonormal(jax.random.key(1), 4, 2)
+  elif change == "structure":
+    del bases["conv"]
+  elif change == "none":
+    bases = jax.tree_util.tree_map(lambda _: None, bases)
+  else:
+    bases["conv"] = bases["conv"] * 2.0
+  with pytest.raises(ValueError):
+    _noise(bases).init(params)
+
+
+def test_trajectory_bases_read_released_updates_only():
+  # A released update whose first layer is rank one plus noise: the basis finds its column space.
+  key1, key2 = jax.random.split(jax.random.key(3))
+  u = jax.random.normal(key1, (6,))
+  released = jax.tree_util.tree_map(lambda p: 0.01 * jax.random.normal(key2, p.shape), _params())
+  released["layers"][0]["w"] = released["layers"][0]["w"] + jnp.outer(u, jnp.ones(4))
+  bases = ls.trajectory_bases(released, 1)
+  top = bases["layers"][0]["w"][:, 0]
+  assert abs(float(top @ u)) / float(jnp.linalg.norm(u)) > 0.99
+  assert bases["layers"][0]["b"] is None and bases["layers"][1]["w"].shape == (4, 1)
+  _noise(bases).init(_params())                        # a valid input to the transform
+  with pytest.raises(ValueError):
+    ls.trajectory_bases({"b": jnp.zeros(3)}, 1)
+  with pytest.raises(ValueError):
+    ls.trajectory_bases(released, 0)
+
+
+# ------------------------------------------------------- projection before clipping (GEP style)
+
+def _model():
+  params = {"w": jnp.zeros((6, 3)), "b": jnp.zeros(3)}
+  loss = lambda p, ex: jnp.sum((ex[0] @ p["w"] + p["b"] - ex[1]) ** 2)   # noqa: E731
+  keys = jax.random.split(jax.random.key(11), 2)
+  batch = (jax.random.normal(keys[0], (9, 6)), jax.random.normal(keys[1], (9, 3)))
+  return params, loss, batch
+
+
+def test_embedding_residual_with_identity_bases_is_plain_dp_sgd():
+  from dpjax.sgd import per_example
+  params, loss, batch = _model()
+  mask = jnp.ones(9).at[3].set(0)
+  params = {"w": 0.3 * jnp.ones((6, 3)), "b": jnp.zeros(3)}
+  eye = {"w": jnp.eye(6), "b": None}
+  sums = ls.embedding_residual_grad_sum(loss, embedding_clip=2.0, residual_clip=0.5)(
+      params, batch, mask, eye)
+  plain_sum = per_example.clipped_grad_sum(loss, clip_norm=2.0)(params, batch, mask)
+  tx = ls.embedding_residual_noise(eye, embedding_clip=2.0, residual_clip=0.5,
+                                   noise_multiplier=1.3, expected_batch_size=4.0,
+                                   key=jax.random.key(2))
+  plain = transforms.dp_gaussian_noise(clip_norm=2.0, noise_multiplier=1.3,
+                                       expected_batch_size=4.0, key=jax.random.key(2))
+  a, _ = tx.update(sums, tx.init(params))
+  b, _ = plain.update(plain_sum, plain.init(params))
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5),
+                         a, b)
+
+
+def test_without_noise_or_clipping_the_residual_channel_drops_nothing():
+  params, loss, batch = _model()
+  bases = {"w": _orthonormal(jax.random.key(4), 6, 2), "b": None}
+  sums = ls.embedding_residual_grad_sum(loss, embedding_clip=1e4, residual_clip=1e4)(
+      params, batch, jnp.ones(9), bases)
+  tx = ls.embedding_residual_noise(bases, embedding_clip=1e4, residual_clip=1e4,
+                                   noise_multiplier=0.0, expected_batch_size=3.0,
+                                   key=jax.random.key(2))
+  out, _ = tx.update(sums, tx.init(params))
+  full = jax.tree_util.tree_map(lambda g: jnp.sum(g, 0) / 3.0,
+                                jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, batch))
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4),
+                         out, full)
+
+
+@pytest.mark.parametrize("joint", [True, False])
+@pytest.mark.parametrize("stretch", [1.0, 3.0])
+def test_removing_one_example_moves_the_scaled_sums_by_at_most_the_bound(stretch, joint):
+  """The sensitivity of the (embedding, residual) release is Δ (1 joint, √2 per part) in the
+  scaled units for every example — huge, zero, non-finite — and any basis (even one that
+  stretches)."""
+  params, loss, batch = _model()
+  x, y = batch
+  x = x.at[0].multiply(1e6).at[1].set(0.0).at[2, 0].set(jnp.nan).at[3, 1].set(jnp.inf)
+  bases = {"w": _orthonormal(jax.random.key(4), 6, 2).at[0, 0].multiply(stretch), "b": None}
+  fn = ls.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.1, joint=joint)
+  bound = fn.l2_norm_bound
+  assert bound == (1.0 if joint else pytest.approx(2**0.5))
+  full = fn(params, (x, y), jnp.ones(9), bases)
+  worst = 0.0
+  for i in range(9):
+    less = fn(params, (x, y), jnp.ones(9).at[i].set(0), bases)
+    diff = jax.tree_util.tree_map(lambda a, b: a - b, full, less)
+    norm = float(np.sqrt(sum(np.sum(np.asarray(d, np.float64) ** 2)
+                             for d in jax.tree_util.tree_leaves(diff))))
+    assert np.isfinite(norm) and norm <= bound * (1 + 1e-5), (i, norm)
+    worst = max(worst, norm)
+  assert worst > 0.9 * bound                      # the huge example reaches the bound
+  assert all(bool(jnp.all(jnp.isfinite(l))) for l in jax.tree_util.tree_leaves(full))
+
+
+def test_embedding_residual_shapes_and_bad_options():
+  params, loss, batch = _model()
+  bases = {"w": _orthonormal(jax.random.key(4), 6, 2), "b": None}
+  sums = jax.jit(ls.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.1))(
+      params, batch, jnp.ones(9), bases)
+  assert sums["embedding"]["w"].shape == (2, 3) and sums["embedding"]["b"].shape == (3,)
+  assert sums["residual"]["w"].shape == (6, 3) and sums["residual"]["b"].shape == (0,)
+  for bad in ({"embedding_clip": 0.0, "residual_clip": 1.0},
+              {"embedding_clip": 1.0, "residual_clip": float("nan")}):
+    with pytest.raises(ValueError):
+      ls.embedding_residual_grad_sum(loss, **bad)
+    with pytest.raises(ValueError):
+      ls.embedding_residual_noise(bases, noise_multiplier=1.0, expected_batch_size=1.0,
+                                  key=jax.random.key(0), **bad)
