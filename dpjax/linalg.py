@@ -128,7 +128,7 @@ def _subspace_iteration(X, k, oversampling, max_iterations, tol):
   m, d = X.shape
   r = min(k + oversampling, d)
   V0, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(0), (d, r), X.dtype))
-  tol = jnp.maximum(tol, jnp.finfo(X.dtype).eps * math.sqrt(d * k))   # subspace_iteration_tolerance
+  tol = jnp.maximum(tol, subspace_iteration_tolerance(0.0, d, k, X.dtype))  # tol may be traced
 
   def body(state):
     i, V, _ = state

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from dpjax import _validation as v
+from dpjax import linalg
 from dpjax.sgd import per_example, transforms
 
 
@@ -70,11 +71,8 @@ def check_layer_bases(bases, params, *, tol: float = 1e-3):
     TypeError: as ``check_basis``.
   """
   leaves = jax.tree_util.tree_leaves(bases, is_leaf=_is_none)
-  structure = jax.tree_util.tree_structure(bases, is_leaf=_is_none)
-  target = jax.tree_util.tree_structure(params)
-  if structure.num_leaves != target.num_leaves or (
-      jax.tree_util.tree_structure(jax.tree_util.tree_map(lambda _: 0, bases, is_leaf=_is_none))
-      != target):
+  placeholders = jax.tree_util.tree_map(lambda _: 0, bases, is_leaf=_is_none)
+  if jax.tree_util.tree_structure(placeholders) != jax.tree_util.tree_structure(params):
     raise ValueError("bases must have the structure of the params, with None for the leaves "
                      "that are not projected.")
   if all(b is None for b in leaves):
@@ -240,7 +238,6 @@ def trajectory_bases(released, rank: int, *, min_dim: int = 2):
   Raises:
     ValueError: ``rank < 1``; no leaf qualifies.
   """
-  from dpjax import linalg   # local: linalg is only needed here
   rank = v.check_int(rank, "rank", low=1)
   min_dim = v.check_int(min_dim, "min_dim", low=1)
 

@@ -124,7 +124,7 @@ def test_bad_bases_raise_at_init(change):
     _noise(bases).init(params)
 
 
-def test_trajectory_bases_read_released_updates_only():
+def test_trajectory_bases_find_the_column_space_of_a_released_update():
   # A released update whose first layer is rank one plus noise: the basis finds its column space.
   key1, key2 = jax.random.split(jax.random.key(3))
   u = jax.random.normal(key1, (6,))
