@@ -9,8 +9,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import dpjax
 from dpjax import linalg
 from dpjax.ashtiani_liaw import closeness_matrix
 
@@ -91,3 +93,83 @@ def test_covariance_accuracy_options(tmp_path):
        "--json", str(path), "--plot", str(plot)])
   saved = json.loads(path.read_text())
   assert saved["config"]["dims"] == [3] and saved["gaussian"] and plot.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_gradient_subspace_options(tmp_path):
+  """Every option at tiny sizes; the JSON has the documented summary schema and wins rule."""
+  pytest.importorskip("matplotlib")
+  pytest.importorskip("sklearn")
+  path, plot = tmp_path / "out.json", tmp_path / "acc.png"
+  out = _load("gradient_subspace").main(
+      ["--quick", "--seeds", "3", "--tuning-seeds", "1", "--learning-rates", "0.05", "0.1",
+       "--epsilons", "1", "2", "--datasets", "digits", "generated", "--rows", "1500",
+       "--models", "softmax", "mlp_small", "--steps", "12", "--json", str(path),
+       "--plot", str(plot)])
+  saved = json.loads(path.read_text())
+  assert saved["summary"] == json.loads(json.dumps(out["summary"]))
+  bench = _load("gradient_subspace")
+  for dataset in ("digits", "generated"):
+    for model in ("softmax", "mlp_small"):
+      for eps in ("1", "2"):
+        rows = saved["summary"][f"{dataset}/{model}/eps={eps}"]
+        assert set(rows) == set(bench.ROUTES)
+        assert rows["dp_sgd"]["diff"] == 0 and not rows["dp_sgd"]["wins"]
+        for route, r in rows.items():
+          assert 0 <= r["acc"] <= 1 and r["ci"][0] <= r["diff"] <= r["ci"][1]
+          assert r["learning_rate"] in (0.05, 0.1)
+          assert r["wins"] == (route not in ("dp_sgd", "non_private") and r["ci"][0] > 0
+                               and r["vs_best_dp_sgd"] > 0)
+  assert [r for r in bench.ROUTES if "public" in r] == ["public_subspace"]
+  # Paired seeds: the non-private route's test accuracies are shared across ε.
+  d = saved["details"]
+  assert d["digits/softmax/eps=1"]["non_private"] == d["digits/softmax/eps=2"]["non_private"]
+  assert plot.stat().st_size > 0
+  sub = bench.main(["--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.1",
+                    "--epsilons", "2", "--datasets", "digits", "--models", "softmax",
+                    "--routes", "gep_trajectory", "--steps", "12"])
+  assert set(sub["summary"]["digits/softmax/eps=2"]) == {"dp_sgd", "gep_trajectory"}
+
+
+def test_gradient_subspace_noise_is_calibrated_by_the_pld_accountant():
+  """σ meets (ε, δ) for the route's q and T under add/remove-one, and not by much more."""
+  from dpjax import accounting
+  bench = _load("gradient_subspace")
+  sigma = bench.noise_multiplier(1.0, 128 / 1000, 50)
+  eps = accounting.dpsgd_epsilon(sigma, 128 / 1000, 50, bench.DELTA, accountant="pld")
+  assert 0.9 < eps <= 1.0
+
+
+def test_gradient_subspace_trajectory_bases_read_only_released_updates():
+  """The GEP route's bases must be a function of the released noisy updates only: with the
+  noise transforms replaced by ones that release a fixed update whatever they are given, the
+  bases (and everything else) must not change when the private data change. Feeding clipped or
+  per-example gradients into the bases would make them differ."""
+  bench = _load("gradient_subspace")
+  data = bench.load("digits")
+  X, y = map(jnp.asarray, data["train"])
+  params = bench.demo.init_mlp(jax.random.key(1), (64, 32, 10))
+  released = jax.tree_util.tree_map(
+      lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.01, params)
+  placeholder = bench.first_layer_bases(params, np.eye(64, bench.GEP_RANK, dtype=np.float32))
+
+  def fixed_release(state_fn):
+    return optax.GradientTransformation(
+        lambda p: state_fn(), lambda updates, state, p=None: (released, state))
+
+  warm = fixed_release(lambda: dpjax.sgd.DPNoiseState(jax.random.key(0)))
+  gep = fixed_release(lambda: dpjax.sgd.EmbeddingResidualState(jax.random.key(0), placeholder))
+  clipped = dpjax.sgd.clipped_grad_sum(bench.demo.example_loss, clip_norm=1.0)
+
+  def bases_after(X, y):
+    states = [warm.init(params), gep.init(params)]
+    _, bases = bench._train_gep(states, (warm, gep), jax.random.key(3), params, 0.05, X, y,
+                                steps=20, batch=64, microbatch=96, clipped=clipped,
+                                return_bases=True)
+    return np.asarray(bases[0]["w"])
+
+  first = bases_after(X, y)
+  other = bases_after(X[::-1] * 0.5, y[::-1])
+  np.testing.assert_array_equal(first, other)
+  expected = np.asarray(dpjax.sgd.trajectory_bases([released[0]], bench.GEP_RANK)[0]["w"])
+  np.testing.assert_allclose(np.abs(first), np.abs(expected), atol=1e-5)

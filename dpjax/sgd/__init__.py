@@ -9,7 +9,7 @@ from dpjax.sgd.layer_subspaces import (EmbeddingResidualState, LayerSubspaceNois
 from dpjax.sgd.per_example import (ClippedGradSum, clip_per_example, clipped_grad_sum,
                                    global_norms, per_example_grads)
 from dpjax.sgd.privatizer import (DPSGDPrivatizer, accumulate_microbatches, dp_sgd_privatizer,
-                                  l2_norm_bound)
+                                  l2_norm_bound, poisson_clipped_sum)
 from dpjax.sgd.sampling import poisson_mask, poisson_microbatches
 from dpjax.sgd.subspace_sources import (flat_per_example_grads, private_gradient_subspace,
                                         public_gradient_subspace)

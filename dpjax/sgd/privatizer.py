@@ -94,6 +94,70 @@ def accumulate_microbatches(grad_fn: Callable, params, data, indices: jax.Array,
   return total
 
 
+def poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array, *,
+                        sampling_prob, microbatch_size: int, extra_args=()):
+  """The clipped-gradient sum over a Poisson sample drawn inside the trace: traceable core.
+
+  The jittable counterpart of :meth:`DPSGDPrivatizer.clipped_sum` for training loops written as
+  one ``lax.scan`` (and ``vmap``-ped over seeds or hyperparameters): the sample is
+  :func:`dpjax.sgd.poisson_mask` with ``key`` (the same draw as the host-side
+  :func:`dpjax.sgd.poisson_microbatches`), its indices are laid out in fixed-size micro-batches
+  of ``microbatch_size`` rows, and a ``lax.while_loop`` sums EVERY micro-batch the sample needs
+  (``⌈|sample| / B⌉``, at least one): never truncated, so the sensitivity is
+  ``grad_fn.l2_norm_bound`` under add/remove-one, as the accountant assumes. The loop count is a
+  function of the sampling randomness only and never enters the released sum (timing side
+  channels are out of scope, as in :mod:`dpjax.sgd.sampling`).
+
+  Known XLA:CPU issue (jaxlib 0.10.2, measured): ``vmap`` of a loop whose body holds this sum
+  AND a matrix decomposition (e.g. :func:`dpjax.sgd.low_rank_denoise`'s SVD) can deadlock (all
+  threads parked); ``lax.map`` over the seeds runs it, as fast here
+  (``benchmarks/gradient_subspace.py``).
+
+  Args:
+    grad_fn: ``grad_fn(params, batch, mask, *extra_args)``, e.g.
+      :func:`dpjax.sgd.clipped_grad_sum` or :func:`dpjax.sgd.embedding_residual_grad_sum`
+      (whose bases go in ``extra_args``); or jax_privacy's ``clipped_grad`` (no extra args).
+    params: the model parameters (pytree).
+    data: pytree of arrays with a leading example axis N (static N).
+    key: PRNG key of this step's sample (a fresh one per step).
+    sampling_prob: q ∈ (0, 1] (may be traced).
+    microbatch_size: B ≥ 1 (static).
+    extra_args: further arguments of ``grad_fn`` (e.g. the bases).
+
+  Returns:
+    A pytree like ``grad_fn``'s output: the sum over the sample.
+
+  Raises:
+    ValueError: ``microbatch_size < 1``; data without a common leading axis.
+  """
+  microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
+  sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(data)}
+  if len(sizes) != 1:
+    raise ValueError(f"data leaves must share one leading example axis, got sizes {sizes}.")
+  n = sizes.pop()
+  call = _masked_call(grad_fn)
+  chosen = jax.random.bernoulli(key, sampling_prob, (n,))
+  count = jnp.sum(chosen, dtype=jnp.int32)
+  # The chosen indices first, in increasing order, padded with zeros (then masked out).
+  order = jnp.nonzero(chosen, size=n + microbatch_size, fill_value=0)[0].astype(jnp.int32)
+  positions = jnp.arange(microbatch_size, dtype=jnp.int32)
+
+  def microbatch_sum(start):
+    idx = jax.lax.dynamic_slice(order, (start,), (microbatch_size,))
+    chunk = jax.tree_util.tree_map(lambda x: x[idx], data)
+    return call(params, chunk, start + positions < count, *extra_args)
+
+  def body(carry):
+    start, total = carry
+    return start + microbatch_size, jax.tree_util.tree_map(jnp.add, total,
+                                                            microbatch_sum(start))
+
+  first = microbatch_sum(jnp.int32(0))
+  _, total = jax.lax.while_loop(lambda c: c[0] < count, body,
+                                (jnp.int32(microbatch_size), first))
+  return total
+
+
 def _masked_call(grad_fn: Callable) -> Callable:
   """``(params, batch, mask) -> sum``: dpjax's convention, or jax_privacy's ``clipped_grad``
   (``fun(params, batch, is_padding_example=~mask)``)."""

@@ -65,6 +65,29 @@ def test_clipped_sum_covers_every_sampled_example_once():
   np.testing.assert_allclose(np.asarray(padded), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q,microbatch", [(50 / N, 7), (0.9, 400), (0.9, 16)])
+def test_poisson_clipped_sum_in_the_trace_covers_the_whole_sample(q, microbatch):
+  """The traceable core draws the host helper's sample and sums every micro-batch of it (many
+  micro-batches, one, and a sample far above B: never truncated), under jit and vmap."""
+  grad_fn = dpjax.sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  params = jnp.ones(D)
+  keys = jax.random.split(jax.random.key(6), 3)
+  got = jax.jit(jax.vmap(lambda k: dpjax.sgd.poisson_clipped_sum(
+      grad_fn, params, DATA, k, sampling_prob=q, microbatch_size=microbatch)))(keys)
+  for key, row in zip(keys, np.asarray(got)):
+    mask = np.asarray(sampling.poisson_mask(key, N, q))
+    expected = grad_fn(params, DATA, jnp.asarray(mask))
+    np.testing.assert_allclose(row, np.asarray(expected), rtol=1e-5, atol=1e-4)
+  # extra_args reach grad_fn; data leaves must share the example axis.
+  scaled = dpjax.sgd.poisson_clipped_sum(
+      lambda p, b, m, c: grad_fn(p, b, m) * c, params, DATA, keys[0], sampling_prob=q,
+      microbatch_size=microbatch, extra_args=(2.0,))
+  np.testing.assert_allclose(np.asarray(scaled), 2 * np.asarray(got[0]), rtol=1e-5, atol=1e-4)
+  with pytest.raises(ValueError, match="leading example axis"):
+    dpjax.sgd.poisson_clipped_sum(grad_fn, params, (X, X[:3]), keys[0], sampling_prob=q,
+                                  microbatch_size=microbatch)
+
+
 def test_the_noise_is_sigma_times_the_carried_clip_norm():
   """C comes from the clipped function: the transform's noise std is σ·C / L."""
   C, sigma, L = 3.0, 2.0, 10.0
