@@ -2,8 +2,8 @@
 
     python benchmarks/gradient_subspace.py [--quick] [--json PATH] [--plot PATH]
 
-Routes (every DP route at the same total (ε, δ) under add/remove-one, by one PLD accountant:
-T Poisson-sampled Gaussian steps with the same q and σ, ``dpjax.accounting.plan_dpsgd_budget``):
+Routes, trained by ``dpjax.sgd.train_route`` (every DP route at the same total (ε, δ) under
+add/remove-one, by one PLD accountant: T Poisson-sampled Gaussian steps with the same q and σ):
 
 * ``non_private``: the same model, optimiser and weight averaging without clipping or noise.
 * ``dp_sgd``: the baseline at its best straightforward settings — Poisson sampling,
@@ -41,31 +41,28 @@ Models: softmax regression and tanh MLPs with 32 and 128 hidden units.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
-import math
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import scipy.stats
 
-from dpjax import accounting, demo, sgd
+from dpjax import demo, sgd
 
-ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "public_subspace")
+ROUTES = sgd.ROUTES
 MODELS = {"softmax": (), "mlp_small": (32,), "mlp_large": (128,)}
 DATASETS = ("digits", "generated")
 DELTA = 1e-5
-EMA = 0.99                 # weight averaging (post-processing)
-STABILITY = 0.01           # normalised clipping's γ
-WARMUP = 0.2               # gep_trajectory: share of steps of plain DP-SGD before projecting
-REFRESHES = 10             # gep_trajectory: bases refreshed every T/REFRESHES steps
-GEP_RANK, GEP_RESIDUAL_CLIP, GEP_FILTER = 8, 0.3, 0.9
-PUBLIC_RANK, PUBLIC_FRACTION = 16, 0.1
-DENOISE_DECAY = 0.5
+# The routes' settings (the defaults of dpjax.sgd.RouteSettings: normalised clipping C = 1,
+# γ = 0.01; weight EMA 0.99; denoise filter 0.5; GEP r = 8, C_ρ = 0.3, 20% warm-up, 10 refreshes,
+# filter 0.9; public rank 16).
+ROUTE_SETTINGS = sgd.RouteSettings()
+PUBLIC_FRACTION = 0.1
 SETTINGS = {"digits": {"batch": 128, "steps": 300}, "generated": {"batch": 256, "steps": 400}}
 
 
@@ -88,164 +85,10 @@ def load(name: str, rows: int | None = None):
   return {k: (X[i].astype(np.float32), y[i].astype(np.int32)) for k, i in parts.items()}
 
 
-def first_layer_bases(params, basis):
-  """Bases pytree: ``basis`` for the first weight matrix, None elsewhere."""
-  return [{"w": basis if i == 0 else None, "b": None} for i in range(len(params))]
-
-
-def _with_key(state, key):
-  """The noise transform's state with its PRNG key replaced (one noise stream per seed)."""
-  is_keyed = lambda x: hasattr(x, "_replace") and hasattr(x, "key")  # noqa: E731
-  return jax.tree_util.tree_map(lambda x: x._replace(key=key) if is_keyed(x) else x, state,
-                                is_leaf=is_keyed)
-
-
 @functools.lru_cache(maxsize=None)
-def _noise_transforms(route, sigma, batch, basis_bytes, in_dim, sizes):
-  """The route's noise transforms, built (and their bases checked) on the host, once per
-  configuration, so the jitted training reuses one compilation. A placeholder key; each seed's
-  key is swapped in inside the trace."""
-  key = jax.random.key(0)
-  full = sgd.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=sigma, expected_batch_size=batch,
-                               key=key)
-  template = demo.init_mlp(key, (in_dim, *sizes, 10))
-  if route in ("non_private", "dp_sgd"):
-    return (full,) if route == "dp_sgd" else ()
-  if route == "dp_sgd_denoise":
-    return (optax.chain(full, sgd.low_rank_denoise(sigma / batch, decay=DENOISE_DECAY)),)
-  if route == "public_subspace":
-    basis = np.frombuffer(basis_bytes, np.float32).reshape(in_dim, PUBLIC_RANK)
-    return (sgd.layer_subspace_noise(first_layer_bases(template, basis), clip_norm=1.0,
-                                     noise_multiplier=sigma, expected_batch_size=batch,
-                                     key=key),)
-  # gep_trajectory: the warm-up's full noise, then GEP. GEP is built with a fixed public
-  # placeholder basis; the released trajectory bases are swapped into its state in the trace
-  # (the GEP release's sensitivity, √2 in scaled units, does not depend on the bases).
-  bound = sgd.embedding_residual_grad_sum(demo.example_loss, embedding_clip=1.0,
-                                          residual_clip=GEP_RESIDUAL_CLIP,
-                                          joint=False).l2_norm_bound
-  placeholder = np.eye(in_dim, GEP_RANK, dtype=np.float32)
-  return (full, sgd.embedding_residual_noise(
-      first_layer_bases(template, placeholder), embedding_clip=1.0,
-      residual_clip=GEP_RESIDUAL_CLIP, noise_multiplier=sigma, expected_batch_size=batch,
-      key=key, l2_norm_bound=bound))
-
-
-@functools.partial(jax.jit, static_argnames=("route", "sizes", "steps", "batch", "txs",
-                                             "microbatch"))
-def _train(keys, lrs, X, y, states, *, txs, route, sizes, steps, batch, microbatch):
-  """One route for each (key, learning rate) pair; returns the averaged params (stacked)."""
-  n = X.shape[0]
-  q = batch / n
-
-  def one(key, lr):
-    k_init, k_noise, k_sample = jax.random.split(key, 3)
-    params = demo.init_mlp(k_init, (X.shape[1], *sizes, 10))
-    noise_states = [_with_key(st, k) for st, k in
-                    zip(states, jax.random.split(k_noise, max(1, len(states))))]
-    adam = optax.adam(lr)
-    opt = adam.init(params)
-    clipped = sgd.clipped_grad_sum(demo.example_loss, clip_norm=1.0, clipping="normalize",
-                                   stability=STABILITY)
-    if route == "gep_trajectory":
-      return _train_gep(noise_states, txs, k_sample, params, lr, X, y, steps=steps,
-                        batch=batch, microbatch=microbatch, clipped=clipped)
-    if route == "non_private":
-      def step_grad(params, aux, k):
-        total = sgd.poisson_clipped_sum(_unclipped_sum, params, (X, y), k, sampling_prob=q,
-                                        microbatch_size=microbatch)
-        return jax.tree_util.tree_map(lambda g: g / batch, total), aux
-      aux = None
-    else:
-      def step_grad(params, noise_state, k):
-        total = sgd.poisson_clipped_sum(clipped, params, (X, y), k, sampling_prob=q,
-                                        microbatch_size=microbatch)
-        return txs[0].update(total, noise_state, params)
-      aux = noise_states[0]
-
-    def body(carry, k):
-      params, opt, aux, avg, t = carry
-      g, aux = step_grad(params, aux, k)
-      updates, opt = adam.update(g, opt, params)
-      params = optax.apply_updates(params, updates)
-      avg = _average(params, avg, t)
-      return (params, opt, aux, avg, t + 1), None
-
-    carry = (params, opt, aux, params, jnp.int32(0))
-    carry, _ = jax.lax.scan(body, carry, jax.random.split(k_sample, steps))
-    return carry[3]
-
-  # Seeds run one after another inside the program (lax.map), not vmapped: on XLA:CPU (jaxlib
-  # 0.10.2) a vmapped while_loop (the Poisson sum) next to an SVD (low_rank_denoise) in one scan
-  # body deadlocked (all threads parked, measured at 8 seeds × 100 steps); lax.map was as fast.
-  return jax.lax.map(lambda a: one(*a), (keys, lrs))
-
-
-def _unclipped_sum(params, batch, mask):
-  grads = sgd.per_example_grads(demo.example_loss)(params, batch)
-  return jax.tree_util.tree_map(lambda g: jnp.tensordot(mask.astype(g.dtype), g, axes=1), grads)
-
-
-def _average(params, avg, t):
-  decay = jnp.minimum(EMA, (1.0 + t) / (10.0 + t))
-  return optax.incremental_update(params, avg, 1.0 - decay)
-
-
-def _train_gep(noise_states, txs, k_sample, params, lr, X, y, *, steps, batch, microbatch,
-               clipped, return_bases=False):
-  """Warm-up DP-SGD, then GEP with trajectory bases on the first layer (see the docstring).
-  Returns the averaged params (and the last bases with ``return_bases``)."""
-  q = batch / X.shape[0]
-  adam = optax.adam(lr)
-  warm, gep = txs
-  warm_steps = max(1, round(WARMUP * steps))
-  period = max(1, (steps - warm_steps) // REFRESHES)
-  periods = max(1, (steps - warm_steps) // period)
-  keys = jax.random.split(k_sample, warm_steps + periods * period)
-
-  def filtered(ema, g):
-    return jax.tree_util.tree_map(lambda m, x: GEP_FILTER * m + (1 - GEP_FILTER) * x, ema, g)
-
-  def warm_body(carry, k):
-    params, opt, noise_state, ema, avg, t = carry
-    total = sgd.poisson_clipped_sum(clipped, params, (X, y), k, sampling_prob=q,
-                                    microbatch_size=microbatch)
-    g, noise_state = warm.update(total, noise_state, params)
-    updates, opt = adam.update(g, opt, params)
-    params = optax.apply_updates(params, updates)
-    return (params, opt, noise_state, filtered(ema, g), _average(params, avg, t), t + 1), None
-
-  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-  carry = (params, adam.init(params), noise_states[0], zeros, params, jnp.int32(0))
-  carry, _ = jax.lax.scan(warm_body, carry, keys[:warm_steps])
-  params, opt, _, ema, avg, t = carry
-
-  grad_sum = sgd.embedding_residual_grad_sum(
-      demo.example_loss, embedding_clip=1.0, residual_clip=GEP_RESIDUAL_CLIP, joint=False,
-      clipping="normalize", stability=STABILITY)
-
-  def released_bases(ema):
-    # Post-processing: the bases read only the EMA of released noisy updates.
-    return first_layer_bases(ema, sgd.trajectory_bases([ema[0]], GEP_RANK)[0]["w"])
-
-  def gep_body(carry, k):
-    params, opt, noise_state, ema, avg, t = carry
-    total = sgd.poisson_clipped_sum(grad_sum, params, (X, y), k, sampling_prob=q,
-                                    microbatch_size=microbatch, extra_args=(noise_state.bases,))
-    g, noise_state = gep.update(total, noise_state, params)
-    updates, opt = adam.update(g, opt, params)
-    params = optax.apply_updates(params, updates)
-    return (params, opt, noise_state, filtered(ema, g), _average(params, avg, t), t + 1), None
-
-  def period_body(carry, period_keys):
-    params, opt, noise_state, ema, avg, t = carry
-    noise_state = noise_state._replace(bases=released_bases(ema))   # free refresh
-    return jax.lax.scan(gep_body, (params, opt, noise_state, ema, avg, t), period_keys)[0], None
-
-  carry = (params, opt, noise_states[1], ema, avg, t)
-  carry, _ = jax.lax.scan(period_body, carry,
-                          keys[warm_steps:].reshape(periods, period, *keys.shape[1:]))
-  return (carry[4], carry[2].bases) if return_bases else carry[4]
+def init_fn(in_dim: int, sizes: tuple[int, ...]):
+  """The model's ``key -> params`` (one object per shape, so compilations are reused)."""
+  return functools.partial(demo.init_mlp, sizes=(in_dim, *sizes, 10))
 
 
 @jax.jit
@@ -253,47 +96,34 @@ def _accuracy(params, X, y):
   return jax.vmap(lambda p: demo.accuracy(p, X, y))(params)
 
 
-def public_basis(X_public: np.ndarray, rank: int) -> np.ndarray:
-  """Top-``rank`` right singular vectors of the public rows (uncentred PCA of the inputs)."""
-  return np.linalg.svd(X_public, full_matrices=False)[2][:rank].T.astype(np.float32)
-
-
-@functools.lru_cache(maxsize=None)
 def noise_multiplier(epsilon: float, sampling_prob: float, steps: int) -> float:
   """σ of T Poisson-sampled Gaussian steps at (ε, DELTA), add/remove-one, PLD accountant."""
-  return accounting.plan_dpsgd_budget(epsilon, DELTA, sampling_prob=sampling_prob, steps=steps,
-                                      accountant="pld").noise_multiplier
+  return sgd.routes.noise_multiplier(epsilon, DELTA, sampling_prob, steps, "pld")
 
 
 def run_route(route, data, *, sizes, epsilon, settings, keys, lrs, chunk):
-  """Test/tuning accuracies of ``route`` for each (key, lr); keys are run in chunks of ``chunk``
-  (padded) so that tuning and evaluation share one compilation."""
+  """Test/tuning accuracies of ``route`` for each (key, lr) by ``dpjax.sgd.train_route``; keys
+  are run in chunks of ``chunk`` (padded) so that tuning and evaluation share one compilation."""
   X, y = data["train"]
-  basis = np.zeros((X.shape[1], PUBLIC_RANK), np.float32)
-  if route == "public_subspace":
+  public = None
+  if route in sgd.PUBLIC_ROUTES:
     n_public = round(PUBLIC_FRACTION * len(y))
-    basis = public_basis(X[:n_public], PUBLIC_RANK)
-    X, y = X[n_public:], y[n_public:]
-  batch, steps = settings["batch"], settings["steps"]
-  sigma = 0.0 if route == "non_private" else noise_multiplier(epsilon, batch / len(y), steps)
-  microbatch = min(len(y), math.ceil(batch + 4 * math.sqrt(batch)))
-  out = {"tune": [], "test": []}
+    public, X, y = X[:n_public], X[n_public:], y[n_public:]
   total = len(keys)
   pad = (-total) % chunk
   keys = jnp.concatenate([keys, jnp.stack([keys[0]] * pad)]) if pad else keys
   lrs = np.concatenate([lrs, np.repeat(lrs[:1], pad)]) if pad else lrs
-  txs = _noise_transforms(route, float(sigma), batch, basis.tobytes(), X.shape[1],
-                          tuple(sizes))
-  template = demo.init_mlp(jax.random.key(0), (X.shape[1], *sizes, 10))
-  states = tuple(tx.init(template) for tx in txs)
+  out = {"tune": [], "test": []}
   start = time.perf_counter()
   for i in range(0, len(keys), chunk):
-    params = _train(keys[i:i + chunk], jnp.asarray(lrs[i:i + chunk], jnp.float32),
-                    jnp.asarray(X), jnp.asarray(y), states, txs=txs, route=route,
-                    sizes=tuple(sizes), steps=steps, batch=batch, microbatch=microbatch)
+    run = sgd.train_route(route, keys[i:i + chunk], lrs[i:i + chunk], (X, y),
+                          init_fn=init_fn(X.shape[1], tuple(sizes)), loss_fn=demo.example_loss,
+                          epsilon=epsilon, delta=DELTA, steps=settings["steps"],
+                          expected_batch_size=settings["batch"], public_inputs=public,
+                          settings=ROUTE_SETTINGS)
     for split in ("tune", "test"):
-      out[split].append(np.asarray(_accuracy(params, *map(jnp.asarray, data[split]))))
-  return ({s: np.concatenate(v)[:total] for s, v in out.items()}, float(sigma),
+      out[split].append(np.asarray(_accuracy(run.params, *map(jnp.asarray, data[split]))))
+  return ({s: np.concatenate(v)[:total] for s, v in out.items()}, run.noise_multiplier,
           time.perf_counter() - start)
 
 
@@ -384,11 +214,8 @@ def main(argv=None) -> dict:
                        "accountant": "pld", "neighbouring": "add_or_remove_one",
                        "settings": SETTINGS if not args.steps else
                        {k: {**s, "steps": args.steps} for k, s in SETTINGS.items()},
-                       "gep": {"rank": GEP_RANK, "residual_clip": GEP_RESIDUAL_CLIP,
-                               "warmup": WARMUP, "refreshes": REFRESHES,
-                               "filter": GEP_FILTER},
-                       "public": {"rank": PUBLIC_RANK, "fraction": PUBLIC_FRACTION},
-                       "denoise_decay": DENOISE_DECAY, "weight_ema": EMA},
+                       "route_settings": dataclasses.asdict(ROUTE_SETTINGS),
+                       "public_fraction": PUBLIC_FRACTION},
             "summary": summary, "details": details}
   _print_table(summary)
   if args.json:

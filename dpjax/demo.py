@@ -1,44 +1,52 @@
-"""The main job: private training on real data, four ways, at one total (ε, δ).
+"""The main job: private training on real data, every gradient-subspace route, one total (ε, δ).
 
     python -m dpjax.demo                       # digits, ε = 2, δ = 1e-5
     python -m dpjax.demo --json results.json --plot accuracy.png
     python -m dpjax.demo --data my.npz         # arrays X (n, d) and integer y (n,)
 
-Methods (all DP ones at the same total (ε, δ) under add/remove-one, the private subspace's cost
-included):
+Methods (every DP one at the same total (ε, δ) under add/remove-one, by the PLD accountant,
+every release accounted, the private subspace's cost included). Routes that use public data have
+``public`` in their name.
 
-* ``non_private``: the same model and optimiser without clipping or noise (the ceiling);
-* ``dp_sgd``: DP-SGD with Poisson sampling, per-example clipping and Gaussian noise in all p
-  parameters;
-* ``subspace_dp_sgd_private``: a rank-k gradient subspace learned with DPASE from the per-example
-  gradients at the initial parameters, paying (ε_s, δ_s) out of the total; the SGD noise then
-  lives in k dimensions. If DPASE returns ⊥, training continues as plain DP-SGD with the
-  remaining budget (never with a non-private subspace);
-* ``subspace_dp_sgd_public``: a rank-k subspace from the gradients of a public split (10% of the
-  training rows by default, ``--public-fraction``; marked public and left out of this method's
-  private training set).
+* ``non_private``: the same model, optimiser and weight averaging without clipping or noise.
+* ``dp_sgd``: tuned DP-SGD — Poisson sampling, normalised per-example clipping, Gaussian noise
+  in all p parameters, Adam, an EMA of the iterates (``dpjax.sgd.train_route``).
+* ``dp_sgd_denoise``: ``dp_sgd`` then low-rank denoising of each layer's noisy update
+  (post-processing; docs/algorithms.md §6.3).
+* ``gep_trajectory``: no public data; the first layer's gradients split before clipping into a
+  rank-8 embedding and a residual (GEP), the basis taken from the released updates (free; §6.4).
+* ``subspace_dp_sgd_private``: a rank-k subspace of the flattened per-example gradients learned
+  with DPASE, paying (ε_s, δ_s) out of the total (``dpjax.sgd.train_dp_sgd``); if DPASE returns
+  ⊥, the run continues as plain DP-SGD with the remaining budget, and the table says ⊥.
+* ``public_subspace``: the first layer's noise in the top-k principal directions of a public
+  split's inputs (``--public-fraction`` of the rows, left out of this route's private rows).
+* ``subspace_dp_sgd_public``: a rank-k subspace of the flattened gradients of that public split.
 
-Who the (ε, δ) protects: ``dp_sgd`` and ``subspace_dp_sgd_private`` train on all the training
-rows, and the guarantee covers all of them; ``subspace_dp_sgd_public`` trains privately on the
-other rows only (90% by default), and the guarantee covers those rows only. The public split is
-public only because this experiment marks it so (it is a seeded sample of the same private data
-set): its rows get no protection. Each result row records the number of rows its guarantee covers
-(``n_private``), and the report states this in ``privacy_note``.
+Tuning: 10% of the training rows are held back as a tuning split for every method alike; each
+method's Adam learning rate is the best on it over ``--learning-rates`` (one tuning run per rate).
+The tuning split is not trained on and the choice is not privacy-accounted (as in the papers
+compared with); the evaluation runs then use ``--seeds`` seeds, paired across methods.
 
-The budget split is planned before any training, from public quantities only (the row counts,
-the number of parameters p, k, ε, δ and γ): a method that cannot run at these settings (for
-example DPASE needing more rows than the data have at the requested subspace share of ε) is
-reported as not runnable, with the reason, and the other methods still run; the requested
-experiment is never changed silently. Every run is isolated: one that raises is recorded as
-failed with its error, and the table, the JSON and the plot are still written from what finished.
-Each result row has a ``status`` ("ok", "not_runnable" or "failed") and a ``note`` (None, the
-reason it did not run, or what happened during an ok run, e.g. DPASE's ⊥).
+Who the (ε, δ) protects: the training rows each method trains on; the public routes train on the
+other rows only, and their public split is public only because this experiment marks it so (a
+seeded sample of the same data set): its rows get no protection. Each result row records the
+number of rows its guarantee covers (``n_private``); the report says this in ``privacy_note``.
 
-Exit status: 0 when every run finished or was reported not runnable; 1 when a run failed
-unexpectedly (the JSON and the plot are written all the same).
+The methods are planned before any training, from public quantities only (row counts, p, d, k,
+ε, δ, γ): a method that cannot run at these settings (for example DPASE needing more rows than
+the data have at its share of ε) is reported as not runnable with the reason, and the others
+still run; the experiment is never changed silently. A method whose run raises is recorded as
+failed with its error, and the table, the JSON and the plot are still written. Each result row
+has a ``status`` ("ok", "not_runnable" or "failed") and a ``note``.
 
-Features are scaled by the public constant 1/16 (pixel range); no statistic of the private data
-is used unprivately.
+The table states the accountant, the neighbouring relation, each method's subspace rank, σ and
+learning rate, and which method won (the highest mean test accuracy over the seeds; one or a few
+seeds are an illustration — ``benchmarks/gradient_subspace.py`` gives paired intervals).
+
+Exit status: 0 when every run finished or was reported not runnable; 1 when a run failed.
+
+Features are scaled by a public constant (1/16 for digits' pixels); no statistic of the private
+data is used unprivately.
 """
 
 from __future__ import annotations
@@ -59,14 +67,21 @@ import numpy as np
 import optax
 
 from dpjax import data as data_lib
+from dpjax import sgd
 from dpjax import subspace as subspace_lib
 from dpjax.sgd import training
 
-# The methods, in run order: (name, train_dp_sgd's subspace argument; None: not private).
-METHODS = (("non_private", None), ("dp_sgd", "none"), ("subspace_dp_sgd_private", "private"),
-           ("subspace_dp_sgd_public", "public"))
+# The methods, in run order: (name, source). Source "route": dpjax.sgd.train_route (the name is
+# the route); "private" / "public": dpjax.sgd.train_dp_sgd's subspace argument.
+METHODS = (("non_private", "route"), ("dp_sgd", "route"), ("dp_sgd_denoise", "route"),
+           ("gep_trajectory", "route"), ("subspace_dp_sgd_private", "private"),
+           ("public_subspace", "route"), ("subspace_dp_sgd_public", "public"))
+PUBLIC_METHODS = ("public_subspace", "subspace_dp_sgd_public")
 # The share of δ spent on the private subspace (train_dp_sgd's subspace_delta_fraction).
 SUBSPACE_DELTA_FRACTION = 0.1
+TUNING_FRACTION = 0.1      # share of the training rows held back to choose learning rates
+ACCOUNTANT = "pld"
+TUNING_SEED = 10_000
 
 
 def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
@@ -106,35 +121,13 @@ def accuracy(params, X: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.mean(jnp.argmax(mlp_logits(params, X), axis=-1) == y)
 
 
-def train_non_private(key, params, X, y, *, steps, batch_size, learning_rate, eval_fn,
-                      eval_every):
-  """Minibatch training without privacy: the same model and optimiser, for reference."""
-  optimizer = optax.adam(learning_rate)
-  state = optimizer.init(params)
-
-  @jax.jit
-  def step(params, state, idx):
-    def batch_loss(p):
-      return jnp.mean(jax.vmap(example_loss, in_axes=(None, 0))(p, (X[idx], y[idx])))
-    grads = jax.grad(batch_loss)(params)
-    updates, state = optimizer.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  history = []
-  for i, step_key in enumerate(jax.random.split(key, steps)):
-    idx = jax.random.choice(step_key, X.shape[0], (batch_size,), replace=False)
-    params, state = step(params, state, idx)
-    if (i + 1) % eval_every == 0 or i + 1 == steps:
-      history.append({"step": i + 1, **eval_fn(params)})
-  return params, history
-
-
 class Route(NamedTuple):
   """One method of the main job, planned from public quantities before any training.
 
   Attributes:
     method: the method's name in the results.
-    subspace: None for the non-private run, else ``train_dp_sgd``'s ``subspace`` argument.
+    subspace: ``"route"`` (trained by :func:`dpjax.sgd.train_route`), else ``train_dp_sgd``'s
+      ``subspace`` argument (``"private"`` or ``"public"``).
     n_private: the number of rows the method's (ε, δ) covers (None for the non-private run).
     note: None if the method can run at these settings, else the reason it cannot.
   """
@@ -151,52 +144,54 @@ def num_params(sizes: tuple[int, ...]) -> int:
 
 def plan_routes(*, n_train: int, n_public: int, p: int, k: int, epsilon: float, delta: float,
                 batch_size: int, gamma: float, subspace_epsilon_fraction: float,
-                dataset: str = "the data") -> list[Route]:
-  """Plans the four methods before any training, from public quantities only.
+                d: int | None = None, dataset: str = "the data") -> list[Route]:
+  """Plans the methods of :data:`METHODS` before any training, from public quantities only.
 
-  Each DP method is checked the way :func:`dpjax.sgd.train_dp_sgd` would check it: the expected
-  batch size against its private rows, ``k ≤ p``, the public split's size against k, and, for
-  the private subspace, whether DPASE can run at ``ε_s = fraction·ε`` and
-  ``δ_s = SUBSPACE_DELTA_FRACTION·δ``: ``train_dp_sgd(subspace="private")`` calls
-  :func:`dpjax.sgd.private_gradient_subspace`, which calls :func:`dpjax.subspace.dpase` with
-  ``partition="random_labels"`` on the ``(n_train, p)`` per-example gradients, which calls
-  :func:`dpjax.subspace.dpase_parameters` with these arguments; this function makes the same
-  call. A route that cannot run gets a note saying why (with the smallest share of ε, on a grid of
-  0.01, that would let DPASE run, when there is one); the experiment itself is not changed. The
-  noise calibration of the SGD steps is left to the run (it is slow, and it fails only when no
-  σ ≤ 1e4 meets the budget; such a run is recorded as failed).
+  Each method is checked the way its trainer would check it: the expected batch size against
+  its private rows, ``k ≤ p`` for the flattened-gradient subspaces, ``k ≤ d`` for the public
+  input subspace, the public split's size against k, and, for the private subspace, whether
+  DPASE can run at ``ε_s = fraction·ε`` and ``δ_s = SUBSPACE_DELTA_FRACTION·δ``:
+  ``train_dp_sgd(subspace="private")`` calls :func:`dpjax.sgd.private_gradient_subspace`, which
+  calls :func:`dpjax.subspace.dpase` with ``partition="random_labels"`` on the ``(n_train, p)``
+  per-example gradients, which calls :func:`dpjax.subspace.dpase_parameters` with these
+  arguments; this function makes the same call. A method that cannot run gets a note saying why
+  (with the smallest share of ε, on a grid of 0.01, that would let DPASE run, when there is
+  one); the experiment itself is not changed. The noise calibration is left to the run.
 
   Args:
-    n_train: training rows (all private for ``dp_sgd`` and ``subspace_dp_sgd_private``).
-    n_public: rows of the public split (left out of ``subspace_dp_sgd_public``'s private rows).
+    n_train: training rows (all private for the methods without public data).
+    n_public: rows of the public split (left out of the public methods' private rows).
     p: number of model parameters (the per-example gradients' dimension).
-    k: subspace dimension.
+    k: subspace dimension (of the flattened-gradient subspaces and the public input subspace).
     epsilon, delta: the total budget.
     batch_size: the expected batch size L.
     gamma: DPASE's public gap parameter.
     subspace_epsilon_fraction: the share of ε spent on the private subspace.
+    d: number of input features (None: not checked).
     dataset: the data set's name, for the notes.
 
   Returns:
-    One :class:`Route` per method, in the order non_private, dp_sgd, subspace_dp_sgd_private,
-    subspace_dp_sgd_public.
+    One :class:`Route` per method, in the order of :data:`METHODS`.
   """
   n_rest = n_train - n_public
   routes = []
-  for method, subspace in METHODS:
-    n = n_rest if subspace == "public" else n_train
+  for method, source in METHODS:
+    public = method in PUBLIC_METHODS
+    n = n_rest if public else n_train
     note = None
     if batch_size > n:
       note = (f"the expected batch size {batch_size} exceeds the {n} "
-              f"{'training' if subspace is None else 'private training'} rows")
-    elif subspace in ("private", "public") and k > p:
+              f"{'training' if method == 'non_private' else 'private training'} rows")
+    elif source in ("private", "public") and k > p:
       note = f"k={k} exceeds the model's p={p} parameters"
-    elif subspace == "public" and n_public < k:
+    elif method == "public_subspace" and d is not None and k > d:
+      note = f"k={k} exceeds the d={d} input features"
+    elif public and n_public < k:
       note = f"the public split has {n_public} rows, fewer than k={k}"
-    elif subspace == "private":
+    elif source == "private":
       note = _dpase_note(n, p, k, epsilon=epsilon, delta=delta, gamma=gamma,
                          fraction=subspace_epsilon_fraction, dataset=dataset)
-    routes.append(Route(method, subspace, None if subspace is None else n, note))
+    routes.append(Route(method, source, None if method == "non_private" else n, note))
   return routes
 
 
@@ -230,105 +225,130 @@ def _dpase_note(n: int, p: int, k: int, *, epsilon: float, delta: float, gamma: 
   return note + f"; --subspace-epsilon-fraction {lo / 100:.2f} or more would let it run"
 
 
+@functools.lru_cache(maxsize=None)
+def _init_fn(sizes: tuple[int, ...]):
+  """``key -> params`` for :func:`init_mlp` (one object per shape: compilations are reused)."""
+  return functools.partial(init_mlp, sizes=sizes)
+
+
 def run(args) -> dict:
-  """Plans, trains and reports the four methods (see the module docstring); ``args`` as parsed
-  by :func:`main`. Returns the report that ``--json`` writes."""
+  """Plans, tunes, trains and reports the methods (see the module docstring); ``args`` as
+  parsed by :func:`main`. Returns the report that ``--json`` writes."""
   if args.data:
     ds = data_lib.load_npz(args.data, seed=0)
   else:
     ds = data_lib.load_digits(seed=0)
-  n_train, d = ds.X_train.shape
-  # The public split: a fixed, seeded share of the training rows, excluded from the public
-  # route's private training set. It is public only because this experiment says so.
-  perm = np.random.default_rng(1).permutation(n_train)
+  n_all, d = ds.X_train.shape
+  # Fixed, seeded splits of the training rows: a tuning split (learning rates only), then a
+  # public split out of the rest (public only because this experiment says so).
+  perm = np.random.default_rng(1).permutation(n_all)
+  n_tune = max(1, int(round(TUNING_FRACTION * n_all)))
+  tune, fit = perm[:n_tune], perm[n_tune:]
+  n_train = len(fit)
   n_public = max(1, int(round(args.public_fraction * n_train)))
-  pub, priv = perm[:n_public], perm[n_public:]
-  X_train, y_train = jnp.asarray(ds.X_train), jnp.asarray(ds.y_train)
-  X_test, y_test = jnp.asarray(ds.X_test), jnp.asarray(ds.y_test)
+  pub, priv = fit[:n_public], fit[n_public:]
+  X, y = np.asarray(ds.X_train, np.float32), np.asarray(ds.y_train)
+  splits = {"tune": (X[tune], y[tune]), "test": (np.asarray(ds.X_test, np.float32),
+                                                 np.asarray(ds.y_test))}
   sizes = (d, args.hidden, ds.num_classes)
   routes = plan_routes(n_train=n_train, n_public=n_public, p=num_params(sizes), k=args.k,
                        epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size,
                        gamma=args.gamma, subspace_epsilon_fraction=args.subspace_epsilon_fraction,
-                       dataset=ds.name)
-
-  def eval_fn(params):
-    return {"test_accuracy": float(accuracy(params, X_test, y_test))}
-
-  def train(route, keys, params0):
-    """One run: ``(params, history, epsilon, delta, subspace_ok, notes)``."""
-    if route.subspace is None:
-      params, history = train_non_private(
-          keys["non_private"], params0, X_train, y_train, steps=args.steps,
-          batch_size=args.batch_size, learning_rate=args.learning_rate, eval_fn=eval_fn,
-          eval_every=args.eval_every)
-      return params, history, None, None, None, []
-    if route.subspace == "public":
-      train_data = (X_train[priv], y_train[priv])
-      public_data = (X_train[pub], y_train[pub])
-    else:
-      train_data, public_data = (X_train, y_train), None
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
-      out = training.train_dp_sgd(
-          keys[route.subspace], example_loss, params0, train_data,
-          adam(args.learning_rate), epsilon=args.epsilon, delta=args.delta,
-          steps=args.steps, expected_batch_size=args.batch_size, clip_norm=args.clip_norm,
-          subspace=route.subspace, k=args.k if route.subspace != "none" else None,
-          public_data=public_data, gamma=args.gamma,
-          refresh_every=args.refresh_every if route.subspace == "public" else None,
-          subspace_epsilon_fraction=args.subspace_epsilon_fraction,
-          subspace_delta_fraction=SUBSPACE_DELTA_FRACTION,
-          eval_fn=eval_fn, eval_every=args.eval_every, progress=progress)
-    return (out.params, out.history, out.budget.epsilon, out.budget.delta, out.subspace_ok,
-            [str(w.message) for w in caught])
-
-  results, curves = [], {}
+                       d=d, dataset=ds.name)
+  settings = sgd.RouteSettings(clip_norm=args.clip_norm, public_rank=args.k)
+  grid = [float(lr) for lr in args.learning_rates]
+  seed_keys = [jax.random.key(seed) for seed in range(args.seeds)]
   progress = not args.no_progress
-  for seed in range(args.seeds):
-    key_init, key_np, key_dp, key_priv, key_pub = jax.random.split(jax.random.key(seed), 5)
-    keys = {"non_private": key_np, "none": key_dp, "private": key_priv, "public": key_pub}
-    params0 = init_mlp(key_init, sizes)
-    for route in routes:
-      row = {"method": route.method, "epsilon": None, "delta": None, "test_accuracy": None,
-             "subspace_ok": None, "seed": seed, "status": "ok", "note": None,
-             "n_private": route.n_private}
-      if route.note is not None:
-        row.update(status="not_runnable", note=route.note)
-        print(f"[seed {seed}] {route.method}: not runnable: {route.note}", file=sys.stderr)
-        results.append(row)
-        continue
-      if progress:
-        print(f"[seed {seed}] {route.method}", file=sys.stderr)
-      try:
-        params, history, eps, delta, subspace_ok, notes = train(route, keys, params0)
-        acc = float(accuracy(params, X_test, y_test))
-      except Exception as exc:  # pylint: disable=broad-except  # isolate runs; record the error
-        traceback.print_exc()
-        row.update(status="failed", note=f"{type(exc).__name__}: {exc}")
-        print(f"[seed {seed}] {route.method}: FAILED ({row['note']}); carrying on",
-              file=sys.stderr)
-      else:
-        for note in notes:
-          print(f"  note: {note}", file=sys.stderr)
-        row.update(epsilon=eps, delta=delta, test_accuracy=acc, subspace_ok=subspace_ok,
-                   note=" ".join(notes) or None)
-        curves.setdefault(route.method, []).append(history)
-      results.append(row)
 
-  report = {"dataset": ds.name, "n_train": int(n_train), "n_test": int(ds.X_test.shape[0]),
-            "n_public": int(n_public), "k": args.k, "steps": args.steps,
-            "neighbouring": "ADD_OR_REMOVE_ONE", "epsilon": args.epsilon, "delta": args.delta,
+  def accuracies(params_list, split):
+    return [float(accuracy(p, *map(jnp.asarray, splits[split]))) for p in params_list]
+
+  def train(route, keys, lrs):
+    """Runs of one method: ``(params list, σ, rank, [(ε, δ, subspace_ok, notes)] per run)``."""
+    public = route.method in PUBLIC_METHODS
+    rows = priv if public else fit
+    data = (X[rows], y[rows])
+    if route.subspace == "route":
+      out = sgd.train_route(route.method, jnp.stack(keys), lrs, data,
+                            init_fn=_init_fn(sizes), loss_fn=example_loss,
+                            epsilon=args.epsilon, delta=args.delta, steps=args.steps,
+                            expected_batch_size=args.batch_size,
+                            public_inputs=X[pub] if public else None, settings=settings,
+                            accountant=ACCOUNTANT)
+      params = [jax.tree_util.tree_map(lambda x, i=i: x[i], out.params) for i in range(len(keys))]
+      budget = (None, None) if route.method == "non_private" else (args.epsilon, args.delta)
+      return params, out.noise_multiplier, out.rank, [(*budget, None, [])] * len(keys)
+    params, info, sigma = [], [], None
+    for key, lr in zip(keys, lrs):
+      k_init, k_train = jax.random.split(key)
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = training.train_dp_sgd(
+            k_train, example_loss, init_mlp(k_init, sizes), data, adam(float(lr)),
+            epsilon=args.epsilon, delta=args.delta, steps=args.steps,
+            expected_batch_size=args.batch_size, clip_norm=args.clip_norm,
+            subspace=route.subspace, k=args.k, public_data=(X[pub], y[pub]) if public else None,
+            gamma=args.gamma, refresh_every=args.refresh_every if public else None,
+            subspace_epsilon_fraction=args.subspace_epsilon_fraction,
+            subspace_delta_fraction=SUBSPACE_DELTA_FRACTION, accountant=ACCOUNTANT,
+            clipping=settings.clipping, stability=settings.stability,
+            weight_ema=settings.weight_ema, progress=progress)
+      params.append(res.averaged_params)
+      sigma = res.budget.noise_multiplier
+      info.append((res.budget.epsilon, res.budget.delta, res.subspace_ok,
+                   [str(w.message) for w in caught]))
+    return params, sigma, args.k, info
+
+  results, summary = [], {}
+  for route in routes:
+    base = {"method": route.method, "epsilon": None, "delta": None, "test_accuracy": None,
+            "subspace_ok": None, "status": "ok", "note": None, "n_private": route.n_private,
+            "rank": None, "noise_multiplier": None, "learning_rate": None}
+    if route.note is not None:
+      print(f"{route.method}: not runnable: {route.note}", file=sys.stderr)
+      results += [{**base, "seed": s, "status": "not_runnable", "note": route.note}
+                  for s in range(args.seeds)]
+      continue
+    if progress:
+      print(f"{route.method}: tuning over {grid}, then {args.seeds} seed(s)", file=sys.stderr)
+    try:
+      tuned, *_ = train(route, [jax.random.key(TUNING_SEED)] * len(grid), grid)
+      tuning = accuracies(tuned, "tune")
+      lr = grid[int(np.argmax(tuning))]
+      params, sigma, rank, info = train(route, seed_keys, [lr] * args.seeds)
+      accs = accuracies(params, "test")
+    except Exception as exc:  # pylint: disable=broad-except  # isolate methods; record the error
+      traceback.print_exc()
+      note = f"{type(exc).__name__}: {exc}"
+      print(f"{route.method}: FAILED ({note}); carrying on", file=sys.stderr)
+      results += [{**base, "seed": s, "status": "failed", "note": note}
+                  for s in range(args.seeds)]
+      continue
+    summary[route.method] = {"mean_test_accuracy": float(np.mean(accs)), "learning_rate": lr,
+                             "tuning_accuracy": dict(zip(map(str, grid), tuning))}
+    for seed, (acc, (eps, delta, ok, notes)) in enumerate(zip(accs, info)):
+      for note in notes:
+        print(f"  note: {note}", file=sys.stderr)
+      results.append({**base, "seed": seed, "epsilon": eps, "delta": delta,
+                      "test_accuracy": acc, "subspace_ok": ok, "note": " ".join(notes) or None,
+                      "rank": rank, "noise_multiplier": sigma, "learning_rate": lr})
+
+  report = {"dataset": ds.name, "n_train": int(n_train), "n_tune": int(n_tune),
+            "n_test": int(ds.X_test.shape[0]), "n_public": int(n_public), "k": args.k,
+            "steps": args.steps, "neighbouring": "ADD_OR_REMOVE_ONE", "accountant": ACCOUNTANT,
+            "epsilon": args.epsilon, "delta": args.delta,
             "subspace_epsilon_fraction": args.subspace_epsilon_fraction,
-            "privacy_note": _privacy_note(int(n_train), int(n_public), args.epsilon,
-                                          args.delta),
-            "results": results}
+            "learning_rates": grid, "winner": _winner(summary),
+            "privacy_note": _privacy_note(int(n_train), int(n_public), int(n_tune),
+                                          args.epsilon, args.delta),
+            "summary": summary, "results": results}
   _print_table(report)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(report, f, indent=2, ensure_ascii=False)
     print(f"wrote {args.json}")
   if args.plot:
-    _plot(curves, report, args.plot)
+    _plot(report, args.plot)
     print(f"wrote {args.plot}")
   failed = [r for r in results if r["status"] == "failed"]
   if failed:
@@ -337,66 +357,100 @@ def run(args) -> dict:
   return report
 
 
+def _winner(summary: dict) -> dict | None:
+  """The DP method with the highest mean test accuracy, and its margin over ``dp_sgd``."""
+  private = {m: r["mean_test_accuracy"] for m, r in summary.items() if m != "non_private"}
+  if not private:
+    return None
+  best = max(private, key=private.get)
+  margin = private[best] - private["dp_sgd"] if "dp_sgd" in private else None
+  return {"method": best, "mean_test_accuracy": private[best], "vs_dp_sgd": margin}
+
+
 def exit_status(report: dict) -> int:
-  """The main job's exit status: 1 if a run failed unexpectedly, else 0 (routes reported as
+  """The main job's exit status: 1 if a run failed unexpectedly, else 0 (methods reported as
   not runnable at these settings do not count as failures)."""
   return int(any(r["status"] == "failed" for r in report["results"]))
 
 
-def _privacy_note(n_train: int, n_public: int, epsilon: float, delta: float) -> str:
+def _privacy_note(n_train: int, n_public: int, n_tune: int, epsilon: float,
+                  delta: float) -> str:
   share = n_public / n_train
+  public = ", ".join(PUBLIC_METHODS)
   return (f"(ε, δ) = ({epsilon:g}, {delta:g}) under add/remove-one covers the private training "
-          f"rows: all {n_train} training rows for dp_sgd and subspace_dp_sgd_private; for "
-          f"subspace_dp_sgd_public the other {n_train - n_public} ({1 - share:.0%}), while its "
-          f"public split of {n_public} rows ({share:.0%}) is public only because this experiment "
-          "marks it so and gets no protection.")
+          f"rows: all {n_train} training rows for the methods without public data; for "
+          f"{public} the other {n_train - n_public} ({1 - share:.0%}), while their public split "
+          f"of {n_public} rows ({share:.0%}) is public only because this experiment marks it so "
+          f"and gets no protection. The {n_tune} tuning rows choose the learning rates, a choice "
+          "not privacy-accounted.")
 
 
 def _print_table(report: dict) -> None:
   print(f"\n{report['dataset']}: n_train={report['n_train']} (public split "
-        f"{report['n_public']}), n_test={report['n_test']}, k={report['k']}, "
+        f"{report['n_public']}), n_tune={report['n_tune']}, n_test={report['n_test']}, "
         f"steps={report['steps']}; total (ε, δ) = ({report['epsilon']:g}, "
-        f"{report['delta']:g}) under add/remove-one")
+        f"{report['delta']:g}), add/remove-one, {report['accountant'].upper()} accountant")
   print(textwrap.fill("privacy: " + report["privacy_note"], width=100, break_on_hyphens=False))
-  header = (f"{'method':<26}{'seed':>5}{'epsilon':>9}{'delta':>10}{'test acc':>10}  "
-            f"{'subspace ok':<13}status")
+  header = (f"{'method':<25}{'rank':>5}{'sigma':>7}{'lr':>7}{'seed':>5}{'epsilon':>9}"
+            f"{'delta':>9}{'test acc':>9}  {'subspace':<9}status")
   print(header)
   print("-" * len(header))
   notes = {}
   for r in report["results"]:
+    rank = "-" if r["rank"] is None else str(r["rank"])
+    sigma = "-" if r["noise_multiplier"] is None else f"{r['noise_multiplier']:.2f}"
+    lr = "-" if r["learning_rate"] is None else f"{r['learning_rate']:g}"
     eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.3f}"
     delta = "-" if r["delta"] is None else f"{r['delta']:.1e}"
     acc = "-" if r["test_accuracy"] is None else f"{r['test_accuracy']:.4f}"
-    ok = "-" if r["subspace_ok"] is None else str(r["subspace_ok"])
-    print(f"{r['method']:<26}{r['seed']:>5}{eps:>9}{delta:>10}{acc:>10}  {ok:<13}{r['status']}")
+    ok = {None: "-", True: "ok", False: "⊥"}[r["subspace_ok"]]
+    print(f"{r['method']:<25}{rank:>5}{sigma:>7}{lr:>7}{r['seed']:>5}{eps:>9}{delta:>9}"
+          f"{acc:>9}  {ok:<9}{r['status']}")
     if r["note"] is not None:
       notes.setdefault((r["method"], r["status"], r["note"]), []).append(str(r["seed"]))
   for (method, status, note), seeds in notes.items():
     label = "seed" if len(seeds) == 1 else "seeds"
     print(textwrap.fill(f"{method} ({label} {', '.join(seeds)}, {status}): {note}", width=100,
                         subsequent_indent="    ", break_on_hyphens=False))
+  won = report["winner"]
+  if won is None:
+    print("won: no DP method finished")
+  elif won["method"] == "dp_sgd" or won["vs_dp_sgd"] is None:
+    print(f"won: {won['method']} (mean test accuracy {won['mean_test_accuracy']:.4f}); no "
+          "route beat tuned DP-SGD here")
+  else:
+    seeds = len({r["seed"] for r in report["results"]})
+    print(f"won: {won['method']} (mean test accuracy {won['mean_test_accuracy']:.4f}, "
+          f"{won['vs_dp_sgd']:+.4f} against tuned dp_sgd over {seeds} seed(s); "
+          "benchmarks/gradient_subspace.py gives paired intervals)")
 
 
-def _plot(curves: dict, report: dict, path: str) -> None:
-  """Test accuracy against steps, averaged over the seeds, for the runs that finished."""
+def _plot(report: dict, path: str) -> None:
+  """Test accuracy per method: mean over the seeds, with the range."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError as exc:  # pragma: no cover
     raise ImportError('--plot needs matplotlib: pip install "dpjax[examples]".') from exc
-  fig, ax = plt.subplots(figsize=(6.4, 4.2))
-  for method, runs in curves.items():
-    steps = [h["step"] for h in runs[0]]
-    acc = np.mean([[h["test_accuracy"] for h in hist] for hist in runs], axis=0)
-    ax.plot(steps, acc, marker="o", markersize=3, label=method)
-  ax.set_xlabel("training step")
-  ax.set_ylabel("test accuracy")
-  ax.set_title(f"{report['dataset']}: total ε = {report['epsilon']:.2f}, "
+  methods = [m for m, _ in METHODS]
+  accs = {m: [r["test_accuracy"] for r in report["results"]
+              if r["method"] == m and r["status"] == "ok"] for m in methods}
+  done = [m for m in methods if accs[m]]
+  fig, ax = plt.subplots(figsize=(7.5, 4.2))
+  means = [float(np.mean(accs[m])) for m in done]
+  err = [[mean - min(accs[m]) for m, mean in zip(done, means)],
+         [max(accs[m]) - mean for m, mean in zip(done, means)]]
+  ax.bar(range(len(done)), means, yerr=err, capsize=3,
+         color=["tab:gray" if m == "non_private" else "tab:orange" if m in PUBLIC_METHODS
+                else "tab:blue" for m in done])
+  ax.set_xticks(range(len(done)), done, rotation=30, ha="right")
+  ax.set_ylabel("test accuracy (mean, range over seeds)")
+  ax.set_title(f"{report['dataset']}: total ε = {report['epsilon']:g}, "
                f"δ = {report['delta']:.0e}")
-  ax.grid(alpha=0.3)
-  if curves:
-    ax.legend()
+  if means:
+    ax.set_ylim(max(0.0, min(means) - 0.1), 1.0)
+  ax.grid(axis="y", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -420,17 +474,18 @@ def main(argv=None) -> dict:
                       help="an .npz with arrays X (n, d) and integer y (n,) instead of digits")
   parser.add_argument("--json", type=str, default=None, help="write the results to this path")
   parser.add_argument("--plot", type=str, default=None,
-                      help="write a PNG of test accuracy against steps")
+                      help="write a PNG of each method's test accuracy")
   parser.add_argument("--batch-size", type=int, default=128,
                       help="expected batch size (default 128)")
   parser.add_argument("--clip-norm", type=float, default=1.0,
                       help="per-example clip norm (default 1.0)")
-  parser.add_argument("--learning-rate", type=float, default=1e-2,
-                      help="Adam's learning rate (default 1e-2)")
+  parser.add_argument("--learning-rates", type=float, nargs="+", default=[0.01, 0.03, 0.1],
+                      help="Adam learning rates; each method takes the best on the tuning split "
+                           "(default 0.01 0.03 0.1)")
   parser.add_argument("--hidden", type=int, default=32, help="hidden units of the MLP (default 32)")
   parser.add_argument("--public-fraction", type=float, default=0.1,
-                      help="share of the training rows marked public for the public-subspace "
-                           "method (default 0.1; public only by this experiment's construction)")
+                      help="share of the training rows marked public for the public methods "
+                           "(default 0.1; public only by this experiment's construction)")
   parser.add_argument("--gamma", type=float, default=1e-3,
                       help="DPASE's public gap parameter for the gradient subspace (default 1e-3)")
   parser.add_argument("--subspace-epsilon-fraction", type=float, default=0.25,
@@ -438,20 +493,19 @@ def main(argv=None) -> dict:
                            "cannot run at this share, that method is reported as not runnable")
   parser.add_argument("--refresh-every", type=int, default=5,
                       help="recompute the public subspace every this many steps (free; default 5)")
-  parser.add_argument("--eval-every", type=int, default=25,
-                      help="evaluate every this many steps (default 25)")
   parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
   args = parser.parse_args(argv)
   if not (math.isfinite(args.epsilon) and args.epsilon > 0):
     parser.error(f"--epsilon must be > 0, got {args.epsilon}")
   if not 0 < args.delta < 1:
     parser.error(f"--delta must lie in (0, 1), got {args.delta}")
-  for name in ("k", "seeds", "steps", "batch_size", "hidden", "eval_every", "refresh_every"):
+  for name in ("k", "seeds", "steps", "batch_size", "hidden", "refresh_every"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-  for name in ("clip_norm", "learning_rate"):
-    if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
-      parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+  if not (math.isfinite(args.clip_norm) and args.clip_norm > 0):
+    parser.error(f"--clip-norm must be > 0, got {args.clip_norm}")
+  if not all(math.isfinite(lr) and lr > 0 for lr in args.learning_rates):
+    parser.error(f"--learning-rates must be > 0, got {args.learning_rates}")
   for name in ("public_fraction", "subspace_epsilon_fraction"):
     if not 0 < getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must lie in (0, 1), got {getattr(args, name)}")

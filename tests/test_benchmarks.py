@@ -9,10 +9,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-import dpjax
 from dpjax import linalg
 from dpjax.ashtiani_liaw import closeness_matrix
 
@@ -129,47 +127,3 @@ def test_gradient_subspace_options(tmp_path):
                     "--epsilons", "2", "--datasets", "digits", "--models", "softmax",
                     "--routes", "gep_trajectory", "--steps", "12"])
   assert set(sub["summary"]["digits/softmax/eps=2"]) == {"dp_sgd", "gep_trajectory"}
-
-
-def test_gradient_subspace_noise_is_calibrated_by_the_pld_accountant():
-  """σ meets (ε, δ) for the route's q and T under add/remove-one, and not by much more."""
-  from dpjax import accounting
-  bench = _load("gradient_subspace")
-  sigma = bench.noise_multiplier(1.0, 128 / 1000, 50)
-  eps = accounting.dpsgd_epsilon(sigma, 128 / 1000, 50, bench.DELTA, accountant="pld")
-  assert 0.9 < eps <= 1.0
-
-
-def test_gradient_subspace_trajectory_bases_read_only_released_updates():
-  """The GEP route's bases must be a function of the released noisy updates only: with the
-  noise transforms replaced by ones that release a fixed update whatever they are given, the
-  bases (and everything else) must not change when the private data change. Feeding clipped or
-  per-example gradients into the bases would make them differ."""
-  bench = _load("gradient_subspace")
-  data = bench.load("digits")
-  X, y = map(jnp.asarray, data["train"])
-  params = bench.demo.init_mlp(jax.random.key(1), (64, 32, 10))
-  released = jax.tree_util.tree_map(
-      lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.01, params)
-  placeholder = bench.first_layer_bases(params, np.eye(64, bench.GEP_RANK, dtype=np.float32))
-
-  def fixed_release(state_fn):
-    return optax.GradientTransformation(
-        lambda p: state_fn(), lambda updates, state, p=None: (released, state))
-
-  warm = fixed_release(lambda: dpjax.sgd.DPNoiseState(jax.random.key(0)))
-  gep = fixed_release(lambda: dpjax.sgd.EmbeddingResidualState(jax.random.key(0), placeholder))
-  clipped = dpjax.sgd.clipped_grad_sum(bench.demo.example_loss, clip_norm=1.0)
-
-  def bases_after(X, y):
-    states = [warm.init(params), gep.init(params)]
-    _, bases = bench._train_gep(states, (warm, gep), jax.random.key(3), params, 0.05, X, y,
-                                steps=20, batch=64, microbatch=96, clipped=clipped,
-                                return_bases=True)
-    return np.asarray(bases[0]["w"])
-
-  first = bases_after(X, y)
-  other = bases_after(X[::-1] * 0.5, y[::-1])
-  np.testing.assert_array_equal(first, other)
-  expected = np.asarray(dpjax.sgd.trajectory_bases([released[0]], bench.GEP_RANK)[0]["w"])
-  np.testing.assert_allclose(np.abs(first), np.abs(expected), atol=1e-5)

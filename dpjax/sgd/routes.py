@@ -1,0 +1,351 @@
+"""Gradient-subspace routes as complete, jitted DP-SGD training programs.
+
+One function, :func:`train_route`, trains a model of dense layers by one of the routes below
+for many (key, learning rate) pairs in a single compiled program (``lax.map`` over the pairs,
+``lax.scan`` over the steps, :func:`dpjax.sgd.poisson_clipped_sum` for each Poisson batch). The
+main job (``python -m dpjax.demo``) and ``benchmarks/gradient_subspace.py`` both run it.
+
+Routes (:data:`ROUTES`); the DP ones release T Poisson-sampled Gaussian sums at the same noise
+multiplier σ and are accounted as DP-SGD (``dpjax.accounting.plan_dpsgd_budget``):
+
+* ``non_private``: the same optimiser, sampling and weight averaging without clipping or noise.
+* ``dp_sgd``: per-example clipping (``RouteSettings.clipping``, normalised by default), Gaussian
+  noise in all p coordinates (:func:`dpjax.sgd.dp_gaussian_noise`), Adam, an EMA of the
+  iterates (evaluated; post-processing). docs/algorithms.md §6.1.
+* ``dp_sgd_denoise``: ``dp_sgd`` followed by :func:`dpjax.sgd.low_rank_denoise` (EMA filter and
+  per-layer singular-value shrinkage at the public noise level): post-processing. §6.3.
+* ``gep_trajectory`` (no public data): ``dp_sgd`` for a warm-up, then the first layer's
+  per-example gradients are split BEFORE clipping by an input-side basis into an embedding and a
+  residual, each clipped on its own and noised (GEP; :func:`embedding_residual_grad_sum`,
+  :func:`embedding_residual_noise`, sensitivity √2 in scaled units, the same σ). The basis is
+  :func:`trajectory_bases` of an EMA of the RELEASED updates, refreshed periodically: a function
+  of releases already paid for (post-processing, free). §6.4.
+* ``public_subspace`` (public data): the first layer's noise lives in the top principal
+  directions of the public rows' inputs (:func:`layer_subspace_noise`, after clipping; the basis
+  is public, so its norm bound is a public fact). The public rows must not be among ``data``.
+
+Privacy: ``(ε, δ)``-DP under add/remove-one of a row of ``data`` for every route but
+``non_private``, by the PLD (default) or RDP accountant over ``steps`` Poisson-sampled Gaussian
+releases with sampling rate ``L/N``. Choosing the learning rate on a tuning split (as the demo and
+the benchmark do) is not accounted here; the callers say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpjax import _validation as v
+from dpjax import accounting
+from dpjax.sgd import denoise, layer_subspaces, per_example, privatizer, transforms
+
+ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "public_subspace")
+PUBLIC_ROUTES = ("public_subspace",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteSettings:
+  """The routes' public hyperparameters (defaults: docs/algorithms.md §6.5).
+
+  Attributes:
+    clip_norm: C, the per-example clip norm (the embedding's clip norm for GEP).
+    clipping: ``"normalize"`` (``C g/max(‖g‖, stability)``) or ``"clip"``.
+    stability: γ of normalised clipping.
+    weight_ema: decay of the averaged iterates that are returned (0 returns the last iterate).
+    denoise_decay: ``low_rank_denoise``'s EMA filter.
+    gep_rank: r of the trajectory basis of the first layer.
+    gep_residual_clip: C_ρ / C, the residual's clip norm relative to C.
+    gep_warmup: share of the steps run as plain DP-SGD before the projection starts.
+    gep_refreshes: number of basis refreshes after the warm-up.
+    gep_filter: decay of the EMA of released updates the trajectory bases read.
+    public_rank: rank of the public input subspace.
+  """
+  clip_norm: float = 1.0
+  clipping: str = "normalize"
+  stability: float = 0.01
+  weight_ema: float = 0.99
+  denoise_decay: float = 0.5
+  gep_rank: int = 8
+  gep_residual_clip: float = 0.3
+  gep_warmup: float = 0.2
+  gep_refreshes: int = 10
+  gep_filter: float = 0.9
+  public_rank: int = 16
+
+
+class RouteRun(NamedTuple):
+  """What :func:`train_route` returns.
+
+  Attributes:
+    params: the returned (averaged) parameters, each leaf stacked over the (key, learning rate)
+      pairs: ``(K, ...)``.
+    noise_multiplier: σ (0 for ``non_private``).
+    rank: the projected layer's subspace rank (None for routes without a subspace).
+    bases: the first layer's basis ``(d, rank)`` at the end: stacked ``(K, d, rank)`` for
+      ``gep_trajectory`` (released-only, post-processing), the public basis for
+      ``public_subspace``, else None.
+  """
+  params: Any
+  noise_multiplier: float
+  rank: int | None
+  bases: Any = None
+
+
+def route_rank(route: str, settings: RouteSettings = RouteSettings()) -> int | None:
+  """The first layer's subspace rank of ``route`` (None where the noise is in all p)."""
+  return {"gep_trajectory": settings.gep_rank,
+          "public_subspace": settings.public_rank}.get(route)
+
+
+def first_layer_bases(params, basis):
+  """A bases pytree for a list of dense layers: ``basis`` for ``params[0]["w"]``, None
+  elsewhere."""
+  return [{name: basis if (i == 0 and name == "w") else None for name in layer}
+          for i, layer in enumerate(params)]
+
+
+def public_input_basis(public_inputs: np.ndarray, rank: int) -> np.ndarray:
+  """Top-``rank`` right singular vectors ``(d, rank)`` of public rows ``(n_pub, d)`` (uncentred
+  PCA of the inputs), float32. Public data only: no privacy cost."""
+  return np.linalg.svd(np.asarray(public_inputs, np.float64),
+                       full_matrices=False)[2][:rank].T.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def noise_multiplier(epsilon: float, delta: float, sampling_prob: float, steps: int,
+                     accountant: str = "pld") -> float:
+  """σ of ``steps`` Poisson-sampled Gaussian releases at ``(ε, δ)``, add/remove-one."""
+  return accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=sampling_prob, steps=steps,
+                                      accountant=accountant).noise_multiplier
+
+
+def _with_key(state, key):
+  """``state`` with the PRNG key of every keyed sub-state replaced (one stream per run)."""
+  is_keyed = lambda x: hasattr(x, "_replace") and hasattr(x, "key")  # noqa: E731
+  return jax.tree_util.tree_map(lambda x: x._replace(key=key) if is_keyed(x) else x, state,
+                                is_leaf=is_keyed)
+
+
+@functools.lru_cache(maxsize=None)
+def _transforms(route, sigma, batch, basis_bytes, shapes, settings, loss_fn):
+  """The route's noise transforms, built and checked on the host once per configuration, so
+  that repeated calls reuse one compilation. Their key is a placeholder, replaced per run."""
+  key = jax.random.key(0)
+  template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
+  full = transforms.dp_gaussian_noise(clip_norm=settings.clip_norm, noise_multiplier=sigma,
+                                     expected_batch_size=batch, key=key)
+  in_dim = dict(shapes[0])["w"][0]
+  if route == "non_private":
+    return ()
+  if route == "dp_sgd":
+    return (full,)
+  if route == "dp_sgd_denoise":
+    return (optax.chain(full, denoise.low_rank_denoise(sigma * settings.clip_norm / batch,
+                                                       decay=settings.denoise_decay)),)
+  if route == "public_subspace":
+    basis = np.frombuffer(basis_bytes, np.float32).reshape(in_dim, settings.public_rank)
+    return (layer_subspaces.layer_subspace_noise(
+        first_layer_bases(template, basis), clip_norm=settings.clip_norm,
+        noise_multiplier=sigma, expected_batch_size=batch, key=key),)
+  # gep_trajectory: built with a public placeholder basis; the released trajectory bases are
+  # put into its state inside the trace (the GEP release's sensitivity does not depend on them).
+  placeholder = np.eye(in_dim, settings.gep_rank, dtype=np.float32)
+  bound = _gep_grad_sum(loss_fn, settings).l2_norm_bound
+  return (full, layer_subspaces.embedding_residual_noise(
+      first_layer_bases(template, placeholder), embedding_clip=settings.clip_norm,
+      residual_clip=settings.gep_residual_clip * settings.clip_norm, noise_multiplier=sigma,
+      expected_batch_size=batch, key=key, l2_norm_bound=bound))
+
+
+def _gep_grad_sum(loss_fn, settings):
+  return layer_subspaces.embedding_residual_grad_sum(
+      loss_fn, embedding_clip=settings.clip_norm,
+      residual_clip=settings.gep_residual_clip * settings.clip_norm, joint=False,
+      clipping=settings.clipping, stability=settings.stability)
+
+
+def _average(params, avg, t, ema):
+  decay = jnp.minimum(ema, (1.0 + t) / (10.0 + t))
+  return optax.incremental_update(params, avg, 1.0 - decay)
+
+
+def _unclipped_sum(loss_fn):
+  def grad_sum(params, batch, mask):
+    grads = per_example.per_example_grads(loss_fn)(params, batch)
+    return jax.tree_util.tree_map(lambda g: jnp.tensordot(mask.astype(g.dtype), g, axes=1),
+                                  grads)
+  return grad_sum
+
+
+@functools.partial(jax.jit, static_argnames=("route", "txs", "init_fn", "loss_fn", "steps",
+                                             "batch", "microbatch", "settings"))
+def _train(keys, lrs, X, y, states, *, txs, route, init_fn, loss_fn, steps, batch, microbatch,
+           settings):
+  q = batch / X.shape[0]
+  ema = settings.weight_ema
+
+  def one(key, lr):
+    k_init, k_noise, k_sample = jax.random.split(key, 3)
+    params = init_fn(k_init)
+    noise_states = [_with_key(st, k) for st, k in
+                    zip(states, jax.random.split(k_noise, max(1, len(states))))]
+    adam = optax.adam(lr)
+    if route == "non_private":
+      grad_sum = _unclipped_sum(loss_fn)
+    else:
+      grad_sum = per_example.clipped_grad_sum(loss_fn, clip_norm=settings.clip_norm,
+                                              clipping=settings.clipping,
+                                              stability=settings.stability)
+
+    def dp_step(grad_sum, tx, filter_decay=None, extra=lambda s: ()):
+      def body(carry, k):
+        params, opt, noise_state, filt, avg, t = carry
+        total = privatizer.poisson_clipped_sum(grad_sum, params, (X, y), k, sampling_prob=q,
+                                               microbatch_size=microbatch,
+                                               extra_args=extra(noise_state))
+        if tx is None:
+          g = jax.tree_util.tree_map(lambda s: s / batch, total)
+        else:
+          g, noise_state = tx.update(total, noise_state, params)
+        updates, opt = adam.update(g, opt, params)
+        params = optax.apply_updates(params, updates)
+        if filter_decay is not None:   # an EMA of RELEASED updates only
+          filt = jax.tree_util.tree_map(lambda m, x: filter_decay * m + (1 - filter_decay) * x,
+                                        filt, g)
+        return (params, opt, noise_state, filt, _average(params, avg, t, ema), t + 1), None
+      return body
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    carry = (params, adam.init(params), noise_states[0] if txs else None, zeros, params,
+             jnp.int32(0))
+    if route != "gep_trajectory":
+      carry, _ = jax.lax.scan(dp_step(grad_sum, txs[0] if txs else None), carry,
+                              jax.random.split(k_sample, steps))
+      return carry[4], None
+    warm_steps = max(1, round(settings.gep_warmup * steps))
+    period = max(1, (steps - warm_steps) // settings.gep_refreshes)
+    periods = max(1, (steps - warm_steps) // period)
+    step_keys = jax.random.split(k_sample, warm_steps + periods * period)
+    carry, _ = jax.lax.scan(dp_step(grad_sum, txs[0], settings.gep_filter), carry,
+                            step_keys[:warm_steps])
+    gep_body = dp_step(_gep_grad_sum(loss_fn, settings), txs[1], settings.gep_filter,
+                       extra=lambda s: (s.bases,))
+
+    def period_body(carry, keys):
+      filt = carry[3]
+      # The free refresh: bases from the EMA of released updates, nothing else.
+      bases = first_layer_bases(filt, layer_subspaces.trajectory_bases(
+          [filt[0]], settings.gep_rank)[0]["w"])
+      carry = carry[:2] + (carry[2]._replace(bases=bases),) + carry[3:]
+      return jax.lax.scan(gep_body, carry, keys)[0], None
+
+    carry = carry[:2] + (noise_states[1],) + carry[3:]
+    carry, _ = jax.lax.scan(period_body, carry,
+                            step_keys[warm_steps:].reshape(periods, period, *step_keys.shape[1:]))
+    return carry[4], carry[2].bases[0]["w"]
+
+  # Runs one after another inside the program (lax.map), not vmapped: on XLA:CPU (jaxlib
+  # 0.10.2) a vmapped while_loop (the Poisson sum) next to an SVD in one scan body deadlocked.
+  return jax.lax.map(lambda a: one(*a), (keys, lrs))
+
+
+def _shapes(params) -> tuple:
+  """A hashable description of a list of dense layers ``[{"w": (a, b), "b": (b,)}, ...]``."""
+  if not (isinstance(params, (list, tuple)) and params
+          and all(isinstance(layer, dict) and "w" in layer for layer in params)):
+    raise ValueError("the routes train a list of dense layers [{'w': (a, b), 'b': (b,)}, ...]; "
+                     f"init_fn returned {type(params).__name__}.")
+  if jnp.ndim(params[0]["w"]) != 2:
+    raise ValueError(f"the first layer's 'w' must be a matrix, got shape "
+                     f"{jnp.shape(params[0]['w'])}.")
+  return tuple(tuple(sorted((name, tuple(jnp.shape(x))) for name, x in layer.items()))
+               for layer in params)
+
+
+def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: Callable,
+                loss_fn: Callable, epsilon: float | None, delta: float | None, steps: int,
+                expected_batch_size: int, public_inputs=None,
+                settings: RouteSettings = RouteSettings(),
+                accountant: str = "pld") -> RouteRun:
+  """Trains one route (see the module docstring) once per (key, learning rate) pair.
+
+  Each run: ``params = init_fn(k_init)``; ``steps`` steps of Poisson sampling (rate ``L/N``)
+  summed by :func:`dpjax.sgd.poisson_clipped_sum` in micro-batches (never truncated), the
+  route's clipping and noise, division by L, Adam; returns the EMA of the iterates.
+
+  Privacy: every route but ``non_private`` is ``(ε, δ)``-DP under add/remove-one of a row of
+  ``data`` (σ calibrated by ``accountant`` over ``steps`` Poisson-sampled Gaussian releases; GEP's
+  two clipped parts are noised at σ times their joint sensitivity √2; the trajectory bases read
+  released updates only; the public basis reads ``public_inputs`` only). The learning rates are
+  public inputs: choosing them on private rows is a cost this function does not account.
+
+  Args:
+    route: one of :data:`ROUTES`.
+    keys: ``(K,)`` typed PRNG keys, one per run.
+    learning_rates: ``(K,)`` Adam learning rates, one per run.
+    data: ``(X (N, d) float32, y (N,) int)``, the private rows.
+    init_fn: ``key -> params``, a list of dense layers ``[{"w": (a, b), "b": (b,)}, ...]`` whose
+      first ``w`` takes the inputs (``a = d``); pass the same object to reuse the compilation.
+    loss_fn: ``loss_fn(params, (x, y)) -> ()`` for one example.
+    epsilon, delta: the total budget (ignored, may be None, for ``non_private``).
+    steps: T.
+    expected_batch_size: L (``L ≤ N``).
+    public_inputs: ``(n_pub, d)`` public rows for ``public_subspace`` (disjoint from ``data``).
+    settings: the routes' hyperparameters.
+    accountant: ``"pld"`` or ``"rdp"``.
+
+  Returns:
+    :class:`RouteRun` (params stacked over the K runs, σ, the subspace rank).
+
+  Raises:
+    ValueError: an unknown route, mismatched keys and learning rates, a public route without
+      ``public_inputs`` (or a private one with them), a model that is not a list of dense layers,
+      bad sizes.
+  """
+  if route not in ROUTES:
+    raise ValueError(f"route must be one of {ROUTES}, got {route!r}.")
+  X, y = (np.asarray(a) for a in data)
+  if X.ndim != 2 or y.shape != (X.shape[0],):
+    raise ValueError(f"data must be (X (N, d), y (N,)), got shapes {X.shape} and {y.shape}.")
+  n, d = X.shape
+  steps = v.check_int(steps, "steps", low=1)
+  batch = v.check_int(expected_batch_size, "expected_batch_size", low=1)
+  if batch > n:
+    raise ValueError(f"expected_batch_size={batch} exceeds the {n} rows of data.")
+  lrs = np.asarray(learning_rates, np.float32).reshape(-1)
+  if keys.shape[:1] != lrs.shape or not np.all(np.isfinite(lrs) & (lrs > 0)):
+    raise ValueError(f"keys {keys.shape} and learning_rates {lrs.shape} must pair up, with "
+                     "learning rates > 0.")
+  if (route in PUBLIC_ROUTES) != (public_inputs is not None):
+    raise ValueError(f"public_inputs is needed by {PUBLIC_ROUTES} and only by them.")
+  shapes = _shapes(jax.eval_shape(init_fn, keys[0]))
+  if dict(shapes[0])["w"][0] != d:
+    raise ValueError(f"the first layer takes {dict(shapes[0])['w'][0]} inputs, data has {d}.")
+  basis = np.zeros((d, settings.public_rank), np.float32)
+  if route in PUBLIC_ROUTES:
+    public_inputs = np.asarray(public_inputs, np.float32)
+    if public_inputs.ndim != 2 or public_inputs.shape[1] != d:
+      raise ValueError(f"public_inputs must be (n_pub, {d}), got {public_inputs.shape}.")
+    if not settings.public_rank <= min(public_inputs.shape):
+      raise ValueError(f"public_rank={settings.public_rank} exceeds the public rows' "
+                       f"{public_inputs.shape}.")
+    basis = public_input_basis(public_inputs, settings.public_rank)
+  sigma = 0.0 if route == "non_private" else noise_multiplier(
+      float(epsilon), float(delta), batch / n, steps, accountant)
+  microbatch = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
+  txs = _transforms(route, float(sigma), batch, basis.tobytes(), shapes, settings, loss_fn)
+  template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
+  states = tuple(tx.init(template) for tx in txs)
+  params, bases = _train(keys, jnp.asarray(lrs), jnp.asarray(X, jnp.float32), jnp.asarray(y),
+                         states, txs=txs, route=route, init_fn=init_fn, loss_fn=loss_fn,
+                         steps=steps, batch=batch, microbatch=microbatch, settings=settings)
+  if route in PUBLIC_ROUTES:
+    bases = jnp.asarray(basis)
+  return RouteRun(params, float(sigma), route_rank(route, settings), bases)
