@@ -101,7 +101,8 @@ def noise_multiplier(epsilon: float, sampling_prob: float, steps: int) -> float:
   return sgd.routes.noise_multiplier(epsilon, DELTA, sampling_prob, steps, "pld")
 
 
-def run_route(route, data, *, sizes, epsilon, settings, keys, lrs, chunk):
+def run_route(route, data, *, sizes, epsilon, settings, keys, lrs, chunk,
+              route_settings=ROUTE_SETTINGS):
   """Test/tuning accuracies of ``route`` for each (key, lr) by ``dpjax.sgd.train_route``; keys
   are run in chunks of ``chunk`` (padded) so that tuning and evaluation share one compilation."""
   X, y = data["train"]
@@ -120,7 +121,7 @@ def run_route(route, data, *, sizes, epsilon, settings, keys, lrs, chunk):
                           init_fn=init_fn(X.shape[1], tuple(sizes)), loss_fn=demo.example_loss,
                           epsilon=epsilon, delta=DELTA, steps=settings["steps"],
                           expected_batch_size=settings["batch"], public_inputs=public,
-                          settings=ROUTE_SETTINGS)
+                          settings=route_settings)
     for split in ("tune", "test"):
       out[split].append(np.asarray(_accuracy(run.params, *map(jnp.asarray, data[split]))))
   return ({s: np.concatenate(v)[:total] for s, v in out.items()}, run.noise_multiplier,
@@ -153,9 +154,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--steps", type=int, default=None, help="override T (both data sets)")
   parser.add_argument("--rows", type=int, default=None,
                       help="rows of the generated data set (default 20,000)")
+  parser.add_argument("--gep-edge-scale", type=float, default=None,
+                      help="turn on gep_trajectory's noise-edge rank rule at this scale "
+                           "(RouteSettings.gep_edge_scale; default off: rank 8)")
   parser.add_argument("--json", type=str, default=None)
   parser.add_argument("--plot", type=str, default=None, help="PNG of accuracy against ε")
   args = parser.parse_args(argv)
+  route_settings = dataclasses.replace(ROUTE_SETTINGS, gep_edge_scale=args.gep_edge_scale)
   seeds = args.seeds or (5 if args.quick else 20)
   tuning_seeds = args.tuning_seeds or (2 if args.quick else 3)
   lrs_grid = np.asarray(args.learning_rates or ([0.01, 0.03, 0.1] if args.quick
@@ -187,12 +192,14 @@ def main(argv=None) -> dict:
             rows[route] = details[f"{dataset}/{model}/eps={args.epsilons[0]:g}"][route]
             continue
           tuned, _, t_tune = run_route(route, data, sizes=sizes, epsilon=eps, settings=settings,
-                                       keys=tune_keys, lrs=tune_lrs, chunk=chunk)
+                                       keys=tune_keys, lrs=tune_lrs, chunk=chunk,
+                                       route_settings=route_settings)
           by_lr = tuned["tune"].reshape(tuning_seeds, len(lrs_grid)).mean(axis=0)
           best = float(lrs_grid[int(np.argmax(by_lr))])
           acc, sigma, t_eval = run_route(route, data, sizes=sizes, epsilon=eps,
                                          settings=settings, keys=eval_keys,
-                                         lrs=np.full(seeds, best), chunk=chunk)
+                                         lrs=np.full(seeds, best), chunk=chunk,
+                                         route_settings=route_settings)
           rows[route] = {"test": acc["test"].tolist(), "learning_rate": best,
                          "tuning_accuracy": float(by_lr.max()),
                          "tuning_grid": dict(zip(map(float, lrs_grid), map(float, by_lr))),
@@ -214,7 +221,7 @@ def main(argv=None) -> dict:
                        "accountant": "pld", "neighbouring": "add_or_remove_one",
                        "settings": SETTINGS if not args.steps else
                        {k: {**s, "steps": args.steps} for k, s in SETTINGS.items()},
-                       "route_settings": dataclasses.asdict(ROUTE_SETTINGS),
+                       "route_settings": dataclasses.asdict(route_settings),
                        "public_fraction": PUBLIC_FRACTION},
             "summary": summary, "details": details}
   _print_table(summary)

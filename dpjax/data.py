@@ -72,8 +72,8 @@ def _approximate_subspace_data(key, n, d, k, gamma, dtype):
   top = jnp.sort(top)[::-1].at[-1].set(1.0)
   z = jax.random.normal(k_z, (n, k), dtype=dtype) * jnp.sqrt(top)[None, :]
   w = jax.random.normal(k_w, (n, d), dtype=dtype)
-  w = w - (w @ basis) @ basis.T
-  X = z @ basis.T + gamma * w
+  w = w - linalg.matmul(linalg.matmul(w, basis), basis.T)
+  X = linalg.matmul(z, basis.T) + gamma * w
   return X, SubspaceModel(basis=basis, top_eigenvalues=top, gamma=float(gamma))
 
 
@@ -96,7 +96,7 @@ def exact_subspace_data(key: jax.Array, n: int, d: int, k: int, *, num_outliers:
   dtype = dtype or jnp.result_type(float)
   k_basis, k_z, k_out = jax.random.split(key, 3)
   basis = linalg.orthonormal_basis(k_basis, d, k, dtype)
-  inliers = jax.random.normal(k_z, (n - num_outliers, k), dtype=dtype) @ basis.T
+  inliers = linalg.matmul(jax.random.normal(k_z, (n - num_outliers, k), dtype=dtype), basis.T)
   outliers = jax.random.normal(k_out, (num_outliers, d), dtype=dtype)
   return jnp.concatenate([inliers, outliers], axis=0), basis
 

@@ -19,13 +19,17 @@ TOP_K_METHODS = ("exact", "subspace_iteration")
 DEFAULT_OVERSAMPLING = 8
 DEFAULT_MAX_ITERATIONS = 100
 DEFAULT_TOL = 1e-6
-# float32 products on GPUs/TPUs default to TF32/bfloat16 passes (relative error ~1e-3), which
-# would set the subspaces' rounding floor there; the top-k products ask for full precision.
-_PRECISION = jax.lax.Precision.HIGHEST
+# float32 products on GPUs/TPUs default to TF32/bfloat16 passes (relative error ~1e-3): that
+# would set the subspaces' rounding floor there, and would loosen every bound a privacy argument
+# reads off a product (a clipped sum's norm, a basis' spectral norm, a projection). dpjax's own
+# products ask for full precision; a user's model keeps the precision its author chose.
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _mm(a, b):
-  return jnp.matmul(a, b, precision=_PRECISION)
+def matmul(a, b):
+  """``a @ b`` at full precision on every backend (no TF32/bfloat16 passes on GPUs/TPUs)."""
+  return jnp.matmul(a, b, precision=HIGHEST)
+
 
 
 def subspace_iteration_tolerance(tol: float, d: int, k: int, dtype) -> float:
@@ -96,15 +100,15 @@ def top_k_right_singular_vectors(X: jax.Array, k: int, *, method: str = "exact",
   if method == "subspace_iteration":
     V = _subspace_iteration(X, k, oversampling, max_iterations, tol)
   elif m < d:
-    gram = _mm(X, X.T)
+    gram = matmul(X, X.T)
     evals, evecs = jnp.linalg.eigh(gram)
     top = evecs[:, ::-1][:, :k]                       # (m, k)
-    V = _mm(X.T, top)                                    # (d, k), column norms = singular values
+    V = matmul(X.T, top)                                    # (d, k), column norms = singular values
     norms = jnp.linalg.norm(V, axis=0, keepdims=True)
     tiny = jnp.finfo(X.dtype).tiny ** 0.5
     V = V / jnp.maximum(norms, tiny)
   else:
-    evals, evecs = jnp.linalg.eigh(_mm(X.T, X))
+    evals, evecs = jnp.linalg.eigh(matmul(X.T, X))
     V = evecs[:, ::-1][:, :k]
   # Re-orthonormalise: the Gram route squares the condition number, and degenerate blocks give
   # zero columns. QR keeps the span of the informative columns.
@@ -132,9 +136,9 @@ def _subspace_iteration(X, k, oversampling, max_iterations, tol):
 
   def body(state):
     i, V, _ = state
-    W, _ = jnp.linalg.qr(_mm(X.T, _mm(X, V)))
+    W, _ = jnp.linalg.qr(matmul(X.T, matmul(X, V)))
     Vk, Wk = V[:, :k], W[:, :k]
-    moved = jnp.linalg.norm(Wk - _mm(Vk, _mm(Vk.T, Wk)))
+    moved = jnp.linalg.norm(Wk - matmul(Vk, matmul(Vk.T, Wk)))
     return i + 1, W, moved
 
   def cond(state):
@@ -142,8 +146,8 @@ def _subspace_iteration(X, k, oversampling, max_iterations, tol):
     return (i < max_iterations) & ~(moved <= tol)      # NaN keeps iterating up to the cap
 
   _, V, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), V0, jnp.asarray(jnp.inf, X.dtype)))
-  _, _, Rt = jnp.linalg.svd(_mm(X, V), full_matrices=False)       # Rayleigh–Ritz
-  return _mm(V, Rt[:k].T)
+  _, _, Rt = jnp.linalg.svd(matmul(X, V), full_matrices=False)       # Rayleigh–Ritz
+  return matmul(V, Rt[:k].T)
 
 
 def _normalise_scale(X: jax.Array) -> jax.Array:
@@ -241,13 +245,36 @@ def gathered_top_k_subspaces(X: jax.Array, index: jax.Array, k: int, *,
     ``(t, d, k)`` orthonormal bases; subset j's basis is a function of the rows ``X[index[j]]``
     alone (the batching policy above).
   """
+  return top_k_subspaces_of_rows(lambda rows: X.at[rows].get(mode="fill", fill_value=0), index,
+                                 X.shape[1], k, dtype=X.dtype, method=method,
+                                 max_iterations=max_iterations)
+
+
+def top_k_subspaces_of_rows(gather, index: jax.Array, d: int, k: int, *, dtype,
+                            method: str = "exact",
+                            max_iterations: int = DEFAULT_MAX_ITERATIONS) -> jax.Array:
+  """:func:`gathered_top_k_subspaces` for rows that are computed, not stored.
+
+  ``gather(rows (m,)) -> (m, d)`` makes the rows of one subset on demand (e.g. per-example
+  gradients; an index ``>= n`` must give a zero row), so the whole ``(n, d)`` matrix never exists:
+  about :data:`GATHER_CHUNK_BYTES` of rows are live at once.
+
+  Args:
+    gather: traceable ``(m,) int -> (m, d)`` in ``dtype``; row i a function of ``rows[i]`` only.
+    index: ``(t, m)`` integer row indices.
+    d, k: row dimension and subspace dimension (static).
+    dtype: the rows' dtype (sets the chunk size).
+    method, max_iterations: as in :func:`gathered_top_k_subspaces`.
+
+  Returns:
+    ``(t, d, k)`` orthonormal bases; subset j's basis is a function of ``gather(index[j])``.
+  """
   t, m = index.shape
-  d = X.shape[1]
-  batch = max(1, min(t, GATHER_CHUNK_BYTES // max(1, m * d * X.dtype.itemsize)))
+  batch = max(1, min(t, GATHER_CHUNK_BYTES // max(1, m * d * jnp.dtype(dtype).itemsize)))
 
   def one(rows):
-    block = X.at[rows].get(mode="fill", fill_value=0)
-    return top_k_right_singular_vectors(block, k, method=method, max_iterations=max_iterations)
+    return top_k_right_singular_vectors(gather(rows), k, method=method,
+                                        max_iterations=max_iterations)
 
   return map_blocks(one, index, batch_size=None if batch >= t else batch)
 
@@ -264,8 +291,8 @@ def project_points(points: jax.Array, bases: jax.Array) -> jax.Array:
   Returns:
     ``(t, q, d)`` projected points.
   """
-  coefficients = jnp.einsum("qd,tdk->tqk", points, bases)
-  return jnp.einsum("tqk,tdk->tqd", coefficients, bases)
+  coefficients = jnp.einsum("qd,tdk->tqk", points, bases, precision=HIGHEST)
+  return jnp.einsum("tqk,tdk->tqd", coefficients, bases, precision=HIGHEST)
 
 
 def principal_angles(V1: jax.Array, V2: jax.Array) -> jax.Array:
@@ -278,7 +305,7 @@ def principal_angles(V1: jax.Array, V2: jax.Array) -> jax.Array:
   Returns:
     ``(min(k1, k2),)`` angles in ``[0, π/2]``.
   """
-  s = jnp.linalg.svd(V1.T @ V2, compute_uv=False)
+  s = jnp.linalg.svd(matmul(V1.T, V2), compute_uv=False)
   return jnp.arccos(jnp.clip(s, 0.0, 1.0))  # s descending, so angles ascend
 
 

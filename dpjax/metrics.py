@@ -30,7 +30,7 @@ def projection_distance(V_hat: jax.Array, V: jax.Array) -> jax.Array:
                      f"{V.shape}.")
   if V_hat.shape[1] != V.shape[1]:
     return jnp.asarray(1.0, dtype=jnp.result_type(V_hat.dtype, V.dtype))
-  s = jnp.linalg.svd(V_hat.T @ V, compute_uv=False)
+  s = jnp.linalg.svd(linalg.matmul(V_hat.T, V), compute_uv=False)
   smallest = jnp.clip(jnp.min(s), 0.0, 1.0)
   return jnp.sqrt(jnp.maximum(1.0 - smallest**2, 0.0))
 
@@ -41,7 +41,7 @@ principal_angles = linalg.principal_angles
 
 def captured_energy(V: jax.Array, G: jax.Array) -> jax.Array:
   """Fraction of the energy of the rows of ``G (n, p)`` inside ``span(V)``: ``‖GV‖²_F/‖G‖²_F``."""
-  return jnp.sum((G @ V) ** 2) / jnp.sum(G**2)
+  return jnp.sum(linalg.matmul(G, V) ** 2) / jnp.sum(G**2)
 
 
 def clopper_pearson(successes: int, trials: int, confidence: float = 0.95

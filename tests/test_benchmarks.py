@@ -125,5 +125,6 @@ def test_gradient_subspace_options(tmp_path):
   assert plot.stat().st_size > 0
   sub = bench.main(["--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.1",
                     "--epsilons", "2", "--datasets", "digits", "--models", "softmax",
-                    "--routes", "gep_trajectory", "--steps", "12"])
+                    "--routes", "gep_trajectory", "--steps", "12", "--gep-edge-scale", "0.5"])
   assert set(sub["summary"]["digits/softmax/eps=2"]) == {"dp_sgd", "gep_trajectory"}
+  assert sub["config"]["route_settings"]["gep_edge_scale"] == 0.5

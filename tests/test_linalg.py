@@ -193,6 +193,7 @@ def test_subspace_iteration_edge_cases():
     linalg.top_k_right_singular_vectors(X, 2, method="lanczos")
 
 
+@pytest.mark.slow        # test_batching checks the chunked gather against one batch by default
 def test_gathered_top_k_equals_the_materialised_blocks():
   X = jax.random.normal(jax.random.key(4), (60, 20)) * jnp.linspace(2.0, 0.1, 20)
   index = jnp.arange(60).reshape(5, 12).at[2, -3:].set(60)         # 60 = a zero padding row
@@ -202,3 +203,68 @@ def test_gathered_top_k_equals_the_materialised_blocks():
     want = linalg.batched_top_k_subspaces(blocks, 2, method=method)
     assert got.shape == (5, 20, 2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def _dot_precisions(closed):
+  """The precision of every dot_general in a jaxpr, sub-jaxprs (jit, scan, while, cond) included."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append(eqn.params["precision"])
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if hasattr(sub, "eqns"):                                  # a Jaxpr
+            walk(sub)
+          elif hasattr(getattr(sub, "jaxpr", None), "eqns"):        # a ClosedJaxpr
+            walk(sub.jaxpr)
+  walk(closed.jaxpr)
+  return found
+
+
+@pytest.mark.filterwarnings("ignore:DPASE")
+def test_dpjax_products_ask_for_full_precision():
+  """On GPUs/TPUs a default-precision float32 product runs in TF32/bfloat16 (error ~1e-3), which
+  would loosen the bounds the privacy arguments read off dpjax's products: every product in the
+  privacy-bearing paths must carry ``precision=HIGHEST`` (checked in the trace, so on the CPU)."""
+  from dpjax.sgd import layer_subspaces as ls
+  from dpjax.sgd import per_example, transforms
+  from dpjax.subspace import approximate
+
+  highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+  key = jax.random.key(0)
+  X = jax.random.normal(key, (40, 12))
+  params = {"w": jnp.ones((6, 3)), "b": jnp.zeros(3)}
+  batch = (jnp.ones((9, 6)), jnp.ones((9, 3)))
+  loss = lambda p, ex: jnp.sum((jnp.sum(ex[0][:, None] * p["w"], 0) + p["b"] - ex[1]) ** 2)  # noqa: E731
+  bases = {"w": jnp.eye(6, 2), "b": None}
+  V = jnp.eye(21, 4)
+  sub_tx = transforms.subspace_dp_gaussian_noise(V, clip_norm=1.0, noise_multiplier=1.0,
+                                                 expected_batch_size=4.0, key=key)
+  layer_tx = ls.layer_subspace_noise(bases, clip_norm=1.0, noise_multiplier=1.0,
+                                     expected_batch_size=4.0, key=key)
+  gep_tx = ls.embedding_residual_noise(bases, embedding_clip=1.0, residual_clip=0.5,
+                                       noise_multiplier=1.0, expected_batch_size=4.0, key=key)
+  gep_sum = ls.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.5)
+  sums = gep_sum(params, batch, jnp.ones(9), bases)
+  params_dpase = approximate.dpase_parameters(400, 12, 2, epsilon=1.0, delta=1e-5, gamma=0.01)
+  programs = {
+      "top_k exact": lambda: linalg.top_k_right_singular_vectors(X[:8], 3),
+      "top_k covariance": lambda: linalg.top_k_right_singular_vectors(X, 3),
+      "top_k iteration": lambda: linalg.top_k_right_singular_vectors(X, 3,
+                                                                     method="subspace_iteration"),
+      "project_points": lambda: linalg.project_points(X[:5], jnp.stack([jnp.eye(12, 3)] * 2)),
+      "clipped_grad_sum": lambda: per_example.clipped_grad_sum(loss, clip_norm=1.0)(
+          params, batch, jnp.ones(9)),
+      "subspace noise": lambda: sub_tx.update({"w": jnp.ones(18), "b": jnp.ones(3)},
+                                              sub_tx.init({"w": jnp.ones(18), "b": jnp.ones(3)})),
+      "layer noise": lambda: layer_tx.update(params, layer_tx.init(params)),
+      "embedding_residual_grad_sum": lambda: gep_sum(params, batch, jnp.ones(9), bases),
+      "embedding_residual_noise": lambda: gep_tx.update(sums, gep_tx.init(params)),
+      "dpase_core": lambda: approximate.dpase_core(key, jnp.tile(X, (10, 1)), params_dpase, k=2,
+                                                   epsilon=1.0, delta=1e-5),
+  }
+  for name, program in programs.items():
+    precisions = _dot_precisions(jax.make_jaxpr(program)())
+    assert precisions and all(p == highest for p in precisions), (name, precisions)

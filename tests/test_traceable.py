@@ -1,4 +1,5 @@
-"""Every public key/data function runs under ``jax.jit`` and under ``jax.vmap`` over keys.
+"""Every public key/data function runs under ``jax.jit`` and under ``jax.vmap`` over keys (the
+vmap compiled as one program, ``jit(vmap(f))``: batched tracers throughout, one compilation).
 
 Issue 11 §1/§2: host-side validation never touches traced values, results are pytrees whose
 static metadata (ε, δ, the neighbouring relation, public info) is not a leaf, and the host-side
@@ -175,7 +176,7 @@ def test_public_functions_run_under_jit_and_vmap(name):
   # The data closed over (concrete inside the trace): host checks must not stage jnp operations
   # (a trace is enough to show it; compiling it again would only cost time).
   jax.make_jaxpr(lambda k: f(k, x))(KEYS[0])
-  batched = jax.vmap(lambda k: f(k, x))(KEYS)
+  batched = jax.jit(jax.vmap(lambda k: f(k, x)))(KEYS)
   # Static metadata stays static: the batched result has the same tree structure.
   assert jax.tree_util.tree_structure(batched) == jax.tree_util.tree_structure(first)
   for a, b in zip(_leaves(first), _leaves(batched)):

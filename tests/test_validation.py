@@ -15,7 +15,8 @@ import dpjax
 from dpjax import data, mechanisms as M, sgd
 
 KEY = jax.random.key(0)
-X_GOOD = np.asarray(data.approximate_subspace_data(KEY, 2_000, 10, 2, gamma=1e-5)[0])
+_X_MODEL, MODEL = data.approximate_subspace_data(KEY, 2_000, 10, 2, gamma=1e-5)
+X_GOOD = np.asarray(_X_MODEL)
 
 
 def _dpase(**kw):
@@ -160,7 +161,6 @@ def test_noise_transforms_never_reuse_their_key():
 # ------------------------------------------------------------------------------------------------
 # Issue 10 §6: wrong answers and deep crashes on bad input.
 
-_, MODEL = data.approximate_subspace_data(KEY, 2_000, 10, 2, gamma=1e-5)
 X_EXACT, B_EXACT = (np.asarray(a) for a in data.exact_subspace_data(jax.random.key(4), 20_000,
                                                                       30, 2))
 

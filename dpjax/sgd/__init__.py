@@ -10,8 +10,8 @@ from dpjax.sgd.per_example import (ClippedGradSum, clip_per_example, clipped_gra
                                    global_norms, per_example_grads)
 from dpjax.sgd.privatizer import (DPSGDPrivatizer, accumulate_microbatches, dp_sgd_privatizer,
                                   l2_norm_bound, poisson_clipped_sum)
-from dpjax.sgd.routes import (PUBLIC_ROUTES, ROUTES, RouteRun, RouteSettings, route_rank,
-                               train_route)
+from dpjax.sgd.routes import (PUBLIC_ROUTES, ROUTES, RouteRun, RouteSettings,
+                               gep_edge_noise_std, route_rank, train_route)
 from dpjax.sgd.sampling import poisson_mask, poisson_microbatches
 from dpjax.sgd.subspace_sources import (flat_per_example_grads, private_gradient_subspace,
                                         public_gradient_subspace)

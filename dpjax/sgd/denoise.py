@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from dpjax import _validation as v
+from dpjax import linalg
 
 
 class LowRankDenoiseState(NamedTuple):
@@ -67,7 +68,7 @@ def shrink_singular_values(G: jax.Array, noise_std, threshold_scale=1.0) -> jax.
   safe_y = jnp.where(keep, y, 2 + math.sqrt(beta))
   shrunk = jnp.where(keep, scale * jnp.sqrt((safe_y**2 - beta - 1) ** 2 - 4 * beta) / safe_y, 0)
   shrunk = jnp.where(scale > 0, shrunk, sv)
-  return ((U * shrunk[..., None, :]) @ Vt).astype(G.dtype)
+  return linalg.matmul(U * shrunk[..., None, :], Vt).astype(G.dtype)
 
 
 def low_rank_denoise(noise_std: float, *, decay: float = 0.0, threshold_scale: float = 1.0,

@@ -59,8 +59,9 @@ def check_layer_bases(bases, params, *, tol: float = 1e-3):
   """Validates a pytree of per-layer bases against ``params`` (host side).
 
   ``bases`` has the structure of ``params`` with ``None`` where a leaf is not projected; a
-  projected leaf of shape ``(a, ...)`` needs an ``(a, r)`` basis with orthonormal columns
-  (:func:`dpjax.sgd.transforms.check_basis`, spectral tolerance ``tol``).
+  projected leaf of shape ``(a, ...)`` needs an ``(a, r)`` basis with orthonormal or zero
+  columns (:func:`dpjax.sgd.transforms.check_basis` with ``partial=True``, spectral tolerance
+  ``tol``; a zero column is a direction left out, as :func:`trajectory_bases`' rank rule does).
 
   Returns:
     The bases with arrays as ``jax.Array``.
@@ -84,7 +85,7 @@ def check_layer_bases(bases, params, *, tol: float = 1e-3):
     if jnp.ndim(leaf) < 2:
       raise ValueError(f"a basis was given for a leaf of shape {jnp.shape(leaf)}: only leaves "
                        "with at least two axes (weight matrices) are projected.")
-    basis = transforms.check_basis(basis, tol=tol)
+    basis = transforms.check_basis(basis, tol=tol, partial=True)
     if basis.shape[0] != jnp.shape(leaf)[0]:
       raise ValueError(f"a basis for a leaf of shape {jnp.shape(leaf)} must have "
                        f"{jnp.shape(leaf)[0]} rows (the leaf's first, input-side axis), got "
@@ -179,8 +180,8 @@ def _layer_update(batch):
       G = g.reshape(g.shape[0], -1).astype(dtype)
       Ud = U.astype(dtype)
       noise = jax.random.normal(k, (U.shape[1], G.shape[1]), dtype)
-      coefficients = Ud.T @ G + state.noise_std.astype(dtype) * noise
-      out.append((Ud @ coefficients / jnp.asarray(batch, dtype)).reshape(g.shape).astype(g.dtype))
+      coefficients = linalg.matmul(Ud.T, G) + state.noise_std.astype(dtype) * noise
+      out.append((linalg.matmul(Ud, coefficients) / jnp.asarray(batch, dtype)).reshape(g.shape).astype(g.dtype))
     return jax.tree_util.tree_unflatten(treedef, out), state._replace(key=next_key)
 
   return update_fn
@@ -206,7 +207,7 @@ def update_layer_bases(opt_state, bases, *, tol: float = 1e-3):
         raise ValueError("the new bases must have the current None pattern.")
       if new is None:
         return None
-      new = transforms.check_basis(new, tol=tol)
+      new = transforms.check_basis(new, tol=tol, partial=True)
       if new.shape != cur.shape:
         raise ValueError(f"a new basis must have the current shape {tuple(cur.shape)}, got "
                          f"{tuple(new.shape)}.")
@@ -219,34 +220,60 @@ def update_layer_bases(opt_state, bases, *, tol: float = 1e-3):
   return transforms.map_states(opt_state, LayerSubspaceNoiseState, swap, "layer_subspace_noise")
 
 
-def trajectory_bases(released, rank: int, *, min_dim: int = 2):
+def trajectory_bases(released, rank: int, *, min_dim: int = 2, noise_std=None,
+                     edge_scale: float = 1.0):
   """Per-layer input-side bases from RELEASED updates: the top-``rank`` left singular vectors
   of each weight matrix of ``released`` (e.g. an average of past privatised updates).
 
-  Privacy: a function of released quantities only, so it is post-processing and costs nothing;
-  pass it nothing computed from per-example or clipped gradients.
+  Rank rule (``noise_std`` given): a matrix ``G (a, b)`` of pure noise with i.i.d. entries of
+  std s has its largest singular value near the bulk edge ``s(√a + √b)`` (Marchenko–Pastur;
+  Gavish & Donoho, IEEE Trans. Inf. Theory 2014), so a singular direction at or below
+  ``edge_scale · s(√a + √b)`` is indistinguishable from the noise: its column is set to zero.
+  The effective rank is the number of nonzero columns (shapes stay static, so this runs under
+  ``jit``); a basis with zero columns is a partial isometry, which every transform of this
+  module accepts: ``UUᵀ`` is still an orthogonal projector and ``‖U‖₂ ≤ 1``, so the clip norms
+  and sensitivities are unchanged. ``s`` must be a public number (the noise law of the releases,
+  e.g. ``σC/L`` times :func:`dpjax.sgd.filtered_noise_std`'s factor); where the noise is not
+  isotropic, pass its largest per-entry std (fewer directions are kept).
+
+  Privacy: a function of released quantities and public numbers only, so it is post-processing
+  and costs nothing; pass it nothing computed from per-example or clipped gradients.
 
   Args:
     released: pytree of released (noisy) updates, shaped like the params.
     rank: r ≥ 1; a leaf with at least two axes, first axis ``a ≥ max(min_dim, rank + 1)`` and
       ``b ≥ min_dim`` (b = product of the other axes) gets an ``(a, r)`` basis; others ``None``.
     min_dim: smallest side of a projected matrix.
+    noise_std: None (keep all r columns) or the per-entry noise std s ≥ 0 of ``released``'s
+      matrices (float or traced scalar, same units as ``released``).
+    edge_scale: multiplies the edge (> 0; PROPOSED 1).
 
   Returns:
-    A pytree of bases for :func:`layer_subspace_noise` (orthonormal columns, canonical signs).
+    A pytree of bases for :func:`layer_subspace_noise` / :func:`embedding_residual_noise`
+    (orthonormal or, under the rank rule, zero columns; canonical signs).
 
   Raises:
-    ValueError: ``rank < 1``; no leaf qualifies.
+    ValueError: ``rank < 1``; no leaf qualifies; a concrete ``noise_std < 0``; ``edge_scale ≤ 0``.
   """
   rank = v.check_int(rank, "rank", low=1)
   min_dim = v.check_int(min_dim, "min_dim", low=1)
+  edge_scale = v.check_positive(edge_scale, "edge_scale")
+  if noise_std is not None and not isinstance(noise_std, jax.core.Tracer):
+    if not float(noise_std) >= 0:
+      raise ValueError(f"noise_std must be >= 0, got {noise_std}.")
 
   def basis(g):
     g = jnp.asarray(g)
     if g.ndim < 2 or g.shape[0] < max(min_dim, rank + 1) or math.prod(g.shape[1:]) < min_dim:
       return None
     G = g.reshape(g.shape[0], -1).astype(jnp.promote_types(g.dtype, jnp.float32))
-    return linalg.top_k_right_singular_vectors(G.T, min(rank, G.shape[1]))
+    U = linalg.top_k_right_singular_vectors(G.T, min(rank, G.shape[1]))
+    if noise_std is None:
+      return U
+    a, b = G.shape
+    singular_values = jnp.linalg.norm(linalg.matmul(G.T, U), axis=0)
+    edge = edge_scale * jnp.asarray(noise_std, G.dtype) * (math.sqrt(a) + math.sqrt(b))
+    return U * (singular_values > edge).astype(U.dtype)
 
   bases = jax.tree_util.tree_map(basis, released)
   if all(b is None for b in jax.tree_util.tree_leaves(bases, is_leaf=_is_none)):
@@ -270,8 +297,8 @@ def _split(g, U, embedding_clip, residual_clip):
   dtype = jnp.promote_types(g.dtype, jnp.float32)
   G = g.reshape(g.shape[0], -1).astype(dtype)
   Ud = U.astype(dtype)
-  e = Ud.T @ G
-  return e / embedding_clip, ((G - Ud @ e) / residual_clip).reshape(g.shape)
+  e = linalg.matmul(Ud.T, G)
+  return e / embedding_clip, ((G - linalg.matmul(Ud, e)) / residual_clip).reshape(g.shape)
 
 
 def embedding_residual_grad_sum(loss_fn, *, embedding_clip: float, residual_clip: float,
@@ -339,7 +366,8 @@ def embedding_residual_grad_sum(loss_fn, *, embedding_clip: float, residual_clip
                  for part, tree in scaled.items()}
     weights = jnp.asarray(mask)
     return jax.tree_util.tree_map(
-        lambda x: jnp.tensordot(weights.astype(x.dtype), x, axes=1), clipped)
+        lambda x: jnp.tensordot(weights.astype(x.dtype), x, axes=1, precision=linalg.HIGHEST),
+        clipped)
 
   return per_example.ClippedGradSum(fn, 1.0 if joint else math.sqrt(2.0))
 
@@ -399,7 +427,7 @@ def embedding_residual_noise(bases, *, embedding_clip: float, residual_clip: flo
       if U is None:
         out.append((c_e * noisy_e / batch).astype(e.dtype))
         continue
-      back = (c_e * (U.astype(dtype) @ noisy_e)).reshape(r.shape)
+      back = (c_e * linalg.matmul(U.astype(dtype), noisy_e)).reshape(r.shape)
       if U.shape[1] < U.shape[0]:            # a full basis leaves no residual: nothing to release
         back = back + c_r * (r.astype(dtype) + std * jax.random.normal(k_r, r.shape, dtype))
       out.append((back / batch).astype(r.dtype))

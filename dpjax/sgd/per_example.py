@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax import linalg
 
 
 def per_example_grads(loss_fn: Callable) -> Callable:
@@ -230,6 +231,7 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
   def fn(params, batch, mask):
     grads = jax.vmap(one, in_axes=(None, 0))(params, batch)
     return jax.tree_util.tree_map(
-        lambda g: jnp.tensordot(jnp.asarray(mask).astype(g.dtype), g, axes=1), grads)
+        lambda g: jnp.tensordot(jnp.asarray(mask).astype(g.dtype), g, axes=1,
+                                precision=linalg.HIGHEST), grads)
 
   return ClippedGradSum(fn, clip_norm)

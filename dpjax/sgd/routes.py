@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 from dpjax import _validation as v
-from dpjax import accounting
+from dpjax import accounting, linalg
 from dpjax.sgd import denoise, layer_subspaces, per_example, privatizer, transforms
 
 ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "public_subspace")
@@ -65,6 +65,10 @@ class RouteSettings:
     gep_warmup: share of the steps run as plain DP-SGD before the projection starts.
     gep_refreshes: number of basis refreshes after the warm-up.
     gep_filter: decay of the EMA of released updates the trajectory bases read.
+    gep_edge_scale: None keeps all ``gep_rank`` directions; a number turns on
+      :func:`trajectory_bases`' rank rule: a direction is kept only if its singular value in the
+      filtered releases exceeds ``gep_edge_scale`` times the noise's bulk edge (the public noise
+      std: :func:`gep_edge_noise_std`), so the rank adapts to the noise (≤ ``gep_rank``).
     public_rank: rank of the public input subspace.
   """
   clip_norm: float = 1.0
@@ -77,6 +81,7 @@ class RouteSettings:
   gep_warmup: float = 0.2
   gep_refreshes: int = 10
   gep_filter: float = 0.9
+  gep_edge_scale: float | None = None
   public_rank: int = 16
 
 
@@ -102,6 +107,22 @@ def route_rank(route: str, settings: RouteSettings = RouteSettings()) -> int | N
   """The first layer's subspace rank of ``route`` (None where the noise is in all p)."""
   return {"gep_trajectory": settings.gep_rank,
           "public_subspace": settings.public_rank}.get(route)
+
+
+def gep_edge_noise_std(noise_multiplier: float, expected_batch_size: float,
+                       settings: RouteSettings = RouteSettings()) -> float:
+  """An upper bound on the per-entry noise std of the filtered releases that ``gep_trajectory``'s
+  bases read (public: σ, C, L and the settings only).
+
+  A released first-layer update has i.i.d. noise of std ``σC/L`` in the warm-up (DP-SGD) and, in
+  the GEP phase, ``σΔC_ρ/L`` outside the basis and ``σΔ√(C² + C_ρ²)/L`` inside it (Δ = √2, the
+  per-part sensitivity); the larger of these, times the stationary EMA factor
+  ``√((1 − β)/(1 + β))`` (which bounds the EMA's factor from a zero start at every step), is
+  returned. With that isotropic bound the rank rule keeps fewer directions, never more.
+  """
+  c, rho, beta = settings.clip_norm, settings.gep_residual_clip, settings.gep_filter
+  step = noise_multiplier * c / expected_batch_size * max(1.0, math.sqrt(2.0 * (1.0 + rho**2)))
+  return step * math.sqrt((1.0 - beta) / (1.0 + beta))
 
 
 def first_layer_bases(params, basis):
@@ -179,15 +200,16 @@ def _average(params, avg, t, ema):
 def _unclipped_sum(loss_fn):
   def grad_sum(params, batch, mask):
     grads = per_example.per_example_grads(loss_fn)(params, batch)
-    return jax.tree_util.tree_map(lambda g: jnp.tensordot(mask.astype(g.dtype), g, axes=1),
+    return jax.tree_util.tree_map(lambda g: jnp.tensordot(mask.astype(g.dtype), g, axes=1,
+                                                          precision=linalg.HIGHEST),
                                   grads)
   return grad_sum
 
 
 @functools.partial(jax.jit, static_argnames=("route", "txs", "init_fn", "loss_fn", "steps",
                                              "batch", "microbatch", "settings"))
-def _train(keys, lrs, X, y, states, *, txs, route, init_fn, loss_fn, steps, batch, microbatch,
-           settings):
+def _train(keys, lrs, X, y, states, edge_std, *, txs, route, init_fn, loss_fn, steps, batch,
+           microbatch, settings):
   q = batch / X.shape[0]
   ema = settings.weight_ema
 
@@ -242,7 +264,8 @@ def _train(keys, lrs, X, y, states, *, txs, route, init_fn, loss_fn, steps, batc
       filt = carry[3]
       # The free refresh: bases from the EMA of released updates, nothing else.
       bases = first_layer_bases(filt, layer_subspaces.trajectory_bases(
-          [filt[0]], settings.gep_rank)[0]["w"])
+          [filt[0]], settings.gep_rank,
+          noise_std=None if settings.gep_edge_scale is None else edge_std)[0]["w"])
       carry = carry[:2] + (carry[2]._replace(bases=bases),) + carry[3:]
       return jax.lax.scan(gep_body, carry, keys)[0], None
 
@@ -340,12 +363,16 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   sigma = 0.0 if route == "non_private" else noise_multiplier(
       float(epsilon), float(delta), batch / n, steps, accountant)
   microbatch = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
-  txs = _transforms(route, float(sigma), batch, basis.tobytes(), shapes, settings, loss_fn)
+  # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
+  scale = settings.gep_edge_scale
+  edge_std = jnp.float32((scale or 1.0) * gep_edge_noise_std(float(sigma), batch, settings))
+  static = dataclasses.replace(settings, gep_edge_scale=None if scale is None else 1.0)
+  txs = _transforms(route, float(sigma), batch, basis.tobytes(), shapes, static, loss_fn)
   template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
   states = tuple(tx.init(template) for tx in txs)
   params, bases = _train(keys, jnp.asarray(lrs), jnp.asarray(X, jnp.float32), jnp.asarray(y),
-                         states, txs=txs, route=route, init_fn=init_fn, loss_fn=loss_fn,
-                         steps=steps, batch=batch, microbatch=microbatch, settings=settings)
+                         states, edge_std, txs=txs, route=route, init_fn=init_fn, loss_fn=loss_fn,
+                         steps=steps, batch=batch, microbatch=microbatch, settings=static)
   if route in PUBLIC_ROUTES:
     bases = jnp.asarray(basis)
   return RouteRun(params, float(sigma), route_rank(route, settings), bases)

@@ -19,7 +19,7 @@ from jax.flatten_util import ravel_pytree
 from dpjax import _validation as v
 from dpjax import linalg
 from dpjax.results import SubspaceResult
-from dpjax.subspace.approximate import dpase
+from dpjax.subspace.approximate import dpase_gathered
 
 
 def _num_examples(data) -> int:
@@ -105,11 +105,13 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
                               **dpase_kwargs) -> SubspaceResult:
   """A rank-k gradient subspace learned privately with DPASE from per-example gradients.
 
-  One gradient per individual at ``params``, then :func:`dpjax.subspace.dpase` with
-  ``partition="random_labels"``. Each gradient row is first sanitised by a fixed row-wise map:
-  rows with a NaN/inf entry become zero (so that no data-dependent error can be raised), and,
-  if ``clip_norm`` is given, rows are clipped to ℓ2 norm ≤ ``clip_norm`` (for utility only:
-  DPASE needs no norm bound for privacy).
+  One gradient per individual at ``params``, then DPASE with ``partition="random_labels"``
+  (:func:`dpjax.subspace.dpase_gathered`): each subset's gradients are computed when its top-k
+  subspace is, so the ``(N, p)`` gradient matrix never exists (about
+  ``dpjax.linalg.GATHER_CHUNK_BYTES`` of gradient rows are live at once). Each gradient row is
+  first sanitised by a fixed row-wise map: rows with a NaN/inf entry become zero (so that no
+  data-dependent error can be raised), and, if ``clip_norm`` is given, rows are clipped to
+  ℓ2 norm ≤ ``clip_norm`` (for utility only: DPASE needs no norm bound for privacy).
 
   Guarantee: (ε, δ)-DP under **add/remove-one** (and replace-one) for the rows of ``data``,
   provided each individual contributes exactly one row and ``params`` does not depend on
@@ -153,15 +155,24 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
   """
   key = v.check_key(key)
   k = v.check_int(k, "k", low=1, high=_num_params(params))
-  if dpase_kwargs.get("partition", "random_labels") != "random_labels":
+  if dpase_kwargs.pop("partition", "random_labels") != "random_labels":
     raise ValueError("partition must be 'random_labels' (the add/remove-one guarantee needs "
-                     f"it), got partition={dpase_kwargs['partition']!r}.")
-  dpase_kwargs["partition"] = "random_labels"
+                     "it).")
   if clip_norm is not None:
     clip_norm = v.check_positive(clip_norm, "clip_norm")
-  G = _sanitise_rows(flat_per_example_grads(loss_fn, params, data),
-                     1.0 if clip_norm is None else clip_norm, clip_norm is not None)
-  result = dpase(key, G, epsilon=epsilon, delta=delta, k=k, gamma=gamma, **dpase_kwargs)
+  n, p = _num_examples(data), _num_params(params)
+  data = jax.tree_util.tree_map(jnp.asarray, data)
+  flat_params, unravel = ravel_pytree(params)
+
+  def gather(rows):
+    # One individual's row: its flattened, sanitised gradient; padding (rows >= n) is zero.
+    chunk = jax.tree_util.tree_map(lambda x: x.at[rows].get(mode="fill", fill_value=0), data)
+    G = jax.vmap(lambda ex: ravel_pytree(jax.grad(loss_fn)(unravel(flat_params), ex))[0])(chunk)
+    G = jnp.where((rows < n)[:, None], G, jnp.zeros_like(G))
+    return _sanitise_rows(G, 1.0 if clip_norm is None else clip_norm, clip_norm is not None)
+
+  result = dpase_gathered(key, gather, n, p, dtype=flat_params.dtype, epsilon=epsilon,
+                          delta=delta, k=k, gamma=gamma, **dpase_kwargs)
   if result.neighbouring != NeighboringRelation.ADD_OR_REMOVE_ONE:  # pragma: no cover
     raise RuntimeError(f"dpase returned a guarantee under {result.neighbouring!r}, expected "
                        "add/remove-one.")

@@ -9,7 +9,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from dp_accounting import NeighboringRelation
 

@@ -25,6 +25,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from dpjax import _validation as v
+from dpjax import linalg
 from dpjax.sgd import per_example
 
 
@@ -194,8 +195,8 @@ def _subspace_noise(batch, key, basis=None, base_std=None,
     dtype = jnp.promote_types(jnp.promote_types(flat.dtype, state.basis.dtype), jnp.float32)
     V = state.basis.astype(dtype)
     noise = jax.random.normal(noise_key, (V.shape[1],), dtype)
-    coefficients = V.T @ flat.astype(dtype) + state.noise_std.astype(dtype) * noise
-    out = (V @ coefficients / jnp.asarray(batch, dtype)).astype(flat.dtype)
+    coefficients = linalg.matmul(V.T, flat.astype(dtype)) + state.noise_std.astype(dtype) * noise
+    out = (linalg.matmul(V, coefficients) / jnp.asarray(batch, dtype)).astype(flat.dtype)
     return unravel(out), state._replace(key=next_key)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -309,21 +310,27 @@ def dp_aggregate(*, clip_norm: float, noise_multiplier: float, expected_batch_si
       raise ValueError(f"mask must have shape ({size},) (one entry per example), got "
                        f"{tuple(weights.shape)}.")
     summed = jax.tree_util.tree_map(
-        lambda g: jnp.tensordot(weights.astype(g.dtype), g, axes=1), clipped)
+        lambda g: jnp.tensordot(weights.astype(g.dtype), g, axes=1, precision=linalg.HIGHEST),
+        clipped)
     return inner.update(summed, state, params)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
-def check_basis(basis, name: str = "basis", *, tol: float = 1e-3) -> jax.Array:
+def check_basis(basis, name: str = "basis", *, tol: float = 1e-3,
+                partial: bool = False) -> jax.Array:
   """Validates a ``(p, k)`` basis with orthonormal columns on the host; returns it as an array.
 
   The orthonormality check is spectral, ``‖VᵀV − I‖₂ ≤ tol`` (float64), and serves usability
   only; the transforms keep privacy for any accepted V by scaling their noise with
-  :func:`basis_norm_bound`.
+  :func:`basis_norm_bound`. With ``partial=True`` a partial isometry is accepted too (columns
+  orthonormal or zero, as :func:`dpjax.sgd.trajectory_bases` returns under its rank rule): every
+  eigenvalue of ``VᵀV`` within ``tol`` of 0 or 1, so ``VVᵀ`` is (up to ``tol``) an orthogonal
+  projector and ``‖V‖₂ ≤ 1 + tol``.
 
   Raises:
-    ValueError: not 2-D, ``k ∉ [1, p]``, non-finite entries, or ``‖VᵀV − I‖₂ > tol``.
+    ValueError: not 2-D, ``k ∉ [1, p]``, non-finite entries, or ``‖VᵀV − I‖₂ > tol`` (with
+      ``partial``: an eigenvalue of ``VᵀV`` farther than ``tol`` from both 0 and 1).
     TypeError: not a float array.
   """
   try:
@@ -340,6 +347,12 @@ def check_basis(basis, name: str = "basis", *, tol: float = 1e-3) -> jax.Array:
   if not np.all(np.isfinite(b)):
     raise ValueError(f"{name} contains NaN or infinite entries.")
   eigenvalues = np.linalg.eigvalsh(_gram(b))
+  if partial:
+    err = float(np.max(np.minimum(np.abs(eigenvalues), np.abs(eigenvalues - 1.0))))
+    if err > tol:
+      raise ValueError(f"{name} must have orthonormal or zero columns (every eigenvalue of VᵀV "
+                       f"within {tol} of 0 or 1), got one {err:.3g} away.")
+    return basis
   err = float(np.max(np.abs(eigenvalues - 1.0)))
   if err > tol:
     raise ValueError(f"{name} must have orthonormal columns (‖VᵀV − I‖₂ <= {tol}), got "

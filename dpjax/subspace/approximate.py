@@ -276,6 +276,24 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
   key = v.check_key(key)
   X = v.check_data(X, "X")
   n, d = X.shape
+  params = _plan(n, d, k, X.dtype, epsilon=epsilon, delta=delta, gamma=gamma,
+                 num_subsets=num_subsets, num_reference_points=num_reference_points,
+                 cell_length=cell_length, ell_rule=ell_rule, c0=c0, partition=partition,
+                 noise=noise, grouping=grouping, alpha=alpha, top_k_method=top_k_method,
+                 ledger=ledger)
+  ok, basis, count = dpase_core(key, X, params, k=k, epsilon=float(epsilon),
+                                delta=float(delta), partition=partition, noise=noise,
+                                grouping=grouping, top_k_method=top_k_method)
+  if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
+    ok, basis, count = v.domain_bottom(X, ok, basis, count)
+  return _result(ok, basis, count, params, d=d, k=k, epsilon=epsilon, delta=delta,
+                 partition=partition, top_k_method=top_k_method)
+
+
+def _plan(n, d, k, dtype, *, epsilon, delta, gamma, num_subsets, num_reference_points,
+          cell_length, ell_rule, c0, partition, noise, grouping, alpha, top_k_method, ledger):
+  """DPASE's checks of the public arguments and its parameters; records the release in
+  ``ledger`` (before any data is touched)."""
   v.check_choice(partition, "partition", PARTITIONS)
   histogram.check_noise(noise)
   v.check_choice(grouping, "grouping", ("auto", "pairwise", "hash"))
@@ -284,19 +302,17 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
                             num_subsets=num_subsets,
                             num_reference_points=num_reference_points,
                             cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise,
-                            alpha=alpha, float_eps=float(jnp.finfo(X.dtype).eps))
-  t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
-  neighbouring = (NeighboringRelation.REPLACE_ONE if partition == "permutation"
-                  else NeighboringRelation.ADD_OR_REMOVE_ONE)
+                            alpha=alpha, float_eps=float(jnp.finfo(dtype).eps))
   if ledger is not None:
     # Random labels hold under both relations, so they fit a ledger of either kind.
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASE",
-                            neighbouring=neighbouring if partition == "permutation" else None)
-  ok, basis, count = dpase_core(key, X, params, k=k, epsilon=float(epsilon),
-                                delta=float(delta), partition=partition, noise=noise,
-                                grouping=grouping, top_k_method=top_k_method)
-  if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
-    ok, basis, count = v.domain_bottom(X, ok, basis, count)
+                            neighbouring=(NeighboringRelation.REPLACE_ONE
+                                          if partition == "permutation" else None))
+  return params
+
+
+def _result(ok, basis, count, params, *, d, k, epsilon, delta, partition, top_k_method):
+  t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
   info = {
       "num_subsets": t,
       "subset_size": m,
@@ -307,9 +323,69 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
       "threshold": params.threshold,
       "top_k_method": top_k_solver(top_k_method, m, d, k).method,
   }
+  neighbouring = (NeighboringRelation.REPLACE_ONE if partition == "permutation"
+                  else NeighboringRelation.ADD_OR_REMOVE_ONE)
   return SubspaceResult(ok=ok, basis=basis, released={"winning_count": count},
                         epsilon=float(epsilon), delta=float(delta), neighbouring=neighbouring,
                         info=info)
+
+
+def dpase_gathered(key: jax.Array, gather, n: int, d: int, *, dtype, epsilon: float,
+                   delta: float, k: int, gamma: float | None = None,
+                   num_subsets: int | None = None, num_reference_points: int | None = None,
+                   cell_length: float | None = None, ell_rule: str = "paper_proof",
+                   c0: float | None = None, noise: str = "discrete", grouping: str = "auto",
+                   alpha: float | None = 0.1, top_k_method: str = "auto",
+                   ledger=None) -> SubspaceResult:
+  """DPASE with ``partition="random_labels"`` on n rows that are computed on demand, never
+  stored: ``gather(rows (m,) int) -> (m, d)`` returns the rows ``rows`` (an index ``>= n`` must
+  give a zero row; row i a function of individual ``rows[i]`` alone). Memory is about
+  ``linalg.GATHER_CHUNK_BYTES`` of rows at a time instead of ``n·d`` (e.g. per-example gradients
+  with d = p, :func:`dpjax.sgd.private_gradient_subspace`).
+
+  The same algorithm, parameters, arguments and guarantee as :func:`dpase` with random labels:
+  (ε, δ)-DP under add/remove-one (and replace-one) — one individual's row changes one subset,
+  hence one histogram item. Equal to ``dpase(key, X, partition="random_labels", ...)`` on the
+  stacked rows up to rounding.
+
+  Args:
+    key: PRNG key.
+    gather: traceable row maker (above); it must sanitise its rows itself (finite values: a
+      non-finite row would make the subset's basis, not an error, garbage).
+    n, d: number of rows (public, as in :func:`dpase`) and their dimension.
+    dtype: the rows' dtype (sets the floating-point tolerances and the chunk size).
+    epsilon, delta, k, gamma, num_subsets, num_reference_points, cell_length, ell_rule, c0,
+      noise, grouping, alpha, top_k_method, ledger: as in :func:`dpase`.
+
+  Returns:
+    :class:`~dpjax.results.SubspaceResult` as :func:`dpase`'s, ``neighbouring ==
+    ADD_OR_REMOVE_ONE``.
+
+  Raises:
+    TypeError / ValueError: as :func:`dpase` for the public arguments.
+
+  References:
+    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2.
+  """
+  key = v.check_key(key)
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  params = _plan(n, d, k, dtype, epsilon=epsilon, delta=delta, gamma=gamma,
+                 num_subsets=num_subsets, num_reference_points=num_reference_points,
+                 cell_length=cell_length, ell_rule=ell_rule, c0=c0, partition="random_labels",
+                 noise=noise, grouping=grouping, alpha=alpha, top_k_method=top_k_method,
+                 ledger=ledger)
+  t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
+  solver = top_k_solver(top_k_method, m, d, k)
+  scalars = histogram.histogram_scalars(float(epsilon), float(delta), noise=noise)
+  k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
+  index = _random_label_index(k_part, n, t, _capacity(m))
+  bases = linalg.top_k_subspaces_of_rows(gather, index, d, k, dtype=dtype, method=solver.method,
+                                         max_iterations=solver.max_iterations)
+  ok, basis, count = _release(k_ref, k_off, k_hist, k_point, bases, params.cell_length, scalars,
+                              q=q, grouping=grouping)
+  return _result(ok, basis, count, params, d=d, k=k, epsilon=epsilon, delta=delta,
+                 partition="random_labels", top_k_method=top_k_method)
 
 
 def dpase_core(key: jax.Array, X: jax.Array, params: DPASEParameters, *, k: int,
@@ -377,10 +453,20 @@ def _dpase_traced(key, X, cell_length, scalars, *, t, m, q, k, partition, groupi
   if partition == "permutation":
     index = _permutation_index(k_part, n, t, m)
   else:
-    index = _random_label_index(k_part, n, t, m + math.ceil(4 * math.sqrt(m)) + 4)
+    index = _random_label_index(k_part, n, t, _capacity(m))
   if rows is not None:                     # local row i is X[rows[i]]; the padding n maps to N
     index = jnp.append(rows.astype(index.dtype), N)[index]
-  cells, offset = _subset_cells(k_ref, k_off, X, index, k, q, cell_length, solver)
+  bases = linalg.gathered_top_k_subspaces(X, index, k, method=solver.method,
+                                          max_iterations=solver.max_iterations)   # (t, d, k)
+  return _release(k_ref, k_off, k_hist, k_point, bases, cell_length, scalars, q=q,
+                  grouping=grouping)
+
+
+def _release(k_ref, k_off, k_hist, k_point, bases, cell_length, scalars, *, q, grouping):
+  """DPASE's aggregation of the subsets' ``(t, d, k)`` bases (each a function of one subset):
+  reference points → cells → stability histogram → ``(ok, basis, winning_count)``."""
+  t, d, k = bases.shape
+  cells, offset = _subset_cells(k_ref, k_off, bases, q, cell_length)
   bins, counts, released = histogram.stable_histogram_core(k_hist, cells, scalars, grouping)
   return _finish(k_point, bins[0], released[0], counts[0], offset, cell_length, t, q, d, k)
 
@@ -389,6 +475,11 @@ def _dpase_traced(key, X, cell_length, scalars, *, t, m, q, k, partition, groupi
 def _permutation_index(key, n, t, m):
   """``(t, m)`` row indices: a public permutation cut into t blocks (the rest unused)."""
   return jax.random.permutation(key, n)[: t * m].reshape(t, m)
+
+
+def _capacity(m: int) -> int:
+  """A random-labels subset's public capacity ``m + ⌈4√m⌉ + 4`` (overflow is dropped)."""
+  return m + math.ceil(4 * math.sqrt(m)) + 4
 
 
 @functools.partial(jax.jit, static_argnames=("n", "t", "capacity"))
@@ -404,14 +495,12 @@ def _random_label_index(key, n, t, capacity):
   return index.at[sorted_labels, rank].set(order, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "q", "solver"))
-def _subset_cells(key_ref, key_off, X, index, k, q, cell_length, solver):
-  t, d = index.shape[0], X.shape[1]
-  bases = linalg.gathered_top_k_subspaces(X, index, k, method=solver.method,
-                                          max_iterations=solver.max_iterations)   # (t, d, k)
-  reference = jax.random.normal(key_ref, (q, d), X.dtype)                 # public
+@functools.partial(jax.jit, static_argnames=("q",))
+def _subset_cells(key_ref, key_off, bases, q, cell_length):
+  t, d, _ = bases.shape
+  reference = jax.random.normal(key_ref, (q, d), bases.dtype)             # public
   points = linalg.project_points(reference, bases).reshape(t, q * d)      # (t, q d)
-  offset = jax.random.uniform(key_off, (), X.dtype)                       # one offset for all axes
+  offset = jax.random.uniform(key_off, (), bases.dtype)                   # one offset for all axes
   scaled = jnp.floor(points / cell_length - offset)
   bound = float(np.iinfo(np.int32).max - 1)
   return jnp.clip(scaled, -bound, bound).astype(jnp.int32), offset

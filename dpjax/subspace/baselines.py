@@ -134,7 +134,7 @@ def _secure_noisy_moment(key, A, noise_multiplier) -> np.ndarray:
 @jax.jit
 def _unit_second_moment(X, clip_mantissa, clip_exponent):
   U = _unit_clip(X, clip_mantissa, clip_exponent)
-  return U.T @ U
+  return linalg.matmul(U.T, U)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
@@ -147,7 +147,7 @@ def _analyze_gauss_core(key, X, k, clip_mantissa, clip_exponent, unit_sigma):
   d = X.shape[1]
   noise = jax.random.normal(key, (d, d), X.dtype) * unit_sigma
   E = jnp.triu(noise) + jnp.triu(noise, 1).T
-  _, evecs = jnp.linalg.eigh(U.T @ U + E)
+  _, evecs = jnp.linalg.eigh(linalg.matmul(U.T, U) + E)
   return evecs[:, ::-1][:, :k]
 
 

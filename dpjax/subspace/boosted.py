@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax import linalg
 from dpjax.mechanisms import histogram
 from dpjax.subspace import approximate
 from dpjax.results import SubspaceResult
@@ -152,7 +153,7 @@ def _dpaseb(key, X, cell_length, scalars, radius, *, t, m, q, k, T, block, group
   oks, bases, _ = jax.vmap(lambda kk, rows: run(kk, X, rows=rows))(jax.random.split(k_runs, T),
                                                                     blocks)
   # sin of the largest principal angle between every pair of runs: from the (k, k) overlaps.
-  overlaps = jnp.einsum("idk,jdl->ijkl", bases, bases)
+  overlaps = jnp.einsum("idk,jdl->ijkl", bases, bases, precision=linalg.HIGHEST)
   smallest = jnp.min(jnp.linalg.svd(overlaps, compute_uv=False), axis=-1)
   distance = jnp.sqrt(jnp.clip(1.0 - smallest**2, 0.0, 1.0))
   close = (distance <= radius) & oks[:, None] & oks[None, :] & ~jnp.eye(T, dtype=bool)

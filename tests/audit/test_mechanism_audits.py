@@ -143,7 +143,7 @@ def test_dpase_replaced_row_breaks_a_subset(audit_trials, top_k_method):
   decided; the feature is the ok flag together with the released basis' first entry. Run with
   both per-subset solvers.
   """
-  n = audit_trials(2_000, 30_000)
+  n = audit_trials(1_000, 30_000)
   eps, delta = 1.0, 0.02
   t = approximate.num_subsets_for(eps, delta)
   m, d, k = 12, 6, 1
@@ -188,7 +188,7 @@ def _dpase_at_the_half_rule(histogram_epsilon_factor):
 def test_dpase_audit_catches_too_little_histogram_noise(audit_trials):
   """Negative control (not in EXPECTED): DPASE passes at the t/2 edge; with its histogram noise
   ten times too small (scale 0.2 instead of 2) the same audit flags it."""
-  n = audit_trials(5_000, 50_000)
+  n = audit_trials(3_000, 50_000)
   for factor, seed, private in ((1.0, 21, True), (10.0, 22, False)):
     run, X, X_prime, eps, delta = _dpase_at_the_half_rule(factor)
     rep = audit.audit(jax.random.key(seed), run, X, X_prime, delta=delta, epsilon_claimed=eps,
@@ -198,7 +198,7 @@ def test_dpase_audit_catches_too_little_histogram_noise(audit_trials):
 
 def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
   """One block's DPASE is pushed to ⊥ by huge outliers; X' adds one more in that region."""
-  n = audit_trials(1_000, 20_000)
+  n = audit_trials(500, 20_000)
   eps, delta, T = 1.0, 0.02, 3
   t = approximate.num_subsets_for(eps, delta)
   block = t * 12
@@ -234,7 +234,7 @@ def test_dpese_two_competing_planes(audit_trials):
     return jnp.where(res.ok, jnp.round(jnp.abs(res.basis[0, 0]), 1), -1.0)
 
   rep = audit.audit(jax.random.key(14), run, X, X_prime, delta=0.02, epsilon_claimed=1.0,
-                    trials=n, vectorized=False)
+                    trials=n)
   _check("DPESE", 1.0, rep.epsilon_lower_bound, n)
 
 

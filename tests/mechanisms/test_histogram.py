@@ -118,6 +118,7 @@ MIXED = jnp.concatenate([_items_with_duplicates(jax.random.key(5), 90, 4, 3),
                          jnp.tile(jnp.array([[0, 1, 2, 0]], jnp.int32), (30, 1))])
 
 
+@pytest.mark.slow   # each grouping is checked against numpy.unique by default
 def test_pairwise_and_hash_grouping_agree():
   key = jax.random.key(4)
   a = M.stable_histogram(key, MIXED, epsilon=1.0, delta=1e-2, grouping="pairwise")

@@ -141,6 +141,54 @@ def test_trajectory_bases_find_the_column_space_of_a_released_update():
     ls.trajectory_bases(released, 0)
 
 
+def test_trajectory_rank_rule_keeps_only_directions_above_the_noise_edge():
+  # 64 x 32 release: a planted rank-2 signal (singular values 60 and 40, far above the pure
+  # noise's edge s(√a + √b) ≈ 13.7 at s = 1) plus N(0, 1) noise; rank 6 asked.
+  k_u, k_v, k_n = jax.random.split(jax.random.key(4), 3)
+  U = _orthonormal(k_u, 64, 2)
+  V = _orthonormal(k_v, 32, 2)
+  noise = jax.random.normal(k_n, (64, 32))
+  signal = U @ jnp.diag(jnp.array([60.0, 40.0])) @ V.T
+  out = ls.trajectory_bases({"w": signal + noise}, 6, noise_std=1.0, edge_scale=1.1)["w"]
+  norms = np.linalg.norm(np.asarray(out), axis=0)
+  np.testing.assert_allclose(norms, [1, 1, 0, 0, 0, 0], atol=1e-5)
+  # The kept columns span the planted directions (principal angles' cosines near 1).
+  np.testing.assert_allclose(np.linalg.svd(np.asarray(U.T @ out[:, :2]))[1], 1.0, atol=0.05)
+  # Pure noise: nothing above the edge; without noise_std all 6 columns are kept.
+  assert float(jnp.abs(ls.trajectory_bases({"w": noise}, 6, noise_std=1.0,
+                                           edge_scale=1.1)["w"]).max()) == 0.0
+  full = ls.trajectory_bases({"w": noise}, 6)["w"]
+  np.testing.assert_allclose(np.asarray(full.T @ full), np.eye(6), atol=1e-5)
+  # The same rule under jit with a traced noise level; the output feeds the transforms.
+  jitted = jax.jit(lambda g, s: ls.trajectory_bases({"w": g}, 6, noise_std=s,
+                                                    edge_scale=1.1)["w"])(signal + noise, 1.0)
+  np.testing.assert_allclose(np.asarray(jitted), np.asarray(out), atol=1e-5)
+  params = {"w": jnp.zeros((64, 32))}
+  ls.layer_subspace_noise({"w": out}, clip_norm=1.0, noise_multiplier=1.0,
+                          expected_batch_size=4, key=jax.random.key(0)).init(params)
+  with pytest.raises(ValueError, match="noise_std"):
+    ls.trajectory_bases({"w": noise}, 2, noise_std=-1.0)
+  with pytest.raises(ValueError, match="edge_scale"):
+    ls.trajectory_bases({"w": noise}, 2, noise_std=1.0, edge_scale=0.0)
+
+
+def test_partial_isometry_bases_keep_the_split_orthogonal_and_are_checked_spectrally():
+  # A basis with a zero column: U Uᵀ is still a projector, so each example's gradient splits
+  # into orthogonal parts (‖U e‖² + ‖ρ‖² = ‖g‖²) and the clip norms bound the same quantities.
+  Q = np.asarray(_orthonormal(jax.random.key(5), 6, 3))
+  partial = Q * np.array([1.0, 0.0, 1.0])
+  g = jax.random.normal(jax.random.key(6), (6, 4))
+  e, rho = ls._split(g, jnp.asarray(partial), 1.0, 1.0)
+  back = jnp.asarray(partial) @ e
+  np.testing.assert_allclose(float(jnp.sum(back**2) + jnp.sum(rho**2)), float(jnp.sum(g**2)),
+                             rtol=1e-5)
+  transforms.check_basis(partial, partial=True)
+  with pytest.raises(ValueError, match="orthonormal columns"):
+    transforms.check_basis(partial)
+  with pytest.raises(ValueError, match="orthonormal or zero"):   # a column of norm 0.5
+    transforms.check_basis(Q * np.array([1.0, 0.5, 1.0]), partial=True)
+
+
 # ------------------------------------------------------- projection before clipping (GEP style)
 
 def _model():

@@ -65,7 +65,9 @@ def test_clipped_sum_covers_every_sampled_example_once():
   np.testing.assert_allclose(np.asarray(padded), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("q,microbatch", [(50 / N, 7), (0.9, 400), (0.9, 16)])
+@pytest.mark.parametrize("q,microbatch", [pytest.param(50 / N, 7, marks=pytest.mark.slow),
+                                          pytest.param(0.9, 400, marks=pytest.mark.slow),
+                                          (0.9, 16)])
 def test_poisson_clipped_sum_in_the_trace_covers_the_whole_sample(q, microbatch):
   """The traceable core draws the host helper's sample and sums every micro-batch of it (many
   micro-batches, one, and a sample far above B: never truncated), under jit and vmap."""

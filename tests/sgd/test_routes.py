@@ -2,6 +2,7 @@
 bases reading released updates only, and clear errors."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -25,18 +26,21 @@ def data():
 
 
 def _run(route, data, keys, lrs=None, **kw):
-  """At ε = 2, δ = 1e-5, L = 32; the public route's public rows are the first 40 (not trained
-  on)."""
+  """At ε = 2, δ = 1e-5, L = 32, the RDP accountant (its calibration is the faster one; the PLD
+  default is tested below); the public route's public rows are the first 40 (not trained on)."""
   lrs = np.full(len(keys), 0.05) if lrs is None else lrs
   public = None
   if route in sgd.PUBLIC_ROUTES:
     public, data = data[0][:40], (data[0][40:], data[1][40:])
   return sgd.train_route(route, keys, lrs, data, init_fn=INIT, loss_fn=demo.example_loss,
                          epsilon=2.0, delta=1e-5, steps=kw.pop("steps", 12),
-                         expected_batch_size=32, public_inputs=public, **kw)
+                         expected_batch_size=32, public_inputs=public,
+                         accountant=kw.pop("accountant", "rdp"), **kw)
 
 
-@pytest.mark.parametrize("route", sgd.ROUTES)
+# dp_sgd also runs (stacked over keys) in test_dp_sgd_route_learns; non_private adds no noise.
+@pytest.mark.parametrize("route", [pytest.param(r, marks=pytest.mark.slow)
+                                   if r in ("dp_sgd", "non_private") else r for r in sgd.ROUTES])
 def test_each_route_runs_stacked_deterministic_per_key(route, data):
   """Params stacked over the runs, equal for equal keys, σ from the accountant for the route's
   private rows, the subspace rank and bases."""
@@ -52,7 +56,8 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
   assert any(not np.array_equal(x[0], x[1]) for x in leaves)
   assert run.rank == {"gep_trajectory": 3, "public_subspace": 4}.get(route)
   n = N - 40 if route in sgd.PUBLIC_ROUTES else N
-  expected = 0.0 if route == "non_private" else routes.noise_multiplier(2.0, 1e-5, 32 / n, 12)
+  expected = 0.0 if route == "non_private" else routes.noise_multiplier(2.0, 1e-5, 32 / n, 12,
+                                                                         "rdp")
   assert run.noise_multiplier == expected
   if route == "gep_trajectory":
     assert run.bases.shape == (3, D, 3)
@@ -64,13 +69,19 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
     assert run.bases is None
 
 
-def test_noise_multiplier_meets_the_budget_by_the_pld_accountant():
-  """σ meets (ε, δ) for q = L/N and T under add/remove-one, and not by much more; fewer private
-  rows (the public route's) need more noise."""
+def test_train_route_defaults_to_the_pld_accountant():
+  assert inspect.signature(sgd.train_route).parameters["accountant"].default == "pld"
+
+
+@pytest.mark.slow
+def test_noise_multiplier_meets_the_budget_by_the_pld_accountant(data):
+  """σ meets (ε, δ) for q = L/N and T under add/remove-one, and not by much more; train_route
+  uses it by default."""
   sigma = routes.noise_multiplier(2.0, 1e-5, 32 / N, 12)
   eps = accounting.dpsgd_epsilon(sigma, 32 / N, 12, 1e-5, accountant="pld")
   assert 1.8 < eps <= 2.0
-  assert routes.noise_multiplier(2.0, 1e-5, 32 / (N - 40), 12) > sigma
+  run = _run("dp_sgd", data, jnp.stack([jax.random.key(0)]), steps=12, accountant="pld")
+  assert run.noise_multiplier == sigma          # train_route's default accountant is PLD
 
 
 def test_dp_sgd_route_learns(data):
@@ -84,7 +95,8 @@ def test_dp_sgd_route_learns(data):
 def test_trajectory_bases_read_only_released_updates(data):
   """With noise transforms that release a fixed update whatever they are given, the GEP route's
   bases (and the params) must not change when the private data change; bases computed from
-  clipped or per-example gradients would."""
+  clipped or per-example gradients would. The noise-edge rank rule is on (at an edge far below
+  the release's singular values, so the bases are the plain top-3 ones)."""
   params = INIT(jax.random.key(1))
   released = jax.tree_util.tree_map(
       lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.01, params)
@@ -96,11 +108,13 @@ def test_trajectory_bases_read_only_released_updates(data):
 
   txs = (fixed_release(sgd.DPNoiseState(jax.random.key(0))),
          fixed_release(sgd.EmbeddingResidualState(jax.random.key(0), placeholder)))
-  settings = sgd.RouteSettings(gep_rank=3, gep_refreshes=2)
+  settings = sgd.RouteSettings(gep_rank=3, gep_refreshes=2, gep_edge_scale=1.0)
+  edge_std = 1e-4   # the release (0.01·N(0, 1), 12 × 8) has singular values ≫ the edge 6e-4
 
   def bases_after(X, y):
     _, bases = routes._train(jnp.stack([jax.random.key(3)]), jnp.array([0.05]), X, y,
-                             tuple(tx.init(params) for tx in txs), txs=txs,
+                             tuple(tx.init(params) for tx in txs), jnp.float32(edge_std),
+                             txs=txs,
                              route="gep_trajectory", init_fn=INIT, loss_fn=demo.example_loss,
                              steps=10, batch=32, microbatch=56, settings=settings)
     return np.asarray(bases[0])
@@ -110,6 +124,27 @@ def test_trajectory_bases_read_only_released_updates(data):
   np.testing.assert_array_equal(first, bases_after(X[::-1] * 0.5, y[::-1]))
   expected = np.asarray(sgd.trajectory_bases([released[0]], 3)[0]["w"])
   np.testing.assert_allclose(np.abs(first), np.abs(expected), atol=1e-5)
+
+
+@pytest.mark.slow        # trajectory_bases' rule is tested in test_layer_subspaces by default
+def test_gep_rank_rule_drops_directions_below_the_public_noise_edge(data):
+  """RouteSettings.gep_edge_scale: the bases are partial isometries (columns of norm 0 or 1),
+  all kept at a tiny edge, none at a huge one."""
+  keys = jnp.stack([jax.random.key(0), jax.random.key(1)])
+  norms = {}
+  for scale in (1e-6, 1e6):
+    run = _run("gep_trajectory", data, keys, settings=sgd.RouteSettings(
+        gep_rank=3, gep_refreshes=2, gep_edge_scale=scale))
+    norms[scale] = np.linalg.norm(np.asarray(run.bases), axis=1)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(run.params))
+  np.testing.assert_allclose(norms[1e-6], 1.0, atol=1e-4)
+  np.testing.assert_array_equal(norms[1e6], 0.0)
+
+
+def test_gep_edge_noise_std_is_the_stated_public_bound():
+  s = sgd.RouteSettings(clip_norm=2.0, gep_residual_clip=0.5, gep_filter=0.8)
+  expected = 3.0 * 2.0 / 64 * np.sqrt(2 * (1 + 0.25)) * np.sqrt(0.2 / 1.8)
+  assert sgd.gep_edge_noise_std(3.0, 64, s) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("route, kwargs, match", [

@@ -89,6 +89,25 @@ def test_private_subspace_survives_non_finite_gradients_and_clips_rows():
   np.testing.assert_allclose(np.asarray(G), [[0.6, 0.8], [0.0, 0.0], [0.3, 0.4]], rtol=1e-6)
 
 
+@pytest.mark.slow        # the streaming path itself runs in every private_gradient_subspace test
+def test_private_subspace_streams_the_same_dpase_as_the_materialised_gradient_matrix():
+  """The gradients are made subset by subset (dpase_gathered), never as an (N, p) matrix; the
+  release equals DPASE with random labels on the stacked, sanitised matrix (same key)."""
+  X, y, _ = _logistic(3_000)
+  X = X.at[:2].set(jnp.inf)                                   # sanitised rows, both ways
+  clip_norm = 0.5
+  kwargs = dict(epsilon=EPS_S, delta=DELTA_S, k=3, gamma=1e-6)
+  res = ss.private_gradient_subspace(jax.random.key(4), _loss, jnp.zeros(20), (X, y),
+                                     clip_norm=clip_norm, **kwargs)
+  G = ss._sanitise_rows(ss.flat_per_example_grads(_loss, jnp.zeros(20), (X, y)),
+                        1.0 if clip_norm is None else clip_norm, clip_norm is not None)
+  ref = approximate.dpase(jax.random.key(4), G, partition="random_labels", **kwargs)
+  assert bool(res.ok) == bool(ref.ok) and bool(res.ok)
+  assert int(res.released["winning_count"]) == int(ref.released["winning_count"])
+  np.testing.assert_allclose(np.asarray(res.basis), np.asarray(ref.basis), atol=1e-4)
+  assert res.info == ref.info and res.neighbouring == ref.neighbouring
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda X, y: ss.public_gradient_subspace(_loss, jnp.zeros(20), (X, y), k=21), ValueError,
      "k"),

@@ -53,7 +53,7 @@ def _train(key, train_data, **kwargs):
   return sgd.train_dp_sgd(jax.random.key(key), _loss, jnp.zeros(D), train_data, OPT, **args)
 
 
-@pytest.mark.parametrize("subspace", ["none", "public"])
+@pytest.mark.parametrize("subspace", ["none", pytest.param("public", marks=pytest.mark.slow)])
 def test_training_decreases_the_loss_within_budget(subspace):
   (X, y), public, B = _low_rank()
   out = _train(1, (X, y), steps=30, subspace=subspace, k=K, public_data=public,
@@ -96,6 +96,7 @@ def test_training_is_deterministic_for_a_fixed_key():
   assert not jnp.array_equal(first, _train(3, train, steps=5).params)
 
 
+@pytest.mark.slow   # poisson_clipped_sum's micro-batch coverage is tested by default
 def test_microbatching_does_not_change_the_step():
   """Same key → same Poisson samples; splitting them into micro-batches only re-associates sums."""
   train, _, _ = _low_rank()
