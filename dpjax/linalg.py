@@ -21,8 +21,8 @@ DEFAULT_MAX_ITERATIONS = 100
 DEFAULT_TOL = 1e-6
 # float32 products on GPUs/TPUs default to TF32/bfloat16 passes (relative error ~1e-3): that
 # would set the subspaces' rounding floor there, and would loosen every bound a privacy argument
-# reads off a product (a clipped sum's norm, a basis' spectral norm, a projection). dpjax's own
-# products ask for full precision; a user's model keeps the precision its author chose.
+# reads off a product (a clipped sum's norm, a projection's). dpjax's own products ask for full
+# precision; a user's model keeps the precision its author chose.
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
