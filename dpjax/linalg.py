@@ -31,7 +31,6 @@ def matmul(a, b):
   return jnp.matmul(a, b, precision=HIGHEST)
 
 
-
 def subspace_iteration_tolerance(tol: float, d: int, k: int, dtype) -> float:
   """The stopping tolerance the subspace iteration uses: ``max(tol, eps·√(d k))``.
 
@@ -103,7 +102,7 @@ def top_k_right_singular_vectors(X: jax.Array, k: int, *, method: str = "exact",
     gram = matmul(X, X.T)
     evals, evecs = jnp.linalg.eigh(gram)
     top = evecs[:, ::-1][:, :k]                       # (m, k)
-    V = matmul(X.T, top)                                    # (d, k), column norms = singular values
+    V = matmul(X.T, top)                              # (d, k), column norms = singular values
     norms = jnp.linalg.norm(V, axis=0, keepdims=True)
     tiny = jnp.finfo(X.dtype).tiny ** 0.5
     V = V / jnp.maximum(norms, tiny)
@@ -146,7 +145,7 @@ def _subspace_iteration(X, k, oversampling, max_iterations, tol):
     return (i < max_iterations) & ~(moved <= tol)      # NaN keeps iterating up to the cap
 
   _, V, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), V0, jnp.asarray(jnp.inf, X.dtype)))
-  _, _, Rt = jnp.linalg.svd(matmul(X, V), full_matrices=False)       # Rayleigh–Ritz
+  _, _, Rt = jnp.linalg.svd(matmul(X, V), full_matrices=False)    # Rayleigh–Ritz
   return matmul(V, Rt[:k].T)
 
 

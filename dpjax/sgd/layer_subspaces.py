@@ -181,7 +181,8 @@ def _layer_update(batch):
       Ud = U.astype(dtype)
       noise = jax.random.normal(k, (U.shape[1], G.shape[1]), dtype)
       coefficients = linalg.matmul(Ud.T, G) + state.noise_std.astype(dtype) * noise
-      out.append((linalg.matmul(Ud, coefficients) / jnp.asarray(batch, dtype)).reshape(g.shape).astype(g.dtype))
+      out.append((linalg.matmul(Ud, coefficients) / jnp.asarray(batch, dtype))
+                 .reshape(g.shape).astype(g.dtype))
     return jax.tree_util.tree_unflatten(treedef, out), state._replace(key=next_key)
 
   return update_fn
@@ -258,7 +259,7 @@ def trajectory_bases(released, rank: int, *, min_dim: int = 2, noise_std=None,
   rank = v.check_int(rank, "rank", low=1)
   min_dim = v.check_int(min_dim, "min_dim", low=1)
   edge_scale = v.check_positive(edge_scale, "edge_scale")
-  if noise_std is not None and not isinstance(noise_std, jax.core.Tracer):
+  if noise_std is not None and not v.is_traced(noise_std):
     if not float(noise_std) >= 0:
       raise ValueError(f"noise_std must be >= 0, got {noise_std}.")
 

@@ -330,7 +330,7 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   Raises:
     ValueError: an unknown route, mismatched keys and learning rates, a public route without
       ``public_inputs`` (or a private one with them), a model that is not a list of dense layers,
-      bad sizes.
+      bad sizes, ``settings.gep_edge_scale`` not None and not > 0.
   """
   if route not in ROUTES:
     raise ValueError(f"route must be one of {ROUTES}, got {route!r}.")
@@ -365,7 +365,10 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   microbatch = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
   # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
   scale = settings.gep_edge_scale
-  edge_std = jnp.float32((scale or 1.0) * gep_edge_noise_std(float(sigma), batch, settings))
+  if scale is not None:
+    scale = v.check_positive(scale, "settings.gep_edge_scale")
+  edge_std = jnp.float32((1.0 if scale is None else scale)
+                         * gep_edge_noise_std(float(sigma), batch, settings))
   static = dataclasses.replace(settings, gep_edge_scale=None if scale is None else 1.0)
   txs = _transforms(route, float(sigma), batch, basis.tobytes(), shapes, static, loss_fn)
   template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]

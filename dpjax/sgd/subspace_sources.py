@@ -155,9 +155,10 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
   """
   key = v.check_key(key)
   k = v.check_int(k, "k", low=1, high=_num_params(params))
-  if dpase_kwargs.pop("partition", "random_labels") != "random_labels":
+  partition = dpase_kwargs.pop("partition", "random_labels")
+  if partition != "random_labels":
     raise ValueError("partition must be 'random_labels' (the add/remove-one guarantee needs "
-                     "it).")
+                     f"it), got partition={partition!r}.")
   if clip_norm is not None:
     clip_norm = v.check_positive(clip_norm, "clip_norm")
   n, p = _num_examples(data), _num_params(params)

@@ -362,12 +362,15 @@ def dpase_gathered(key: jax.Array, gather, n: int, d: int, *, dtype, epsilon: fl
     ADD_OR_REMOVE_ONE``.
 
   Raises:
+    TypeError: ``gather`` is not callable.
     TypeError / ValueError: as :func:`dpase` for the public arguments.
 
   References:
     Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2.
   """
   key = v.check_key(key)
+  if not callable(gather):
+    raise TypeError(f"gather must be a callable rows -> (m, d) array, got {type(gather).__name__}.")
   n = v.check_int(n, "n", low=1)
   d = v.check_int(d, "d", low=1)
   params = _plan(n, d, k, dtype, epsilon=epsilon, delta=delta, gamma=gamma,

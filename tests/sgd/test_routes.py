@@ -158,6 +158,8 @@ def test_gep_edge_noise_std_is_the_stated_public_bound():
     ("public_subspace", {"public_inputs": np.zeros((8, D))}, "public_rank"),
     ("dp_sgd", {"init_fn": lambda k: {"w": jnp.zeros((D, 3))}}, "list of dense layers"),
     ("dp_sgd", {"init_fn": functools.partial(demo.init_mlp, sizes=(D + 1, 3))}, "inputs"),
+    ("gep_trajectory", {"settings": sgd.RouteSettings(gep_edge_scale=0.0)}, "gep_edge_scale"),
+    ("gep_trajectory", {"settings": sgd.RouteSettings(gep_edge_scale=-1.0)}, "gep_edge_scale"),
 ])
 def test_bad_arguments_raise_clear_errors(route, kwargs, match, data):
   args = {"learning_rates": [0.1], "init_fn": INIT, "expected_batch_size": 32,
@@ -166,4 +168,5 @@ def test_bad_arguments_raise_clear_errors(route, kwargs, match, data):
     sgd.train_route(route, jnp.stack([jax.random.key(0)]), args["learning_rates"], data,
                     init_fn=args["init_fn"], loss_fn=demo.example_loss, epsilon=1.0,
                     delta=1e-5, steps=4, expected_batch_size=args["expected_batch_size"],
-                    public_inputs=args["public_inputs"])
+                    public_inputs=args["public_inputs"],
+                    settings=args.get("settings", sgd.RouteSettings()))

@@ -222,3 +222,16 @@ def test_bad_data_raise_clear_errors():
     approximate.dpase(42, X, **kw)
   with pytest.raises(TypeError, match="dtype"):
     approximate.dpase(jax.random.key(0), np.ones((2_000, D), dtype=bool), **kw)
+
+
+def test_dpase_gathered_checks_its_public_arguments_before_any_row_is_made():
+  made = []
+  gather = lambda rows: made.append(rows) or jnp.zeros((rows.shape[0], D))  # noqa: E731
+  kw = dict(dtype=jnp.float32, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  with pytest.raises(TypeError, match="gather must be a callable"):
+    approximate.dpase_gathered(jax.random.key(0), "rows", 2_000, D, **kw)
+  with pytest.raises(ValueError, match="n is too small"):
+    approximate.dpase_gathered(jax.random.key(0), gather, 100, D, **kw)
+  with pytest.raises(ValueError, match="noise"):
+    approximate.dpase_gathered(jax.random.key(0), gather, 2_000, D, **kw, noise="gauss")
+  assert made == []
