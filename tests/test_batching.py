@@ -41,6 +41,10 @@ DECOMPOSITIONS = {
 }
 
 
+SLOW_CASES = ("top_k_right_singular_vectors (covariance route)",
+              "top_k_right_singular_vectors (subspace iteration, m ≥ d)")
+
+
 def _leaves(tree):
   return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
@@ -49,8 +53,9 @@ def _check_block_independence(batch, fn, name, shape, dtype):
   """``batch(fn, blocks)`` moves no other block's output when block 3 changes, and gives the
   first four blocks' outputs bit for bit when run on those four alone."""
   with jax.enable_x64(dtype == jnp.float64):
-    blocks = jax.random.normal(jax.random.key(0), (8, *shape), dtype)
-    other = 1e3 * jax.random.normal(jax.random.key(1), shape, dtype)    # a very different block
+    rng = np.random.default_rng(0)      # NumPy data: no random-number program to compile per shape
+    blocks = jnp.asarray(rng.standard_normal((8, *shape)), dtype)
+    other = jnp.asarray(1e3 * rng.standard_normal(shape), dtype)        # a very different block
     batched = jax.jit(lambda b: batch(fn, b))
     before, after = batched(blocks), batched(blocks.at[3].set(other))
     half = batched(blocks[:4])
@@ -64,7 +69,9 @@ def _check_block_independence(batch, fn, name, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", sorted(DECOMPOSITIONS))
+# By default one case per top-k method; --run-slow runs both routes of each.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n
+                                  for n in sorted(DECOMPOSITIONS)])
 def test_changing_one_block_leaves_the_others_bitwise_unchanged(name, dtype):
   fn, shape = DECOMPOSITIONS[name]
   _check_block_independence(linalg.map_blocks, fn, name, shape, dtype)
@@ -94,7 +101,7 @@ def test_vmap_block_independence_on_an_unverified_backend(name, shape, dtype):
 
 
 def test_map_blocks_batches_on_verified_backends_only(monkeypatch):
-  blocks = jax.random.normal(jax.random.key(0), (3, 5, 4))
+  blocks = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 4)), jnp.float32)
   jaxpr = str(jax.make_jaxpr(lambda b: linalg.map_blocks(jnp.linalg.qr, b))(blocks))
   assert ("while" not in jaxpr and "scan" not in jaxpr) == (
       jax.default_backend() in linalg.VERIFIED_BATCHING_BACKENDS)
@@ -109,7 +116,8 @@ def test_gathered_subsets_chunked_are_independent(method, monkeypatch):
   """DPASE's path: subsets gathered by index from one X, a few subsets per chunk (``lax.map``
   with ``batch_size``). Changing one subset's rows moves no other subset's basis, and a chunked
   run equals one batch of all subsets bit for bit."""
-  X = jax.random.normal(jax.random.key(0), (8 * 12, 30)) * jnp.linspace(3.0, 0.1, 30)
+  X = jnp.asarray(np.random.default_rng(0).standard_normal((8 * 12, 30)) * np.linspace(3.0, 0.1, 30),
+                  jnp.float32)
   index = jax.random.permutation(jax.random.key(1), X.shape[0]).reshape(8, 12)
   index = index.at[5, -2:].set(X.shape[0])                         # padding rows
   def run():   # a fresh function per trace: jit and make_jaxpr cache traces by function

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dpjax import linalg
+from helpers import normal
 
 
 def _numpy_top_k(X, k):
@@ -20,7 +21,7 @@ def _span_distance(A, B):
 
 @pytest.mark.parametrize("m,d", [(8, 30), (40, 12)])  # Gram route (m < d) and eigh route
 def test_top_k_matches_numpy_svd(m, d):
-  X = jax.random.normal(jax.random.key(0), (m, d)) * jnp.linspace(3.0, 0.1, d)
+  X = normal(0, (m, d)) * jnp.linspace(3.0, 0.1, d)
   V = linalg.top_k_right_singular_vectors(X, 3)
   assert V.shape == (d, 3) and V.dtype == X.dtype
   np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(3), atol=1e-5)
@@ -28,7 +29,7 @@ def test_top_k_matches_numpy_svd(m, d):
 
 
 def test_zero_padding_rows_do_not_change_the_subspace():
-  X = jax.random.normal(jax.random.key(1), (10, 50))
+  X = normal(1, (10, 50))
   padded = jnp.concatenate([X, jnp.zeros((5, 50))])
   a = linalg.top_k_right_singular_vectors(X, 2)
   b = linalg.top_k_right_singular_vectors(padded, 2)
@@ -36,7 +37,7 @@ def test_zero_padding_rows_do_not_change_the_subspace():
 
 
 def test_batched_equals_loop():
-  blocks = jax.random.normal(jax.random.key(2), (6, 7, 20))
+  blocks = normal(2, (6, 7, 20))
   batched = linalg.batched_top_k_subspaces(blocks, 2)
   assert batched.shape == (6, 20, 2)
   for j in range(6):
@@ -54,7 +55,7 @@ def test_rank_deficient_block_still_orthonormal():
 def test_project_points_is_projection():
   key_b, key_p = jax.random.split(jax.random.key(3))
   bases = jax.vmap(lambda kk: linalg.orthonormal_basis(kk, 15, 3))(jax.random.split(key_b, 4))
-  P = jax.random.normal(key_p, (5, 15))
+  P = normal(key_p, (5, 15))
   out = linalg.project_points(P, bases)
   assert out.shape == (4, 5, 15)
   expected = jnp.einsum("tdk,tek,qe->tqd", bases, bases, P)
@@ -83,7 +84,7 @@ def test_orthonormal_basis_float64():
 @pytest.mark.parametrize("m,d", [(8, 30), (40, 12)])  # Gram route and eigh route
 @pytest.mark.parametrize("power", [-100, 60, 100])
 def test_top_k_is_bit_identical_under_power_of_two_scaling(m, d, power):
-  X = jax.random.normal(jax.random.key(4), (m, d)) * jnp.linspace(3.0, 0.1, d)
+  X = normal(4, (m, d)) * jnp.linspace(3.0, 0.1, d)
   scaled = X * jnp.float32(2.0**power)
   assert bool(jnp.all(jnp.isfinite(scaled)))
   a = linalg.top_k_right_singular_vectors(X, 3)
@@ -95,7 +96,7 @@ def test_top_k_is_bit_identical_under_power_of_two_scaling(m, d, power):
 @pytest.mark.parametrize("scale", [1e25, 1e-25, 1e-36])
 def test_top_k_float32_rows_whose_gram_overflows_or_underflows(m, d, scale):
   # (1e25)² and (1e-25)² are outside float32's range: the plain Gram route gave NaN or zeros.
-  X = np.asarray(jax.random.normal(jax.random.key(5), (m, d))) * np.linspace(3.0, 0.1, d)
+  X = np.asarray(normal(5, (m, d))) * np.linspace(3.0, 0.1, d)
   V = linalg.top_k_right_singular_vectors(jnp.asarray(X * scale, jnp.float32), 3)
   assert V.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(V)))
   np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(3), atol=1e-5)
@@ -138,13 +139,13 @@ def test_symmetrize_is_exactly_symmetric_on_computed_arrays():
     return 0.5 * (S + S.T) * 2.3
 
   for seed in range(10):
-    X = jax.random.normal(jax.random.key(seed), (200, 9))
+    X = normal(jax.random.key(seed), (200, 9))
     w = jax.random.uniform(jax.random.key(100 + seed), (200,))
     raw = second_moment(X, w)
     S = np.asarray(linalg.symmetrize(raw))
     np.testing.assert_array_equal(S, S.T)
     np.testing.assert_array_equal(np.tril(S), np.tril(np.asarray(raw)))   # the lower triangle kept
-  batch = np.asarray(linalg.symmetrize(jax.random.normal(jax.random.key(2), (3, 4, 4))))
+  batch = np.asarray(linalg.symmetrize(normal(2, (3, 4, 4))))
   np.testing.assert_array_equal(batch, np.swapaxes(batch, 1, 2))
 
 
@@ -153,9 +154,9 @@ def test_symmetrize_is_exactly_symmetric_on_computed_arrays():
 
 def _spiked(key, m, d, k, noise, dtype=jnp.float32):
   kb, kz, ke = jax.random.split(key, 3)
-  B = jnp.linalg.qr(jax.random.normal(kb, (d, k), dtype))[0]
-  Z = jax.random.normal(kz, (m, k), dtype) * jnp.arange(k, 0, -1).astype(dtype)
-  return Z @ B.T + noise * jax.random.normal(ke, (m, d), dtype), B
+  B = jnp.linalg.qr(normal(kb, (d, k), dtype))[0]
+  Z = normal(kz, (m, k), dtype) * jnp.arange(k, 0, -1).astype(dtype)
+  return Z @ B.T + noise * normal(ke, (m, d), dtype), B
 
 
 @pytest.mark.parametrize("m,d", [(300, 80), pytest.param(40, 120, marks=pytest.mark.slow)])
@@ -195,7 +196,7 @@ def test_subspace_iteration_edge_cases():
 
 @pytest.mark.slow        # test_batching checks the chunked gather against one batch by default
 def test_gathered_top_k_equals_the_materialised_blocks():
-  X = jax.random.normal(jax.random.key(4), (60, 20)) * jnp.linspace(2.0, 0.1, 20)
+  X = normal(4, (60, 20)) * jnp.linspace(2.0, 0.1, 20)
   index = jnp.arange(60).reshape(5, 12).at[2, -3:].set(60)         # 60 = a zero padding row
   blocks = jnp.concatenate([X, jnp.zeros((1, 20))])[index]
   for method in linalg.TOP_K_METHODS:
@@ -234,7 +235,7 @@ def test_dpjax_products_ask_for_full_precision():
 
   highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
   key = jax.random.key(0)
-  X = jax.random.normal(key, (40, 12))
+  X = normal(key, (40, 12))
   params = {"w": jnp.ones((6, 3)), "b": jnp.zeros(3)}
   batch = (jnp.ones((9, 6)), jnp.ones((9, 3)))
   loss = lambda p, ex: jnp.sum((jnp.sum(ex[0][:, None] * p["w"], 0) + p["b"] - ex[1]) ** 2)  # noqa: E731

@@ -27,6 +27,7 @@ from dpjax.subspace import analyze_gauss as dpjax_analyze_gauss
 from dpjax.subspace import dpaseb as dpjax_dpaseb
 from dpjax.ashtiani_liaw.exact_subspace import al_subspace_core, al_subspace_parameters
 from dpjax.subspace.exact import dpese as dpjax_dpese
+from helpers import normal
 
 pytestmark = pytest.mark.audit
 RESULTS = {}
@@ -148,7 +149,7 @@ def test_dpase_replaced_row_breaks_a_subset(audit_trials, top_k_method):
   t = approximate.num_subsets_for(eps, delta)
   m, d, k = 12, 6, 1
   X, B = data.exact_subspace_data(jax.random.key(6), t * m, d, k)
-  outliers = jax.random.normal(jax.random.key(7), (t, d)) * 1e3
+  outliers = normal(7, (t, d)) * 1e3
   num_bad = t // 2 - 2
   X = X.at[:num_bad].set(outliers[:num_bad])
   X_prime = X.at[num_bad].set(outliers[num_bad])
@@ -173,7 +174,7 @@ def _dpase_at_the_half_rule(histogram_epsilon_factor):
   eps, delta, m, d, k = 1.0, 1e-3, 12, 6, 1
   t = approximate.num_subsets_for(eps, delta)
   X, _ = data.exact_subspace_data(jax.random.key(6), t * m, d, k)
-  outliers = jax.random.normal(jax.random.key(7), (t, d)) * 1e3
+  outliers = normal(7, (t, d)) * 1e3
   X = X.at[:t // 2].set(outliers[:t // 2])
   X_prime = X.at[t // 2].set(outliers[t // 2])
   params = approximate.dpase_parameters(t * m, d, k, epsilon=eps, delta=delta, cell_length=0.05)
@@ -203,7 +204,7 @@ def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
   t = approximate.num_subsets_for(eps, delta)
   block = t * 12
   X, _ = data.exact_subspace_data(jax.random.key(11), T * block, 6, 1)
-  outliers = jax.random.normal(jax.random.key(12), (T * block, 6)) * 1e3
+  outliers = normal(12, (T * block, 6)) * 1e3
   num_bad = T * t // 2
   X = X.at[:num_bad].set(outliers[:num_bad])
   X_prime = X.at[num_bad].set(outliers[num_bad])
@@ -223,9 +224,9 @@ def test_dpese_two_competing_planes(audit_trials):
   row by a generic point. The thresholded DPESE must stay within (ε, δ)."""
   n = audit_trials(30, 1_000)
   rng = np.random.default_rng(0)
-  X = np.zeros((40, 6))
-  X[:20, :2] = rng.standard_normal((20, 2))
-  X[20:, 2:4] = rng.standard_normal((20, 2))
+  X = np.zeros((24, 6))                 # 12 rows per plane: the host enumeration is O(n^k) a run
+  X[:12, :2] = rng.standard_normal((12, 2))
+  X[12:, 2:4] = rng.standard_normal((12, 2))
   X_prime = X.copy()
   X_prime[-1] = rng.standard_normal(6)
 

@@ -7,18 +7,19 @@ import optax
 import pytest
 
 from dpjax.sgd import denoise, transforms
+from helpers import normal
 
 
 def _spiked(key, m, n, rank, strength, noise):
   k1, k2, k3 = jax.random.split(key, 3)
-  U = jnp.linalg.qr(jax.random.normal(k1, (m, rank)))[0]
-  V = jnp.linalg.qr(jax.random.normal(k2, (n, rank)))[0]
+  U = jnp.linalg.qr(normal(k1, (m, rank)))[0]
+  V = jnp.linalg.qr(normal(k2, (n, rank)))[0]
   signal = strength * U @ V.T
-  return signal, signal + noise * jax.random.normal(k3, (m, n))
+  return signal, signal + noise * normal(k3, (m, n))
 
 
 def test_pure_noise_is_shrunk_to_almost_nothing():
-  G = 0.3 * jax.random.normal(jax.random.key(0), (64, 100))
+  G = 0.3 * normal(0, (64, 100))
   out = denoise.shrink_singular_values(G, 0.3)
   # Everything lies in the bulk below the edge s(√64 + √100): little or nothing survives.
   assert float(jnp.linalg.norm(out)) < 0.05 * float(jnp.linalg.norm(G))
@@ -55,7 +56,7 @@ def test_the_shrinker_matches_its_formula_on_one_value():
 
 
 def test_zero_noise_returns_the_input():
-  G = jax.random.normal(jax.random.key(2), (10, 7))
+  G = normal(2, (10, 7))
   np.testing.assert_allclose(denoise.shrink_singular_values(G, 0.0), G, rtol=1e-5, atol=1e-5)
 
 
@@ -92,7 +93,7 @@ def test_the_transform_works_on_nested_pytrees_and_keeps_shapes_and_dtypes():
 
 def test_no_noise_and_no_filter_is_plain_dp_sgd():
   params = {"w": jnp.ones((5, 4)), "b": jnp.zeros(4)}
-  summed = {"w": jax.random.normal(jax.random.key(4), (5, 4)), "b": jnp.arange(4.0)}
+  summed = {"w": normal(4, (5, 4)), "b": jnp.arange(4.0)}
   chain = lambda extra: optax.chain(  # noqa: E731
       transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0,
                                    key=jax.random.key(5)), *extra, optax.sgd(0.1))
@@ -113,7 +114,7 @@ def test_denoising_reduces_the_error_of_a_noisy_low_rank_gradient_stream():
   keys = jax.random.split(jax.random.key(7), 10)
   errors_raw, errors_out = [], []
   for k in keys:
-    noisy = {"w": signal + s * jax.random.normal(k, signal.shape)}
+    noisy = {"w": signal + s * normal(k, signal.shape)}
     out, state = tx.update(noisy, state)
     errors_raw.append(float(jnp.linalg.norm(noisy["w"] - signal)))
     errors_out.append(float(jnp.linalg.norm(out["w"] - signal)))

@@ -8,12 +8,13 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from dpjax.sgd import per_example as pe
+from helpers import normal
 
 
 def _mlp_params(key):
   k1, k2 = jax.random.split(key)
-  return {"hidden": {"w": jax.random.normal(k1, (5, 4)), "b": jnp.zeros(4)},
-          "out": {"w": jax.random.normal(k2, (4, 3)), "b": jnp.zeros(3)}}
+  return {"hidden": {"w": normal(k1, (5, 4)), "b": jnp.zeros(4)},
+          "out": {"w": normal(k2, (4, 3)), "b": jnp.zeros(3)}}
 
 
 def _loss(params, example):
@@ -25,7 +26,7 @@ def _loss(params, example):
 
 def _batch(key, n=12):
   kx, ky = jax.random.split(key)
-  return jax.random.normal(kx, (n, 5)) * 3, jax.random.randint(ky, (n,), 0, 3)
+  return normal(kx, (n, 5)) * 3, jax.random.randint(ky, (n,), 0, 3)
 
 
 @jax.jit
@@ -153,7 +154,7 @@ def test_one_example_moves_the_sum_by_at_most_c():
 def test_pre_clipping_transform_clips_after_projecting():
   params, batch = _mlp_params(jax.random.key(12)), _batch(jax.random.key(13))
   p = ravel_pytree(params)[0].size
-  V = jnp.linalg.qr(jax.random.normal(jax.random.key(14), (p, 3)))[0]
+  V = jnp.linalg.qr(normal(14, (p, 3)))[0]
   project = lambda g: V.T @ ravel_pytree(g)[0]
   fn = jax.jit(pe.clipped_grad_sum(_loss, clip_norm=0.1, pre_clipping_transform=project))
   out = fn(params, batch, jnp.ones(12))

@@ -12,6 +12,7 @@ from dp_accounting import NeighboringRelation
 import dpjax
 from dpjax import accounting
 from dpjax.sgd import privatizer, sampling
+from helpers import normal
 
 N, D = 400, 5
 _rng = np.random.default_rng(0)
@@ -106,7 +107,7 @@ def test_the_noise_is_sigma_times_the_carried_clip_norm():
 
 
 def test_a_basis_puts_the_noise_in_its_span_and_can_be_refreshed():
-  V = jnp.linalg.qr(jax.random.normal(jax.random.key(3), (D, 2)))[0]
+  V = jnp.linalg.qr(normal(3, (D, 2)))[0]
   grad_fn = dpjax.sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
   dp = dpjax.sgd.dp_sgd_privatizer(grad_fn, epsilon=1.0, delta=1e-5, num_examples=N,
                                    expected_batch_size=40, steps=10, key=jax.random.key(0),
@@ -117,7 +118,7 @@ def test_a_basis_puts_the_noise_in_its_span_and_can_be_refreshed():
   u = np.asarray(updates, np.float64) / -0.1
   Vn = np.asarray(V, np.float64)
   np.testing.assert_allclose(u, Vn @ (Vn.T @ u), atol=1e-5)
-  V2 = jnp.linalg.qr(jax.random.normal(jax.random.key(4), (D, 2)))[0]
+  V2 = jnp.linalg.qr(normal(4, (D, 2)))[0]
   state = dpjax.sgd.update_basis(state, V2)
   updates, _ = tx.update(dp.clipped_sum(jnp.zeros(D), DATA, jax.random.key(2)), state)
   u = np.asarray(updates, np.float64) / -0.1

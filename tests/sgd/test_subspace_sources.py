@@ -10,6 +10,7 @@ from jax.flatten_util import ravel_pytree
 
 from dpjax import data, metrics
 from dpjax.sgd import per_example, subspace_sources as ss
+from helpers import normal
 
 # The private source runs the real DPASE (written alongside); skip only if that module is absent.
 approximate = pytest.importorskip("dpjax.subspace.approximate")
@@ -38,7 +39,7 @@ def _logistic(n, d=20, k=3, seed=0):
 @pytest.mark.slow
 def test_flat_per_example_grads_match_vmap_and_do_not_depend_on_chunking():
   X, y, _ = _logistic(37)
-  params = {"w": jax.random.normal(jax.random.key(1), (20,)) * 0.1, "b": jnp.ones(())}
+  params = {"w": normal(1, (20,)) * 0.1, "b": jnp.ones(())}
   G = ss.flat_per_example_grads(_tree_loss, params, (X, y), chunk_size=8)
   assert G.shape == (37, 21) and G.dtype == jnp.float32
   batched = per_example.per_example_grads(_tree_loss)(params, (X, y))
@@ -70,7 +71,7 @@ def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_rem
 
 @pytest.mark.slow
 def test_private_subspace_is_bottom_on_isotropic_gradients_and_still_pays():
-  X = jax.random.normal(jax.random.key(6), (8_000, 20))
+  X = normal(6, (8_000, 20))
   y = (X[:, 0] > 0).astype(jnp.float32)
   res = ss.private_gradient_subspace(jax.random.key(7), _loss, jnp.zeros(20), (X, y), k=3,
                                      epsilon=EPS_S, delta=DELTA_S, gamma=1e-6)

@@ -15,6 +15,7 @@ import pytest
 from dp_accounting import NeighboringRelation
 
 from dpjax import accounting, data, sgd
+from helpers import normal
 
 N, D, K = 8_000, 20, 3
 OPT = optax.sgd(0.5)
@@ -35,7 +36,7 @@ def _low_rank():
 
 @functools.lru_cache(maxsize=None)
 def _isotropic():
-  X = jax.random.normal(jax.random.key(3), (N, D))
+  X = normal(3, (N, D))
   return X, (X[:, 0] > 0).astype(jnp.float32)
 
 

@@ -11,10 +11,11 @@ from jax.flatten_util import ravel_pytree
 from scipy import stats
 
 from dpjax.sgd import per_example, transforms
+from helpers import normal
 
 
 def _basis(key, p, k):
-  return jnp.linalg.qr(jax.random.normal(key, (p, k)))[0]
+  return jnp.linalg.qr(normal(key, (p, k)))[0]
 
 
 def _noise_over_keys(tx, updates, trials, seed):
@@ -101,7 +102,7 @@ def test_dp_aggregate_divides_by_expected_not_realised_batch_size():
 def test_dp_aggregate_with_a_basis_and_inside_jit_and_chain():
   p = 3
   V = _basis(jax.random.key(7), p, 1)
-  grads = {"w": jax.random.normal(jax.random.key(8), (10, p))}
+  grads = {"w": normal(8, (10, p))}
   agg = transforms.dp_aggregate(clip_norm=1.0, noise_multiplier=0.0, expected_batch_size=5.0,
                                 key=jax.random.key(0), basis=V)
   params = {"w": jnp.zeros(p)}

@@ -10,6 +10,7 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import data, linalg, metrics
 from dpjax.subspace import approximate, tuning
+from helpers import normal
 
 # A configuration on the paper's model where the spec predicts success with the default
 # (paper_proof) cell length: γ small enough for ℓ = 20 q r̂ to resolve the subspace.
@@ -89,7 +90,7 @@ def test_bottom_on_isotropic_data():
   """Isotropic data have no subspace: the t subsets disagree and DPASE answers ⊥."""
   oks = []
   for seed in range(5):
-    X = jax.random.normal(jax.random.key(seed), (N, D))
+    X = normal(jax.random.key(seed), (N, D))
     res = approximate.dpase(jax.random.key(50 + seed), X, epsilon=EPS, delta=DELTA, k=K,
                             gamma=GAMMA)
     oks.append(bool(res.ok))

@@ -11,6 +11,7 @@ from dp_accounting import NeighboringRelation
 from dpjax import data, metrics
 from dpjax.mechanisms import analytic_gaussian_sigma, rdp_gaussian_sigma
 from dpjax.subspace import analyze_gauss, dpaseb, num_blocks_for, pca_subspace
+from helpers import normal
 
 
 def test_num_blocks_rule():
@@ -34,7 +35,7 @@ def test_dpaseb_succeeds_where_single_dpase_does():
 @pytest.mark.slow
 def test_dpaseb_bottom_when_blocks_disagree():
   """Isotropic data and huge cells: every run answers, each with a random subspace: ⊥."""
-  X = jax.random.normal(jax.random.key(2), (12 * 1_000, 20))
+  X = normal(2, (12 * 1_000, 20))
   res = dpaseb(jax.random.key(3), X, epsilon=1.0, delta=1e-6, k=2, alpha=0.1, num_blocks=12,
                cell_length=1e3)
   assert int(res.released["runs_ok"]) == 12
@@ -55,7 +56,7 @@ def test_dpaseb_passes_the_top_k_method_to_its_runs():
 
 
 def test_dpaseb_bad_input():
-  X = jax.random.normal(jax.random.key(2), (100, 5))
+  X = normal(2, (100, 5))
   with pytest.raises(ValueError, match="top_k_method"):
     dpaseb(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=1, alpha=0.1, gamma=0.1,
            num_blocks=1, top_k_method="svd")
@@ -89,7 +90,7 @@ def test_analyze_gauss_noise_is_symmetric_with_the_stated_std():
   # With zero data the output spans eigenvectors of E alone; check E itself via the same key.
   # (C = 1, so the std in units of C² is σ itself.)
   d, sigma = 40, 2.5
-  noise = jax.random.normal(jax.random.key(6), (d, d)) * sigma
+  noise = jax.random.normal(jax.random.key(6), (d, d)) * sigma     # the core's own draw
   upper = np.asarray(jnp.triu(noise))[np.triu_indices(d)]
   assert abs(upper.std() / sigma - 1) < 0.1
   V = _analyze_gauss_core(jax.random.key(6), jnp.zeros((5, d)), 3, 0.5, 1, sigma)   # C = 0.5·2^1
