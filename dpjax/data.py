@@ -101,6 +101,59 @@ def exact_subspace_data(key: jax.Array, n: int, d: int, k: int, *, num_outliers:
   return jnp.concatenate([inliers, outliers], axis=0), basis
 
 
+def low_dimensional_cube_data(key: jax.Array, n: int, d: int, dim: int, *, radius: float = 0.3,
+                              noise: float = 0.01, dtype=None) -> tuple[jax.Array, jax.Array]:
+  """[HVZ] §4.9's generator: ``x_i = clip(c + U z_i + τ e_i, 0, 1)`` near a d'-dim affine plane.
+
+  ``c = ½·1``, ``U (d, dim)`` a random orthonormal basis, ``z_i`` uniform in the dim-ball of
+  radius ``radius``, ``e_i`` standard normal, ``τ = noise``. Rows lie in ``[0, 1]^d``.
+
+  Returns:
+    ``(X (n, d), U (d, dim))``.
+  """
+  v.check_key(key)
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  dim = v.check_int(dim, "dim", low=1, high=d)
+  radius = v.check_positive(radius, "radius")
+  noise = v.check_positive(noise, "noise", allow_zero=True)
+  dtype = dtype or jnp.result_type(float)
+  k_basis, k_dir, k_rad, k_noise = jax.random.split(key, 4)
+  basis = linalg.orthonormal_basis(k_basis, d, dim, dtype)
+  direction = jax.random.normal(k_dir, (n, dim), dtype)
+  direction = direction / jnp.maximum(jnp.linalg.norm(direction, axis=1, keepdims=True), 1e-30)
+  z = direction * radius * jax.random.uniform(k_rad, (n, 1), dtype) ** (1.0 / dim)
+  X = 0.5 + linalg.matmul(z, basis.T) + noise * jax.random.normal(k_noise, (n, d), dtype)
+  return jnp.clip(X, 0.0, 1.0), basis
+
+
+def scale_to_unit_cube(X, lower, upper) -> jax.Array:
+  """``clip((X − lower)/(upper − lower), 0, 1)`` per column, with PUBLIC bounds.
+
+  The map is fixed before the data are seen (bounds from the data's definition, e.g. pixel
+  intensities in [0, 16]), so it is a function of each row alone and changes no guarantee;
+  bounds computed from the data themselves would leak them.
+
+  Args:
+    X: ``(n, d)`` rows.
+    lower, upper: scalars or ``(d,)`` arrays with ``upper > lower``.
+
+  Returns:
+    ``(n, d)`` in ``[0, 1]^d`` (values outside the bounds are clipped), X's float dtype.
+
+  Raises:
+    ValueError: non-finite bounds, or ``upper <= lower`` anywhere.
+  """
+  X = v.check_data(X, "X")
+  lower = np.broadcast_to(np.asarray(lower, np.float64), X.shape[1:])
+  upper = np.broadcast_to(np.asarray(upper, np.float64), X.shape[1:])
+  if not (np.all(np.isfinite(lower)) and np.all(np.isfinite(upper))) or np.any(upper <= lower):
+    raise ValueError("scale_to_unit_cube needs finite public bounds with upper > lower in every "
+                     "column.")
+  lo, width = jnp.asarray(lower, X.dtype), jnp.asarray(upper - lower, X.dtype)
+  return jnp.clip((X - lo) / width, 0.0, 1.0)
+
+
 class Dataset(NamedTuple):
   """A labelled train/test split. ``X_*`` are float32 ``(n, d)``, ``y_*`` int32 ``(n,)``."""
   name: str

@@ -193,6 +193,22 @@ class GaussianResult(DPResult):
     return None if index == 0 else GAUSSIAN_STEPS[index - 1]
 
 
-for _cls in (DPResult, SubspaceResult, EstimateResult, GaussianResult):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyntheticDataResult(DPResult):
+  """Outcome of :func:`dpjax.synthetic.low_dimensional_synthetic_data` (pure ε-DP, no ⊥:
+  ``ok`` is always True; a small εn gives a poor dataset, never a refusal).
+
+  Attributes:
+    synthetic: ``(m, d)`` synthetic rows in ``[0, 1]^d`` (``m = n``), the caller's dtype.
+    basis: ``(d, d')`` the private orthonormal basis (top-d' eigenvectors of the private
+      centred covariance).
+    mean: ``(d,)`` the private mean, clipped into the cube.
+  """
+  synthetic: jax.Array
+  basis: jax.Array
+  mean: jax.Array
+
+
+for _cls in (DPResult, SubspaceResult, EstimateResult, GaussianResult, SyntheticDataResult):
   jax.tree_util.register_dataclass(_cls)
 

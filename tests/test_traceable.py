@@ -22,6 +22,7 @@ from dpjax import linalg as L
 from dpjax import mechanisms as M
 from dpjax import sgd as G
 from dpjax import subspace as S
+from dpjax import synthetic as SY
 from dpjax.ashtiani_liaw import populous_mean
 
 _rng = np.random.default_rng(0)
@@ -32,6 +33,8 @@ VEC = jnp.asarray(_rng.normal(size=(5,)), jnp.float32)
 IVEC = jnp.arange(5, dtype=jnp.int32)
 SCORES = jnp.asarray([10., 3., 1., 0.], jnp.float32)
 ITEMS = jnp.asarray(_rng.integers(0, 3, size=(200, 2)), jnp.int32)
+UNIT = jnp.asarray(_rng.uniform(size=(64, 1)), jnp.float32)
+UNIT2 = jnp.asarray(_rng.uniform(size=(20, 3)), jnp.float32)
 PARAMS = {"w": jnp.zeros((3,))}
 DATA = (jnp.asarray(_rng.normal(size=(64, 3)), jnp.float32),
         jnp.asarray(_rng.normal(size=(64,)), jnp.float32))
@@ -56,6 +59,10 @@ HOST = {
     "discrete_gaussian": (lambda k, _: M.discrete_gaussian(k, (3,), sigma=2.), VEC),
     "truncated_discrete_laplace": (lambda k, _: M.truncated_discrete_laplace(k, (3,), scale=2,
                                                                              bound=10), VEC),
+    "snapping_l1_mechanism": (lambda k, x: M.snapping_l1_mechanism(
+        k, x, l1_sensitivity=1., epsilon=1., bound=100.), VEC),
+    "private_centered_covariance": (lambda k, _: SY.private_centered_covariance(
+        k, np.asarray(UNIT2), epsilon=1.), VEC),
 }
 
 # Everything else: runs under jit and vmap, is deterministic per key.
@@ -123,9 +130,16 @@ TRACED = {
     "approximate_subspace_data": (lambda k, _: dpjax.data.approximate_subspace_data(
         k, 50, 5, 2, gamma=0.1)[0], VEC),
     "exact_subspace_data": (lambda k, _: dpjax.data.exact_subspace_data(k, 50, 5, 2)[0], VEC),
+    "low_dimensional_cube_data": (lambda k, _: dpjax.data.low_dimensional_cube_data(
+        k, 50, 5, 2)[0], VEC),
+    "pmm_core": (lambda k, y: SY.pmm_core(k, y, SY.pmm_parameters(64, 1, epsilon=1., depth=4)),
+                 UNIT),
+    "psmm_noisy_counts": (lambda k, a: SY.psmm.psmm_noisy_counts(
+        k, a, SY.psmm.psmm_lattice(1., 1, 1., side=0.5), 1., 1.), UNIT),
 }
 SLOW = {"al_covariance", "learn_covariance", "learn_gaussian", "robust_covariance", "dpaseb",
-        "private_gradient_subspace", "dpase", "approximate_subspace_data"}
+        "private_gradient_subspace", "dpase", "approximate_subspace_data",
+        "low_dimensional_cube_data"}
 
 KEYS = jax.random.split(jax.random.key(7), 2)
 

@@ -14,7 +14,8 @@ from dpjax.mechanisms.histogram import (HistogramScalars, StableHistogram, histo
                                         histogram_threshold, stable_histogram,
                                         stable_histogram_core, top_bin)
 from dpjax.mechanisms.laplace import laplace_mechanism, laplace_noise, laplace_scale
-from dpjax.mechanisms.snapping import snapping_mechanism, snapping_parameters
+from dpjax.mechanisms.snapping import (snapping_l1_mechanism, snapping_mechanism,
+                                       snapping_parameters)
 from dpjax.mechanisms.truncated_laplace import (TruncatedLaplaceParams,
                                                 discrete_truncated_laplace_bound,
                                                 truncated_laplace, truncated_laplace_mechanism,

@@ -15,6 +15,7 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _DENOMINATOR = 1 << 10          # scales are rounded UP to a multiple of 2^-10 (never less noise)
@@ -91,16 +92,22 @@ def _discrete_laplace_one(key, num: int, den: int):
 
 
 def exact_discrete_laplace(key: jax.Array, shape, num: int, den: int) -> jax.Array:
-  """``shape`` i.i.d. exact discrete Laplace draws of scale ``num/den`` (int32).
+  """``shape`` independent exact discrete Laplace draws of scale ``num/den`` (int32).
 
   Args:
     key: PRNG key.
     shape: output shape (static).
-    num, den: positive Python ints, the scale as a fraction; ``num < 2^31/64``.
+    num, den: positive ints (Python or traced), the scale as a fraction; ``num < 2^31/64``.
+      ``num`` may also be an integer array broadcastable to ``shape`` (one scale per draw, all
+      drawn by one sampler loop: e.g. every level of a hierarchical histogram at once).
   """
   size = math.prod(shape)
   keys = jax.random.split(key, max(size, 1))[:size]
-  draws = jax.vmap(lambda k: _discrete_laplace_one(k, num, den))(keys)
+  if np.ndim(num) == 0:
+    draws = jax.vmap(lambda k: _discrete_laplace_one(k, num, den))(keys)
+  else:
+    nums = jnp.broadcast_to(jnp.asarray(num, jnp.uint32), shape).reshape(-1)
+    draws = jax.vmap(lambda k, m: _discrete_laplace_one(k, m, den))(keys, nums)
   return draws.reshape(shape)
 
 

@@ -119,3 +119,41 @@ def snapping_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
     return np.clip(snapped, -b, b).reshape(value.shape)
 
   return host_call(release, jax.ShapeDtypeStruct(value.shape, np.float64), key, value)
+
+
+def snapping_l1_mechanism(key: jax.Array, value, *, l1_sensitivity: float, epsilon: float,
+                          bound: float) -> np.ndarray:
+  """Releases a vector statistic of ℓ1-sensitivity ``Δ₁`` by snapping every coordinate; ε-DP
+  in total, the floating-point slack of every coordinate counted.
+
+  Mironov's bound for one coordinate whose change is ``Δ_i`` (in units of ``Δ₁``, noise
+  ``λ'``): loss ``≤ (Δ_i/Δ₁ + 2^{-49} B')/λ'`` with ``B' = B/Δ₁``. Summed over the ``D``
+  coordinates with ``Σ Δ_i ≤ Δ₁``: ``(1 + D·2^{-49} B')/λ'``. The noise is calibrated so that
+  this sum is ε (the per-coordinate :func:`snapping_mechanism` counts the slack once, which is
+  right for one coordinate and short by ``(D − 1)·2^{-49}B'/λ'`` for a vector).
+
+  Args:
+    key: PRNG key.
+    value: float array (any shape; ``D`` = its size), the exact statistic.
+    l1_sensitivity: ``Δ₁ > 0``, the ℓ1-sensitivity of the whole array.
+    epsilon: ε > 0, the guarantee of the whole release.
+    bound: public clamp ``B`` on every coordinate (it should cover the statistic's range; a
+      value beyond it is clamped, which is part of the mechanism).
+
+  Returns:
+    As :func:`snapping_mechanism` (eagerly float64 NumPy; traced, a ``pure_callback``).
+
+  Raises:
+    TypeError / ValueError: as :func:`snapping_mechanism`; also when the calibrated noise
+    cannot satisfy ``λ < B < 2^46 λ`` (choose a larger ``bound``).
+
+  References:
+    Mironov (2012), Thm 1; docs/algorithms.md §1.10.
+  """
+  l1_sensitivity = v.check_positive(l1_sensitivity, "l1_sensitivity")
+  epsilon = v.check_epsilon(epsilon)
+  bound = v.check_positive(bound, "bound")
+  size = int(np.prod(np.shape(value)))
+  slack = 2.0**-49 * bound / l1_sensitivity
+  per_call = epsilon * (1.0 + slack) / (1.0 + max(size, 1) * slack)
+  return snapping_mechanism(key, value, sensitivity=l1_sensitivity, epsilon=per_call, bound=bound)

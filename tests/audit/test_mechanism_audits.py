@@ -27,6 +27,8 @@ from dpjax.subspace import analyze_gauss as dpjax_analyze_gauss
 from dpjax.subspace import dpaseb as dpjax_dpaseb
 from dpjax.ashtiani_liaw.exact_subspace import al_subspace_core, al_subspace_parameters
 from dpjax.subspace.exact import dpese as dpjax_dpese
+from dpjax.synthetic import pmm as pmm_lib
+from dpjax.synthetic import projection, psmm
 from helpers import normal
 
 pytestmark = pytest.mark.audit
@@ -668,6 +670,93 @@ def test_coinpress_covariance_audit_catches_the_one_dimensional_sensitivity(audi
   assert lb > eps, f"the audit missed σ/√2: empirical ε ≥ {lb:.3f} ≤ claimed {eps}"
 
 
+
+# ---------------------------------------------------------------- He–Vershynin–Zhu synthetic data
+
+
+def _hvz_covariance_lower_bound(key, trials, epsilon_noise):
+  """[HVZ] Algorithm 2 claiming ε = 1 at n = 2, d = 1 (paper scale 3d²/(εn) = 1.5); X' replaces
+  the row 1 by 0, moving M from 1/4 to 0 (the largest move of this entry at n = 2). The noise
+  is calibrated for ``epsilon_noise`` (1 for the real mechanism). Feature: the released M̂."""
+  X, X_prime = np.array([[0.0], [1.0]]), np.array([[0.0], [0.0]])
+
+  def run(k, rows):
+    return projection.private_centered_covariance(k, rows, epsilon=epsilon_noise)[0, 0]
+  rep = audit.audit(key, run, X, X_prime, delta=0.0, trials=trials)
+  return rep.epsilon_lower_bound
+
+
+def test_hvz_centred_covariance(audit_trials):
+  n = audit_trials(1_500, 100_000)
+  _check("HVZ centred covariance", 1.0, _hvz_covariance_lower_bound(jax.random.key(50), n, 1.0),
+         n)
+
+
+def test_hvz_covariance_audit_catches_too_little_noise(audit_trials):
+  """Negative control (not in EXPECTED): the noise of ε = 30 under the claim ε = 1 (the true
+  loss of this pair is then 30·(1/4)/(3/2) = 5)."""
+  n = audit_trials(1_500, 100_000)
+  lb = _hvz_covariance_lower_bound(jax.random.key(51), n, 30.0)
+  assert lb > 1.0, f"the audit missed 30× too little noise: empirical ε ≥ {lb:.3f}"
+
+
+def _pmm_deepest_level_lower_bound(key, trials, epsilon_noise):
+  """PMM with d' = 1, depth 2, n = 4, claiming ε = 1: X' moves one point across the deepest
+  boundary (0.1 → 0.4: leaf 0 → leaf 1, same level-1 cell). Feature: the deepest level's noisy
+  count difference (leaf 0 − leaf 1), which moves by 2; that level holds 1/2 of the budget, so
+  the real mechanism's loss on this feature is ε/2."""
+  Y, Y_prime = np.array([[0.1], [0.1], [0.6], [0.9]]), np.array([[0.4], [0.1], [0.6], [0.9]])
+  params = pmm_lib.pmm_parameters(4, 1, epsilon=epsilon_noise, depth=2)
+
+  def run(k, rows):
+    deepest = pmm_lib.pmm_noisy_levels(k, jnp.asarray(rows, jnp.float32), params)[-1]
+    return (deepest[0] - deepest[1]).astype(jnp.float32)
+  return audit.audit(key, run, Y, Y_prime, delta=0.0, trials=trials).epsilon_lower_bound
+
+
+def test_hvz_pmm_level_counts(audit_trials):
+  n = audit_trials(5_000, 400_000)
+  _check("HVZ PMM level counts", 1.0,
+         _pmm_deepest_level_lower_bound(jax.random.key(52), n, 1.0), n)
+
+
+def test_hvz_pmm_audit_catches_too_little_noise(audit_trials):
+  """Negative control (not in EXPECTED): PMM's noise for ε = 8 under the claim ε = 1 (loss 4 on
+  this feature)."""
+  n = audit_trials(5_000, 400_000)
+  lb = _pmm_deepest_level_lower_bound(jax.random.key(53), n, 8.0)
+  assert lb > 1.0, f"the audit missed 8× too little noise: empirical ε ≥ {lb:.3f}"
+
+
+def _psmm_lower_bound(key, trials, epsilon_noise):
+  """PSMM's noisy lattice counts claiming ε = 1 (d' = 2, R = 1, side 0.5): X' moves one point to
+  the neighbouring cell. Feature: the two cells' count difference, which moves by 2 against
+  DLap(2/ε) noise in each: the loss of this pair reaches ε exactly (a tight audit)."""
+  lattice = psmm.psmm_lattice(1.0, 2, 1.0, side=0.5)
+  A = np.array([[0.1, 0.1], [-0.3, 0.2], [0.6, -0.1]])
+  A_prime = A.copy()
+  A_prime[0] = [0.6, 0.1]                       # cell of x ∈ [0, .5) → cell of x ∈ [.5, 1)
+  cells = [int(lattice.index[int(np.floor((x + 1) / 0.5)) * lattice.per_axis
+                             + int(np.floor((y + 1) / 0.5))]) for x, y in (A[0], A_prime[0])]
+
+  def run(k, rows):
+    counts = psmm.psmm_noisy_counts(k, jnp.asarray(rows, jnp.float32), lattice, 1.0,
+                                    epsilon_noise)
+    return (counts[cells[0]] - counts[cells[1]]).astype(jnp.float32)
+  return audit.audit(key, run, A, A_prime, delta=0.0, trials=trials).epsilon_lower_bound
+
+
+def test_hvz_psmm_counts(audit_trials):
+  n = audit_trials(5_000, 400_000)
+  _check("HVZ PSMM counts", 1.0, _psmm_lower_bound(jax.random.key(54), n, 1.0), n)
+
+
+def test_hvz_psmm_audit_catches_too_little_noise(audit_trials):
+  """Negative control (not in EXPECTED): the noise of ε = 2 under the claim ε = 1."""
+  n = audit_trials(5_000, 400_000)
+  lb = _psmm_lower_bound(jax.random.key(55), n, 2.0)
+  assert lb > 1.0, f"the audit missed 2× too little noise: empirical ε ≥ {lb:.3f}"
+
 EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated laplace",
             "discrete laplace", "stability histogram (discrete)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
@@ -678,7 +767,8 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "embedding+residual DP-SGD step",
             "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
             "AL covariance", "AL covariance test bit", "CoinPress mean",
-            "CoinPress covariance"}
+            "CoinPress covariance", "HVZ centred covariance", "HVZ PMM level counts",
+            "HVZ PSMM counts"}
 
 
 def _audited_names() -> dict[str, str]:
