@@ -42,8 +42,9 @@ def private_centered_covariance(key: jax.Array, X, *, epsilon: float,
 
   Args:
     key: PRNG key.
-    X: ``(n, d)`` rows in ``[0, 1]^d`` (checked by the public pipeline; here the caller's
-      contract), n ≥ 2.
+    X: ``(n, d)`` rows in ``[0, 1]^d``, n ≥ 2 (rows are clipped into the cube first, a fixed
+      map of each row, so the guarantee holds for any input; the public pipeline rejects rows
+      outside instead).
     epsilon: ε > 0 of this release.
     scale: ``"paper"`` (noise ``3d²/(εn)``) or ``"tight"`` (``3d(d+1)/(2εn)``), see
       :func:`covariance_sensitivity`.
@@ -60,7 +61,7 @@ def private_centered_covariance(key: jax.Array, X, *, epsilon: float,
   References:
     He, Vershynin & Zhu, Algorithm 2 and Prop 3.1; docs/algorithms.md §4.2.
   """
-  X = np.asarray(X, np.float64)
+  X = _rows_in_cube(X)
   n, d = X.shape
   mean = X.mean(axis=0)
   M = X.T @ X / n - np.outer(mean, mean)
@@ -76,13 +77,21 @@ def private_centered_covariance(key: jax.Array, X, *, epsilon: float,
 
 def private_mean(key: jax.Array, X, *, epsilon: float) -> np.ndarray:
   """[HVZ] §4.3: ``x̄ + Lap(d/(εn))`` per coordinate (ℓ1-sensitivity ``d/n``), clipped into
-  the cube (post-processing). ``(d,)`` float64 NumPy; ε-DP under replace-one (snapping)."""
-  X = np.asarray(X, np.float64)
+  the cube (post-processing). ``(d,)`` float64 NumPy; ε-DP under replace-one (snapping). Rows
+  are clipped into the cube first, as in :func:`private_centered_covariance`."""
+  X = _rows_in_cube(X)
   n, d = X.shape
   sensitivity = d / n
   noisy = snapping_l1_mechanism(key, X.mean(axis=0), l1_sensitivity=sensitivity,
                                 epsilon=epsilon, bound=_bound(sensitivity, epsilon))
   return (jnp if v.is_traced(noisy) else np).clip(noisy, 0.0, 1.0)
+
+
+def _rows_in_cube(X) -> np.ndarray:
+  """Float64 rows clipped into ``[0, 1]^d``: a fixed map of each row, so the sensitivities
+  (stated for the cube) hold whatever the caller passes (NaN stays NaN and is zeroed by the
+  snapping release; the public pipeline rejects both before this)."""
+  return np.clip(np.asarray(X, np.float64), 0.0, 1.0)
 
 
 def _set(out: np.ndarray, index, values) -> np.ndarray:
