@@ -16,6 +16,13 @@ from dpjax import _validation as v
 from dpjax import linalg
 
 
+def _check_generator(key, n, d, k, name: str) -> tuple[int, int, int]:
+  """The generators' common checks: a key, ``n, d ≥ 1`` and ``1 ≤ k ≤ d`` (named ``name``)."""
+  v.check_key(key)
+  return (v.check_int(n, "n", low=1), v.check_int(d, "d", low=1),
+          v.check_int(k, name, low=1, high=v.check_int(d, "d", low=1)))
+
+
 class SubspaceModel(NamedTuple):
   """The population behind :func:`approximate_subspace_data`.
 
@@ -54,10 +61,7 @@ def approximate_subspace_data(key: jax.Array, n: int, d: int, k: int, *, gamma: 
   Raises:
     ValueError: on a bad ``n``, ``d``, ``k`` or ``gamma``.
   """
-  v.check_key(key)
-  n = v.check_int(n, "n", low=1)
-  d = v.check_int(d, "d", low=1)
-  k = v.check_int(k, "k", low=1, high=d)
+  n, d, k = _check_generator(key, n, d, k, "k")
   gamma = v.check_positive(gamma, "gamma", allow_zero=True)
   if gamma >= 1.0:
     raise ValueError(f"gamma must lie in [0, 1), got gamma={gamma}.")
@@ -88,10 +92,7 @@ def exact_subspace_data(key: jax.Array, n: int, d: int, k: int, *, num_outliers:
   Returns:
     ``(X (n, d), B (d, k))``.
   """
-  v.check_key(key)
-  n = v.check_int(n, "n", low=1)
-  d = v.check_int(d, "d", low=1)
-  k = v.check_int(k, "k", low=1, high=d)
+  n, d, k = _check_generator(key, n, d, k, "k")
   num_outliers = v.check_int(num_outliers, "num_outliers", low=0, high=n)
   dtype = dtype or jnp.result_type(float)
   k_basis, k_z, k_out = jax.random.split(key, 3)
@@ -111,10 +112,7 @@ def low_dimensional_cube_data(key: jax.Array, n: int, d: int, dim: int, *, radiu
   Returns:
     ``(X (n, d), U (d, dim))``.
   """
-  v.check_key(key)
-  n = v.check_int(n, "n", low=1)
-  d = v.check_int(d, "d", low=1)
-  dim = v.check_int(dim, "dim", low=1, high=d)
+  n, d, dim = _check_generator(key, n, d, dim, "dim")
   radius = v.check_positive(radius, "radius")
   noise = v.check_positive(noise, "noise", allow_zero=True)
   dtype = dtype or jnp.result_type(float)
