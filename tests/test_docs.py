@@ -113,3 +113,23 @@ def test_every_cited_section_exists():
           missing.append(f"{f.relative_to(ROOT)}: §{number}")
   assert cited > 100, cited                                   # the pattern still finds them
   assert not missing, missing
+
+
+@pytest.mark.slow
+def test_synthetic_data_notebook_runs_reduced(monkeypatch):
+  import matplotlib
+  import numpy as np
+  matplotlib.use("Agg")                                      # plt.show() opens no window
+  monkeypatch.setenv("DPJAX_NOTEBOOK_QUICK", "1")
+  nb = json.loads((ROOT / "notebooks" / "synthetic_data.ipynb").read_text())
+  code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+  ns = _run(code, "synthetic_data.ipynb")
+  for res in ns["results"].values():                         # n rows in the cube, a finite plane
+    S = np.asarray(res.synthetic)
+    assert S.shape == (ns["N"], ns["D"]) and S.min() >= 0.0 and S.max() <= 1.0
+    assert res.basis.shape == (ns["D"], ns["DIM"])
+    assert np.isfinite(float(ns["metrics"].projection_distance(res.basis, ns["U"])))
+  assert all(1 <= k <= ns["D"] for k in ns["chosen"].values())
+  for eps, curve in ns["curves"].items():                    # projecting beats d-dim PMM
+    assert np.median(curve["pipeline"][-1]) < np.median(curve["pmm"][-1]), eps
+  ns["plt"].close("all")
