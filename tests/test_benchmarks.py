@@ -128,3 +128,47 @@ def test_gradient_subspace_options(tmp_path):
                     "--routes", "gep_trajectory", "--steps", "12", "--gep-edge-scale", "0.5"])
   assert set(sub["summary"]["digits/softmax/eps=2"]) == {"dp_sgd", "gep_trajectory"}
   assert sub["config"]["route_settings"]["gep_edge_scale"] == 0.5
+
+
+@pytest.mark.slow
+def test_synthetic_data_options(tmp_path):
+  """Every option at tiny sizes; the JSON has the documented summary schema, both PNGs exist and
+  the NumPy baseline's PMM pieces equal dpjax's."""
+  pytest.importorskip("matplotlib")
+  pytest.importorskip("sklearn")
+  pytest.importorskip("ot")
+  pytest.importorskip("threadpoolctl")
+  path, prefix = tmp_path / "out.json", tmp_path / "fig"
+  bench = _load("synthetic_data")
+  out = bench.main(
+      ["--quick", "--epsilon", "2", "--dims", "10", "--sub-dims", "1", "3", "--n-min", "500",
+       "--n-max", "2000", "--keys", "1", "--w1-rows", "300", "--dim-epsilons", "1", "16",
+       "--digits-epsilons", "1", "4", "16", "--speed-n", "2000", "5000", "--repeats", "1",
+       "--blas-threads", "1", "--covariance-scale", "tight", "--seed", "3", "--json", str(path),
+       "--plot", str(prefix)])
+  saved = json.loads(path.read_text())
+  assert saved["config"]["covariance_scale"] == "tight" and saved["config"]["n_grid"] == [632, 2000]
+  summary = saved["summary"]
+  assert summary == json.loads(json.dumps(out["summary"]))
+  cells = {"10,1", "10,3"}
+  assert set(summary["slope"]) == set(summary["w1_ratio_vs_full_dim_pmm"]) == cells
+  assert all(isinstance(s, float) for s in summary["slope"].values())          # n ∈ {632, 2000}
+  assert all(r > 0 for r in summary["w1_ratio_vs_full_dim_pmm"].values())
+  assert summary["slope_theory"]["10,3"] == pytest.approx(-1 / 3)
+  assert set(summary["digits"]) == {"1", "4", "16"}
+  for r in summary["digits"].values():
+    assert r["w1"] > 0 and 1 <= r["dim"] <= 10
+  assert set(summary["speed"]) == {"2000", "5000"}
+  for r in summary["speed"].values():
+    assert set(r) == {"dpjax_s", "numpy_s", "ratio_median", "ratio_min", "compile_s"}
+    assert r["ratio_min"] <= r["ratio_median"] and r["dpjax_s"] > 0 and r["numpy_s"] > 0
+  points = saved["points"]
+  assert len(points) == 2 * 2 * len(bench.METHODS)                    # (d, d') × n × method
+  for p in points:
+    assert len(p["w1"]) == 1 and p["w1_median"] >= 0 and p["w1_rows"] == 300
+    assert p["w1_label"] == ("closed_form" if p["method"] == "mean_point_mass" else "exact")
+  assert set(saved["dim_choice"]["dims"]) == {"1", "16"}
+  assert all(saved["baseline_checks"].values())
+  assert all(r["shapes_agree"] for r in saved["speed"].values())
+  for name in ("fig_w1.png", "fig_dim.png"):
+    assert (tmp_path / name).stat().st_size > 0
