@@ -687,7 +687,7 @@ def _hvz_covariance_lower_bound(key, trials, epsilon_noise):
 
 
 def test_hvz_centred_covariance(audit_trials):
-  n = audit_trials(1_500, 100_000)
+  n = audit_trials(800, 100_000)
   _check("HVZ centred covariance", 1.0, _hvz_covariance_lower_bound(jax.random.key(50), n, 1.0),
          n)
 
@@ -695,7 +695,7 @@ def test_hvz_centred_covariance(audit_trials):
 def test_hvz_covariance_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of ε = 30 under the claim ε = 1 (the true
   loss of this pair is then 30·(1/4)/(3/2) = 5)."""
-  n = audit_trials(1_500, 100_000)
+  n = audit_trials(800, 100_000)
   lb = _hvz_covariance_lower_bound(jax.random.key(51), n, 30.0)
   assert lb > 1.0, f"the audit missed 30× too little noise: empirical ε ≥ {lb:.3f}"
 
@@ -715,7 +715,7 @@ def _pmm_deepest_level_lower_bound(key, trials, epsilon_noise):
 
 
 def test_hvz_pmm_level_counts(audit_trials):
-  n = audit_trials(5_000, 400_000)
+  n = audit_trials(3_000, 400_000)
   _check("HVZ PMM level counts", 1.0,
          _pmm_deepest_level_lower_bound(jax.random.key(52), n, 1.0), n)
 
@@ -723,7 +723,7 @@ def test_hvz_pmm_level_counts(audit_trials):
 def test_hvz_pmm_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): PMM's noise for ε = 8 under the claim ε = 1 (loss 4 on
   this feature)."""
-  n = audit_trials(5_000, 400_000)
+  n = audit_trials(3_000, 400_000)
   lb = _pmm_deepest_level_lower_bound(jax.random.key(53), n, 8.0)
   assert lb > 1.0, f"the audit missed 8× too little noise: empirical ε ≥ {lb:.3f}"
 
@@ -747,13 +747,13 @@ def _psmm_lower_bound(key, trials, epsilon_noise):
 
 
 def test_hvz_psmm_counts(audit_trials):
-  n = audit_trials(5_000, 400_000)
+  n = audit_trials(3_000, 400_000)
   _check("HVZ PSMM counts", 1.0, _psmm_lower_bound(jax.random.key(54), n, 1.0), n)
 
 
 def test_hvz_psmm_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of ε = 2 under the claim ε = 1."""
-  n = audit_trials(5_000, 400_000)
+  n = audit_trials(3_000, 400_000)
   lb = _psmm_lower_bound(jax.random.key(55), n, 2.0)
   assert lb > 1.0, f"the audit missed 2× too little noise: empirical ε ≥ {lb:.3f}"
 

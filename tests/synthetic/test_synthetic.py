@@ -85,7 +85,7 @@ def test_the_private_projection_beats_full_dimensional_pmm():
   assert ours < 0.5 * theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.parametrize("dim", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 def test_the_private_choice_finds_the_true_dimension_at_large_epsilon_n(dim):
   X, _ = _cube_data(20_000, 10, dim)
   eps_c, n, d = 100.0, 20_000, 10
@@ -98,6 +98,7 @@ def test_the_private_choice_finds_the_true_dimension_at_large_epsilon_n(dim):
   assert chosen == dim
 
 
+@pytest.mark.slow                 # its own compilation; choose_dim runs by default above
 def test_the_private_choice_runs_inside_the_pipeline():
   X, _ = _cube_data(N, 6, 2)
   res = synthesize(jax.random.key(9), X, epsilon=400.0, depth=DEPTH)
@@ -135,7 +136,8 @@ def test_bad_key_and_dtype():
     synthesize(jax.random.key(0), np.full((10, 3), True), epsilon=1.0, dim=1)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, marks=pytest.mark.slow), jnp.bfloat16,
+                                   jnp.float32])
 def test_low_precision_rows_are_accepted_and_extreme_rows_stay_in_the_cube(dtype):
   X = np.zeros((N, 4))
   X[::2] = 1.0                                        # all mass on two opposite corners
@@ -174,6 +176,7 @@ def test_consistency_gives_non_negative_children_that_sum_to_their_parents():
   assert np.asarray(P.consistent_counts(zero, 9)).sum() == 9
 
 
+@pytest.mark.slow                 # the pipeline test covers PMM's size, range and determinism by default
 def test_pmm_output_size_range_and_key_determinism():
   Y = jnp.asarray(np.random.default_rng(3).beta(2, 5, size=(N, 2)), jnp.float32)
   a = P.pmm(jax.random.key(0), Y, epsilon=1.0, depth=DEPTH)
@@ -253,6 +256,7 @@ def test_psmm_lattice_refuses_a_lattice_too_large_and_rounds_counts_to_n():
   assert counts.sum() == 10 and counts.min() >= 3
 
 
+@pytest.mark.slow                 # PSMM's counts run by default in the audits and test_traceable
 def test_psmm_output_lies_on_the_lattice_and_has_n_rows():
   A = jnp.asarray(np.random.default_rng(8).normal(size=(500, 3)) * 0.2, jnp.float32)
   points, released = psmm.psmm(jax.random.key(0), A, epsilon=2.0, radius=1.0, side=0.5)
@@ -282,6 +286,7 @@ def test_covariance_sensitivity_bound_holds_under_an_adversarial_search():
       n, d, "paper")
 
 
+@pytest.mark.slow                 # the choice-of-d' tests use the same release by default
 def test_private_covariance_is_symmetric_and_accurate_at_large_epsilon_n():
   X, _ = _cube_data(5000, 4, 2)
   M_hat = projection.private_centered_covariance(jax.random.key(1), X, epsilon=500.0)
