@@ -71,10 +71,13 @@ def laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: flo
   Floating point (docs/algorithms.md §1.10 rule 2): with ``secure=True`` (default, for released
   statistics) the release goes through Mironov's snapping mechanism
   (:mod:`dpjax.mechanisms.snapping`): host-side float64, clamped to ``[−bound, bound]``, output on
-  a public power-of-two grid, ε-DP including the floating-point effects (per coordinate with
-  sensitivity Δ₁ each). ``secure=False`` adds raw ``jax.random.laplace`` noise in the value's
-  dtype (jittable, e.g. inside training loops); that is ε-DP in real arithmetic only and open to
-  Mironov's attack on floating-point Laplace noise.
+  a public power-of-two grid, ε-DP including the floating-point effects for one coordinate (a
+  vector of ℓ1-sensitivity Δ₁ pays the floating-point slack per coordinate:
+  ``(ε + (D − 1)·2^{-17})``-DP for D coordinates at the default bound;
+  :func:`dpjax.mechanisms.snapping_l1_mechanism` calibrates a vector to exactly ε).
+  ``secure=False`` adds raw ``jax.random.laplace`` noise in the value's dtype (jittable, e.g.
+  inside training loops); that is ε-DP in real arithmetic only and open to Mironov's attack on
+  floating-point Laplace noise.
 
   Args:
     key: JAX PRNG key.

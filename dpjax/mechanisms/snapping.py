@@ -85,9 +85,12 @@ def snapping_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
                        bound: float | None = None) -> np.ndarray:
   """Releases ``value`` (each coordinate) with the snapping mechanism; float64 NumPy output.
 
-  Guarantee: ε-DP per coordinate for a statistic of sensitivity ``sensitivity`` (ℓ1 over
-  coordinates composes as for Laplace), under the caller's neighbouring relation; every output
-  is a multiple of the public grid step Λ inside ``[−B, B]`` (:func:`snapping_parameters`).
+  Guarantee: ε-DP per coordinate for a statistic of sensitivity ``sensitivity``, under the
+  caller's neighbouring relation; every output is a multiple of the public grid step Λ inside
+  ``[−B, B]`` (:func:`snapping_parameters`). For a VECTOR whose ℓ1-sensitivity is
+  ``sensitivity``, the coordinates compose as for Laplace except that Mironov's floating-point
+  slack ``2^{-49}B/λ`` is paid per coordinate: ``D`` coordinates at the default bound give
+  ``(ε + (D − 1)·2^{-17})``-DP. :func:`snapping_l1_mechanism` calibrates a vector to exactly ε.
 
   Args:
     key: PRNG key.

@@ -28,7 +28,7 @@ def covariance_sensitivity(n: int, d: int, scale: str = "paper") -> float:
 
   One replaced row moves every entry of ``M = XᵀX/n − x̄x̄ᵀ`` by at most ``3/n``:
   ``|x_i x_j − x'_i x'_j|/n ≤ 1/n``, and with ``x̄' = x̄ + δ/n``, ``|δ| ≤ 1`` coordinatewise,
-  ``|x̄'_i x̄'_j − x̄_i x̄_j| = |x̄'_i (x̄'_j − x̄_j) + x̄_j (x̄'_i − x̄_i)| ≤ 2/n`` (all means lie in
+  ``|x̄'_i x̄'_j − x̄_i x̄_j| = |x̄'_i (x̄'_j − x̄_j) + x̄_j (x̄'_i − x̄_i)| ≤ 2/n`` (means lie in
   [0, 1]). Over the ``d(d+1)/2`` released entries: ``"tight"`` gives ``3d(d+1)/(2n)``;
   ``"paper"`` (the default, HVZ's reference code) ``3d²/n``, a valid upper bound.
   """

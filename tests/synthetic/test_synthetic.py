@@ -176,7 +176,7 @@ def test_consistency_gives_non_negative_children_that_sum_to_their_parents():
   assert np.asarray(P.consistent_counts(zero, 9)).sum() == 9
 
 
-@pytest.mark.slow                 # the pipeline test covers PMM's size, range and determinism by default
+@pytest.mark.slow                 # the pipeline test covers PMM's size, range, determinism
 def test_pmm_output_size_range_and_key_determinism():
   Y = jnp.asarray(np.random.default_rng(3).beta(2, 5, size=(N, 2)), jnp.float32)
   a = P.pmm(jax.random.key(0), Y, epsilon=1.0, depth=DEPTH)
