@@ -360,13 +360,13 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
       raise ValueError(f"public_rank={settings.public_rank} exceeds the public rows' "
                        f"{public_inputs.shape}.")
     basis = public_input_basis(public_inputs, settings.public_rank)
+  scale = settings.gep_edge_scale
+  if scale is not None:
+    scale = v.check_positive(scale, "settings.gep_edge_scale")
   sigma = 0.0 if route == "non_private" else noise_multiplier(
       float(epsilon), float(delta), batch / n, steps, accountant)
   microbatch = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
   # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
-  scale = settings.gep_edge_scale
-  if scale is not None:
-    scale = v.check_positive(scale, "settings.gep_edge_scale")
   edge_std = jnp.float32((1.0 if scale is None else scale)
                          * gep_edge_noise_std(float(sigma), batch, settings))
   static = dataclasses.replace(settings, gep_edge_scale=None if scale is None else 1.0)

@@ -201,6 +201,7 @@ def _model():
   return params, loss, batch
 
 
+@pytest.mark.slow            # test_identity_bases_give_plain_dp_sgd runs the same reduction by default
 def test_embedding_residual_with_identity_bases_is_plain_dp_sgd():
   from dpjax.sgd import per_example
   params, loss, batch = _model()

@@ -38,11 +38,11 @@ def _run(route, data, keys, lrs=None, **kw):
                          accountant=kw.pop("accountant", "rdp"), **kw)
 
 
-# By default one route with its own subspace runs here: dp_sgd runs stacked over keys in
-# test_dp_sgd_route_learns, the denoising and public-subspace transforms have their own tests
-# (test_denoise, test_subspace_sources), and non_private adds no noise. --run-slow runs them all.
-@pytest.mark.parametrize("route", [r if r == "gep_trajectory" else
-                                   pytest.param(r, marks=pytest.mark.slow) for r in sgd.ROUTES])
+# Slow: dp_sgd runs stacked over keys in test_dp_sgd_route_learns, GEP's trajectory bases in
+# test_trajectory_bases_read_only_released_updates, the denoising and public-subspace transforms
+# have their own tests (test_denoise, test_subspace_sources). --run-slow runs them all.
+@pytest.mark.slow             # test_dp_sgd_route_learns runs stacked keys by default
+@pytest.mark.parametrize("route", sgd.ROUTES)
 def test_each_route_runs_stacked_deterministic_per_key(route, data):
   """Params stacked over the runs, equal for equal keys, σ from the accountant for the route's
   private rows, the subspace rank and bases."""

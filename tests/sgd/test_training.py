@@ -106,6 +106,7 @@ def test_microbatching_does_not_change_the_step():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.slow            # the DPASE ⊥ path of the same loop runs by default
 def test_private_subspace_is_used_when_dpase_answers():
   train, _, B = _low_rank()
   out = _train(8, train, subspace="private", k=K, **PRIVATE)

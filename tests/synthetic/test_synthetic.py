@@ -186,6 +186,7 @@ def test_pmm_output_size_range_and_key_determinism():
     P.pmm(jax.random.key(0), Y, epsilon=1.0, depth=P.MAX_DEPTH + 1)
 
 
+@pytest.mark.slow            # test_traceable's pmm_core case runs jit and vmap by default
 def test_pmm_core_is_jittable_and_vmappable_over_keys():
   Y = jnp.asarray(np.random.default_rng(4).uniform(size=(64, 1)), jnp.float32)
   params = P.pmm_parameters(64, 1, epsilon=1.0, depth=4)
