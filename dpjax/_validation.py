@@ -181,7 +181,8 @@ def check_data64(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> np.
   """
   if is_traced(X):
     return check_data(X, name, ndim=ndim, min_rows=min_rows)
-  with jax.enable_x64(True):
+  # A concrete X closed over by a jitted function stays concrete (jnp would stage operations).
+  with jax.ensure_compile_time_eval(), jax.enable_x64(True):
     return np.asarray(check_data(X, name, ndim=ndim, min_rows=min_rows), np.float64)
 
 

@@ -44,6 +44,28 @@ def captured_energy(V: jax.Array, G: jax.Array) -> jax.Array:
   return jnp.sum(linalg.matmul(G, V) ** 2) / jnp.sum(G**2)
 
 
+@jax.jit
+def captured_variance_ratio(V: jax.Array, A: jax.Array) -> jax.Array:
+  """``tr(VᵀAV) / Σ_{i≤k} λ_i(A)``: the variance a k-dim subspace captures, relative to the best
+  k-dim subspace's (the top-k eigenvectors of A; Ky Fan). [CSS13]'s utility ``q(V)``, normalised.
+
+  Args:
+    V: ``(d, k)`` orthonormal basis (e.g. ``SubspaceResult.basis``).
+    A: ``(d, d)`` symmetric positive semidefinite, e.g. the second moment ``XᵀX/n``.
+
+  Returns:
+    Scalar in ``[0, 1]`` (up to rounding); 1 when the top-k eigenvalues of A sum to 0 (every
+    subspace is then optimal). Jitted (one program per shape).
+  """
+  if A.shape != (V.shape[0], V.shape[0]):
+    raise ValueError(f"A must be ({V.shape[0]}, {V.shape[0]}) for V of shape {V.shape}, got "
+                     f"{A.shape}.")
+  k = V.shape[1]
+  captured = jnp.trace(linalg.matmul(V.T, linalg.matmul(A, V)))
+  best = jnp.sum(jnp.linalg.eigvalsh(A)[::-1][:k])
+  return jnp.where(best > 0, captured / jnp.where(best > 0, best, 1), 1.0)
+
+
 def clopper_pearson(successes: int, trials: int, confidence: float = 0.95
                     ) -> tuple[float, float]:
   """Exact (Clopper–Pearson) two-sided confidence interval for a binomial proportion.

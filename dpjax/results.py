@@ -88,6 +88,9 @@ class PublicInfo(Mapping):
   def __repr__(self):
     return "PublicInfo({" + ", ".join(f"{k!r}: {val!r}" for k, val in self._items) + "})"
 
+  def __reduce__(self):                             # pickle (e.g. a fitted estimator)
+    return PublicInfo, (dict(self._items),)
+
   def replace(self, **updates) -> "PublicInfo":
     """A copy with ``updates`` added or replaced."""
     return PublicInfo({**dict(self._items), **updates})
@@ -209,6 +212,29 @@ class SyntheticDataResult(DPResult):
   mean: jax.Array
 
 
-for _cls in (DPResult, SubspaceResult, EstimateResult, GaussianResult, SyntheticDataResult):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ERMResult(DPResult):
+  """Outcome of a private ERM learner (:mod:`dpjax.classic.erm`): pure ε-DP (``delta = 0``).
+
+  ERM has no ⊥: ``ok`` is always True for data in the learner's domain (a small εn gives a
+  noisy model, never a refusal; a concrete dataset outside the domain raises). Only a traced
+  dataset outside the domain (NaN, a label outside the allowed set, a row above the norm bound
+  without clipping) gives ``ok=False`` and zeros, as :func:`dpjax._validation.domain_bottom`.
+
+  Attributes:
+    coefficients: the released linear model: ``(d,)`` for a binary learner (predict
+      ``sign(x·f)``), ``(K, d)`` for one-vs-rest (predict the class of the largest ``x·f_k``).
+      Covered by ``epsilon``.
+    nonprivate_gradient_norm: the gradient norm ``‖∇J̃(f̂)‖`` the optimiser reached (scalar, or
+      ``(K,)`` for one-vs-rest). NOT covered by the DP guarantee: it is a function of the data,
+      a diagnostic for the analyst (did the solver reach its tolerance?), never to be published.
+      It is deliberately not in ``released``, which holds DP releases only.
+  """
+  coefficients: jax.Array
+  nonprivate_gradient_norm: jax.Array
+
+
+for _cls in (DPResult, SubspaceResult, EstimateResult, GaussianResult, SyntheticDataResult,
+             ERMResult):
   jax.tree_util.register_dataclass(_cls)
 

@@ -172,3 +172,42 @@ def test_synthetic_data_options(tmp_path):
   assert all(r["shapes_agree"] for r in saved["speed"].values())
   for name in ("fig_w1.png", "fig_dim.png"):
     assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_classic_options(tmp_path):
+  """benchmarks/classic.py with every option at tiny sizes: the documented JSON summary schema,
+  both PNGs, diffprivlib measured or reported missing (never a crash)."""
+  pytest.importorskip("matplotlib")
+  pytest.importorskip("sklearn")
+  path, prefix = tmp_path / "out.json", tmp_path / "fig"
+  bench = _load("classic")
+  out = bench.main(["--quick", "--epsilons", "1", "--delta", "1e-4", "--k", "2", "--sweeps", "2",
+                    "--gamma", "0.2", "--seeds", "1", "--spiked-n", "600", "--spiked-d", "10",
+                    "--spiked-noise", "0.1", "--repeats", "1", "--diffprivlib-timeout", "20",
+                    "--seed", "2", "--json",
+                    str(path), "--plot", str(prefix)])
+  saved = json.loads(path.read_text())
+  summary = saved["summary"]
+  assert summary == json.loads(json.dumps(out["summary"]))
+  assert set(summary) == {"pca_captured_variance", "spiked_captured_variance", "erm_accuracy",
+                          "erm_accuracy_balanced", "speedup_vs_diffprivlib"}
+  assert set(summary["pca_captured_variance"]) == set(bench.PCA_METHODS)
+  assert set(summary["erm_accuracy"]) == set(bench.ERM_METHODS)
+  for method in ("mod_sulq", "ppca", "analyze_gauss"):
+    assert 0.0 <= summary["pca_captured_variance"][method]["1.0"] <= 1.0 + 1e-6
+  assert 0.0 < summary["erm_accuracy"]["objective"]["1.0"] <= 1.0
+  assert set(summary["speedup_vs_diffprivlib"]) == {"pca", "erm"}
+  if summary["speedup_vs_diffprivlib"]["pca"] is None:
+    assert saved["notes"] and "diffprivlib" in saved["notes"][0]
+  for kind in ("pca", "erm", "erm_balanced"):
+    assert (tmp_path / f"fig_{kind}.png").exists()
+
+
+@pytest.mark.slow
+def test_erm_regularization_options(capsys):
+  bench = _load("erm_regularization")
+  bench.main(["--quick", "--dataset", "digits", "--epsilons", "1", "--uncentred"])
+  bench.main(["--quick", "--dataset", "synthetic", "--repeats", "1"])
+  text = capsys.readouterr().out
+  assert "κ=" in text and "non-private" in text

@@ -133,3 +133,22 @@ def test_synthetic_data_notebook_runs_reduced(monkeypatch):
   for eps, curve in ns["curves"].items():                    # projecting beats d-dim PMM
     assert np.median(curve["pipeline"][-1]) < np.median(curve["pmm"][-1]), eps
   ns["plt"].close("all")
+
+
+@pytest.mark.slow
+def test_classic_pca_erm_notebook_runs_reduced(monkeypatch):
+  """The notebook's lessons hold at its reduced size: PPCA and Analyze Gauss capture more
+  variance at the larger ε than MOD-SuLQ, and objective perturbation at ε = 3 beats the
+  majority class."""
+  import matplotlib
+  matplotlib.use("Agg")
+  monkeypatch.setenv("DPJAX_NOTEBOOK_QUICK", "1")
+  nb = json.loads((ROOT / "notebooks" / "classic_pca_erm.ipynb").read_text())
+  code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+  ns = _run(code, "classic_pca_erm.ipynb")
+  pca = {name: vals.mean(0)[-1] for name, vals in ns["pca_results"].items()}
+  sulq = next(v for k, v in pca.items() if k.startswith("MOD-SuLQ"))
+  assert all(v > sulq for k, v in pca.items() if not k.startswith("MOD-SuLQ")), pca
+  objective = ns["erm_results"]["objective perturbation"].mean(0)[-1]
+  assert objective > 0.7, objective
+  ns["plt"].close("all")

@@ -17,6 +17,7 @@ import pytest
 
 import dpjax
 from dpjax import ashtiani_liaw as AL
+from dpjax import classic as CL
 from dpjax import coinpress as CP
 from dpjax import linalg as L
 from dpjax import mechanisms as M
@@ -61,6 +62,8 @@ HOST = {
                                                                              bound=10), VEC),
     "snapping_l1_mechanism": (lambda k, x: M.snapping_l1_mechanism(
         k, x, l1_sensitivity=1., epsilon=1., bound=100.), VEC),
+    "l2_laplace_mechanism": (lambda k, x: M.l2_laplace_mechanism(k, x, sensitivity=1.,
+                                                                 epsilon=1.), VEC),
     "private_centered_covariance": (lambda k, _: SY.private_centered_covariance(
         k, np.asarray(UNIT2), epsilon=1.), VEC),
 }
@@ -134,12 +137,22 @@ TRACED = {
         k, 50, 5, 2)[0], VEC),
     "pmm_core": (lambda k, y: SY.pmm_core(k, y, SY.pmm_parameters(64, 1, epsilon=1., depth=4)),
                  UNIT),
+    "l2_laplace_noise": (lambda k, _: M.l2_laplace_noise(k, 3, 2.), VEC),
+    "mod_sulq": (lambda k, x: CL.mod_sulq(k, x, epsilon=1., delta=1e-5, k=2, clip=True), X),
+    "ppca": (lambda k, x: CL.ppca(k, x, epsilon=1., k=1, clip=True), X),
+    "ppca(k=2)": (lambda k, x: CL.ppca(k, x, epsilon=1., k=2, num_sweeps=2, clip=True), X),
+    "output_perturbation": (lambda k, d: CL.output_perturbation(
+        k, d[0], jnp.sign(d[1]), epsilon=1., clip=True), DATA),
+    "objective_perturbation": (lambda k, d: CL.objective_perturbation(
+        k, d[0], jnp.sign(d[1]), epsilon=1., clip=True), DATA),
+    "one_vs_rest": (lambda k, d: CL.one_vs_rest(
+        k, d[0], (d[1] > 0).astype(jnp.int32), classes=[0, 1], epsilon=1., clip=True), DATA),
     "psmm_noisy_counts": (lambda k, a: SY.psmm.psmm_noisy_counts(
         k, a, SY.psmm.psmm_lattice(1., 1, 1., side=0.5), 1., 1.), UNIT),
 }
 SLOW = {"al_covariance", "learn_covariance", "learn_gaussian", "robust_covariance", "dpaseb",
         "private_gradient_subspace", "dpase", "approximate_subspace_data",
-        "low_dimensional_cube_data"}
+        "low_dimensional_cube_data", "ppca(k=2)", "output_perturbation", "one_vs_rest"}
 
 KEYS = jax.random.split(jax.random.key(7), 2)
 
@@ -184,23 +197,25 @@ def test_host_releases_agree_eagerly_under_jit_and_vmap(name):
                                   for n in sorted(TRACED)])
 def test_public_functions_run_under_jit_and_vmap(name):
   f, x = TRACED[name]
-  jitted = jax.jit(f)
-  first = jitted(KEYS[0], x)
-  _assert_same(first, jitted(KEYS[0], x), exact=True)               # deterministic per key
-  # The data closed over (concrete inside the trace): host checks must not stage jnp operations
-  # (a trace is enough to show it; compiling it again would only cost time).
+  # jax.jit(f)(key, x) traces f with the data as a traced argument: eval_shape is that trace
+  # without compiling a program that jit(vmap(f)) below compiles and runs anyway.
+  abstract = jax.eval_shape(f, KEYS[0], x)
+  # The data closed over (concrete inside the trace): host checks must not stage jnp operations.
   jax.make_jaxpr(lambda k: f(k, x))(KEYS[0])
-  batched = jax.jit(jax.vmap(lambda k: f(k, x)))(KEYS)
-  # Static metadata stays static: the batched result has the same tree structure.
-  assert jax.tree_util.tree_structure(batched) == jax.tree_util.tree_structure(first)
-  for a, b in zip(_leaves(first), _leaves(batched)):
+  run = jax.jit(jax.vmap(lambda k: f(k, x)))
+  batched = run(KEYS)
+  _assert_same(batched, run(KEYS), exact=True)                       # deterministic per key
+  # Static metadata stays static: the batched result has the traced tree structure.
+  assert jax.tree_util.tree_structure(batched) == jax.tree_util.tree_structure(abstract)
+  for a, b in zip(jax.tree_util.tree_leaves(abstract), _leaves(batched)):
     assert b.shape == (len(KEYS),) + a.shape and b.dtype == a.dtype
-  if isinstance(first, dpjax.DPResult):
-    assert first.ok.dtype == jnp.bool_ and first.ok.shape == ()
+  if isinstance(abstract, dpjax.DPResult):
+    assert abstract.ok.dtype == jnp.bool_ and abstract.ok.shape == ()
     eager = f(KEYS[0], x)
-    assert type(eager) is type(first)
+    assert type(eager) is type(abstract)
+    _assert_same(eager, f(KEYS[0], x), exact=True)
     assert (eager.epsilon, eager.delta, eager.neighbouring, eager.info) == (
-        first.epsilon, first.delta, first.neighbouring, first.info)
+        abstract.epsilon, abstract.delta, abstract.neighbouring, abstract.info)
 
 
 @pytest.mark.slow             # the TRACED["dpase"] case runs the same vmap by default

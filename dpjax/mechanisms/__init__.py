@@ -10,6 +10,8 @@ from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, classic_gaussian
                                        discretized_gaussian_mechanism, gaussian_mechanism,
                                        gaussian_noise, rdp_gaussian_sigma)
 from dpjax.mechanisms.grid import Discretization, discretization
+from dpjax.mechanisms.l2_laplace import (l2_laplace_beta, l2_laplace_mechanism,
+                                         l2_laplace_noise)
 from dpjax.mechanisms.histogram import (HistogramScalars, StableHistogram, histogram_scalars,
                                         histogram_threshold, stable_histogram,
                                         stable_histogram_core, top_bin)

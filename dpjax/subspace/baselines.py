@@ -117,13 +117,14 @@ def _secure_basis(key, X, k, clip_mantissa, clip_exponent, epsilon, delta):
   return jnp.asarray(basis, X.dtype), grid.grid, z * grid.grid_sensitivity * grid.grid
 
 
-def _secure_noisy_moment(key, A, noise_multiplier) -> np.ndarray:
+def _secure_noisy_moment(key, A, noise_multiplier, sensitivity: float = 2.0) -> np.ndarray:
   """Host: the upper triangle of ``A (d, d)`` released by the discretized Gaussian
-  (ℓ2-sensitivity 2, noise multiplier z), mirrored into a symmetric ``(d, d)`` float64 matrix."""
+  (ℓ2-sensitivity Δ = ``sensitivity``, default 2; noise multiplier z), mirrored into a symmetric
+  ``(d, d)`` float64 matrix (also MOD-SuLQ's release, :mod:`dpjax.classic.pca`)."""
   A = np.asarray(A, np.float64)
   d = A.shape[0]
   rows, cols = np.triu_indices(d)
-  released = discretized_gaussian_mechanism(key, A[rows, cols], sensitivity=2.0,
+  released = discretized_gaussian_mechanism(key, A[rows, cols], sensitivity=sensitivity,
                                             noise_multiplier=noise_multiplier)
   noisy = np.zeros((d, d))
   noisy[rows, cols] = released
@@ -144,10 +145,17 @@ def _analyze_gauss_core(key, X, k, clip_mantissa, clip_exponent, unit_sigma):
   as its exact host-side mantissa and exponent (``C = f·2^c``), so a C outside X's dtype range
   (e.g. 1e50 with float32 rows) still clips correctly."""
   U = _unit_clip(X, clip_mantissa, clip_exponent)
-  d = X.shape[1]
-  noise = jax.random.normal(key, (d, d), X.dtype) * unit_sigma
+  return _noisy_top_k(key, linalg.matmul(U.T, U), unit_sigma, k)
+
+
+def _noisy_top_k(key, S, sigma, k):
+  """Top-k eigenvectors of ``S + E``, ``E`` symmetric with its upper triangle and diagonal
+  i.i.d. ``N(0, σ²)`` (mirrored), in S's dtype: the continuous-noise release of a second moment
+  (also MOD-SuLQ's, :mod:`dpjax.classic.pca`). Traceable."""
+  d = S.shape[0]
+  noise = jax.random.normal(key, (d, d), S.dtype) * sigma
   E = jnp.triu(noise) + jnp.triu(noise, 1).T
-  _, evecs = jnp.linalg.eigh(linalg.matmul(U.T, U) + E)
+  _, evecs = jnp.linalg.eigh(S + E)
   return evecs[:, ::-1][:, :k]
 
 

@@ -29,7 +29,7 @@ from dpjax.ashtiani_liaw.exact_subspace import al_subspace_core, al_subspace_par
 from dpjax.subspace.exact import dpese as dpjax_dpese
 from dpjax.synthetic import pmm as pmm_lib
 from dpjax.synthetic import projection, psmm
-from helpers import normal
+from helpers import normal, print_audit_table
 
 pytestmark = pytest.mark.audit
 RESULTS = {}
@@ -188,6 +188,7 @@ def _dpase_at_the_half_rule(histogram_epsilon_factor):
   return run, X, X_prime, eps, delta
 
 
+@pytest.mark.slow            # the auditor's power on a histogram without noise enough runs by default: test_auditor
 def test_dpase_audit_catches_too_little_histogram_noise(audit_trials):
   """Negative control (not in EXPECTED): DPASE passes at the t/2 edge; with its histogram noise
   ten times too small (scale 0.2 instead of 2) the same audit flags it."""
@@ -768,16 +769,28 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
             "AL covariance", "AL covariance test bit", "CoinPress mean",
             "CoinPress covariance", "HVZ centred covariance", "HVZ PMM level counts",
-            "HVZ PSMM counts"}
+            "HVZ PSMM counts",
+            # test_classic_erm_audits.py, test_classic_pca_audits.py
+            "l2-laplace mechanism", "ERM output perturbation",
+            "ERM objective perturbation (Delta=0)", "ERM objective perturbation (Delta>0)",
+            "MOD-SuLQ", "PPCA (k = 1)"}
 
 
 def _audited_names() -> dict[str, str]:
   """Static: ``{name or f-string template: test function}`` for every ``_check`` call in the
-  test functions of this module (read from its source, so it does not depend on test order)."""
+  test functions of the audit modules (this one and ``test_*_audits.py`` beside it; read from
+  their source, so it does not depend on test order)."""
   import ast
   import pathlib
-  tree = ast.parse(pathlib.Path(__file__).read_text())
+  here = pathlib.Path(__file__)
   found = {}
+  for path in [here, *sorted(here.parent.glob("test_*_audits.py"))]:
+    _audited_in(ast.parse(path.read_text()), found)
+  return found
+
+
+def _audited_in(tree, found: dict) -> None:
+  import ast
   for fn in tree.body:
     if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")):
       continue
@@ -794,7 +807,6 @@ def _audited_names() -> dict[str, str]:
           for arg in ast.walk(node.args[0]):
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
               found.setdefault(arg.value, fn.name)
-  return found
 
 
 def test_every_mechanism_has_an_audit():
@@ -809,10 +821,7 @@ def test_every_mechanism_has_an_audit():
 def _print_table():
   """After the module (in any order, any subset): the audit table (visible with -s)."""
   yield
-  if RESULTS:
-    print(f"\n{'mechanism':<40}{'claimed ε':>10}{'empirical ε ≥':>15}{'trials':>9}")
-    for name, (claimed, lb, trials) in sorted(RESULTS.items()):
-      print(f"{name:<40}{claimed:>10.3f}{lb:>15.3f}{trials:>9}")
+  print_audit_table(sorted(RESULTS.items()))
   missing = EXPECTED - set(RESULTS)
   if RESULTS and missing:
     print(f"not run in this session: {sorted(missing)}")

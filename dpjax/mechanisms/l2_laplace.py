@@ -1,0 +1,157 @@
+"""The ℓ2-Laplace mechanism ("vector Laplace", [CMS11] Algorithm 1; docs/algorithms.md §5.1).
+
+Noise ``b ∈ ℝ^d`` with density ``∝ exp(−β‖b‖₂)``. In polar coordinates the density factors into
+a uniform direction on the sphere and a norm ``r`` with density ``∝ r^{d−1} e^{−βr}``, i.e.
+``r ~ Gamma(shape d, scale 1/β)``; the sampler draws exactly that (a normalised Gaussian for the
+direction). Adding it to a statistic of ℓ2-sensitivity Δ₂ with ``β = ε/Δ₂`` is ε-DP: for
+neighbouring values the output densities differ by the factor
+``exp(β(‖y − f'‖ − ‖y − f‖)) ≤ exp(β‖f − f'‖) ≤ e^ε`` (triangle inequality).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax import _validation as v
+from dpjax._host import host_call
+
+
+def l2_laplace_beta(sensitivity: float, epsilon: float) -> float:
+  """The rate ``β = ε/Δ₂`` that makes ℓ2-Laplace noise ε-DP for ℓ2-sensitivity Δ₂ (host).
+
+  Raises:
+    ValueError: ``sensitivity`` or ``epsilon`` not a finite number > 0, or β overflows.
+    TypeError: a non-real argument.
+  """
+  sensitivity = v.check_positive(sensitivity, "sensitivity")
+  beta = v.check_epsilon(epsilon) / sensitivity
+  if not np.isfinite(beta):
+    raise ValueError(f"epsilon/sensitivity overflows float64 (sensitivity={sensitivity!r}).")
+  return beta
+
+
+def l2_laplace_noise(key: jax.Array, d: int, beta, dtype=None) -> jax.Array:
+  """A ``(d,)`` vector with density ``∝ exp(−β‖b‖₂)`` (a sampler; see the module docstring).
+
+  ``b = r·u``: ``u = g/‖g‖`` with ``g ~ N(0, I_d)`` (uniform on the sphere) and
+  ``r ~ Gamma(d, 1)/β``, drawn as ``(E_1 + … + E_d)/β`` with ``E_i ~ Exp(1)`` i.i.d. (the
+  integer-shape Gamma is exactly the sum of d exponentials; no rejection loop, which keeps the
+  compiled program small), so ``E‖b‖ = d/β``. On its own this is just a
+  sampler; the guarantee comes from ``β = ε/Δ₂`` (:func:`l2_laplace_mechanism`).
+
+  Args:
+    key: JAX PRNG key (consumed: split it before reusing).
+    d: dimension, a Python int ≥ 1 (static).
+    beta: rate β > 0; a Python float (validated) or a traced scalar (not validated).
+    dtype: float dtype (default: JAX's default float, float32 unless x64 is enabled).
+
+  Returns:
+    ``(d,)`` array of ``dtype``. Traceable: ``jit`` and ``vmap`` over keys (and over a traced β).
+
+  Raises:
+    TypeError: ``key`` not a PRNG key, ``d`` not an int, ``dtype`` not a float dtype.
+    ValueError: ``d < 1``; a concrete β not finite and > 0.
+
+  References:
+    [CMS11] Chaudhuri, Monteleoni & Sarwate, "Differentially private empirical risk
+    minimization", JMLR 12 (2011), Algorithm 1 and its sampling remark; docs/algorithms.md §5.1.
+  """
+  v.check_key(key)
+  d = v.check_int(d, "d", low=1)
+  if not v.is_traced(beta):
+    beta = v.check_positive(beta, "beta")
+  dtype = v.check_float_dtype(dtype)
+  return _noise(key, jnp.asarray(beta, dtype), d=d, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("d", "dtype"))
+def _noise(key, beta, *, d, dtype):
+  k_direction, k_norm = jax.random.split(key)
+  g = jax.random.normal(k_direction, (d,), dtype)
+  # ‖g‖ = 0 has probability 0 (it would need d exact zeros); the guard only avoids 0/0.
+  u = g / jnp.maximum(jnp.sqrt(jnp.sum(g * g)), jnp.finfo(dtype).tiny)
+  r = jnp.sum(jax.random.exponential(k_norm, (d,), dtype)) / beta      # ~ Gamma(d, 1/β)
+  return (r * u).astype(dtype)
+
+
+def x64_enabled() -> bool:
+  """True when JAX's x64 mode is on here (globally or inside ``jax.enable_x64(True)``)."""
+  return jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+
+
+def l2_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: float):
+  """Releases ``value + b``, ``b`` ℓ2-Laplace with ``β = ε/Δ₂`` over all entries of ``value``.
+
+  Guarantee: (ε, 0)-DP for a statistic whose ℓ2-sensitivity (over all its entries, flattened)
+  is ``sensitivity`` under the caller's neighbouring relation — whatever relation that
+  sensitivity is stated under (replace-one for the ERM minimisers of
+  :mod:`dpjax.classic.erm`). Proof: the output density ratio between neighbours is
+  ``exp(β(‖y − f(X')‖ − ‖y − f(X)‖)) ≤ exp(β·Δ₂) = e^ε``.
+
+  Floating point: NOT float-safe. This is a continuous release computed in float64 (the value,
+  the Gaussian direction, the Gamma norm and their product are rounded), so the set of floats
+  that ``f(X) + b`` can take depends on ``f(X)``, and Mironov's (2012) attack on floating-point
+  Laplace noise applies in principle: an observer of the exact output bits may learn more than
+  ε allows. The guarantee holds in real arithmetic only. No snapping-style fix with a proof is
+  known for the multivariate ℓ2-Laplace (snapping and the discretised samplers of
+  docs/algorithms.md §1.10 are per-coordinate); where the low-order bits of a release could be
+  observed, round the output to a coarse public grid before publishing (post-processing, which
+  blunts but does not provably remove the leak), or use a float-safe mechanism such as
+  :func:`dpjax.mechanisms.snapping_l1_mechanism`.
+
+  Numerics: the noise is sampled and added in float64 under ``jax.enable_x64(True)`` (inside,
+  not global). NaN/inf entries of ``value`` are replaced by 0 first (a fixed map: raising would
+  branch on private data).
+
+  Args:
+    key: JAX PRNG key.
+    value: float array of any shape with at least one entry (the exact statistic).
+    sensitivity: ℓ2-sensitivity ``Δ₂ > 0``.
+    epsilon: ``ε > 0``.
+
+  Returns:
+    Eagerly: a float64 NumPy array shaped like ``value`` (computed on the CPU). Traceable in
+    ``key`` and ``value``: under ``jit`` / ``vmap`` with x64 enabled the same float64
+    computation is staged inline (the same output per key as the eager call); without x64 it
+    runs on the host as a ``jax.pure_callback`` (the same output per key, returned in JAX's
+    default float dtype: post-processing).
+
+  Raises:
+    TypeError: ``key`` not a PRNG key, ``value`` not a float array.
+    ValueError: ``value`` empty; ``sensitivity`` or ``epsilon`` not finite and > 0.
+
+  References:
+    [CMS11] Algorithm 1 (output perturbation); Mironov, "On significance of the least
+    significant bits for differential privacy", CCS 2012; docs/algorithms.md §5.1, §1.10.
+  """
+  v.check_key(key)
+  value = v.check_float_array(value)
+  if value.size == 0:
+    raise ValueError("value must have at least one entry, got shape "
+                     f"{tuple(value.shape)}.")
+  beta = l2_laplace_beta(sensitivity, epsilon)
+  shape, size = tuple(value.shape), int(value.size)
+
+  def release(key, value):
+    # On the CPU with a key committed to it, eagerly as in host_call's callback, so that both
+    # paths share one compiled sampler.
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu), jax.enable_x64(True):
+      return np.asarray(_release(jax.device_put(key, cpu),
+                                 jnp.asarray(np.asarray(value, np.float64)), beta, size=size),
+                        np.float64)
+
+  if v.is_traced(key, value) and x64_enabled():
+    return _release(key, jnp.asarray(value, jnp.float64), beta, size=size)
+  return host_call(release, jax.ShapeDtypeStruct(shape, np.float64), key, value)
+
+
+def _release(key, value, beta, *, size):
+  """``sanitise(value) + b`` in float64 (call with x64 on)."""
+  value = v.sanitise_value(value.astype(jnp.float64))
+  noise = _noise(key, jnp.asarray(beta, jnp.float64), d=size, dtype=jnp.dtype(jnp.float64))
+  return value + noise.reshape(value.shape)
