@@ -185,6 +185,7 @@ def test_classic_options(tmp_path):
   out = bench.main(["--quick", "--epsilons", "1", "--delta", "1e-4", "--k", "2", "--sweeps", "2",
                     "--gamma", "0.2", "--seeds", "1", "--spiked-n", "600", "--spiked-d", "10",
                     "--spiked-noise", "0.1", "--repeats", "1", "--diffprivlib-timeout", "20",
+                    "--speed-epsilon", "0.5",
                     "--seed", "2", "--json",
                     str(path), "--plot", str(prefix)])
   saved = json.loads(path.read_text())
