@@ -9,13 +9,7 @@
   overridden.
 """
 
-import os
-import shutil
-import tempfile
-
 import pytest
-
-_CACHE_ENV = "DPJAX_TEST_COMPILATION_CACHE"
 
 
 def pytest_addoption(parser):
@@ -24,28 +18,6 @@ def pytest_addoption(parser):
                         "full trial counts (implies --audit-full)")
   parser.addoption("--audit-full", action="store_true", default=False,
                    help="run the privacy audits (tests/audit) with full trial counts")
-
-
-def pytest_configure(config):
-  """One JAX compilation cache for this run, shared by its pytest-xdist workers.
-
-  Each worker would otherwise compile the programs the other has already compiled (the jitted
-  cores many tests share). The cache lives in a fresh temporary folder made by the controlling
-  process and removed at its end: every run starts cold, so the suite's time is what a clean
-  checkout costs, and nothing persists between runs.
-  """
-  if not hasattr(config, "workerinput"):                 # the controller (or a run with -n0)
-    config._dpjax_cache = tempfile.mkdtemp(prefix="dpjax-test-jax-cache-")
-    os.environ[_CACHE_ENV] = config._dpjax_cache
-  import jax
-  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-
-
-def pytest_unconfigure(config):
-  path = getattr(config, "_dpjax_cache", None)
-  if path:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _full(config) -> bool:
