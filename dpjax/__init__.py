@@ -4,7 +4,7 @@ from dpjax import (accounting, ashtiani_liaw, audit, classic, coinpress, data, l
                    mechanisms, metrics, results, robust_stats, sgd, subspace, synthetic)
 from dpjax.results import (DPResult, ERMResult, EstimateResult, GaussianResult,
                            SubspaceResult, SyntheticDataResult)
-from dpjax.subspace import calibrate_cell_length, dpase, dpase_parameters
+from dpjax.subspace import calibrate_cell_length, dpase, dpase_parameters, dpase_streaming
 
 # dpjax.estimators (scikit-learn-style PrivatePCA, PrivateLogisticRegression) needs the sklearn
 # extra and is imported explicitly: ``from dpjax.estimators import PrivatePCA``.

@@ -144,7 +144,11 @@ def _subspace_iteration(X, k, oversampling, max_iterations, tol):
     i, _, moved = state
     return (i < max_iterations) & ~(moved <= tol)      # NaN keeps iterating up to the cap
 
-  _, V, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), V0, jnp.asarray(jnp.inf, X.dtype)))
+  # An exact 0 typed like X (an empty sum, whatever X holds): under shard_map X differs per
+  # device and so does the carry after one step, so the public start must be typed that way too.
+  zero = jnp.sum(X[:0])
+  start = (jnp.int32(0), V0 + zero, jnp.asarray(jnp.inf, X.dtype) + zero)
+  _, V, _ = jax.lax.while_loop(cond, body, start)
   _, _, Rt = jnp.linalg.svd(matmul(X, V), full_matrices=False)    # Rayleigh–Ritz
   return matmul(V, Rt[:k].T)
 

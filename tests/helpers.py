@@ -22,3 +22,28 @@ def print_audit_table(rows):
     print(f"\n{'mechanism':<40}{'claimed ε':>10}{'empirical ε ≥':>15}{'trials':>9}")
     for name, (claimed, lb, trials) in rows:
       print(f"{name:<40}{claimed:>10.3f}{lb:>15.3f}{trials:>9}")
+
+
+def run_on_devices(code: str, devices: int = 4, timeout: float = 300.0) -> dict:
+  """Runs ``code`` in a fresh Python with ``devices`` simulated CPU devices and returns the JSON
+  object it prints last (so the calling test process keeps its single device).
+
+  ``XLA_FLAGS=--xla_force_host_platform_device_count`` takes effect only before JAX starts, hence
+  the subprocess; the code must ``print(json.dumps(...))`` as its last line of output.
+  """
+  import json
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"),
+                                         os.environ.get("PYTHONPATH", "")]))
+  done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=timeout, cwd=root)
+  if done.returncode != 0:
+    raise AssertionError(f"the {devices}-device subprocess failed ({done.returncode}):\n"
+                         f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])

@@ -212,3 +212,44 @@ def test_erm_regularization_options(capsys):
   bench.main(["--quick", "--dataset", "synthetic", "--repeats", "1"])
   text = capsys.readouterr().out
   assert "κ=" in text and "non-private" in text
+
+
+@pytest.mark.slow
+def test_scaling_options(tmp_path):
+  """Every documented option of benchmarks/scaling.py at tiny sizes (--gpu only where a GPU is:
+  it runs the same workers on the host's real devices)."""
+  path = tmp_path / "out.json"
+  tiny = ["--n-train", "400", "--features", "12", "--width", "8", "--batch", "32", "--rank", "3",
+          "--steps", "2", "--n-dpase", "6000", "--d-dpase", "12", "--n-stream", "6000", "--d", "12",
+          "--k", "2", "--worker-timeout", "600",
+          "--gap", "1e-6", "--chunk", "700", "--repeats", "1"]
+  out = _load("scaling").main(["--quick", "--devices", "1,2,4", "--json", str(path), *tiny])
+  saved = json.loads(path.read_text())
+  assert set(saved["summary"]["dpsgd_examples_per_s"]) == {"1", "2", "4"}
+  assert set(saved["summary"]["dpase_seconds"]) == {"1", "4"}
+  assert set(saved["summary"]["streaming"]) == {"n", "d", "seconds", "peak_rss_bytes"}
+  assert saved["summary"]["streaming"]["n"] == 6000
+  assert out["more"]["streaming"]["ok"] == out["more"]["in_memory_at_streaming_n"]["ok"]
+  assert all(r["ok"] for r in out["more"]["dpase"].values())
+  _load("scaling").main(["--devices", "1", "--skip-in-memory", "--clipped-sum", "vmap", *tiny])
+  if any(d.platform == "gpu" for d in jax.devices()):
+    _load("scaling").main(["--gpu", "--devices", "1", "--skip-in-memory", *tiny])
+
+
+@pytest.mark.slow
+def test_dpsgd_step_options(tmp_path):
+  """Every option at tiny sizes: one model above --max-per-example-gb (micro-batched per-example
+  sides), one below (ghost checked against the vmap path); the summary has the issue's keys."""
+  path = tmp_path / "out.json"
+  out = _load("dpsgd_step").main(
+      ["--quick", "--models", "20-16-4", "10-4", "--batch", "16", "--repeats", "1",
+       "--microbatch", "8", "--max-per-example-gb", "5e-6", "--json", str(path)])
+  saved = json.loads(path.read_text())
+  assert saved["summary"] == json.loads(json.dumps(out["summary"]))
+  for key in ("ratio_vs_nonprivate", "ratio_vs_optax_dpsgd", "ratio_vs_jax_privacy"):
+    assert set(saved["summary"][key]) == {"404", "44"}
+  assert all(r > 0 for r in saved["summary"]["ratio_vs_nonprivate"].values())
+  big, small = saved["models"]["404"], saved["models"]["44"]
+  assert big["microbatch"] == 8 and small["microbatch"] is None
+  assert small["ghost_vs_vmap_max_rel_diff"] < 1e-5
+  assert set(big["median_s"]) >= {"nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd"}

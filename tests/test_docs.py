@@ -44,6 +44,15 @@ def test_readme_privatizer_example_runs():
   assert ns["dp"].budget.epsilon <= 2.0 + 1e-9
 
 
+def test_readme_several_devices_example_runs():
+  """The mesh example runs (on however many devices this process has) and learns."""
+  text = (ROOT / "README.md").read_text()
+  code = re.findall(r"```python\n(.*?)```", text, re.S)[3]
+  assert "mesh=mesh" in code
+  ns = _run(code, "README.md#devices")
+  assert float(ns["out"].params[0]) > 0.5 and ns["out"].budget.epsilon <= 2.0 + 1e-9
+
+
 @pytest.mark.slow
 def test_quickstart_notebook_runs():
   nb = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text())

@@ -2,10 +2,13 @@
 
 from dpjax.sgd.denoise import (LowRankDenoiseState, filtered_noise_std, low_rank_denoise,
                                 shrink_singular_values)
+from dpjax.sgd.ghost import dense, ghost_clipped_grad_sum, ghost_norms, model_loss
 from dpjax.sgd.layer_subspaces import (EmbeddingResidualState, LayerSubspaceNoiseState,
                                         embedding_residual_grad_sum, embedding_residual_noise,
                                         layer_subspace_noise, trajectory_bases,
                                         update_layer_bases)
+from dpjax.sgd.distributed import (data_mesh, padded_size, shard_examples,
+                                    sharded_poisson_clipped_sum)
 from dpjax.sgd.per_example import (ClippedGradSum, clip_per_example, clipped_grad_sum,
                                    global_norms, per_example_grads)
 from dpjax.sgd.privatizer import (DPSGDPrivatizer, accumulate_microbatches, dp_sgd_privatizer,

@@ -14,9 +14,9 @@ transform and the C the accountant's noise multiplier σ is relative to are one 
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
 
-Privacy (add/remove-one): each step Poisson-samples the examples with q = L/N
-(:func:`dpjax.sgd.poisson_microbatches`), sums their clipped gradients over EVERY micro-batch of
-the sample in one jitted call (:func:`accumulate_microbatches`: a dropped micro-batch would make
+Privacy (add/remove-one): each step Poisson-samples the examples with q = L/N on the device
+(:func:`dpjax.sgd.poisson_mask`'s draw), sums their clipped gradients over EVERY micro-batch of
+the sample in one jitted call (:func:`poisson_clipped_sum`: a dropped micro-batch would make
 the realised sensitivity differ from the accounted one), and the transform adds N(0, σ²C²) noise
 (or noise in span(V), :func:`dpjax.sgd.subspace_dp_gaussian_noise`) and divides by the public L.
 The T steps are ``dpjax.accounting.dpsgd_event(σ, q, T)``; ``spend`` is what the accountant
@@ -38,7 +38,7 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting
-from dpjax.sgd import per_example, sampling, transforms
+from dpjax.sgd import per_example, transforms
 
 
 def l2_norm_bound(grad_fn) -> float:
@@ -81,7 +81,7 @@ def accumulate_microbatches(grad_fn: Callable, params, data, indices: jax.Array,
     A pytree like ``grad_fn``'s output: the sum over the sample (ℓ2-sensitivity
     ``grad_fn.l2_norm_bound`` under add/remove-one).
   """
-  call = _masked_call(grad_fn)
+  call = masked_call(grad_fn)
 
   def body(total, batch):
     idx, msk = batch
@@ -135,8 +135,22 @@ def poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array, *,
   if len(sizes) != 1:
     raise ValueError(f"data leaves must share one leading example axis, got sizes {sizes}.")
   n = sizes.pop()
-  call = _masked_call(grad_fn)
   chosen = jax.random.bernoulli(key, sampling_prob, (n,))
+  return sum_over_chosen(masked_call(grad_fn), params, data, chosen, microbatch_size,
+                         extra_args)
+
+
+def sum_over_chosen(call: Callable, params, data, chosen: jax.Array, microbatch_size: int,
+                    extra_args=()):
+  """``Σ_{i: chosen_i} call(params, data[i])`` in fixed-size micro-batches: traceable core.
+
+  ``call(params, batch, mask, *extra_args)`` in dpjax's convention (:func:`masked_call`).
+  The chosen indices are laid out first, in increasing order, padded and masked; a
+  ``lax.while_loop`` sums EVERY micro-batch the sample needs (``⌈|sample| / B⌉``, at least one):
+  never truncated. The loop count depends on ``chosen`` only (sampling randomness) and never
+  enters the sum.
+  """
+  n = chosen.shape[0]
   count = jnp.sum(chosen, dtype=jnp.int32)
   # The chosen indices first, in increasing order, padded with zeros (then masked out).
   order = jnp.nonzero(chosen, size=n + microbatch_size, fill_value=0)[0].astype(jnp.int32)
@@ -158,7 +172,7 @@ def poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array, *,
   return total
 
 
-def _masked_call(grad_fn: Callable) -> Callable:
+def masked_call(grad_fn: Callable) -> Callable:
   """``(params, batch, mask) -> sum``: dpjax's convention, or jax_privacy's ``clipped_grad``
   (``fun(params, batch, is_padding_example=~mask)``)."""
   if isinstance(grad_fn, per_example.ClippedGradSum):
@@ -202,20 +216,31 @@ class DPSGDPrivatizer:
   def clipped_sum(self, params, data, key: jax.Array):
     """One step's clipped-gradient sum over a fresh Poisson sample drawn with ``key``.
 
-    Samples on the host (:func:`dpjax.sgd.poisson_microbatches`), pads the number of micro-batches
-    to a power of two (masked; so a run compiles O(log) programs, not one per sample size) and
-    sums every micro-batch with :func:`accumulate_microbatches`. Feed the result to
-    ``transform`` (it adds the noise). Use a fresh key per step.
+    One jitted call of :func:`poisson_clipped_sum`: the sample (the draw of
+    :func:`dpjax.sgd.poisson_mask`) is made on the device and every micro-batch of it is summed
+    in a ``lax.while_loop``, so the host does no per-example work and the program compiles once
+    per data shape, whatever the sample size. Feed the result to ``transform`` (it adds the
+    noise). Use a fresh key per step.
     """
-    indices, mask = sampling.poisson_microbatches(key, self.num_examples, self.sampling_prob,
-                                                  self.microbatch_size)
-    m = indices.shape[0]
-    padded = 1 << (m - 1).bit_length()
-    if padded > m:
-      indices = np.concatenate([indices, np.zeros((padded - m, indices.shape[1]), np.int32)])
-      mask = np.concatenate([mask, np.zeros((padded - m, mask.shape[1]), bool)])
-    return accumulate_microbatches(self.grad_fn, params, data, jnp.asarray(indices),
-                                   jnp.asarray(mask))
+    return self._sum_fn(params, data, key, self.sampling_prob,
+                        microbatch_size=self.microbatch_size)
+
+  @functools.cached_property
+  def _sum_fn(self):
+    try:
+      hash(self.grad_fn)
+    except TypeError:        # an unhashable grad_fn cannot be static: one jit per privatizer
+      return jax.jit(functools.partial(_clipped_sum_impl, self.grad_fn),
+                     static_argnames=("microbatch_size",))
+    return functools.partial(_clipped_sum_static, self.grad_fn)
+
+
+def _clipped_sum_impl(grad_fn, params, data, key, sampling_prob, microbatch_size):
+  return poisson_clipped_sum(grad_fn, params, data, key, sampling_prob=sampling_prob,
+                             microbatch_size=microbatch_size)
+
+
+_clipped_sum_static = jax.jit(_clipped_sum_impl, static_argnames=("grad_fn", "microbatch_size"))
 
 
 def dp_sgd_privatizer(grad_fn, *, num_examples: int, expected_batch_size: float, steps: int,

@@ -14,7 +14,7 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting
-from dpjax.sgd import per_example, sampling, subspace_sources, transforms
+from dpjax.sgd import distributed, per_example, privatizer, subspace_sources, transforms
 
 SUBSPACES = ("none", "private", "public")
 
@@ -49,13 +49,18 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                  progress: bool = False, dpase_kwargs: dict | None = None,
                  accountant: str = "rdp", ledger=None, clipping: str = "clip",
                  stability: float = per_example.DEFAULT_STABILITY,
-                 weight_ema: float | None = None) -> TrainResult:
+                 weight_ema: float | None = None, mesh: jax.sharding.Mesh | None = None,
+                 data_axis: str = distributed.DATA_AXIS) -> TrainResult:
   """Trains ``params`` with DP-SGD at a total (ε, δ), the subspace's cost included.
 
-  Each step: Poisson sampling with rate ``q = L/N`` laid out as fixed-size micro-batches (never
-  truncated), the jitted sum of clipped per-example gradients, Gaussian noise (in all p
-  coordinates, or only in the k coordinates of a subspace), division by the expected batch size
-  L, then ``optimizer``.
+  Each step is one jitted program: Poisson sampling with rate ``q = L/N`` drawn on the device and
+  laid out as fixed-size micro-batches (never truncated), the sum of clipped per-example
+  gradients, Gaussian noise (in all p coordinates, or only in the k coordinates of a subspace),
+  division by the expected batch size L, then ``optimizer``. With ``mesh``, the examples are
+  sharded over the mesh's ``data_axis``: each device sums the clipped gradients of the sampled
+  examples it holds, the sums are added across devices, and the noise is added once
+  (:mod:`dpjax.sgd.distributed`); the sample, the sensitivity and the guarantee are the
+  single-device ones, and the result agrees with it up to the order of float additions.
 
   Subspace sources (``subspace``):
 
@@ -95,7 +100,8 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
       ``dpase_kwargs``).
     refresh_every: for ``subspace == "public"`` only: recompute the subspace every this many
       steps (a private refresh would cost budget each time and is not offered here).
-    microbatch_size: rows per jitted micro-batch (default ``⌈L + 4√L⌉``, usually one).
+    microbatch_size: rows per jitted micro-batch (default ``⌈L' + 4√L'⌉`` with ``L' = L/D`` the
+      expected sample per device, D the devices of ``mesh`` (1 without); usually one).
     eval_fn: optional ``eval_fn(params) -> dict`` recorded every ``eval_every`` steps.
     progress: show a tqdm progress bar (needs the ``examples`` extra).
     dpase_kwargs: extra arguments for DPASE.
@@ -110,15 +116,19 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
       as ``averaged_params`` and evaluated by ``eval_fn``. Post-processing of the released
       iterates, so it costs no privacy. A low-pass filter of the privatised GRADIENTS (DOPPLER,
       momentum) is the optimiser's job: e.g. ``optax.chain(optax.ema(0.9), optax.adam(lr))``.
+    mesh: optional ``jax.sharding.Mesh`` (e.g. :func:`dpjax.sgd.data_mesh`) to shard the
+      examples over (data parallelism; above). The privacy unit is still one example.
+    data_axis: the mesh axis the examples are sharded over (default "data").
 
   Returns:
     :class:`TrainResult`.
 
   Raises:
     TypeError: ``key`` not a PRNG key, ``loss_fn`` not callable, ``optimizer`` not an optax
-      transformation, non-integer ``steps`` / ``k`` / ``microbatch_size``.
-    ValueError: NaN/inf in ``data`` or ``public_data``; ε ≤ 0, δ ∉ (0, 1); ``L > N``; C ≤ 0;
-      an unknown ``clipping`` or γ ≤ 0; ``weight_ema ∉ (0, 1)``;
+      transformation, non-integer ``steps`` / ``k`` / ``microbatch_size``, ``mesh`` not a
+      ``jax.sharding.Mesh``.
+    ValueError: ``data_axis`` not an axis of ``mesh``; NaN/inf in ``data`` or ``public_data``;
+      ε ≤ 0, δ ∉ (0, 1); ``L > N``; C ≤ 0; an unknown ``clipping`` or γ ≤ 0; ``weight_ema ∉ (0, 1)``;
       ``k ∉ [1, p]``; fractions ∉ (0, 1); missing ``k`` / ``public_data`` / ``gamma``; an
       unknown ``subspace``; ``refresh_every`` without a public subspace; no σ meets the budget.
     dpjax.ledger.BudgetExceededError: the plan does not fit ``ledger`` (nothing has run).
@@ -170,8 +180,10 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     if subspace != "public":
       raise ValueError("refresh_every is only supported with subspace='public'.")
     refresh_every = v.check_int(refresh_every, "refresh_every", low=1)
+  devices = 1 if mesh is None else distributed._check_mesh(mesh, data_axis)
   if microbatch_size is None:
-    microbatch_size = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
+    local = batch / devices
+    microbatch_size = min(math.ceil(n / devices), math.ceil(local + 4 * math.sqrt(local)))
   microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
   eval_every = v.check_int(eval_every or steps, "eval_every", low=1)
   q = batch / n
@@ -217,19 +229,21 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   std = jnp.asarray(base_std)
   # The data are an argument, not a closure constant, so they are not baked into the program;
   # the jitted steps live at module level, so repeated runs reuse their compilations.
-  data = jax.tree_util.tree_map(jnp.asarray, data)
+  if mesh is None:
+    data = jax.tree_util.tree_map(jnp.asarray, data)
+  else:
+    data, _ = distributed.shard_examples(data, mesh, data_axis)
   batch = jnp.asarray(batch, jnp.float32)
-  apply = _jitted_apply(optimizer)
 
   history = []
   averaged = params if weight_ema is not None else None
+  step_fn = functools.partial(_jitted_step(optimizer), subspace=basis is not None,
+                              loss_fn=loss_fn, clip_norm=clip_norm, clipping=clipping,
+                              stability=stability, microbatch_size=microbatch_size,
+                              num_examples=n, mesh=mesh, data_axis=data_axis)
+  q = jnp.asarray(q, jnp.float32)
   for step, step_key in enumerate(_progress(jax.random.split(k_sample, steps), progress)):
-    indices, mask = sampling.poisson_microbatches(step_key, n, q, microbatch_size)
-    total = jax.tree_util.tree_map(jnp.zeros_like, params)
-    for idx, msk in zip(indices, mask):
-      total = _accumulate(total, params, data, idx, msk, loss_fn=loss_fn, clip_norm=clip_norm,
-                          clipping=clipping, stability=stability)
-    params, opt_state = apply(params, opt_state, total, std, batch, subspace=basis is not None)
+    params, opt_state = step_fn(params, opt_state, data, step_key, std, batch, q)
     if averaged is not None:
       averaged = _average(params, averaged, min(weight_ema, (1 + step) / (10 + step)))
     if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
@@ -248,13 +262,37 @@ def _average(params, averaged, decay):
   return optax.incremental_update(params, averaged, 1.0 - decay)
 
 
-@functools.partial(jax.jit, static_argnames=("loss_fn", "clip_norm", "clipping", "stability"))
-def _accumulate(total, params, data, indices, mask, *, loss_fn, clip_norm, clipping, stability):
-  """``total + Σ_i mask_i clip_C(∇ℓ(params, data[indices_i]))`` for one micro-batch."""
-  chunk = jax.tree_util.tree_map(lambda x: x[indices], data)
-  summed = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm, clipping=clipping,
-                                        stability=stability)(params, chunk, mask)
-  return jax.tree_util.tree_map(jnp.add, total, summed)
+def _step_impl(params, opt_state, data, key, std, batch, q, *, optimizer, subspace, loss_fn,
+               clip_norm, clipping, stability, microbatch_size, num_examples, mesh, data_axis):
+  """One DP-SGD step in one program: the Poisson sample drawn on the device from ``key``, the
+  clipped sum over all of it (:func:`dpjax.sgd.poisson_clipped_sum`, or its sharded form over
+  ``mesh``), then :func:`_apply_impl` (the noise once, L, the optimiser). Host work per step
+  does not grow with N."""
+  grad_fn = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm, clipping=clipping,
+                                         stability=stability)
+  if mesh is None:
+    total = privatizer.poisson_clipped_sum(grad_fn, params, data, key, sampling_prob=q,
+                                           microbatch_size=microbatch_size)
+  else:
+    total = distributed.sharded_poisson_clipped_sum(
+        grad_fn, params, data, key, num_examples=num_examples, sampling_prob=q,
+        microbatch_size=microbatch_size, mesh=mesh, data_axis=data_axis)
+  return _apply_impl(params, opt_state, total, std, batch, optimizer=optimizer,
+                     subspace=subspace)
+
+
+_STEP_STATIC = ("optimizer", "subspace", "loss_fn", "clip_norm", "clipping", "stability",
+                "microbatch_size", "num_examples", "mesh", "data_axis")
+_step_jit = jax.jit(_step_impl, static_argnames=_STEP_STATIC)
+
+
+def _jitted_step(optimizer):
+  try:
+    hash(optimizer)
+  except TypeError:  # an unhashable optimizer cannot be a static argument: compile per run
+    return jax.jit(functools.partial(_step_impl, optimizer=optimizer),
+                   static_argnames=_STEP_STATIC[1:])
+  return functools.partial(_step_jit, optimizer=optimizer)
 
 
 def _apply_impl(params, opt_state, summed, std, batch, *, optimizer, subspace):
@@ -265,18 +303,6 @@ def _apply_impl(params, opt_state, summed, std, batch, *, optimizer, subspace):
            else transforms._gaussian_noise(std, batch, None))
   updates, opt_state = optax.chain(noise, optimizer).update(summed, opt_state, params)
   return optax.apply_updates(params, updates), opt_state
-
-
-_apply = jax.jit(_apply_impl, static_argnames=("optimizer", "subspace"))
-
-
-def _jitted_apply(optimizer):
-  try:
-    hash(optimizer)
-  except TypeError:  # an unhashable optimizer cannot be a static argument: compile per run
-    return jax.jit(functools.partial(_apply_impl, optimizer=optimizer),
-                   static_argnames=("subspace",))
-  return functools.partial(_apply, optimizer=optimizer)
 
 
 def _record_plan(ledger, budget: accounting.DPSGDBudget) -> None:

@@ -5,4 +5,5 @@ from dpjax.subspace.approximate import (DPASEParameters, dpase, dpase_core, dpas
 from dpjax.subspace.baselines import analyze_gauss, pca_subspace
 from dpjax.subspace.boosted import dpaseb, num_blocks_for
 from dpjax.subspace.exact import dpese
+from dpjax.subspace.streaming import dpase_streaming
 from dpjax.subspace.tuning import CellLengthCalibration, calibrate_cell_length

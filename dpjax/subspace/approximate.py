@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from dp_accounting import NeighboringRelation
 
@@ -192,7 +193,8 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
           ell_rule: str = "paper_proof", c0: float | None = None,
           partition: str = "permutation", noise: str = "discrete",
           grouping: str = "auto", alpha: float | None = 0.1,
-          top_k_method: str = "auto", ledger=None) -> SubspaceResult:
+          top_k_method: str = "auto", ledger=None, mesh: jax.sharding.Mesh | None = None,
+          mesh_axis: str | None = None) -> SubspaceResult:
   """Learns a k-dimensional subspace privately with DPASE ([SS21] Algorithm 2).
 
   For data near a k-dim subspace (``x_i ~ N(0, Σ)`` with ``λ_{k+1} ≤ γ² λ_k``), the answer is
@@ -253,6 +255,20 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
       the released point is exact.
     ledger: optional :class:`dpjax.ledger.PrivacyLedger`; the release is recorded (or
       refused with ``BudgetExceededError``) before any data is touched.
+    mesh: optional ``jax.sharding.Mesh``: the per-subset top-k solves (the ``(t, d, k)`` bases)
+      run with the subset axis sharded over the mesh axis ``mesh_axis`` (``jax.shard_map``;
+      ``X`` replicated, so every device holds ``X``; the other mesh axes, if any, replicate).
+      ``t`` is padded up to a multiple of that axis's size with dummy subsets of padding rows
+      only, whose bases are dropped before the histogram; the bases are then all-gathered and
+      the histogram and everything after it run on them as without a mesh. The same key gives
+      the same output on one device or many (bases equal to rounding; on the CPU, bit for bit).
+      The guarantee is unchanged: each subset's basis is still a function of its own rows
+      alone (and a dummy subset's of none), whichever device computes it.
+    mesh_axis: the mesh axis the subsets are sharded over; None (default) needs a mesh with
+      one axis and takes it. Call ``dpase`` with a mesh eagerly (its stages are separate
+      programs): under an outer ``jax.jit`` on a CPU mesh with more devices than cores, pass
+      ``top_k_method="exact"``, since per-device subspace-iteration loops and the gather in one
+      program can deadlock XLA:CPU (measured, jaxlib 0.10.2).
 
   Returns:
     :class:`~dpjax.results.SubspaceResult` with ``ok``, ``basis (d, k)`` in ``X``'s dtype (zeros
@@ -265,9 +281,10 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
   fixed (closed over or static). Under tracing a non-finite ``X`` gives ⊥ instead of an error.
 
   Raises:
-    TypeError: ``key`` is not a PRNG key, or ``X`` is not a real array.
+    TypeError: ``key`` is not a PRNG key, ``X`` is not a real array, or ``mesh`` is not a
+      ``jax.sharding.Mesh``.
     ValueError: NaN/inf in a concrete ``X``, wrong rank, ε ≤ 0, δ ∉ (0, 1), k ∉ [1, d], ``n``
-      too small (``⌊n/t⌋ < k + 1``), or a bad option.
+      too small (``⌊n/t⌋ < k + 1``), ``mesh_axis`` not an axis of ``mesh``, or a bad option.
 
   References:
     Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2, Lemma 5.3,
@@ -276,6 +293,7 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
   key = v.check_key(key)
   X = v.check_data(X, "X")
   n, d = X.shape
+  mesh_axis = _check_mesh(mesh, mesh_axis)
   params = _plan(n, d, k, X.dtype, epsilon=epsilon, delta=delta, gamma=gamma,
                  num_subsets=num_subsets, num_reference_points=num_reference_points,
                  cell_length=cell_length, ell_rule=ell_rule, c0=c0, partition=partition,
@@ -283,7 +301,8 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
                  ledger=ledger)
   ok, basis, count = dpase_core(key, X, params, k=k, epsilon=float(epsilon),
                                 delta=float(delta), partition=partition, noise=noise,
-                                grouping=grouping, top_k_method=top_k_method)
+                                grouping=grouping, top_k_method=top_k_method, mesh=mesh,
+                                mesh_axis=mesh_axis)
   if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
     ok, basis, count = v.domain_bottom(X, ok, basis, count)
   return _result(ok, basis, count, params, d=d, k=k, epsilon=epsilon, delta=delta,
@@ -303,12 +322,40 @@ def _plan(n, d, k, dtype, *, epsilon, delta, gamma, num_subsets, num_reference_p
                             num_reference_points=num_reference_points,
                             cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise,
                             alpha=alpha, float_eps=float(jnp.finfo(dtype).eps))
+  _record(ledger, epsilon, delta, partition)
+  return params
+
+
+def _record(ledger, epsilon, delta, partition):
+  """Records one DPASE release in ``ledger`` (None: nothing)."""
   if ledger is not None:
     # Random labels hold under both relations, so they fit a ledger of either kind.
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASE",
                             neighbouring=(NeighboringRelation.REPLACE_ONE
                                           if partition == "permutation" else None))
-  return params
+
+
+def _check_mesh(mesh, mesh_axis):
+  """Validates DPASE's ``mesh`` / ``mesh_axis`` on the host; returns the axis name (None when
+  ``mesh`` is None: no sharding, ``mesh_axis`` ignored).
+
+  Raises:
+    TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+    ValueError: ``mesh_axis`` is not an axis of ``mesh``, or it is None and the mesh has
+      several axes.
+  """
+  if mesh is None:
+    return None
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}.")
+  if mesh_axis is None:
+    if len(mesh.axis_names) != 1:
+      raise ValueError(f"the mesh has axes {mesh.axis_names}: pass mesh_axis=... to name the one "
+                       "the subsets are sharded over.")
+    return mesh.axis_names[0]
+  if mesh_axis not in mesh.axis_names:
+    raise ValueError(f"mesh_axis {mesh_axis!r} is not an axis of the mesh {mesh.axis_names}.")
+  return mesh_axis
 
 
 def _result(ok, basis, count, params, *, d, k, epsilon, delta, partition, top_k_method):
@@ -336,7 +383,8 @@ def dpase_gathered(key: jax.Array, gather, n: int, d: int, *, dtype, epsilon: fl
                    cell_length: float | None = None, ell_rule: str = "paper_proof",
                    c0: float | None = None, noise: str = "discrete", grouping: str = "auto",
                    alpha: float | None = 0.1, top_k_method: str = "auto",
-                   ledger=None) -> SubspaceResult:
+                   ledger=None, mesh: jax.sharding.Mesh | None = None,
+                   mesh_axis: str | None = None) -> SubspaceResult:
   """DPASE with ``partition="random_labels"`` on n rows that are computed on demand, never
   stored: ``gather(rows (m,) int) -> (m, d)`` returns the rows ``rows`` (an index ``>= n`` must
   give a zero row; row i a function of individual ``rows[i]`` alone). Memory is about
@@ -356,14 +404,17 @@ def dpase_gathered(key: jax.Array, gather, n: int, d: int, *, dtype, epsilon: fl
     dtype: the rows' dtype (sets the floating-point tolerances and the chunk size).
     epsilon, delta, k, gamma, num_subsets, num_reference_points, cell_length, ell_rule, c0,
       noise, grouping, alpha, top_k_method, ledger: as in :func:`dpase`.
+    mesh, mesh_axis: as in :func:`dpase`: the subsets (their index rows) are sharded over the
+      mesh axis and each device calls ``gather`` for its own subsets (what ``gather`` closes
+      over is replicated); padding subsets ask ``gather`` for index ``n`` only. Same guarantee.
 
   Returns:
     :class:`~dpjax.results.SubspaceResult` as :func:`dpase`'s, ``neighbouring ==
     ADD_OR_REMOVE_ONE``.
 
   Raises:
-    TypeError: ``gather`` is not callable.
-    TypeError / ValueError: as :func:`dpase` for the public arguments.
+    TypeError: ``gather`` is not callable, or ``mesh`` is not a ``jax.sharding.Mesh``.
+    TypeError / ValueError: as :func:`dpase` for the public arguments and ``mesh_axis``.
 
   References:
     Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2.
@@ -373,6 +424,7 @@ def dpase_gathered(key: jax.Array, gather, n: int, d: int, *, dtype, epsilon: fl
     raise TypeError(f"gather must be a callable rows -> (m, d) array, got {type(gather).__name__}.")
   n = v.check_int(n, "n", low=1)
   d = v.check_int(d, "d", low=1)
+  mesh_axis = _check_mesh(mesh, mesh_axis)
   params = _plan(n, d, k, dtype, epsilon=epsilon, delta=delta, gamma=gamma,
                  num_subsets=num_subsets, num_reference_points=num_reference_points,
                  cell_length=cell_length, ell_rule=ell_rule, c0=c0, partition="random_labels",
@@ -383,8 +435,13 @@ def dpase_gathered(key: jax.Array, gather, n: int, d: int, *, dtype, epsilon: fl
   scalars = histogram.histogram_scalars(float(epsilon), float(delta), noise=noise)
   k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
   index = _random_label_index(k_part, n, t, _capacity(m))
-  bases = linalg.top_k_subspaces_of_rows(gather, index, d, k, dtype=dtype, method=solver.method,
-                                         max_iterations=solver.max_iterations)
+
+  def subset_bases(_, block):
+    return linalg.top_k_subspaces_of_rows(gather, block, d, k, dtype=dtype,
+                                          method=solver.method,
+                                          max_iterations=solver.max_iterations)
+
+  bases = _sharded(subset_bases, (), index, n, mesh, mesh_axis)                   # (t, d, k)
   ok, basis, count = _release(k_ref, k_off, k_hist, k_point, bases, params.cell_length, scalars,
                               q=q, grouping=grouping)
   return _result(ok, basis, count, params, d=d, k=k, epsilon=epsilon, delta=delta,
@@ -394,12 +451,14 @@ def dpase_gathered(key: jax.Array, gather, n: int, d: int, *, dtype, epsilon: fl
 def dpase_core(key: jax.Array, X: jax.Array, params: DPASEParameters, *, k: int,
                epsilon: float, delta: float, partition: str = "permutation",
                noise: str = "discrete", grouping: str = "auto",
-               top_k_method: str = "auto"):
+               top_k_method: str = "auto", mesh: jax.sharding.Mesh | None = None,
+               mesh_axis: str | None = None):
   """DPASE without argument validation: traceable in ``key`` and ``X`` (``vmap``-able).
 
   For library code that has validated its inputs and computed ``params`` with
   :func:`dpase_parameters` (e.g. DPASEB runs one DPASE per block under ``vmap``). Same guarantee
-  as :func:`dpase`.
+  as :func:`dpase`; ``mesh`` and ``mesh_axis`` (an axis name, not None, when a mesh is given) as
+  in :func:`dpase`.
 
   Returns:
     ``(ok, basis (d, k), winning_count)``.
@@ -408,7 +467,8 @@ def dpase_core(key: jax.Array, X: jax.Array, params: DPASEParameters, *, k: int,
   return _dpase_traced(key, X, params.cell_length, scalars, t=params.num_subsets,
                        m=params.subset_size, q=params.num_reference_points, k=k,
                        partition=partition, grouping=grouping,
-                       solver=top_k_solver(top_k_method, params.subset_size, X.shape[1], k))
+                       solver=top_k_solver(top_k_method, params.subset_size, X.shape[1], k),
+                       mesh=mesh, mesh_axis=mesh_axis)
 
 
 class TopKSolver(NamedTuple):
@@ -443,12 +503,13 @@ def top_k_solver(method: str, m: int, d: int, k: int) -> TopKSolver:
 
 
 def _dpase_traced(key, X, cell_length, scalars, *, t, m, q, k, partition, grouping, solver,
-                  rows=None):
+                  rows=None, mesh=None, mesh_axis=None):
   """DPASE with its public scalars (ℓ, the histogram's noise scale and τ) traced: only the
   shapes (t, m, q, k) and the partition/grouping/solver choices are static.
 
   ``rows`` (optional ``(n_b,)`` indices into ``X``) runs DPASE on the dataset ``X[rows]``
-  without copying it (DPASEB's blocks). Subsets are gathered by index inside the jitted stage.
+  without copying it (DPASEB's blocks). Subsets are gathered by index inside the jitted stage;
+  with a ``mesh``, each device gathers and solves its share of the subsets (:func:`_sharded`).
   """
   N, d = X.shape
   n = N if rows is None else rows.shape[0]
@@ -459,10 +520,40 @@ def _dpase_traced(key, X, cell_length, scalars, *, t, m, q, k, partition, groupi
     index = _random_label_index(k_part, n, t, _capacity(m))
   if rows is not None:                     # local row i is X[rows[i]]; the padding n maps to N
     index = jnp.append(rows.astype(index.dtype), N)[index]
-  bases = linalg.gathered_top_k_subspaces(X, index, k, method=solver.method,
-                                          max_iterations=solver.max_iterations)   # (t, d, k)
+
+  def subset_bases(X, block):
+    return linalg.gathered_top_k_subspaces(X, block, k, method=solver.method,
+                                           max_iterations=solver.max_iterations)
+
+  bases = _sharded(subset_bases, X, index, N, mesh, mesh_axis)                     # (t, d, k)
   return _release(k_ref, k_off, k_hist, k_point, bases, cell_length, scalars, q=q,
                   grouping=grouping)
+
+
+def _sharded(subset_bases, operand, index, pad, mesh, mesh_axis):
+  """``subset_bases(operand, index) -> (t, d, k)``, with the t index rows sharded over
+  ``mesh_axis`` of ``mesh`` (None: one call, no sharding).
+
+  ``t`` is padded up to a multiple of the axis size with index rows of ``pad`` only (dummy
+  subsets of padding rows, each solved like any subset, from no data); every device solves its
+  own ``t_pad / size`` subsets with ``operand`` replicated; the dummy bases are dropped and the
+  rest gathered (replicated over the mesh) for the histogram. A subset's basis is computed from
+  its own index row alone, wherever it runs.
+  """
+  if mesh is None:
+    return subset_bases(operand, index)
+  t, m = index.shape
+  size = mesh.shape[mesh_axis]
+  padded = -(-t // size) * size
+  index = jnp.concatenate([index, jnp.full((padded - t, m), pad, index.dtype)])
+  spec = PartitionSpec(mesh_axis)
+  bases = jax.shard_map(subset_bases, mesh=mesh, in_specs=(PartitionSpec(), spec),
+                        out_specs=spec)(operand, index)
+  # No gather inside this program: on the CPU a device that finished its subsets would block in
+  # the gather's rendezvous while another still iterates (subspace iteration's while_loop),
+  # and with more devices than threads that deadlocks (measured, jaxlib 0.10.2). The next stage
+  # (the histogram) gathers the bases.
+  return bases[:t]
 
 
 def _release(k_ref, k_off, k_hist, k_point, bases, cell_length, scalars, *, q, grouping):

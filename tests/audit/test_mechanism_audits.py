@@ -773,7 +773,9 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             # test_classic_erm_audits.py, test_classic_pca_audits.py
             "l2-laplace mechanism", "ERM output perturbation",
             "ERM objective perturbation (Delta=0)", "ERM objective perturbation (Delta>0)",
-            "MOD-SuLQ", "PPCA (k = 1)"}
+            "MOD-SuLQ", "PPCA (k = 1)",
+            # test_distributed_audits.py
+            "DP-SGD step on 4 devices"}
 
 
 def _audited_names() -> dict[str, str]:

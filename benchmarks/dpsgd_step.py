@@ -1,0 +1,306 @@
+"""One DP-SGD step: dpjax's ghost clipping against a non-private step and per-example libraries.
+
+    python benchmarks/dpsgd_step.py [--quick] [--json PATH]
+    python benchmarks/dpsgd_step.py --models 784-1024-256-10 --batch 128 --repeats 3
+
+Every side is ONE jitted optimiser step (gradient, privatisation, ``optax.sgd`` update) of a
+tanh MLP with biases and softmax cross-entropy, on a fixed batch of ``--batch`` rows (256; all
+rows real, mask all True), clip norm C = 1, noise multiplier σ = 1:
+
+* ``nonprivate`` — ``jax.grad`` of the mean loss, then sgd (the reference).
+* ``ghost`` — :func:`dpjax.sgd.ghost_clipped_grad_sum` (ghost norms + book-keeping), then
+  :func:`dpjax.sgd.dp_gaussian_noise` and sgd.
+* ``ghost_no_noise`` — the same without the noise (a diagnostic, not private: drawing p
+  Gaussians is a fixed cost of every DP side, threefry's, which the non-private step does not
+  pay).
+* ``vmap`` — :func:`dpjax.sgd.clipped_grad_sum` (``vmap(grad)``, per-example gradients
+  materialised), the same noise and sgd.
+* ``optax_dpsgd`` — ``optax.contrib.dpsgd`` fed ``vmap(grad)`` per-example gradients.
+* ``jax_privacy`` — ``jax_privacy.clipping.clipped_grad(loss, l2_clip_norm=C,
+  keep_batch_dim=False, microbatch_size=--microbatch)`` (its sum of clipped gradients), then
+  dpjax's noise and sgd; recorded as ``"unavailable: ..."`` when it does not import. It always
+  gets its ``microbatch_size`` (32): its faster setting here (measured on 784-512-10, batch 256:
+  1.8 s per sum with it, 4.5 s without, 0.73 s for dpjax's vmap path).
+
+Memory: the per-example sides hold ``batch × p`` gradients (10 GB in float32 at p = 10M,
+batch 256). When that exceeds ``--max-per-example-gb`` (default 2) they run in micro-batches of
+``--microbatch`` rows (32) summed inside the same jitted step: dpjax's vmap path with
+:func:`dpjax.sgd.accumulate_microbatches`, and optax with its own
+``optax.per_example_global_norm_clip`` over each micro-batch, then the noise of
+``optax.contrib.dpsgd`` (std σC per coordinate, divided by the batch size): its
+``GradientTransformation`` cannot take micro-batches. The JSON's ``notes`` say which sides did.
+
+Timing protocol (``benchmarks/_timing.py``): each side's first call (tracing, XLA compilation
+and one run) is reported on its own as ``compile_s``; then ``--repeats`` rounds, each timing
+every side once in turn (interleaved, so all see the same machine load). The ratios are per
+round, ``ghost_r / other_r`` (< 1: ghost faster), summarised by median and min; ``summary``
+holds the medians. Before timing, ghost's clipped sum is checked against the vmap path's
+(``ghost_vs_vmap_max_rel_diff``). Absolute times depend on the machine and its load and are not
+a claim.
+
+``--models`` takes layer widths ``in-h1-...-out``; each model's key in the JSON is its
+parameter count (``1M`` = 784-1024-256-10, 1.07M parameters; ``10M`` = 784-4096-1664-10,
+10.0M). ``--quick``: the 1M model only, 5 repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from _timing import timed
+from dpjax import sgd
+
+DEFAULT_MODELS = ("784-1024-256-10", "784-4096-1664-10")
+SIDES = ("nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd", "jax_privacy")
+CLIP, SIGMA, LR = 1.0, 1.0, 0.1
+
+
+def apply_fn(params, x, *, dense):
+  """The MLP, written once for every side (``dense`` passed in, :func:`dpjax.sgd.dense`)."""
+  for i in range(len(params)):
+    x = dense(params[f"l{i}"], x)
+    if i < len(params) - 1:
+      x = jnp.tanh(x)
+  return x
+
+
+def example_loss(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+def model_key(num_params: int) -> str:
+  if num_params >= 999_500:
+    return f"{num_params / 1e6:.0f}M"
+  return f"{num_params / 1e3:.0f}k" if num_params >= 1000 else str(num_params)
+
+
+def init(widths, seed=0):
+  rng = np.random.default_rng(seed)
+  return {f"l{i}": {"w": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32),
+                    "b": jnp.zeros(b, jnp.float32)}
+          for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))}
+
+
+def _noisy(grad_sum, batch):
+  """dpjax's Gaussian noise (std σC, divided by the batch size) then sgd."""
+  return optax.chain(sgd.dp_gaussian_noise(clip_norm=CLIP, noise_multiplier=SIGMA,
+                                           expected_batch_size=batch, key=jax.random.key(1)),
+                     optax.sgd(LR)), grad_sum
+
+
+def make_steps(widths, batch, micro, micro_rows):
+  """``{side: (jitted step(params, state, X, y), initial state, notes)}``."""
+  params = init(widths)
+  loss_fn = sgd.model_loss(apply_fn, example_loss)
+  mask = jnp.ones(batch, bool)
+  steps = {}
+
+  def build(tx, grad_fn, note=""):
+    def step(params, state, X, y):
+      grads = grad_fn(params, X, y)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+    steps[side] = (jax.jit(step), tx.init(params), note)
+
+  side = "nonprivate"
+  mean_loss = lambda p, X, y: jnp.mean(jax.vmap(loss_fn, (None, 0))(p, (X, y)))  # noqa: E731
+  build(optax.sgd(LR), jax.grad(mean_loss))
+  side = "ghost"
+  ghost = sgd.ghost_clipped_grad_sum(apply_fn, example_loss, clip_norm=CLIP)
+  build(*_noisy(lambda p, X, y: ghost(p, (X, y), mask), batch))
+  side = "ghost_no_noise"
+  build(optax.sgd(LR), lambda p, X, y: ghost(p, (X, y), mask), "diagnostic: no noise")
+  side = "vmap"
+  vmap = sgd.clipped_grad_sum(loss_fn, clip_norm=CLIP)
+  if micro:
+    idx = jnp.arange(batch, dtype=jnp.int32).reshape(-1, micro)
+    build(*_noisy(lambda p, X, y: sgd.accumulate_microbatches(
+        vmap, p, (X, y), idx, jnp.ones(idx.shape, bool)), batch), f"micro-batches of {micro}")
+  else:
+    build(*_noisy(lambda p, X, y: vmap(p, (X, y), mask), batch))
+  side = "optax_dpsgd"
+  if micro:
+    tx = optax.chain(_OptaxNoise(batch), optax.sgd(LR))
+    build(tx, _optax_clipped_sum(loss_fn, micro),
+          f"optax.per_example_global_norm_clip over micro-batches of {micro}, dpsgd's noise")
+  else:
+    per_example = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))
+    with warnings.catch_warnings():                 # optax 0.2.8: "seed" is deprecated
+      warnings.simplefilter("ignore", DeprecationWarning)
+      tx = optax.contrib.dpsgd(LR, CLIP, SIGMA, seed=0)
+    build(tx, lambda p, X, y: per_example(p, (X, y)))
+  side = "jax_privacy"
+  try:
+    from jax_privacy import clipping
+    clipped = clipping.clipped_grad(loss_fn, l2_clip_norm=CLIP, batch_argnums=1,
+                                    keep_batch_dim=False, microbatch_size=micro_rows)
+    build(*_noisy(lambda p, X, y: clipped(p, (X, y)), batch), f"microbatch_size={micro_rows}")
+  except ImportError as err:
+    steps[side] = (None, None, f"unavailable: {err}")
+  return params, steps, (loss_fn, ghost, vmap, mask)
+
+
+def _OptaxNoise(batch):
+  """The noise of ``optax.contrib.differentially_private_aggregate`` applied to a clipped SUM."""
+  def init_fn(params):
+    del params
+    return jax.random.key(2)
+
+  def update_fn(total, key, params=None):
+    del params
+    leaves, treedef = jax.tree_util.tree_flatten(total)
+    key, *keys = jax.random.split(key, len(leaves) + 1)
+    noised = [(g + CLIP * SIGMA * jax.random.normal(k, g.shape, g.dtype)) / batch
+              for g, k in zip(leaves, keys)]
+    return jax.tree_util.tree_unflatten(treedef, noised), key
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _optax_clipped_sum(loss_fn, micro):
+  per_example = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))
+
+  def grad_sum(params, X, y):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+
+    def body(total, chunk):
+      clipped, _ = optax.per_example_global_norm_clip(
+          jax.tree_util.tree_leaves(per_example(params, chunk)), CLIP)
+      return [t + c for t, c in zip(total, clipped)], None
+
+    chunks = (X.reshape((-1, micro) + X.shape[1:]), y.reshape((-1, micro) + y.shape[1:]))
+    total, _ = jax.lax.scan(body, [jnp.zeros_like(p) for p in leaves], chunks)
+    return jax.tree_util.tree_unflatten(treedef, total)
+
+  return grad_sum
+
+
+def run_model(widths, batch, repeats, max_gb, micro_rows):
+  params0 = init(widths)
+  num_params = sum(x.size for x in jax.tree_util.tree_leaves(params0))
+  per_example_gb = batch * num_params * 4 / 1e9
+  micro = micro_rows if per_example_gb > max_gb else 0
+  if batch % micro_rows:
+    raise ValueError(f"--batch {batch} must be a multiple of --microbatch {micro_rows}.")
+  params, steps, (loss_fn, ghost, vmap, mask) = make_steps(widths, batch, micro, micro_rows)
+  rng = np.random.default_rng(1)
+  X = jnp.asarray(rng.standard_normal((batch, widths[0])), jnp.float32)
+  y = jnp.asarray(rng.integers(0, widths[-1], batch))
+  check = {}
+  if not micro:
+    a = jax.jit(lambda p: ghost(p, (X, y), mask))(params)
+    b = jax.jit(lambda p: vmap(p, (X, y), mask))(params)
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(t)])  # noqa
+    check["ghost_vs_vmap_max_rel_diff"] = float(np.max(np.abs(flat(a) - flat(b)))
+                                                / np.max(np.abs(flat(b))))
+  live = [s for s in SIDES if steps[s][0] is not None]
+  compile_s, times = {}, {s: [] for s in live}
+  for s in live:
+    fn, state, _ = steps[s]
+    first, _ = timed(lambda: fn(params, state, X, y))
+    compile_s[s] = first
+  for _ in range(repeats):                                            # interleaved rounds
+    for s in live:
+      fn, state, _ = steps[s]
+      times[s].append(timed(lambda: fn(params, state, X, y))[0])
+  median = {s: float(np.median(times[s])) for s in live}
+  for s in live:
+    compile_s[s] = max(compile_s[s] - median[s], 0.0)
+  ratios = {}
+  for s in live:
+    if s != "ghost":
+      r = np.asarray(times["ghost"]) / np.asarray(times[s])
+      ratios[s] = {"median": float(np.median(r)), "min": float(np.min(r)),
+                   "paired": r.tolist()}
+  vmap_ratios = {}
+  for s in live:
+    if s != "vmap":
+      r = np.asarray(times["vmap"]) / np.asarray(times[s])
+      vmap_ratios[s] = {"median": float(np.median(r)), "min": float(np.min(r))}
+  r = np.asarray(times["ghost_no_noise"]) / np.asarray(times["nonprivate"])
+  check["ghost_no_noise_vs_nonprivate"] = {"median": float(np.median(r)),
+                                           "min": float(np.min(r))}
+  return {"widths": list(widths), "num_params": int(num_params), "batch": batch,
+          "per_example_gradients_gb": per_example_gb, "microbatch": micro or None,
+          "median_s": median, "compile_s": compile_s, "times_s": times,
+          "ghost_ratio": ratios, "vmap_ratio": vmap_ratios,
+          "notes": {s: steps[s][2] for s in SIDES if steps[s][2]}, **check}
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="the 1M model only, 5 repeats")
+  parser.add_argument("--models", nargs="+", default=None,
+                      help="layer widths in-h1-...-out per model (default: "
+                      + " ".join(DEFAULT_MODELS) + ")")
+  parser.add_argument("--batch", type=int, default=256)
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="interleaved rounds (default 7, 5 with --quick)")
+  parser.add_argument("--microbatch", type=int, default=32,
+                      help="rows per micro-batch of the per-example sides when they need it")
+  parser.add_argument("--max-per-example-gb", type=float, default=2.0,
+                      help="per-example gradients larger than this run in micro-batches")
+  parser.add_argument("--json", type=str, default=None)
+  args = parser.parse_args(argv)
+  models = args.models or (DEFAULT_MODELS[:1] if args.quick else DEFAULT_MODELS)
+  repeats = args.repeats or (5 if args.quick else 7)
+  results = {}
+  for spec in models:
+    widths = [int(w) for w in spec.split("-")]
+    res = run_model(widths, args.batch, repeats, args.max_per_example_gb, args.microbatch)
+    results[model_key(res["num_params"])] = res
+  jp = lambda r: r["ghost_ratio"]["jax_privacy"]["median"] if "jax_privacy" in r["ghost_ratio"] \
+      else r["notes"]["jax_privacy"]                                              # noqa: E731
+  summary = {
+      "ratio_vs_nonprivate": {k: r["ghost_ratio"]["nonprivate"]["median"]
+                              for k, r in results.items()},
+      "ratio_vs_optax_dpsgd": {k: r["ghost_ratio"]["optax_dpsgd"]["median"]
+                               for k, r in results.items()},
+      "ratio_vs_jax_privacy": {k: jp(r) for k, r in results.items()},
+      "ratio": "ghost step time / other side's step time, median over interleaved rounds",
+      "median_s": {k: r["median_s"] for k, r in results.items()},
+      "ghost_without_noise_ratio_vs_nonprivate": {
+          k: r["ghost_no_noise_vs_nonprivate"]["median"] for k, r in results.items()},
+      "vmap_ratio_vs_nonprivate": {k: r["vmap_ratio"]["nonprivate"]["median"]
+                                   for k, r in results.items()},
+      "vmap_ratio_vs_optax_dpsgd": {k: r["vmap_ratio"]["optax_dpsgd"]["median"]
+                                    for k, r in results.items()},
+  }
+  config = {"batch": args.batch, "repeats": repeats, "clip_norm": CLIP,
+            "noise_multiplier": SIGMA, "learning_rate": LR, "backend": jax.default_backend(),
+            "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+            "optax": optax.__version__}
+  print(f"DP-SGD step, batch {args.batch}, {repeats} interleaved rounds, "
+        f"backend={jax.default_backend()}")
+  print(f"{'model':<8}{'side':<16}{'median s':>10}{'compile s':>11}{'ghost/side':>12}"
+        f"{'min':>8}   notes")
+  for k, r in results.items():
+    for s in SIDES:
+      if s not in r["median_s"]:
+        print(f"{k:<8}{s:<16}{'-':>10}{'-':>11}{'-':>12}{'-':>8}   {r['notes'].get(s, '')}")
+        continue
+      ratio = r["ghost_ratio"].get(s)
+      rtxt = f"{ratio['median']:>11.3f}x{ratio['min']:>7.3f}x" if ratio else f"{'':>20}"
+      print(f"{k:<8}{s:<16}{r['median_s'][s]:>10.4f}{r['compile_s'][s]:>11.2f}{rtxt}   "
+            f"{r['notes'].get(s, '')}")
+    if "ghost_vs_vmap_max_rel_diff" in r:
+      print(f"{k:<8}ghost vs vmap clipped sum: max rel diff "
+            f"{r['ghost_vs_vmap_max_rel_diff']:.2e}")
+  out = {"summary": summary, "models": results, "config": config}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=2)
+  return out
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,480 @@
+"""Clipped-gradient sums without per-example gradients: ghost norms and book-keeping.
+
+For a dense layer ``z = x W + b`` the gradient of ONE example's loss is ``x_iᵀ δ_i`` (and
+``Σ_t δ_it`` for the bias), where ``x_i (T, a)`` is the layer's input and ``δ_i = ∂ℓ_i/∂z_i
+(T, b)`` the gradient at its output (T = 1 for a vector input). So its squared norm is
+``‖x_i‖²‖δ_i‖²`` when T = 1, and ``⟨x_i x_iᵀ, δ_i δ_iᵀ⟩`` (T² < a·b) or ``‖x_iᵀ δ_i‖²_F`` for a
+sequence, without forming the ``(B, a, b)`` per-example gradients (Goodfellow 2015; Li et al.
+2022's ghost norm). Book-keeping (Bu et al. 2023) keeps every layer's ``(x_i, δ_i)`` from ONE
+forward and ONE backward pass, so after the clip factors ``c_i`` are known the clipped sum of a
+layer is one matmul, ``Σ_i c_i mask_i x_iᵀ δ_i``: no second backward pass.
+
+The model is written once with its dense layers passed in, ``apply_fn(params, x, *, dense)``,
+so no global state is needed: the user's own training calls it with :func:`dense`, and
+:func:`ghost_clipped_grad_sum` calls it with a recording ``dense`` that adds a zero "tap" ``τ``
+to each layer's output (the gradient w.r.t. ``τ_i`` is ``δ_i``) and keeps the layer's input.
+
+The clipping is the same map as :mod:`dpjax.sgd.per_example` (its edge-case table), applied to the
+same global norm over all parameters of one example:
+
+=========================================  ==================================================
+one example's gradient ``g`` (never formed)  contribution to the sum
+=========================================  ==================================================
+``‖g‖ ≤ C`` (``"clip"``)                    ``g``
+``‖g‖ > C`` (finite)                        ``g · C/‖g‖``; no overflow or underflow: every
+                                            layer's ``x_i`` and ``δ_i`` are scaled by exact
+                                            powers of two before any product, the exponents
+                                            are kept as integers
+``g = 0``                                   ``0`` (no 0/0)
+``‖g‖`` not finite (a NaN or ±inf in any    ``0`` for the whole example, as with the vmap
+``x_i``, ``δ_i`` or gradient, or a norm     path (``‖g‖`` beyond the float range is inf
+beyond the float range)                     there too)
+=========================================  ==================================================
+
+``"normalize"`` gives ``C·g/(‖g‖ + γ)``, as :func:`dpjax.sgd.clip_per_example`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Mapping
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dpjax import _validation as v
+from dpjax import linalg
+from dpjax.sgd import per_example
+from dpjax.sgd.per_example import DEFAULT_STABILITY
+
+_NO_EXPONENT = -(2 ** 20)   # the exponent of a zero partial norm (below every float's range)
+
+
+def _layer_params(params):
+  """``(w, b or None)`` of a dense layer's parameters ``{"w": (a, b), "b": (b,)}``."""
+  if not isinstance(params, Mapping) or "w" not in params or not set(params) <= {"w", "b"}:
+    keys = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+    raise ValueError("dense params must be a mapping {'w': (a, b)} or {'w': (a, b), 'b': (b,)}, "
+                     f"got {keys}.")
+  return params["w"], params.get("b")
+
+
+def dense(params, x):
+  """A dense layer ``x @ w + b``, the layer :func:`ghost_clipped_grad_sum` can clip cheaply.
+
+  Write the model with it passed in, ``apply_fn(params, x, *, dense=dpjax.sgd.dense)``, and call
+  it as usual for a non-private step or evaluation; the DP path substitutes its recording copy.
+
+  Args:
+    params: ``{"w": (a, b)}`` or ``{"w": (a, b), "b": (b,)}`` (floats).
+    x: ``(..., a)`` input (any leading axes: a sequence ``(T, a)`` shares ``w`` across T).
+
+  Returns:
+    ``(..., b)`` array, ``x @ w (+ b)`` at ``precision=HIGHEST``, in the promoted dtype.
+
+  Raises:
+    ValueError: other keys than ``w`` and ``b``; ``w`` not 2-D; ``x.shape[-1] != a``;
+      ``b.shape != (b,)``.
+  """
+  w, b = _layer_params(params)
+  if jnp.ndim(w) != 2:
+    raise ValueError(f"dense params['w'] must be 2-D (a, b), got shape {jnp.shape(w)}.")
+  if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
+    raise ValueError(f"dense input must have shape (..., {jnp.shape(w)[0]}) to match w of shape "
+                     f"{jnp.shape(w)}, got {jnp.shape(x)}.")
+  if b is not None and jnp.shape(b) != (jnp.shape(w)[1],):
+    raise ValueError(f"dense params['b'] must have shape ({jnp.shape(w)[1]},), got "
+                     f"{jnp.shape(b)}.")
+  out = jnp.matmul(x, w, precision=linalg.HIGHEST)
+  return out if b is None else out + b
+
+
+def model_loss(apply_fn: Callable, example_loss: Callable) -> Callable:
+  """``loss_fn(params, (x, y)) = example_loss(apply_fn(params, x, dense=dense), y)``.
+
+  The one-example loss of the same model for :func:`dpjax.sgd.clipped_grad_sum` (the vmap
+  path) or a non-private step. Not private by itself.
+
+  Raises:
+    TypeError: ``apply_fn`` or ``example_loss`` not callable.
+  """
+  _check_callables(apply_fn, example_loss)
+
+  def loss_fn(params, example):
+    x, y = example
+    return example_loss(apply_fn(params, x, dense=dense), y)
+
+  return loss_fn
+
+
+def _check_callables(apply_fn, example_loss):
+  if not callable(apply_fn):
+    raise TypeError(f"apply_fn must be callable, got {type(apply_fn).__name__}.")
+  if not callable(example_loss):
+    raise TypeError(f"example_loss must be callable, got {type(example_loss).__name__}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Which parameter leaves the ghost path covers, found by tracing one example abstractly.
+
+  ``calls[j] = (w, b, out)``: the j-th ``dense`` call's covered leaf indices (None: not
+  covered) and its output's shape; ``uncovered``: leaves used otherwise (per-example gradients
+  by ``vmap(grad)``); ``unused``: leaves the loss does not depend on (zero gradient).
+  """
+  calls: tuple
+  uncovered: tuple
+  unused: tuple
+
+
+def _split_batch(batch):
+  if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+    raise TypeError("batch must be a pair (inputs, targets) of pytrees with a leading batch "
+                    f"axis, got {type(batch).__name__}.")
+  leaves = jax.tree_util.tree_leaves(batch)
+  sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
+  if not leaves or None in sizes or len(sizes) != 1:
+    raise ValueError("all leaves of batch must share a leading batch axis, got leading sizes "
+                     f"{sorted(str(s) for s in sizes)}.")
+  return batch[0], batch[1], sizes.pop()
+
+
+def _plan(apply_fn, example_loss, leaves, treedef, inputs, targets) -> _Plan:
+  """Traces one example with ShapeDtypeStructs; a leaf is covered when exactly one ``dense``
+  call receives it and nothing else in the traced loss reads it."""
+  def spec(x, lead=0):
+    return jax.ShapeDtypeStruct(jnp.shape(x)[lead:], jnp.result_type(x))
+
+  records = []
+
+  def traced(leaves, inputs_i, targets_i):
+    index = {id(x): i for i, x in enumerate(leaves)}
+
+    def recording(params, x):
+      w, b = _layer_params(params)
+      iw, ib = index.get(id(w)), (None if b is None else index.get(id(b)))
+      # A leaf seen here is replaced by zeros, so any other read of it stays in the jaxpr.
+      layer = {"w": w if iw is None else jnp.zeros(jnp.shape(w), jnp.result_type(w))}
+      if b is not None:
+        layer["b"] = b if ib is None else jnp.zeros(jnp.shape(b), jnp.result_type(b))
+      out = dense(layer, x)
+      records.append((iw, ib, spec(out)))
+      return out
+
+    return example_loss(apply_fn(jax.tree_util.tree_unflatten(treedef, leaves), inputs_i,
+                                 dense=recording), targets_i)
+
+  closed = jax.make_jaxpr(traced)([spec(x) for x in leaves],
+                                  jax.tree_util.tree_map(lambda x: spec(x, 1), inputs),
+                                  jax.tree_util.tree_map(lambda x: spec(x, 1), targets))
+  out = closed.out_avals[0]
+  if len(closed.out_avals) != 1 or out.shape != () or not jnp.issubdtype(out.dtype,
+                                                                        jnp.floating):
+    raise TypeError("example_loss(apply_fn(params, x), y) must return a real scalar for one "
+                    f"example, got {closed.out_avals}.")
+  jaxpr = closed.jaxpr
+  read = {id(var) for eqn in jaxpr.eqns for var in eqn.invars} | {id(var) for var in
+                                                                   jaxpr.outvars}
+  counts = [0] * len(leaves)
+  for iw, ib, _ in records:
+    for i in (iw, ib):
+      if i is not None:
+        counts[i] += 1
+  leaf_vars = jaxpr.invars[:len(leaves)]
+  covered = {i for i, var in enumerate(leaf_vars) if counts[i] == 1 and id(var) not in read}
+  unused = tuple(i for i, var in enumerate(leaf_vars) if counts[i] == 0 and id(var) not in read)
+  uncovered = tuple(i for i in range(len(leaves)) if i not in covered and i not in unused)
+  calls = tuple((iw if iw in covered else None, ib if ib in covered else None, out)
+                for iw, ib, out in records)
+  return _Plan(calls, uncovered, unused)
+
+
+def _warn_uncovered(params, plan):
+  if plan.uncovered:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    warnings.warn("ghost clipping: parameters " + ", ".join(paths[i] for i in plan.uncovered)
+                  + " are not (only) read by one dense call; their per-example gradients are "
+                  "computed by vmap(grad) (exact, slower).", stacklevel=3)
+
+
+def _forward_backward(apply_fn, example_loss, plan, leaves, treedef, inputs, targets, size):
+  """One vmapped forward and backward: ``(δ per tapped call, x per tapped call, per-example
+  gradients of the uncovered leaves)``, each with a leading batch axis."""
+  tapped = [out for iw, ib, out in plan.calls if iw is not None or ib is not None]
+  taps = [jnp.zeros((size,) + s.shape, s.dtype) for s in tapped]
+  free = [leaves[i] for i in plan.uncovered]
+
+  def one(taps_i, free_i, inputs_i, targets_i):
+    full = list(leaves)
+    for i, leaf in zip(plan.uncovered, free_i):
+      full[i] = leaf
+    count, kept = [0], []
+
+    def recording(params, x):
+      j = count[0]
+      count[0] += 1
+      w, b = _layer_params(params)
+      iw, ib, _ = plan.calls[j] if j < len(plan.calls) else (None, None, None)
+      if (j >= len(plan.calls) or (iw is not None and w is not leaves[iw])
+          or (ib is not None and b is not leaves[ib])):
+        raise RuntimeError("apply_fn must call dense on the same layers in the same order "
+                           "every time it is traced.")
+      out = dense(params, x)
+      if iw is None and ib is None:
+        return out
+      kept.append(x)
+      return out + taps_i[len(kept) - 1]
+
+    loss = example_loss(apply_fn(jax.tree_util.tree_unflatten(treedef, full), inputs_i,
+                                 dense=recording), targets_i)
+    if count[0] != len(plan.calls):
+      raise RuntimeError("apply_fn must call dense on the same layers in the same order "
+                         "every time it is traced.")
+    return loss, kept
+
+  grad = jax.grad(one, argnums=(0, 1), has_aux=True)
+  (deltas, free_grads), xs = jax.vmap(grad, in_axes=(0, None, 0, 0))(taps, free, inputs,
+                                                                      targets)
+  return deltas, xs, free_grads
+
+
+def _bits(dtype):
+  info = jnp.finfo(dtype)
+  return info, {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[info.dtype.itemsize]
+
+
+def _exp2(e, dtype):
+  """``2^e`` exactly, for integer ``e`` in the dtype's normal range (built from its bits; the
+  generic ``jnp.ldexp`` / ``jnp.frexp`` triple XLA's compile time here)."""
+  info, ints = _bits(dtype)
+  return jax.lax.bitcast_convert_type((e.astype(ints) + (info.maxexp - 1)) << info.nmant, dtype)
+
+
+def _ldexp(x, e):
+  """``x · 2^e`` (``e`` int32, broadcast against ``x``): exact but for over/underflow of the
+  result, in two factors that stay in the normal range."""
+  lim = jnp.finfo(x.dtype).maxexp - 2
+  e = jnp.clip(e, -2 * lim, 2 * lim)
+  h = jax.lax.shift_right_arithmetic(e, jnp.ones_like(e))            # ⌊e/2⌋
+  return x * _exp2(h, x.dtype) * _exp2(e - h, x.dtype)
+
+
+def _exponent(amax):
+  """``e`` with ``amax < 2^e`` and ``amax ≥ 2^(e−1)`` for a normal ``amax > 0`` (frexp's)."""
+  info, ints = _bits(amax.dtype)
+  biased = (jax.lax.bitcast_convert_type(amax, ints) >> info.nmant) & (2 * info.maxexp - 1)
+  return (biased - (info.maxexp - 2)).astype(jnp.int32)
+
+
+def _pow2_scale(x, e):
+  """``x · 2^e`` per example (``e`` ``(B,)`` int32)."""
+  return _ldexp(x, e.reshape((-1,) + (1,) * (x.ndim - 1)))
+
+
+def _normalised(x):
+  """``(e, x / 2^e)`` per example: ``max|x_i / 2^e_i| ∈ [1/2, 1)``; e = 0 for a zero or
+  non-finite example (which stays non-finite)."""
+  amax = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim)), initial=0)
+  ok = jnp.isfinite(amax) & (amax > 0)
+  e = jnp.where(ok, _exponent(jnp.where(ok, amax, 1)), 0)
+  return e, _pow2_scale(x, -e)
+
+
+def _sqnorm(x):
+  return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)))
+
+
+class _Partial(NamedTuple):
+  """One block of the per-example gradient: its norm ``norm · 2^exponent`` (``(B,)`` each), and
+  ``total(coef, ok)``, its sum weighted by per-example coefficients ``(B,)`` (rows with ``ok``
+  False skipped)."""
+  norm: jax.Array
+  exponent: jax.Array
+  total: Callable
+
+
+def _partials(plan, deltas, xs, free_grads, leaves):
+  """The blocks: each covered leaf, and each uncovered leaf (its per-example gradient)."""
+  parts = {}
+  tapped = [(iw, ib) for iw, ib, _ in plan.calls if iw is not None or ib is not None]
+  for (iw, ib), delta, x in zip(tapped, deltas, xs):
+    size = delta.shape[0]
+    dtype = jnp.result_type(x, delta, *(leaves[i] for i in (iw, ib) if i is not None))
+    a, width = x.shape[-1], delta.shape[-1]
+    x = jnp.reshape(x, (size, -1, a)).astype(dtype)
+    delta = jnp.reshape(delta, (size, -1, width)).astype(dtype)
+    steps = x.shape[1]
+    ex, xt = _normalised(x)
+    ed, dt = _normalised(delta)
+    if iw is not None:
+      if steps == 1:
+        norm = jnp.sqrt(_sqnorm(xt)) * jnp.sqrt(_sqnorm(dt))
+      elif steps * steps < a * width:
+        gx = jnp.einsum("nta,nsa->nts", xt, xt, precision=linalg.HIGHEST)
+        gd = jnp.einsum("ntb,nsb->nts", dt, dt, precision=linalg.HIGHEST)
+        norm = jnp.sqrt(jnp.maximum(jnp.sum(gx * gd, axis=(1, 2)), 0))
+      else:
+        norm = jnp.sqrt(_sqnorm(jnp.einsum("nta,ntb->nab", xt, dt, precision=linalg.HIGHEST)))
+
+      def weight_total(coef, ok, xt=xt, dt=dt, w=leaves[iw]):
+        keep = ok[:, None, None]
+        xk = jnp.where(keep, coef.astype(xt.dtype)[:, None, None] * xt, 0)
+        return jnp.tensordot(xk, jnp.where(keep, dt, 0), axes=((0, 1), (0, 1)),
+                             precision=linalg.HIGHEST).astype(jnp.result_type(w))
+
+      parts[iw] = _Partial(norm, ex + ed, weight_total)
+    if ib is not None:
+      dsum = jnp.sum(dt, axis=1)
+
+      def bias_total(coef, ok, dsum=dsum, b=leaves[ib]):
+        return jnp.tensordot(coef.astype(dsum.dtype), jnp.where(ok[:, None], dsum, 0), axes=1,
+                             precision=linalg.HIGHEST).astype(jnp.result_type(b))
+
+      parts[ib] = _Partial(jnp.sqrt(_sqnorm(dsum)), ed, bias_total)
+  for i, g in zip(plan.uncovered, free_grads):
+    e, gt = _normalised(g)
+
+    def free_total(coef, ok, gt=gt, leaf=leaves[i]):
+      keep = ok.reshape((-1,) + (1,) * (gt.ndim - 1))
+      return jnp.tensordot(coef.astype(gt.dtype), jnp.where(keep, gt, 0), axes=1,
+                           precision=linalg.HIGHEST).astype(jnp.result_type(leaf))
+
+    parts[i] = _Partial(jnp.sqrt(_sqnorm(gt)), e, free_total)
+  return parts
+
+
+def _global_norm(parts):
+  """``(m, E)`` with the per-example global norm ``m · 2^E`` (no overflow in m)."""
+  exps = [jnp.where(p.norm > 0, p.exponent, _NO_EXPONENT) for p in parts]
+  top = functools.reduce(jnp.maximum, exps)
+  m = jnp.sqrt(sum(jnp.square(_ldexp(p.norm, e - top)) for p, e in zip(parts, exps)))
+  return m, top
+
+
+def _ghost(apply_fn, example_loss, params, batch):
+  inputs, targets, size = _split_batch(batch)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  plan = _plan(apply_fn, example_loss, leaves, treedef, inputs, targets)
+  _warn_uncovered(params, plan)
+  deltas, xs, free_grads = _forward_backward(apply_fn, example_loss, plan, leaves, treedef,
+                                             inputs, targets, size)
+  return plan, leaves, treedef, size, _partials(plan, deltas, xs, free_grads, leaves)
+
+
+def ghost_norms(apply_fn: Callable, example_loss: Callable) -> Callable:
+  """``fn(params, batch)`` → the ``(B,)`` per-example gradient norms, by ghost norms.
+
+  Equal (to float rounding) to ``per_example.global_norms(per_example_grads(model_loss(...)))``
+  but without per-example gradients of the dense layers. Private values: a diagnostic, not for
+  release.
+
+  Args:
+    apply_fn, example_loss: as :func:`ghost_clipped_grad_sum`.
+
+  Returns:
+    A jittable ``fn(params, batch)``, ``batch = (inputs, targets)``, returning ``(B,)`` norms in
+    the gradients' (promoted) float dtype: inf or NaN for an example with a non-finite entry or
+    a norm beyond the float range.
+
+  Raises:
+    TypeError: ``apply_fn`` or ``example_loss`` not callable (at once); at trace time a batch
+      that is not a pair, a loss that is not a real scalar.
+  """
+  _check_callables(apply_fn, example_loss)
+
+  def fn(params, batch):
+    _, _, _, size, parts = _ghost(apply_fn, example_loss, params, batch)
+    if not parts:
+      return jnp.zeros((size,))
+    m, top = _global_norm(list(parts.values()))
+    return _ldexp(m, top)
+
+  return fn
+
+
+def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_norm: float,
+                           clipping: str = "clip",
+                           stability: float = DEFAULT_STABILITY) -> per_example.ClippedGradSum:
+  """``fn(params, batch, mask)`` = ``Σ_i mask_i · clip_C(∇ loss_i)`` by ghost clipping.
+
+  The same sum as ``dpjax.sgd.clipped_grad_sum(model_loss(apply_fn, example_loss), ...)``
+  (equal to float rounding), computed with one forward and one backward pass over the batch
+  and one matmul per dense layer: the per-example gradients of the dense layers are never
+  formed (module docstring; Bu et al. 2023). Cost is close to a non-private step's.
+
+  The model: ``apply_fn(params, x, *, dense) -> outputs`` for ONE example ``x`` (no batch
+  axis), building its dense layers with the ``dense`` it is given (:func:`dense`'s signature,
+  ``dense(params["layer"], h)``); the loss: ``example_loss(outputs, y) -> scalar``. A parameter
+  leaf is clipped by ghost norms when exactly one ``dense`` call receives it (as ``w`` or ``b``,
+  unchanged) and nothing else reads it; every other leaf the loss depends on (weight tying, a
+  layer norm's scale, an embedding table, ``dense`` called inside ``lax.scan``) gets its
+  per-example gradients by ``vmap(grad)`` restricted to those leaves (exact, slower; a
+  ``UserWarning`` names them), and the global norm covers all leaves together. ``apply_fn``
+  must call ``dense`` at its top level (not inside ``jax.checkpoint`` or a ``lax`` control-flow
+  body with the parameters closed over) and deterministically (the same calls in the same
+  order on every trace; ``RuntimeError`` otherwise).
+
+  Privacy: every term (one example's clipped gradient) has ℓ2 norm ≤ C whatever the example
+  (module edge-case table: a non-finite example contributes 0), so the sum has ℓ2-sensitivity
+  C under add/remove-one, as :func:`dpjax.sgd.clipped_grad_sum`; ``fn.l2_norm_bound = C``.
+  The norm rests on exact identities (``‖x_iᵀδ_i‖_F = ‖x_i‖‖δ_i‖`` for a vector input,
+  ``‖x_iᵀδ_i‖²_F = ⟨x_i x_iᵀ, δ_i δ_iᵀ⟩`` for a sequence), evaluated on the same scaled
+  ``(x_i, δ_i)`` (and gradients of uncovered leaves) that form the example's terms, so the clip
+  factor is that of the gradient actually summed (up to float rounding, as on the vmap path);
+  tests check the norms against :func:`dpjax.sgd.global_norms` of the vmap path, extreme scales
+  included. Masked rows (``mask_i = 0``) contribute exactly 0 whatever they hold.
+
+  Args:
+    apply_fn: ``apply_fn(params, x, *, dense)`` (one example).
+    example_loss: ``example_loss(outputs, y) -> scalar`` (one example).
+    clip_norm: C > 0.
+    clipping: ``"clip"`` (``g / max(1, ‖g‖/C)``) or ``"normalize"`` (``C·g/(‖g‖ + γ)``).
+    stability: γ > 0 of ``"normalize"`` (default 0.01).
+
+  Returns:
+    A :class:`dpjax.sgd.ClippedGradSum` ``fn(params, batch, mask)``: ``batch = (inputs,
+    targets)``, pytrees whose leaves share a leading axis B; ``mask (B,)`` bool or float (1 for a
+    real, sampled example, 0 for padding); returns a pytree like ``params`` in its leaves'
+    dtypes. Drops into :func:`dpjax.sgd.poisson_clipped_sum`,
+    :func:`dpjax.sgd.accumulate_microbatches` and :func:`dpjax.sgd.dp_sgd_privatizer`.
+
+  Raises:
+    ValueError: C ≤ 0 or not finite; γ ≤ 0; an unknown ``clipping``; at trace time, batch
+      leaves without a shared leading axis, a mask not of shape ``(B,)``, bad dense shapes.
+    TypeError: ``apply_fn`` or ``example_loss`` not callable; at trace time, a batch that is
+      not a pair or a loss that is not a real scalar.
+
+  References:
+    Bu, Wang, Zha, Karypis, "Differentially Private Optimization on Large Model at Small Cost",
+    ICML 2023 (book-keeping); Goodfellow, "Efficient Per-Example Gradient Computations", 2015;
+    Li, Tramèr, Liang, Hashimoto, "Large Language Models Can Be Strong Differentially Private
+    Learners", ICLR 2022 (ghost norm of sequence layers); Abadi et al., CCS 2016 (DP-SGD).
+  """
+  clip_norm = v.check_positive(clip_norm, "clip_norm")
+  clipping, stability = per_example.check_clipping(clipping, stability)
+  _check_callables(apply_fn, example_loss)
+
+  def fn(params, batch, mask):
+    size = _split_batch(batch)[2]
+    if jnp.shape(mask) != (size,):
+      raise ValueError(f"mask must have shape ({size},), got {jnp.shape(mask)}.")
+    plan, leaves, treedef, size, parts = _ghost(apply_fn, example_loss, params, batch)
+    out = [jnp.zeros(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+    if parts:
+      m, top = _global_norm(list(parts.values()))
+      ok = jnp.isfinite(_ldexp(m, top))
+      for i, p in parts.items():
+        # C·2^e / max(‖g‖, C) (or C·2^e / (‖g‖ + γ)) with ‖g‖/2^e = m·2^(top−e): no overflow.
+        rel = _ldexp(m, top - p.exponent)
+        if clipping == "normalize":
+          denom = rel + _ldexp(jnp.asarray(stability, m.dtype), -p.exponent)
+        else:
+          denom = jnp.maximum(rel, _ldexp(jnp.asarray(clip_norm, m.dtype), -p.exponent))
+        coef = jnp.where(ok & (p.norm > 0), clip_norm / denom, 0)
+        out[i] = p.total(coef * jnp.asarray(mask).astype(coef.dtype), ok)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  return per_example.ClippedGradSum(fn, clip_norm)

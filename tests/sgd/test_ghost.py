@@ -1,0 +1,203 @@
+"""Ghost clipping with book-keeping: the vmap path's clipped sum without per-example gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from dpjax import sgd
+from dpjax.sgd import ghost
+from dpjax.sgd import per_example as pe
+from helpers import normal
+
+
+def _mlp(num_layers, activation=jnp.tanh):
+  def apply_fn(params, x, *, dense):
+    for i in range(num_layers):
+      x = dense(params[f"l{i}"], x)
+      if i < num_layers - 1:
+        x = activation(x)
+    return x
+  return apply_fn
+
+
+def _params(seed, sizes, bias=True, dtype=jnp.float32):
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"l{i}"] = {"w": normal(seed + i, (a, b), dtype) / np.sqrt(a)}
+    if bias:
+      params[f"l{i}"]["b"] = normal(seed + 100 + i, (b,), dtype) * 0.1
+  return params
+
+
+def _xent(logits, y):
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def _batch(seed, n, shape, classes, dtype=jnp.float32):
+  X = normal(seed, (n,) + shape, dtype) * 2
+  y = jnp.asarray(np.random.default_rng(seed).integers(0, classes, (n,) + shape[:-1]))
+  return X, y
+
+
+def _flat(tree):
+  return np.asarray(ravel_pytree(tree)[0])
+
+
+def _vmap_grads(apply_fn, params, batch):
+  """Per-example gradients by ``vmap(grad)`` (the reference), jitted."""
+  return jax.jit(pe.per_example_grads(ghost.model_loss(apply_fn, _xent)))(params, batch)
+
+
+def _both(apply_fn, **kwargs):
+  """The ghost path and the vmap path (``clipped_grad_sum``) of the same model, jitted."""
+  return (jax.jit(ghost.ghost_clipped_grad_sum(apply_fn, _xent, **kwargs)),
+          jax.jit(pe.clipped_grad_sum(ghost.model_loss(apply_fn, _xent), **kwargs)))
+
+
+@pytest.mark.parametrize("layers,bias,shape,clipping,dtype", [
+    (1, True, (5,), "clip", jnp.float64),
+    (2, False, (5,), "normalize", jnp.float32),
+    (3, True, (4, 5), "clip", jnp.float32),        # sequence, Gram route (T² < a·b)
+    (2, True, (30, 3), "normalize", jnp.float32),  # sequence, direct route (T² ≥ a·b)
+    pytest.param(3, False, (4, 5), "normalize", jnp.float64, marks=pytest.mark.slow),
+])
+def test_equals_the_vmap_path(layers, bias, shape, clipping, dtype):
+  with jax.enable_x64(dtype == jnp.float64):
+    sizes = [shape[-1], 6, 4, 3][:layers] + [3]
+    params = _params(layers, sizes, bias, dtype)
+    batch = _batch(7, 10, shape, 3, dtype)
+    mask = jnp.arange(10) % 4 != 1                                   # padding rows
+    norms = np.asarray(pe.global_norms(_vmap_grads(_mlp(layers), params, batch)))
+    C = float(np.median(norms))                                      # some rows clipped, some not
+    assert (norms > C * 1.01).any() and (norms < C * 0.99).any()
+    fast, ref = _both(_mlp(layers), clip_norm=C, clipping=clipping)
+    out, expected = fast(params, batch, mask), ref(params, batch, mask)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(params)
+    assert all(a.dtype == dtype and a.shape == b.shape for a, b in
+               zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(params)))
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-12
+    np.testing.assert_allclose(_flat(out), _flat(expected), rtol=rtol,
+                               atol=rtol * np.abs(_flat(expected)).max())
+
+
+def test_extreme_rows_bounded_and_norms_match():
+  """Huge (1e30), tiny, zero, NaN and inf rows: each term ≤ C, non-finite rows give 0, and the
+  ghost norms equal ``global_norms`` of the per-example gradients (|g|² overflows float32)."""
+  apply_fn = _mlp(2, jax.nn.relu)
+  params = _params(3, [4, 5, 3])
+  X, y = _batch(4, 8, (4,), 3)
+  X = (X.at[1].multiply(1e30).at[2].multiply(1e-30).at[3].set(0.0).at[4, 0].set(jnp.nan)
+       .at[5, 1].set(jnp.inf).at[6].set(3e38))
+  ours = np.asarray(jax.jit(ghost.ghost_norms(apply_fn, _xent))(params, (X, y)))
+  grads = _vmap_grads(apply_fn, params, (X, y))
+  theirs = np.asarray(pe.global_norms(grads))
+  finite = np.isfinite(theirs)
+  np.testing.assert_array_equal(np.isfinite(ours), finite)
+  assert finite[:4].all() and not finite[4:7].any() and theirs[1] > 1e29
+  np.testing.assert_allclose(ours[finite], theirs[finite], rtol=1e-5)
+  C = 0.5
+  for clipping in ("clip", "normalize"):
+    fn = jax.jit(ghost.ghost_clipped_grad_sum(apply_fn, _xent, clip_norm=C, clipping=clipping))
+    ref = jax.jit(lambda g: pe.clip_per_example(g, C, clipping=clipping))(grads)
+    for i in range(8):
+      term = _flat(fn(params, (X, y), jnp.arange(8) == i))
+      assert np.all(np.isfinite(term)) and np.linalg.norm(term) <= C * (1 + 1e-5)
+      expected = _flat(jax.tree_util.tree_map(lambda g: g[i], ref))
+      np.testing.assert_allclose(term, expected, rtol=1e-5, atol=1e-6)
+      if not finite[i]:
+        np.testing.assert_array_equal(term, 0.0)                     # the example is dropped
+    assert np.all(np.isfinite(_flat(fn(params, (X, y), jnp.ones(8, bool)))))
+
+
+def test_padded_rows_ignored_whatever_they_hold_and_deterministic():
+  fast, _ = _both(_mlp(2), clip_norm=1.0)
+  params = _params(5, [5, 6, 3])
+  X, y = _batch(6, 9, (5,), 3)
+  mask = jnp.arange(9) < 6
+  a = fast(params, (X, y), mask)
+  b = fast(params, (X.at[6:].set(jnp.nan), y), mask)
+  np.testing.assert_array_equal(_flat(a), _flat(b))
+  np.testing.assert_array_equal(_flat(a), _flat(fast(params, (X, y), mask)))   # bitwise
+  np.testing.assert_allclose(_flat(a), _flat(fast(params, (X[:6], y[:6]), jnp.ones(6))),
+                             rtol=1e-6, atol=1e-7)
+
+
+def _tied(params, x, *, dense):
+  """Weight tying (``l0.w`` in two calls), a leaf read outside dense (``scale``), an unused leaf
+  (``spare``) and an embedding-like leaf indexed directly (``table``)."""
+  h = jnp.tanh(dense(params["l0"], x) * params["scale"]) + params["table"][0]
+  h = jnp.tanh(dense({"w": params["l0"]["w"][:3, :3]}, h[:3]))        # a slice: a read
+  return dense(params["l1"], jnp.concatenate([h, h[:2]]))
+
+
+def test_uncovered_leaves_get_exact_per_example_gradients():
+  params = _params(8, [5, 5, 3])
+  params.update(scale=jnp.float32(1.3), table=normal(9, (2, 5)), spare=jnp.ones(4))
+  batch = _batch(10, 6, (5,), 3)
+  mask = jnp.arange(6) != 2
+  fast, ref = _both(_tied, clip_norm=0.2)
+  with pytest.warns(UserWarning, match=r"\['l0'\]\['w'\].*\['scale'\].*\['table'\]"):
+    out = fast(params, batch, mask)
+  np.testing.assert_allclose(_flat(out), _flat(ref(params, batch, mask)), rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(out["spare"]), 0.0)
+
+
+def test_inside_poisson_clipped_sum_under_jit():
+  apply_fn = _mlp(2)
+  params = _params(11, [5, 6, 3])
+  data = _batch(12, 40, (5,), 3)
+  fast = ghost.ghost_clipped_grad_sum(apply_fn, _xent, clip_norm=0.4)
+  ref = pe.clipped_grad_sum(ghost.model_loss(apply_fn, _xent), clip_norm=0.4)
+  step = jax.jit(lambda fn, key: sgd.poisson_clipped_sum(fn, params, data, key, sampling_prob=0.3,
+                                                         microbatch_size=8), static_argnums=0)
+  for seed in (0, 1):
+    key = jax.random.key(seed)
+    np.testing.assert_allclose(_flat(step(fast, key)), _flat(step(ref, key)), rtol=1e-5,
+                               atol=1e-6)
+  dp = sgd.dp_sgd_privatizer(fast, num_examples=40, expected_batch_size=12, steps=3,
+                             key=jax.random.key(2), noise_multiplier=1.0, microbatch_size=8)
+  assert dp.grad_fn is fast and sgd.l2_norm_bound(fast) == 0.4
+
+
+def _bad_dense(params, x, *, dense):
+  return dense({"w": params["l0"]["w"], "c": params["l0"]["b"]}, x)
+
+
+def _call(apply_fn=_mlp(1), loss=_xent, batch=None, mask=None, params=None):
+  params = _params(15, [5, 3]) if params is None else params
+  batch = _batch(16, 4, (5,), 3) if batch is None else batch
+  mask = jnp.ones(4, bool) if mask is None else mask
+  return ghost.ghost_clipped_grad_sum(apply_fn, loss, clip_norm=1.0)(params, batch, mask)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: ghost.ghost_clipped_grad_sum(_mlp(1), _xent, clip_norm=0.0), ValueError,
+     "clip_norm"),
+    (lambda: ghost.ghost_clipped_grad_sum(_mlp(1), _xent, clip_norm=float("inf")), ValueError,
+     "clip_norm"),
+    (lambda: ghost.ghost_clipped_grad_sum(_mlp(1), _xent, clip_norm=1.0, clipping="auto"),
+     ValueError, "clipping"),
+    (lambda: ghost.ghost_clipped_grad_sum(_mlp(1), _xent, clip_norm=1.0, clipping="normalize",
+                                          stability=0.0), ValueError, "stability"),
+    (lambda: ghost.ghost_clipped_grad_sum("model", _xent, clip_norm=1.0), TypeError,
+     "apply_fn"),
+    (lambda: ghost.ghost_clipped_grad_sum(_mlp(1), None, clip_norm=1.0), TypeError,
+     "example_loss"),
+    (lambda: ghost.ghost_norms(_mlp(1), 3), TypeError, "example_loss"),
+    (lambda: ghost.model_loss(None, _xent), TypeError, "apply_fn"),
+    (lambda: _call(batch=jnp.ones((4, 5))), TypeError, "pair"),
+    (lambda: _call(batch=(jnp.ones((4, 5)), jnp.zeros(3, int))), ValueError, "leading batch"),
+    (lambda: _call(mask=jnp.ones(3, bool)), ValueError, "mask"),
+    (lambda: _call(apply_fn=_bad_dense), ValueError, "dense params"),
+    (lambda: _call(batch=(jnp.ones((4, 6)), jnp.zeros(4, int))), ValueError, "dense input"),
+    (lambda: _call(loss=lambda logits, y: logits), TypeError, "real scalar"),
+    (lambda: ghost.dense({"w": jnp.ones(3)}, jnp.ones(3)), ValueError, "2-D"),
+    (lambda: ghost.dense({"w": jnp.ones((3, 2)), "b": jnp.ones(3)}, jnp.ones(3)), ValueError,
+     "'b'"),
+])
+def test_bad_inputs(call, exc, match):
+  with pytest.raises(exc, match=match):
+    call()

@@ -1,0 +1,156 @@
+"""DPASE with its per-subset solves sharded over the devices of a mesh (``mesh=``;
+docs/algorithms.md §2.2): the same output as on one device for a fixed key.
+
+The multi-device case runs in a subprocess with four simulated CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4`` takes effect only before JAX starts),
+so this process keeps one device.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from dpjax import data
+from dpjax.subspace import approximate
+
+N, D, K, GAMMA = 2_000, 10, 2, 1e-5
+KW = dict(epsilon=1.0, delta=1e-6, k=K, gamma=GAMMA)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _one_device_mesh(*axes):
+  devices = np.array(jax.devices()[:1]).reshape((1,) * len(axes))
+  return jax.sharding.Mesh(devices, axes)
+
+
+@pytest.mark.slow             # compiles DPASE three times (each input sharding anew): ~20 s
+def test_a_one_device_mesh_changes_nothing():
+  X, _ = data.approximate_subspace_data(jax.random.key(0), N, D, K, gamma=GAMMA)
+  key = jax.random.key(3)
+  plain = approximate.dpase(key, X, **KW)
+  sharded = approximate.dpase(key, X, mesh=_one_device_mesh("subsets"), **KW)
+  assert bool(plain.ok) and bool(sharded.ok) == bool(plain.ok)
+  assert int(sharded.released["winning_count"]) == int(plain.released["winning_count"])
+  np.testing.assert_array_equal(np.asarray(sharded.basis), np.asarray(plain.basis))
+  # The other axis of a two-axis mesh replicates.
+  two = approximate.dpase(key, X, mesh=_one_device_mesh("data", "subsets"), mesh_axis="subsets",
+                          **KW)
+  np.testing.assert_array_equal(np.asarray(two.basis), np.asarray(plain.basis))
+
+
+@pytest.mark.parametrize("mesh,axis,exc,match", [
+    ("devices", None, TypeError, "jax.sharding.Mesh"),
+    (_one_device_mesh("subsets"), "rows", ValueError, "not an axis"),
+    (_one_device_mesh("data", "subsets"), None, ValueError, "mesh_axis"),
+])
+def test_bad_meshes_raise_before_tracing(mesh, axis, exc, match):
+  X = np.zeros((N, D), np.float32)
+  with pytest.raises(exc, match=match):
+    approximate.dpase(jax.random.key(0), X, mesh=mesh, mesh_axis=axis, **KW)
+  with pytest.raises(exc, match=match):
+    approximate.dpase_gathered(jax.random.key(0), lambda rows: None, N, D, dtype=np.float32,
+                               mesh=mesh, mesh_axis=axis, **KW)
+
+
+HANG_S = 90            # a run that answers takes 10–25 s here
+
+_FOUR_DEVICES = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from dpjax import linalg
+from dpjax.subspace import approximate as A
+assert len(jax.devices()) == 4
+N, D, K, GAMMA = {N}, {D}, {K}, {GAMMA}
+KW = dict(epsilon=1.0, delta=1e-6, k=K, gamma=GAMMA)
+rng = np.random.default_rng(0)                # NumPy data: no generator to compile
+basis = np.linalg.qr(rng.standard_normal((D, K)))[0]
+X = jnp.asarray(rng.standard_normal((N, K)) @ basis.T + GAMMA * rng.standard_normal((N, D)),
+                jnp.float32)
+key = jax.random.key(3)
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("subsets",))
+out = {{}}
+for partition in {PARTITIONS}:
+  one = A.dpase(key, X, partition=partition, **KW)
+  four = A.dpase(key, X, partition=partition, mesh=mesh, **KW)
+  out[partition] = dict(ok=[bool(one.ok), bool(four.ok)],
+                        count=[int(one.released["winning_count"]),
+                               int(four.released["winning_count"])],
+                        basis=float(jnp.max(jnp.abs(one.basis - four.basis))),
+                        devices=len(four.basis.sharding.device_set))
+if {FULL}:
+  gather = lambda rows: X.at[rows].get(mode="fill", fill_value=0)
+  one = A.dpase_gathered(key, gather, N, D, dtype=jnp.float32, **KW)
+  four = A.dpase_gathered(key, gather, N, D, dtype=jnp.float32, mesh=mesh, **KW)
+  out["gathered"] = dict(ok=[bool(one.ok), bool(four.ok)],
+                         count=[int(one.released["winning_count"]),
+                                int(four.released["winning_count"])],
+                         basis=float(jnp.max(jnp.abs(one.basis - four.basis))),
+                         devices=len(four.basis.sharding.device_set))
+  grid = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "subsets"))
+  two = A.dpase(key, X, mesh=grid, mesh_axis="subsets", **KW)       # "data" replicates
+  out["two_axes"] = dict(ok=[bool(one.ok), bool(two.ok)],
+                         count=[int(one.released["winning_count"]),
+                                int(two.released["winning_count"])],
+                         basis=float(jnp.max(jnp.abs(one.basis - two.basis))),
+                         devices=len(two.basis.sharding.device_set))
+# The (t, d, k) bases themselves: t = 38 subsets padded to 40 over 4 devices, 2 dropped.
+params = A.dpase_parameters(N, D, K, epsilon=1.0, delta=1e-6, gamma=GAMMA)
+index = A._random_label_index(jax.random.split(key, 5)[0], N, params.num_subsets,
+                              A._capacity(params.subset_size))
+solve = lambda X, block: linalg.gathered_top_k_subspaces(X, block, K)
+plain = A._sharded(solve, X, index, N, None, None)
+sharded = A._sharded(solve, X, index, N, mesh, "subsets")
+# The subspace iteration too (its while_loop carry becomes device-varying under shard_map).
+iterate = lambda X, block: linalg.gathered_top_k_subspaces(X, block, K,
+                                                           method="subspace_iteration")
+iter_diff = jnp.max(jnp.abs(A._sharded(iterate, X, index, N, None, None)
+                            - A._sharded(iterate, X, index, N, mesh, "subsets")))
+out["bases"] = dict(t=params.num_subsets, shape=list(sharded.shape),
+                    diff=float(jnp.max(jnp.abs(plain - sharded))), iter_diff=float(iter_diff))
+print(json.dumps(out))
+"""
+
+
+def _on_four_devices(partitions, full):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  code = _FOUR_DEVICES.format(N=N, D=D, K=K, GAMMA=GAMMA, PARTITIONS=partitions, FULL=full)
+  try:
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=HANG_S, cwd=ROOT)
+  except subprocess.TimeoutExpired:
+    # Measured (jaxlib 0.10.2): on a loaded 2-core machine the 4 SIMULATED CPU devices can hang
+    # in XLA:CPU (no CPU use, no answer) in DPASE's sharded solves; docs/algorithms.md §2.2. A
+    # hang is reported as such; a run that answers must give the one-device output.
+    pytest.xfail(f"4 simulated CPU devices gave no answer in {HANG_S} s (XLA:CPU hang, "
+                 "docs/algorithms.md §2.2)")
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = json.loads(done.stdout.strip().splitlines()[-1])
+  for name, res in out.items():
+    if name != "bases":
+      assert res["ok"] == [True, True], (name, res)
+      assert res["count"][0] == res["count"][1], (name, res)
+      assert res["basis"] <= 1e-5, (name, res)
+      assert res["devices"] == 4, (name, res)                # replicated over the mesh
+  assert out["bases"]["t"] % 4 != 0                          # the padding is exercised
+  assert out["bases"]["shape"] == [out["bases"]["t"], D, K]
+  assert out["bases"]["diff"] <= 1e-6 and out["bases"]["iter_diff"] <= 1e-6
+  return out
+
+
+@pytest.mark.slow    # a subprocess; may hang on simulated CPU devices (HANG_S, above)
+def test_four_devices_give_the_one_device_output():
+  _on_four_devices(("random_labels",), False)
+
+
+@pytest.mark.slow             # five more DPASE compilations in the subprocess
+def test_four_devices_give_the_one_device_output_for_every_variant():
+  out = _on_four_devices(approximate.PARTITIONS, True)
+  assert set(out) == {*approximate.PARTITIONS, "gathered", "two_axes", "bases"}
