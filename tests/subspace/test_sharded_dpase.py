@@ -6,22 +6,16 @@ The multi-device case runs in a subprocess with four simulated CPU devices
 so this process keeps one device.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
 
 from dpjax import data
 from dpjax.subspace import approximate
+from helpers import run_on_devices
 
 N, D, K, GAMMA = 2_000, 10, 2, 1e-5
 KW = dict(epsilon=1.0, delta=1e-6, k=K, gamma=GAMMA)
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _one_device_mesh(*axes):
@@ -118,21 +112,8 @@ print(json.dumps(out))
 
 
 def _on_four_devices(partitions, full):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
   code = _FOUR_DEVICES.format(N=N, D=D, K=K, GAMMA=GAMMA, PARTITIONS=partitions, FULL=full)
-  try:
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=HANG_S, cwd=ROOT)
-  except subprocess.TimeoutExpired:
-    # Measured (jaxlib 0.10.2): on a loaded 2-core machine the 4 SIMULATED CPU devices can hang
-    # in XLA:CPU (no CPU use, no answer) in DPASE's sharded solves; docs/algorithms.md §2.2. A
-    # hang is reported as such; a run that answers must give the one-device output.
-    pytest.xfail(f"4 simulated CPU devices gave no answer in {HANG_S} s (XLA:CPU hang, "
-                 "docs/algorithms.md §2.2)")
-  assert done.returncode == 0, done.stderr[-3000:]
-  out = json.loads(done.stdout.strip().splitlines()[-1])
+  out = run_on_devices(code, devices=4, timeout=HANG_S)   # a hang is reported as an xfail
   for name, res in out.items():
     if name != "bases":
       assert res["ok"] == [True, True], (name, res)
