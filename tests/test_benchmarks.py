@@ -225,13 +225,16 @@ def test_scaling_options(tmp_path):
           "--gap", "1e-6", "--chunk", "700", "--repeats", "1"]
   out = _load("scaling").main(["--quick", "--devices", "1,2,4", "--json", str(path), *tiny])
   saved = json.loads(path.read_text())
+  assert out["more"]["in_memory"]["n"] == 6000          # min(n-stream, 10^6): the whole file
   assert set(saved["summary"]["dpsgd_examples_per_s"]) == {"1", "2", "4"}
   assert set(saved["summary"]["dpase_seconds"]) == {"1", "4"}
   assert set(saved["summary"]["streaming"]) == {"n", "d", "seconds", "peak_rss_bytes"}
   assert saved["summary"]["streaming"]["n"] == 6000
-  assert out["more"]["streaming"]["ok"] == out["more"]["in_memory_at_streaming_n"]["ok"]
+  assert out["more"]["streaming"]["ok"] == out["more"]["in_memory"]["ok"]
   assert all(r["ok"] for r in out["more"]["dpase"].values())
   _load("scaling").main(["--devices", "1", "--skip-in-memory", "--clipped-sum", "vmap", *tiny])
+  part = _load("scaling").main(["--devices", "1", "--n-in-memory", "3000", *tiny])
+  assert part["more"]["in_memory"]["n"] == 3000          # the file's first rows
   if any(d.platform == "gpu" for d in jax.devices()):
     _load("scaling").main(["--gpu", "--devices", "1", "--skip-in-memory", *tiny])
 

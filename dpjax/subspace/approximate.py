@@ -547,6 +547,15 @@ def _sharded(subset_bases, operand, index, pad, mesh, mesh_axis):
   padded = -(-t // size) * size
   index = jnp.concatenate([index, jnp.full((padded - t, m), pad, index.dtype)])
   spec = PartitionSpec(mesh_axis)
+  if mesh.devices.flat[0].platform == "cpu":
+    # jaxlib's batched LAPACK kernels (QR, eigh, SVD) split a large batch into tasks on the
+    # intra-op thread pool and block their thread until the tasks finish; with several CPU
+    # devices running at once every pool thread can block so, and nothing runs the tasks (a
+    # deadlock: seen in gdb with jaxlib 0.10.2, 4 simulated devices, 2 cores). One subset per
+    # call keeps each LAPACK call inline on its own thread; each basis is unchanged.
+    local = subset_bases
+    subset_bases = lambda operand, rows: jax.lax.map(                       # noqa: E731
+        lambda r: local(operand, r[None])[0], rows)
   bases = jax.shard_map(subset_bases, mesh=mesh, in_specs=(PartitionSpec(), spec),
                         out_specs=spec)(operand, index)
   # No gather inside this program: on the CPU a device that finished its subsets would block in
