@@ -16,7 +16,7 @@ real devices instead.
   under ``--worker-timeout``; a run that gives no answer is recorded as failed (``null`` in the
   summary) rather than stopping the benchmark.
 * Streaming: ``dpase_streaming`` from a float32 ``np.memmap`` on disk in chunks, with its
-  process's peak resident memory (``ru_maxrss``) next to the ``n·d·4`` bytes the rows take; the
+  process's peak resident memory (``VmHWM``) next to the ``n·d·4`` bytes the rows take; the
   in-memory DPASE on the file's first ``--n-in-memory`` rows (default min(n, 10^6): its peak
   was 15 GiB of this machine's 23 at 10^6) is timed in the same way.
 
@@ -146,8 +146,6 @@ def _dpase_worker(args) -> dict:
 
 
 def _streaming_worker(args) -> dict:
-  import resource
-
   import jax
   import numpy as np
   from dpjax import subspace
@@ -167,15 +165,31 @@ def _streaming_worker(args) -> dict:
                                    n, d, dtype=np.float32, **kwargs)
     jax.block_until_ready(res.basis)
   seconds = time.perf_counter() - start
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # KiB on Linux
+  peak = _peak_rss_bytes()
   return {"n": n, "d": d, "k": k, "seconds": seconds, "peak_rss_bytes": int(peak),
           "rows_bytes": n * d * 4, "ok": bool(res.ok), "in_memory": bool(args.in_memory)}
+
+
+def _peak_rss_bytes() -> int:
+  """This process's peak resident memory: ``VmHWM`` of ``/proc/self/status`` on Linux, else
+  ``ru_maxrss``. (Linux keeps ``ru_maxrss`` across ``fork`` + ``exec``, so a worker started by a
+  driver that has just written a large memmap would report the driver's peak.)"""
+  import resource
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024                                 # kB
+  except OSError:
+    pass
+  scale = 1 if sys.platform == "darwin" else 1024                          # bytes / KiB
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def _memmap_chunks(path: str, n: int, d: int, chunk: int):
   """The rows of a float32 file, ``chunk`` at a time: each chunk is mapped, copied and unmapped,
   so the file's pages do not stay resident (a memmap sliced in place keeps every page it has
-  read counted in ``ru_maxrss``, up to the whole file)."""
+  read counted in the peak resident memory, up to the whole file)."""
   import numpy as np
   for i in range(0, n, chunk):
     m = min(chunk, n - i)

@@ -261,14 +261,12 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
       ``t`` is padded up to a multiple of that axis's size with dummy subsets of padding rows
       only, whose bases are dropped before the histogram; the bases are then all-gathered and
       the histogram and everything after it run on them as without a mesh. The same key gives
-      the same output on one device or many (bases equal to rounding; on the CPU, bit for bit).
-      The guarantee is unchanged: each subset's basis is still a function of its own rows
-      alone (and a dummy subset's of none), whichever device computes it.
+      the same output on one device or many (the bases equal to rounding; on a CPU mesh each
+      device solves one subset per LAPACK call, docs/algorithms.md §2.2). The guarantee is
+      unchanged: each subset's basis is still a function of its own rows alone (and a dummy
+      subset's of none), whichever device computes it.
     mesh_axis: the mesh axis the subsets are sharded over; None (default) needs a mesh with
-      one axis and takes it. Call ``dpase`` with a mesh eagerly (its stages are separate
-      programs): under an outer ``jax.jit`` on a CPU mesh with more devices than cores, pass
-      ``top_k_method="exact"``, since per-device subspace-iteration loops and the gather in one
-      program can deadlock XLA:CPU (measured, jaxlib 0.10.2).
+      one axis and takes it. ``dpase_core`` with a mesh also runs under an outer ``jax.jit``.
 
   Returns:
     :class:`~dpjax.results.SubspaceResult` with ``ok``, ``basis (d, k)`` in ``X``'s dtype (zeros

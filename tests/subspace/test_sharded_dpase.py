@@ -91,6 +91,16 @@ if {FULL}:
                                 int(two.released["winning_count"])],
                          basis=float(jnp.max(jnp.abs(one.basis - two.basis))),
                          devices=len(two.basis.sharding.device_set))
+  # dpase_core under an outer jax.jit: the sharded solves and the rest in one program.
+  params = A.dpase_parameters(N, D, K, epsilon=1.0, delta=1e-6, gamma=GAMMA)
+  core = lambda key, X, mesh: A.dpase_core(key, X, params, k=K, epsilon=1.0, delta=1e-6,
+                                           partition="random_labels", mesh=mesh,
+                                           mesh_axis=None if mesh is None else "subsets",
+                                           top_k_method="subspace_iteration")
+  ref = core(key, X, None)
+  jitted = jax.jit(lambda key, X: core(key, X, mesh))(key, X)
+  out["jit"] = dict(ok=[bool(ref[0]), bool(jitted[0])], count=[int(ref[2]), int(jitted[2])],
+                    basis=float(jnp.max(jnp.abs(ref[1] - jitted[1]))), devices=4)
 # The (t, d, k) bases themselves: t = 38 subsets padded to 40 over 4 devices, 2 dropped.
 params = A.dpase_parameters(N, D, K, epsilon=1.0, delta=1e-6, gamma=GAMMA)
 index = A._random_label_index(jax.random.split(key, 5)[0], N, params.num_subsets,
@@ -134,4 +144,4 @@ def test_four_devices_give_the_one_device_output():
 @pytest.mark.slow             # five more DPASE compilations in the subprocess
 def test_four_devices_give_the_one_device_output_for_every_variant():
   out = _on_four_devices(approximate.PARTITIONS, True)
-  assert set(out) == {*approximate.PARTITIONS, "gathered", "two_axes", "bases"}
+  assert set(out) == {*approximate.PARTITIONS, "gathered", "two_axes", "jit", "bases"}
