@@ -551,16 +551,13 @@ def _sharded(subset_bases, operand, index, pad, mesh, mesh_axis):
     # devices running at once every pool thread can block so, and nothing runs the tasks (a
     # deadlock: seen in gdb with jaxlib 0.10.2, 4 simulated devices, 2 cores). One subset per
     # call keeps each LAPACK call inline on its own thread; each basis is unchanged.
-    local = subset_bases
-    subset_bases = lambda operand, rows: jax.lax.map(                       # noqa: E731
-        lambda r: local(operand, r[None])[0], rows)
+    batched = subset_bases
+
+    def subset_bases(operand, rows):
+      return jax.lax.map(lambda r: batched(operand, r[None])[0], rows)
   bases = jax.shard_map(subset_bases, mesh=mesh, in_specs=(PartitionSpec(), spec),
                         out_specs=spec)(operand, index)
-  # No gather inside this program: on the CPU a device that finished its subsets would block in
-  # the gather's rendezvous while another still iterates (subspace iteration's while_loop),
-  # and with more devices than threads that deadlocks (measured, jaxlib 0.10.2). The next stage
-  # (the histogram) gathers the bases.
-  return bases[:t]
+  return bases[:t]                   # sharded; the histogram stage gathers them
 
 
 def _release(k_ref, k_off, k_hist, k_point, bases, cell_length, scalars, *, q, grouping):
