@@ -110,8 +110,8 @@ def test_map_blocks_batches_on_verified_backends_only(monkeypatch):
   assert "scan" in jaxpr or "while" in jaxpr                        # one call per block
 
 
-@pytest.mark.parametrize("method", [pytest.param("exact", marks=pytest.mark.slow),
-                                    "subspace_iteration"])
+@pytest.mark.slow    # the per-block tests above cover both solvers by default
+@pytest.mark.parametrize("method", ["exact", "subspace_iteration"])
 def test_gathered_subsets_chunked_are_independent(method, monkeypatch):
   """DPASE's path: subsets gathered by index from one X, a few subsets per chunk (``lax.map``
   with ``batch_size``). Changing one subset's rows moves no other subset's basis, and a chunked

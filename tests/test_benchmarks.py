@@ -68,6 +68,7 @@ def test_closeness_baselines_match_dpjax():
     np.testing.assert_array_equal(bench.numpy_closeness_batched(Y, 1.5, chunk_bytes=1), ours)
 
 
+@pytest.mark.slow    # as every benchmark's options test (the full suite runs them)
 def test_covariance_speed_options(tmp_path):
   pytest.importorskip("threadpoolctl")
   path = tmp_path / "out.json"

@@ -44,6 +44,7 @@ def test_readme_privatizer_example_runs():
   assert ns["dp"].budget.epsilon <= 2.0 + 1e-9
 
 
+@pytest.mark.slow    # a subprocess; the sharded step's audit runs by default
 def test_readme_several_devices_example_runs():
   """The mesh example runs (on however many devices this process has) and learns."""
   text = (ROOT / "README.md").read_text()

@@ -58,6 +58,7 @@ def test_fit_private_pca(method):
   np.testing.assert_allclose(est.inverse_transform(Z).shape, X.shape)
 
 
+@pytest.mark.slow    # two fits; the estimators' other tests run by default
 def test_fit_private_logistic_regression_binary_and_multiclass():
   X, y = _digits_like(n=2000)
   X_copy = X.copy()

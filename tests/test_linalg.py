@@ -225,6 +225,7 @@ def _dot_precisions(closed):
 
 
 @pytest.mark.filterwarnings("ignore:DPASE")
+@pytest.mark.slow    # compiles every product-using function to read its HLO
 def test_dpjax_products_ask_for_full_precision():
   """On GPUs/TPUs a default-precision float32 product runs in TF32/bfloat16 (error ~1e-3), which
   would loosen the bounds the privacy arguments read off dpjax's products: every product in the

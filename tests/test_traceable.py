@@ -151,12 +151,14 @@ TRACED = {
         k, a, SY.psmm.psmm_lattice(1., 1, 1., side=0.5), 1., 1.), UNIT),
 }
 # Full suite only (issue 11 §8: the default run under 5 minutes). Each of these functions' modules
-# keeps its own default tests, and most keep another entry here (dpase_core, ppme_mean,
-# coinpress_mean, mod_sulq, objective_perturbation, psmm_noisy_counts).
+# keeps its own default tests; the default audits run most of them (or their wrappers) under
+# jit(vmap) over trials (tests/audit), and mod_sulq keeps its entry here.
 SLOW = {"al_covariance", "learn_covariance", "learn_gaussian", "robust_covariance", "dpaseb",
         "private_gradient_subspace", "dpase", "approximate_subspace_data",
         "low_dimensional_cube_data", "ppca(k=2)", "output_perturbation", "one_vs_rest",
-        "robust_mean", "coinpress_covariance", "dpese", "ppca", "pmm_core", "al_subspace"}
+        "robust_mean", "coinpress_covariance", "dpese", "ppca", "pmm_core", "al_subspace",
+        "dpase_core", "objective_perturbation", "ppme_mean", "stable_histogram",
+        "discrete_laplace_mechanism", "gap_max_core", "coinpress_mean", "psmm_noisy_counts"}
 
 KEYS = jax.random.split(jax.random.key(7), 2)
 

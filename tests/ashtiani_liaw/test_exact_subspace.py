@@ -204,6 +204,7 @@ def test_clear_errors(kwargs, exc, match):
     al_subspace(key, X, **args)
 
 
+@pytest.mark.slow    # a warning path; the threshold tests run by default
 def test_small_num_groups_refused_or_warned_with_the_true_pass_probability():
   """Issue 10 §6: k ≤ 4 is refused (unanimous groups pass with probability δ/1.1); below the
   sure-pass k the warning's probability is what unanimous groups (c* = k) actually achieve."""

@@ -111,7 +111,7 @@ def test_grid_detector_catches_off_grid_outputs():
 
 
 def test_snapped_laplace_is_float_safe(audit_trials):
-  n = audit_trials(600, 30_000)
+  n = audit_trials(300, 30_000)
   _, grid, _ = M.snapping_parameters(1.0, 1.0)
   report = audit.grid_output_audit(
       jax.random.key(3), lambda k, c: M.laplace_mechanism(k, np.array([c]), sensitivity=1.0,
@@ -123,7 +123,7 @@ def test_snapped_laplace_is_float_safe(audit_trials):
 def test_secure_gaussian_is_float_safe(audit_trials):
   """The default Gaussian release: on its public grid Λ for any input; exact values audited.
   (A large ε keeps the grid indices concentrated, so exact-value events have power.)"""
-  n = audit_trials(1_000, 30_000)
+  n = audit_trials(500, 30_000)
   eps, delta = 8.0, 1e-3
   grid = M.discretization(1.0, 1).grid
   report = audit.grid_output_audit(
@@ -137,7 +137,7 @@ def test_ppme_mean_release_is_float_safe(audit_trials):
   """PPME's default mask is the discretized Gaussian: the released mean is on the public grid
   (``info["grid"]``) for any data; X' replaces one row by a far outlier."""
   from dpjax.ashtiani_liaw import ppme_mean
-  n = audit_trials(300, 10_000)
+  n = audit_trials(150, 10_000)
   eps, delta, k, m = 8.0, 1e-3, 176, 4
   rng = np.random.default_rng(0)
   X = 5.0 + 0.1 * rng.standard_normal((k * m, 2))
@@ -156,7 +156,7 @@ def test_coinpress_releases_are_float_safe(audit_trials):
   covariance (each released noisy second moment on its grid in isometric coordinates):
   one row moved from −10⁶ to +10⁶."""
   from dpjax.coinpress import coinpress_covariance, coinpress_mean
-  n = audit_trials(250, 10_000)
+  n = audit_trials(120, 10_000)
   X = np.zeros((40, 1))
   X[0, 0] = -1e6
   X_prime = X.copy()
@@ -184,7 +184,7 @@ def test_coinpress_releases_are_float_safe(audit_trials):
 def test_secure_truncated_laplace_is_float_safe(audit_trials):
   """The default truncated Laplace release: on its public ℓ1 grid; the shift by Δ at the edge of
   the support (δ large so the edge is visible)."""
-  n = audit_trials(3_000, 30_000)
+  n = audit_trials(1_000, 30_000)
   eps, delta = 1.0, 0.02
   grid = M.discretization(1.0, 1, norm=1).grid
   report = audit.grid_output_audit(
@@ -200,7 +200,7 @@ def test_analyze_gauss_release_is_float_safe(audit_trials):
   from dpjax.mechanisms.gaussian import rdp_gaussian_sigma
   from dpjax.subspace.baselines import _secure_noisy_moment, _unit_second_moment
   z = rdp_gaussian_sigma(1.0, 1e-5)
-  n = audit_trials(1_000, 10_000)
+  n = audit_trials(500, 10_000)
   X = jnp.zeros((10, 3)).at[:, 1].set(1.0)
   X_prime = X.at[0].set(jnp.array([1.0, 0.0, 0.0]))
   grid = M.discretization(2.0, 6).grid

@@ -193,7 +193,7 @@ def test_mean_released_noise_has_the_calibrated_scale():
 # ------------------------------------------------------------------------ covariance: utility
 
 
-@pytest.mark.parametrize("d", [5, 10])
+@pytest.mark.parametrize("d", [5, pytest.param(10, marks=pytest.mark.slow)])
 def test_covariance_accuracy(d):
   # Rigorous bound (prob ≥ 0.99): info["error_bound"] (worst case, ≈0.56 at d=5, ≈1.3 at d=10).
   # Stated practical bound: 0.15, about 2× the largest error seen over many seeds at n = 5e4

@@ -92,6 +92,7 @@ def test_the_noise_is_added_once_on_four_devices(four_devices):
   assert noise["std"] == pytest.approx(noise["expected"], rel=0.03)
 
 
+@pytest.mark.slow    # two training runs; the sharded sum's audit on 4 devices runs by default
 def test_a_one_device_mesh_gives_the_unsharded_run():
   ns = {}
   exec(_SETUP, ns)                                   # the same setup as the subprocess

@@ -58,9 +58,10 @@ def _both(apply_fn, **kwargs):
 
 
 @pytest.mark.parametrize("layers,bias,shape,clipping,dtype", [
-    (1, True, (5,), "clip", jnp.float64),
+    pytest.param(1, True, (5,), "clip", jnp.float64, marks=pytest.mark.slow),
     (2, False, (5,), "normalize", jnp.float32),
-    (3, True, (4, 5), "clip", jnp.float32),        # sequence, Gram route (T² < a·b)
+    pytest.param(3, True, (4, 5), "clip", jnp.float32,  # sequence, Gram route (T² < a·b)
+                 marks=pytest.mark.slow),
     (2, True, (30, 3), "normalize", jnp.float32),  # sequence, direct route (T² ≥ a·b)
     pytest.param(3, False, (4, 5), "normalize", jnp.float64, marks=pytest.mark.slow),
 ])
@@ -83,6 +84,7 @@ def test_equals_the_vmap_path(layers, bias, shape, clipping, dtype):
                                atol=rtol * np.abs(_flat(expected)).max())
 
 
+@pytest.mark.slow    # extreme rows; the clip bound per term is checked by default in test_per_example.py
 def test_extreme_rows_bounded_and_norms_match():
   """Huge (1e30), tiny, zero, NaN and inf rows: each term ≤ C, non-finite rows give 0, and the
   ghost norms equal ``global_norms`` of the per-example gradients (|g|² overflows float32)."""
@@ -145,6 +147,7 @@ def test_uncovered_leaves_get_exact_per_example_gradients():
   np.testing.assert_array_equal(np.asarray(out["spare"]), 0.0)
 
 
+@pytest.mark.slow    # the ghost path inside the Poisson loop; the equality tests run by default
 def test_inside_poisson_clipped_sum_under_jit():
   apply_fn = _mlp(2)
   params = _params(11, [5, 6, 3])

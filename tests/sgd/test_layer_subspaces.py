@@ -64,6 +64,7 @@ def test_projected_leaves_lie_in_their_span_and_others_get_full_noise():
   assert isinstance(state, ls.LayerSubspaceNoiseState)
 
 
+@pytest.mark.slow    # the noise's span is checked by default (test_projected_leaves_lie_in_...)
 def test_noise_energy_is_r_times_b_coordinates_per_projected_leaf():
   params, bases = _params(), _bases(r=2)
   zero = jax.tree_util.tree_map(jnp.zeros_like, params)
@@ -222,6 +223,7 @@ def test_embedding_residual_with_identity_bases_is_plain_dp_sgd():
                          a, b)
 
 
+@pytest.mark.slow    # the residual channel's audit runs by default
 def test_without_noise_or_clipping_the_residual_channel_drops_nothing():
   params, loss, batch = _model()
   bases = {"w": _orthonormal(jax.random.key(4), 6, 2), "b": None}

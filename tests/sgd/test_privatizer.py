@@ -163,6 +163,7 @@ def test_a_function_without_a_sensitivity_is_refused():
                                 steps=5, key=jax.random.key(0))
 
 
+@pytest.mark.slow    # an interop check; the privatizer's own tests run by default
 def test_interoperates_with_jax_privacy_clipped_grad():
   """jax_privacy's clipped_grad drives dpjax's privatizer (C read from its l2_norm_bound, padding
   passed as is_padding_example), and its clipped sum equals dpjax's on the same batch."""

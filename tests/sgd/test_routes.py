@@ -86,6 +86,7 @@ def test_noise_multiplier_meets_the_budget_by_the_pld_accountant(data):
   assert run.noise_multiplier == sigma          # train_route's default accountant is PLD
 
 
+@pytest.mark.slow    # a training run; the routes' privacy-relevant tests run by default
 def test_dp_sgd_route_learns(data):
   """Above the majority class (0.53) at ε = 2 (measured mean 0.64 over these keys)."""
   keys = jnp.stack([jax.random.key(i) for i in range(4)])

@@ -71,6 +71,7 @@ def test_training_decreases_the_loss_within_budget(subspace):
     assert float(jnp.linalg.norm(residual)) < 1e-3 * float(jnp.linalg.norm(out.params))
 
 
+@pytest.mark.slow    # a training run; test_training_decreases_the_loss_within_budget is default
 def test_normalised_clipping_and_weight_averaging():
   """The strong-baseline options: automatic clipping trains; the EMA of the iterates is returned
   and evaluated, starts at the initial params and lags the last iterate."""
@@ -120,6 +121,7 @@ def test_private_subspace_is_used_when_dpase_answers():
   assert float(jnp.linalg.norm(residual)) < 0.1 * float(jnp.linalg.norm(out.params))
 
 
+@pytest.mark.slow    # a training run with DPASE; the ⊥ path's accounting is in the full suite
 def test_private_subspace_bottom_falls_back_to_plain_dp_sgd_and_pays():
   """Isotropic gradients: DPASE says ⊥, training continues privately, the budget is spent."""
   with warnings.catch_warnings(record=True) as caught:

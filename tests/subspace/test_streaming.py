@@ -54,7 +54,9 @@ def memmap(tmp_path, model):
   yield np.memmap(path, dtype=np.float32, mode="r", shape=X.shape)
 
 
-@pytest.mark.parametrize("size", [777, pytest.param(1_000, marks=pytest.mark.slow),
+# The default run streams the memmap in test_streaming_from_a_generator_and_from_a_whole_array.
+@pytest.mark.parametrize("size", [pytest.param(777, marks=pytest.mark.slow),
+                                  pytest.param(1_000, marks=pytest.mark.slow),
                                   pytest.param(N, marks=pytest.mark.slow)])
 def test_streaming_from_a_memmap_equals_in_memory_random_labels(memmap, model, size):
   _, truth, reference = model

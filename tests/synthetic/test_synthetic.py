@@ -75,6 +75,7 @@ def test_utility_approaches_the_sampling_floor_at_large_epsilon_n():
   assert w1 < 2.0 * floor, (w1, floor)
 
 
+@pytest.mark.slow    # a utility comparison; the shape/determinism tests run by default
 def test_the_private_projection_beats_full_dimensional_pmm():
   """The curse removed: on data near a line in d = 8, PMM in all 8 coordinates is far worse."""
   X, _ = _cube_data(N, 8, 1, seed=5)
@@ -85,7 +86,8 @@ def test_the_private_projection_beats_full_dimensional_pmm():
   assert ours < 0.5 * theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize("dim", [1, pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("dim", [pytest.param(1, marks=pytest.mark.slow),
+                                 pytest.param(2, marks=pytest.mark.slow), 3])
 def test_the_private_choice_finds_the_true_dimension_at_large_epsilon_n(dim):
   X, _ = _cube_data(20_000, 10, dim)
   eps_c, n, d = 100.0, 20_000, 10
@@ -136,7 +138,8 @@ def test_bad_key_and_dtype():
     synthesize(jax.random.key(0), np.full((10, 3), True), epsilon=1.0, dim=1)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, marks=pytest.mark.slow), jnp.bfloat16,
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, marks=pytest.mark.slow),
+                                   pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
                                    jnp.float32])
 def test_low_precision_rows_are_accepted_and_extreme_rows_stay_in_the_cube(dtype):
   X = np.zeros((N, 4))
