@@ -156,13 +156,13 @@ def baseline_identity_cell(d, n, trials, epsilon, delta, seed):
   return summarise("clip+noise, Σ = I", d, n, errors, {"pd_rate": float(np.mean(pd))})
 
 
-def gaussian_min_n(d, rank, epsilon, delta):
+def gaussian_min_n(d, rank, epsilon, delta, **calibration_kwargs):
   """Smallest n whose default split gives step 2's learn_covariance its minimum coarse half.
 
   Step 2 differences consecutive pairs of its n2 rows (n2 // 2 rows of rank r) and hands the
   first half of those to the AL step, so it needs ⌊(n2 // 2)/2⌋ ≥ required_n(r, eta_accuracy=0.5).
   """
-  need = required_n(rank, epsilon, delta, eta_accuracy=0.5)
+  need = required_n(rank, epsilon, delta, eta_accuracy=0.5, **calibration_kwargs)
   n1, _, _, n4 = gaussian_batch_sizes(10**12, d, epsilon=epsilon, delta=delta)
   n = n1 + n4 + 6 * need
   while int((gaussian_batch_sizes(n, d, epsilon=epsilon, delta=delta)[1] // 2) * 0.5) < need:
@@ -203,6 +203,27 @@ def gaussian_cell(d, n, trials, epsilon, delta, seed):
           "failed_steps": failed, "covariance_errors": cov, "mahalanobis_errors": mah,
           "orthogonal_mean_errors": orth, "median_seconds": float(np.median(seconds)),
           "batch_sizes": list(gaussian_batch_sizes(n, d, epsilon=epsilon, delta=delta))}
+
+
+REQUIRED_N_DIMS, REQUIRED_N_EPSILONS = (3, 5, 10, 30), (1.0, 4.0)
+
+
+def required_n_table(dims=REQUIRED_N_DIMS, epsilons=REQUIRED_N_EPSILONS, delta=1e-6):
+  """Rows needed, ``{"<d>,<ε>": n}`` (issue 16's before/after): ``al_covariance``
+  (``required_n`` at its defaults) and ``learn_gaussian`` on a full-rank Σ
+  (:func:`gaussian_min_n`). "before": the tail bound F for the mask and PPME's earlier
+  sensitivity bound; "after": the defaults (Rényi accounting, the tight PPME bound)."""
+  settings = {"before": dict(mask_accounting="tail_bound", ppme_bound="spec"), "after": {}}
+  out = {}
+  for label, kw in settings.items():
+    for d in dims:
+      for eps in epsilons:
+        key = f"{d},{eps:g}"
+        out.setdefault("al_covariance", {}).setdefault(label, {})[key] = required_n(
+            d, eps, delta, **kw)
+        out.setdefault("learn_gaussian", {}).setdefault(label, {})[key] = gaussian_min_n(
+            d, d, eps, delta, **kw)
+  return out
 
 
 def calibration_table(dims, epsilons, delta):
@@ -415,6 +436,18 @@ def main(argv=None):
         json.dump(out, f, indent=2)
     return out
 
+  t0 = time.perf_counter()
+  req_dims = REQUIRED_N_DIMS[:3] if quick else REQUIRED_N_DIMS
+  req = required_n_table(req_dims, REQUIRED_N_EPSILONS, 1e-6)
+  print("rows required at δ = 1e-6, before → after (the mask's tail bound F → exact Rényi, "
+        "PPME's sensitivity bound → the tight one; docs/algorithms.md §3.2, §3.4)")
+  print(f"{'d,ε':>7}{'al_covariance':>30}{'learn_gaussian (full rank)':>34}")
+  for key in req["al_covariance"]["after"]:
+    cells = [(req[w]["before"][key], req[w]["after"][key])
+             for w in ("al_covariance", "learn_gaussian")]
+    print(f"{key:>7}" + "".join(f"{b:>14,} → {a:>11,} ({b / a:.1f}×)" for b, a in cells))
+  print(f"({time.perf_counter() - t0:.0f} s)\n", flush=True)
+
   print(f"calibration: rows required by al_covariance (δ={delta:g})", flush=True)
   t0 = time.perf_counter()
   calib = calibration_table((5, 10, 20), (1.0, 10.0), delta)
@@ -475,7 +508,11 @@ def main(argv=None):
   summary = {
       "spectral_error": {d: {n: c["median_error"] for n, c in t.items()} for d, t in refined.items()},
       "bottom_rate": {d: {n: c["bottom_rate"] for n, c in t.items()} for d, t in refined.items()},
-      "pairwise_speedup_vs_numpy": speed_summary}
+      "pairwise_speedup_vs_numpy": speed_summary,
+      "required_n": req["al_covariance"]["after"],
+      "required_n_before": req["al_covariance"]["before"],
+      "gaussian_required_n": req["learn_gaussian"]["after"],
+      "gaussian_required_n_before": req["learn_gaussian"]["before"]}
   strip = lambda t, key: {d: {n: c[key] for n, c in r.items()} for d, r in t.items()}  # noqa
   al, base = table("AL alone"), table("clip+noise B=3√d")
   out = {"summary": summary,

@@ -9,7 +9,8 @@ from dpjax.ashtiani_liaw.exact_subspace import (ALSubspaceParameters, al_subspac
                                                 al_subspace_parameters, released_basis)
 from dpjax.ashtiani_liaw.gaussian import gaussian_batch_sizes, learn_gaussian
 from dpjax.ashtiani_liaw.masking import (MaskingCalibration, calibrate_masking, covariance_mask,
-                                         masking_concentration, masking_privacy_loss)
+                                         masking_concentration, masking_epsilon,
+                                         masking_privacy_loss, masking_rdp)
 from dpjax.ashtiani_liaw.populous_mean import (PopulousThresholds, min_groups_for_test,
                                                ppme_calibration, ppme_mean)
 from dpjax.ashtiani_liaw.robust import robust_covariance, robust_mean

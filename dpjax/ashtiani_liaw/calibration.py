@@ -9,7 +9,11 @@ calibration (:func:`covariance_calibration`):
 2. The smallest number of groups k with ``k ≥`` :func:`~dpjax.ashtiani_liaw.
    min_groups_for_test` and, for ``γ = γ_PPME(k)``: ``γ ≤ ½``, ``C_0(γ) < ε2`` and
    ``η_min(γ)·(2√d + √(2 ln(1/β))) ≤ eta_accuracy`` (default 0.2: the mask then moves its input
-   by at most dist 0.56 w.p. 1 − β). η = η_min(γ).
+   by at most dist 0.56 w.p. 1 − β). η = η_min(γ), the smallest private η of
+   :func:`~dpjax.ashtiani_liaw.calibrate_masking` (its exact Rényi accounting by default, about
+   2.5× below the tail bound's η_min, so about 2.5× fewer groups at the capped η). With the
+   simulation rule of step 3, k is then raised (on a 2^{1/4} grid, up to 16×) while that lowers
+   ``k·m``: near the smallest admissible k the test's pass target nears 1 and m explodes.
 3. A group size m. ``group_size_rule="concentration"`` (the spec's rule): ``√(d/m) +
    √(2 ln(2k/β)/m) ≤ r''/3``, ``r'' = r/(2 + r)``, so every group's empirical covariance is within
    r'' of Σ w.p. 1 − β (Gaussian singular-value bounds), all pairs are r-close and the test passes
@@ -58,6 +62,9 @@ class CovarianceCalibration(NamedTuple):
     candidate_accuracy: r'' (each group's covariance within r'' of Σ w.p. 1 − β at m rows).
     epsilon_test, delta_test, epsilon_mask, delta_mask: the budget split.
     beta: failure probability used for the utility rules.
+    smallest_num_groups: the smallest admissible k (privacy, the accuracy cap and the test); k
+      is larger where more groups need fewer rows in all (the simulation rule), and
+      ``smallest_num_groups·(d + 1)`` is the fail-fast lower bound on n.
   """
   d: int
   num_groups: int
@@ -73,6 +80,7 @@ class CovarianceCalibration(NamedTuple):
   epsilon_mask: float
   delta_mask: float
   beta: float
+  smallest_num_groups: int
 
 
 def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: float = 0.25,
@@ -83,7 +91,9 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
                            radius_margin: float = DEFAULT_RADIUS_MARGIN,
                            group_size_rule: str = "simulation",
                            unknown_mean: bool = False,
-                           n: int | None = None) -> CovarianceCalibration:
+                           n: int | None = None,
+                           mask_accounting: str = "rdp",
+                           ppme_bound: str = "tight") -> CovarianceCalibration:
   """Public calibration of the covariance learner (module docstring, steps 1–3).
 
   Step 2 (the number of groups k) is cheap; the default step 3 simulates the group size, which
@@ -95,7 +105,7 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
   Args:
     d: dimension.
     epsilon, delta: the total budget.
-    radius: closeness radius r (``2r + r² < 1``).
+    radius: closeness radius r > 0 (``2r + r² < 1`` with ``ppme_bound="spec"``).
     num_groups: k; default the smallest k meeting step 2 (a user value skips the accuracy cap
       but not the privacy constraints).
     min_group_size: m; default from ``group_size_rule`` (utility only; must be ≥ d + 1).
@@ -108,6 +118,10 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
     unknown_mean: rows are paired into differences, doubling the rows needed.
     n: optional number of rows available (public): raise as soon as it is known to be too few
       (the message is phrased for :func:`al_covariance`, which passes its n here).
+    mask_accounting: the mask's privacy accounting, ``"rdp"`` (exact Rényi divergence, default)
+      or ``"tail_bound"`` (the earlier bound F); see :func:`~dpjax.ashtiani_liaw.calibrate_masking`.
+    ppme_bound: PPME's sensitivity bound, ``"tight"`` (default) or ``"spec"`` (the earlier one,
+      3.6× larger); see :func:`~dpjax.ashtiani_liaw.ppme_calibration`.
 
   Returns:
     :class:`CovarianceCalibration`.
@@ -129,10 +143,11 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
   beta = v.check_probability(beta, "beta", open_high=True)
   eps1, eps2, delta1, delta2 = epsilon * frac, epsilon * (1 - frac), delta / 2, delta / 2
   gamma_at = lambda k: ppme_calibration(k, radius, eps1, delta1, space="covariance",   # noqa: E731
-                                        thresholds=thresholds,
-                                        radius_margin=radius_margin).mask_sensitivity
+                                        thresholds=thresholds, radius_margin=radius_margin,
+                                        sensitivity_bound=ppme_bound).mask_sensitivity
   spread = 2.0 * math.sqrt(d) + math.sqrt(2.0 * math.log(1.0 / beta))
   v.check_choice(group_size_rule, "group_size_rule", ("simulation", "concentration"))
+  v.check_choice(mask_accounting, "mask_accounting", masking.MASKING_ACCOUNTINGS)
   needs_target = min_group_size is None and group_size_rule == "simulation"
 
   def _simulation_target(k):
@@ -145,7 +160,7 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
       gamma = gamma_at(k)
       if gamma > 0.5:
         return None
-      cal = masking.calibrate_masking(d, gamma, eps2, delta2)
+      cal = masking.calibrate_masking(d, gamma, eps2, delta2, accounting=mask_accounting)
     except ValueError:
       return None
     if cap is not None and cal.eta * spread > cap:
@@ -176,7 +191,7 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
     if gamma > 0.5:
       raise ValueError(f"num_groups={k} gives masking sensitivity {gamma:.3g} > 1/2; use "
                        "more groups.")
-    mask_cal = masking.calibrate_masking(d, gamma, eps2, delta2)
+    mask_cal = masking.calibrate_masking(d, gamma, eps2, delta2, accounting=mask_accounting)
     check_test_can_pass(k, eps1, delta1, thresholds, learner="the covariance learner")
   pairs = 2 if unknown_mean else 1
   if n is not None:
@@ -192,6 +207,12 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
     if n < k * m_low * pairs:
       raise _TooFewRows(n=n, d=d, epsilon=epsilon, delta=delta, num_groups=k,
                         group_size=m_low, pairs=pairs, exact=exact)
+  k_smallest = k
+  if num_groups is None and needs_target:
+    # After the fail-fast check: k·(d + 1) with the smallest k is still a lower bound.
+    k = _fewest_rows_groups(k, lambda j: simulated_group_size(d, radius, _simulation_target(j)),
+                            simulated_group_size(d, radius, thresholds.c0 + 0.02))
+    mask_cal = feasible(k, eta_accuracy)
   r_candidate = radius / (2.0 + radius)
   if min_group_size is None and group_size_rule == "concentration":
     m = _concentration_group_size(d, k, radius, beta)
@@ -202,7 +223,27 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
   alpha = masking.masking_concentration(d, mask_cal.eta, beta)
   rows = k * m * pairs
   return CovarianceCalibration(d, k, m, rows, float(radius), mask_cal.distance, mask_cal.eta,
-                               alpha, r_candidate, eps1, delta1, eps2, delta2, beta)
+                               alpha, r_candidate, eps1, delta1, eps2, delta2, beta, k_smallest)
+
+
+def _fewest_rows_groups(k_min: int, group_size, m_limit: int) -> int:
+  """The k ≥ k_min (on a 2^{1/4} grid up to 16·k_min) with the fewest rows k·m(k).
+
+  With the simulation rule m(k) is non-increasing in k (the pass target c0 + 2A1(k) + 0.02
+  falls as the test's bound A1 ∝ 1/k does) down to ``m_limit``, the group size at A1 = 0; near
+  the smallest admissible k the target nears 1 and m explodes, so the smallest k is not always
+  the cheapest. Every k ≥ k_min meets the privacy constraints (γ_PPME falls with k), so the
+  choice is a utility matter and uses public quantities only.
+  """
+  best_k, best_n = k_min, None
+  for j in range(17):
+    k = max(k_min, int(math.ceil(k_min * 2.0 ** (j / 4))))
+    m = group_size(k)
+    if best_n is None or k * m < best_n:
+      best_k, best_n = k, k * m
+    if m <= m_limit:
+      break                                   # larger k only adds rows
+  return best_k
 
 
 def _concentration_group_size(d: int, k: int, radius: float, beta: float) -> int:

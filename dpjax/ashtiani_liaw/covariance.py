@@ -134,7 +134,8 @@ def _al_plan(n, d, epsilon, delta, *, radius, num_groups, min_group_size, unknow
   ppme = ppme_calibration(cal.num_groups, cal.radius, cal.epsilon_test, cal.delta_test,
                           space="covariance", thresholds=thresholds,
                           radius_margin=calibration_kwargs.get("radius_margin",
-                                                               DEFAULT_RADIUS_MARGIN))
+                                                               DEFAULT_RADIUS_MARGIN),
+                          sensitivity_bound=calibration_kwargs.get("ppme_bound", "tight"))
   info = dict(cal._asdict(), group_size=(n // (2 if unknown_mean else 1)) // cal.num_groups)
   return _ALPlan(cal, ppme, thresholds, info)
 

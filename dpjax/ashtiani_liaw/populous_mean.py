@@ -10,22 +10,36 @@ average fraction ``Q`` is high, average the candidates with weights that ramp li
 
 Privacy [DERIVED for the thresholds; checked while implementing]. Under replace-one (one row
 changes one group, the partition of rows into groups being public): Q moves by ≤ 2(k−1)/k² < 2/k,
-so the test is (ε1, δ1)-DP and fails surely unless Q > c0 on one side. Then, with the constraints
-``(a + b − 1)k ≥ 2``, ``c0 > b``, ``k(c0 − b)/(1 − b) ≥ 1``, ``c0 − 2/k > a``:
+so the test is (ε1, δ1)-DP and fails surely unless Q > c0 on one side (call it X; the changed
+group is 1). Then, with the constraints ``(a + b − 1)k ≥ 2``, ``c0 > b``, ``k(c0 − b)/(1 − b) ≥ 1``,
+``c0 − 2/k > a``:
 (1) the ramp dominates ``(q − a)/(1 − a)``, so both weight sums exceed
-``W_min = k(c0 − 2/k − a)/(1 − a)``; (2) more than one group has ``q ≥ b`` on the side with
-``Q > c0``, so an unchanged reference group c has ``q_c ≥ b − 1/k`` on both; (3) every group with
-positive weight shares a neighbour with c (``N_i + N_c > (a + b − 1)k − 1 ≥ 1``), so it lies within
-two hops of ``Y_c``; (4) two hops mean ``‖Y_i − Y_c‖ ≤ ρ = 2r`` (Euclidean) or
-``‖Y_c^{-1/2} Y_i Y_c^{-1/2} − I‖ ≤ ρ = 2r + r²`` (covariance; the eigenvalues lie in
-``[(1+r)^{-2}, (1+r)²]``); (5) the weight vectors differ by ``D = Σ|w̃_i − w̃'_i| < 1 + 1/(b − a)``
-and ``‖w − w'‖₁ ≤ 2D/W_min``, so the averages differ by at most ``ρ(2D + 2)/W_min``;
-(6) covariance: both averages are within ρ of I after whitening by ``Y_c``, so the semimetric
-distance is at most that divided by ``1 − ρ``. Hence the sensitivity handed to the masking
-mechanism is ``γ = (4 + 2/(b − a))·ρ/W_min`` (Euclidean) or ``γ = (4 + 2/(b − a))·ρ/((1 − ρ)W_min)``
-(covariance), 14ρ/W_min for the default thresholds, and PPME is (ε1 + ε2, δ1 + δ2)-DP when the
-mask is a (γ, ε2, δ2)-masking mechanism. Where the predicate is evaluated in floating point the
-radius used for γ is ``r(1 + radius_margin)`` (``semimetric.py``).
+``W_min = k(c0 − 2/k − a)/(1 − a)``; (2) more than one group has ``q ≥ b`` on X, so an unchanged
+reference group c has ``q_c ≥ b − 1/k`` on both; (3) every group with positive weight shares a
+neighbour with c (``N_i + N_c > (a + b − 1)k − 1 ≥ 1``), so it lies within two hops of ``Y_c``;
+(4) two hops mean ``‖Y_i − Y_c‖ ≤ 2r`` (Euclidean) or ``(1+r)^{-2} ⪯ Z_i ⪯ (1+r)²`` for
+``Z_i = Y_c^{-1/2} Y_i Y_c^{-1/2}`` (covariance), hence ``‖Z_i − c*I‖ ≤ h`` with c* and h the
+midpoint and half-width of ``[(1+r)^{-2}, (1+r)²]``. (5) Since both weight vectors sum to 1,
+``Ẑ − Ẑ' = Σ_{i≠1}(w_i − w'_i)(Z_i − c*I) + w_1(Z_1 − c*I) − w'_1(Z'_1 − c*I)`` (likewise with
+``Y_i − Y_c``), so the averages differ by at most (2r or h)·T, ``T = Σ_{i≠1}|w_i − w'_i| + w_1 +
+w'_1``. With ``D₋₁ = Σ_{i≠1}|w̃_i − w̃'_i|``: ``Σ_{i≠1}|w_i − w'_i| ≤ (D₋₁ + |W − W'|)/W``,
+``|W − W'| ≤ D₋₁ + |w̃_1 − w̃'_1|`` and ``w_1 + w'_1 ≤ (w̃_1 + w̃'_1)/W_min``, so
+``T ≤ (2D₋₁ + 2 max(w̃_1, w̃'_1))/W_min ≤ (2 + 2D₋₁)/W_min``. (6) A group i ≠ 1 changes weight only
+if ``min(q_i, q'_i) < b``, so ``q_i(X) < b + 1/k``; as ``Σ_i (1 − q_i(X)) = k(1 − Q) < k(1 − c0)``,
+fewer than ``k(1 − c0)/(1 − b − 1/k)`` groups do (when ``1 − b − 1/k > 0``; at most k − 1 anyway),
+each by at most ``1/(k(b − a))``: ``D₋₁ ≤ min((k − 1)/k, (1 − c0)/(1 − b − 1/k))/(b − a)``.
+(7) Covariance: Ẑ and Ẑ' are convex combinations of matrices ``⪰ (1+r)^{-2}I``, and
+``dist(A, B) ≤ ‖B − A‖/min(λ_min(A), λ_min(B))``, so ``dist(Ŷ, Ŷ') = dist(Ẑ, Ẑ') ≤ (1+r)²·h·T``
+with ``(1+r)²h = ((1+r)⁴ − 1)/2``. Hence the sensitivity handed to the masking mechanism is
+
+    γ = (2 + 2·D₋₁max)·ρ/W_min,   ρ = 2r (Euclidean) or ((1+r)⁴ − 1)/2 (covariance),
+
+7ρ/W_min for the default thresholds and large k, and PPME is (ε1 + ε2, δ1 + δ2)-DP when the mask
+is a (γ, ε2, δ2)-masking mechanism. The earlier argument of docs/algorithms.md §3.2 (no centring,
+``1 − ρ`` for λ_min, the cruder weight algebra, D < 1 + 1/(b − a)) gave ``(4 + 2/(b − a))·ρ/W_min``
+and, for covariances, ``ρ = 2r + r²`` divided by ``1 − ρ`` (so r < 0.414): 3.6× larger at the
+defaults (``sensitivity_bound="spec"`` keeps it). Where the predicate is evaluated in floating
+point the radius used for γ is ``r(1 + radius_margin)`` (``semimetric.py``).
 
 Floating point (docs/algorithms.md §1.10). The test releases one bit, ``Q + Z > c0 + A1``, with Z drawn
 in float64 by inverse CDF from a 52-bit uniform: no float value is released, and the bit's
@@ -83,7 +97,8 @@ class PPMECalibration(NamedTuple):
     test_scale, test_bound: ``TLap(2/k, ε1, δ1)``'s scale λ and bound A1.
     pass_level: the test passes iff ``Q̂ > pass_level = c0 + A1``.
     weight_floor: ``W_min``.
-    rho: the two-hop radius ρ.
+    rho: the two-hop spread ρ of the sensitivity bound (module docstring): 2r (Euclidean);
+      ``((1+r)⁴ − 1)/2`` (covariance), or with ``sensitivity_bound="spec"`` ``2r + r²``.
     mask_sensitivity: γ, the distance the masking mechanism must hide.
   """
   num_groups: int
@@ -114,42 +129,61 @@ def check_thresholds(thresholds: PopulousThresholds, num_groups: int) -> Populou
   return PopulousThresholds(a, b, c0)
 
 
+PPME_SENSITIVITY_BOUNDS = ("tight", "spec")
+
+
 def ppme_calibration(num_groups: int, radius: float, epsilon_test: float, delta_test: float, *,
                      space: str, thresholds: PopulousThresholds = PopulousThresholds(),
-                     radius_margin: float = DEFAULT_RADIUS_MARGIN) -> PPMECalibration:
+                     radius_margin: float = DEFAULT_RADIUS_MARGIN,
+                     sensitivity_bound: str = "tight") -> PPMECalibration:
   """The test constants and the masking sensitivity γ of PPME (module docstring; all public).
 
   Args:
     num_groups: k.
-    radius: closeness radius r > 0 (covariance: ``2r + r² < 1`` required).
+    radius: closeness radius r > 0 (covariance with ``sensitivity_bound="spec"``: ``2r + r² < 1``).
     epsilon_test, delta_test: the budget of the test (ε1, δ1).
     space: ``"euclidean"`` or ``"covariance"``.
     thresholds: :class:`PopulousThresholds`.
     radius_margin: relative slack for floating-point predicates (γ uses ``r(1 + margin)``).
+    sensitivity_bound: ``"tight"`` (default: ``γ = (2 + 2·D₋₁max)·ρ/W_min``, module docstring
+      steps 4–7) or ``"spec"`` (the earlier ``(4 + 2/(b − a))·ρ/W_min``, covariance
+      ``ρ = 2r + r²`` over ``1 − ρ``; 3.6× larger at the defaults).
 
   Returns:
     :class:`PPMECalibration`.
 
   Raises:
-    ValueError: broken threshold constraints, bad budget, or ``ρ ≥ 1`` (covariance).
+    ValueError: broken threshold constraints, bad budget, an unknown ``sensitivity_bound``, or
+      ``2r + r² ≥ 1`` (covariance with ``"spec"``).
   """
   a, b, c0 = check_thresholds(thresholds, num_groups)
   radius = v.check_positive(radius, "radius")
   v.check_choice(space, "space", ("euclidean", "covariance"))
+  v.check_choice(sensitivity_bound, "sensitivity_bound", PPME_SENSITIVITY_BOUNDS)
   margin = v.check_positive(radius_margin, "radius_margin", allow_zero=True)
   k = num_groups
   tlap = truncated_laplace_params(2.0 / k, epsilon_test, delta_test)
   w_min = k * (c0 - 2.0 / k - a) / (1.0 - a)
   r = radius * (1.0 + margin)
-  factor = 4.0 + 2.0 / (b - a)                        # 2 + 2D with D < 1 + 1/(b − a)
-  if space == "euclidean":
-    rho = 2.0 * r
-    gamma = factor * rho / w_min
+  if sensitivity_bound == "spec":
+    factor = 4.0 + 2.0 / (b - a)                      # 2 + 2D with D < 1 + 1/(b − a)
+    if space == "euclidean":
+      rho = 2.0 * r
+      gamma = factor * rho / w_min
+    else:
+      rho = 2.0 * r + r * r
+      if rho >= 1.0:
+        raise ValueError(f"covariance PPME with sensitivity_bound='spec' needs 2r + r² < 1 "
+                         f"(r < 0.414), got radius={radius}.")
+      gamma = factor * rho / ((1.0 - rho) * w_min)
   else:
-    rho = 2.0 * r + r * r
-    if rho >= 1.0:
-      raise ValueError(f"covariance PPME needs 2r + r² < 1 (r < 0.414), got radius={radius}.")
-    gamma = factor * rho / ((1.0 - rho) * w_min)
+    # Step 6: fewer than k(1 − c0)/(1 − b − 1/k) unchanged groups can change weight.
+    share = (k - 1.0) / k
+    if 1.0 - b - 1.0 / k > 0.0:
+      share = min(share, (1.0 - c0) / (1.0 - b - 1.0 / k))
+    factor = 2.0 + 2.0 * share / (b - a)
+    rho = 2.0 * r if space == "euclidean" else ((1.0 + r) ** 4 - 1.0) / 2.0
+    gamma = factor * rho / w_min
   return PPMECalibration(k, tlap.scale, tlap.bound, c0 + tlap.bound, w_min, rho, gamma)
 
 

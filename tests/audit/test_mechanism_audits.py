@@ -4,7 +4,10 @@ Each audit runs the library's own public function many times on neighbouring inp
 stress its proof, and checks that the empirical lower bound on ε does not exceed the claim.
 Reduced trial counts by default; ``--audit-full`` (and the full suite, ``--run-slow``) runs full
 counts. Negative controls (a deliberately broken variant that the same audit must flag) show that
-an audit has power; they are not in EXPECTED.
+an audit has power; they are not in EXPECTED. Most mechanisms are passed to ``audit.audit`` under
+``jax.jit``: its eager ``vmap`` over trials then runs one compiled program instead of dispatching
+op by op (2–3× faster here; not DPASEB, ``al_subspace`` and GAP-MAX, whose eager runs are
+faster, nor the HVZ covariance, whose host-side release reads the rows).
 """
 
 import math
@@ -99,7 +102,7 @@ def test_stability_histogram_singleton_bin(audit_trials, noise):
     zero = jnp.max(jnp.where(h.released & (h.bins[:, 0] == 0), h.noisy_counts, -1))
     return jnp.round(zero).astype(jnp.int32) + 1000 * nine
 
-  rep = audit.audit(jax.random.key(4), released_nine, X, X_prime, delta=delta,
+  rep = audit.audit(jax.random.key(4), jax.jit(released_nine), X, X_prime, delta=delta,
                     epsilon_claimed=1.0, trials=n)
   _check(f"stability histogram ({noise})", 1.0, rep.epsilon_lower_bound, n)
 
@@ -132,7 +135,7 @@ def test_exponential_mechanism(audit_trials):
   def pick(key, scores):
     return M.exponential_mechanism(key, scores, sensitivity=1.0, epsilon=1.0)
 
-  rep = audit.audit(jax.random.key(10), pick, X, X_prime, delta=0.0, epsilon_claimed=1.0,
+  rep = audit.audit(jax.random.key(10), jax.jit(pick), X, X_prime, delta=0.0, epsilon_claimed=1.0,
                     trials=n)
   _check("exponential mechanism", 1.0, rep.epsilon_lower_bound, n)
 
@@ -161,7 +164,7 @@ def test_dpase_replaced_row_breaks_a_subset(audit_trials, top_k_method):
                             top_k_method=top_k_method)
     return jnp.where(res.ok, jnp.round(jnp.abs(res.basis[0, 0]), 2), -1.0)
 
-  rep = audit.audit(jax.random.key(8), run, X, X_prime, delta=delta, epsilon_claimed=eps,
+  rep = audit.audit(jax.random.key(8), jax.jit(run), X, X_prime, delta=delta, epsilon_claimed=eps,
                     trials=n)
   _check("DPASE", eps, rep.epsilon_lower_bound, n)
 
@@ -195,8 +198,8 @@ def test_dpase_audit_catches_too_little_histogram_noise(audit_trials):
   n = audit_trials(3_000, 50_000)
   for factor, seed, private in ((1.0, 21, True), (10.0, 22, False)):
     run, X, X_prime, eps, delta = _dpase_at_the_half_rule(factor)
-    rep = audit.audit(jax.random.key(seed), run, X, X_prime, delta=delta, epsilon_claimed=eps,
-                      trials=n)
+    rep = audit.audit(jax.random.key(seed), jax.jit(run), X, X_prime, delta=delta,
+                      epsilon_claimed=eps, trials=n)
     assert rep.passed == private, (factor, rep)
 
 
@@ -237,7 +240,7 @@ def test_dpese_two_competing_planes(audit_trials):
     res = dpjax_dpese(key, rows, epsilon=1.0, delta=0.02, k=2)
     return jnp.where(res.ok, jnp.round(jnp.abs(res.basis[0, 0]), 1), -1.0)
 
-  rep = audit.audit(jax.random.key(14), run, X, X_prime, delta=0.02, epsilon_claimed=1.0,
+  rep = audit.audit(jax.random.key(14), jax.jit(run), X, X_prime, delta=0.02, epsilon_claimed=1.0,
                     trials=n)
   _check("DPESE", 1.0, rep.epsilon_lower_bound, n)
 
@@ -285,7 +288,7 @@ def test_analyze_gauss_replaced_row(audit_trials):
                               secure=False)
     return jnp.round(jnp.abs(res.basis[0, 0]), 1)
 
-  rep = audit.audit(jax.random.key(15), run, X, X_prime, delta=1e-5, epsilon_claimed=1.0,
+  rep = audit.audit(jax.random.key(15), jax.jit(run), X, X_prime, delta=1e-5, epsilon_claimed=1.0,
                     trials=n)
   _check("Analyze Gauss", 1.0, rep.epsilon_lower_bound, n)
 
@@ -321,7 +324,7 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
   n = audit_trials(5_000, 100_000)
   basis = jnp.eye(8)[:, :3] if subspace else None   # the canary lies in the subspace
   step, without, with_canary, claimed = _canary_step(basis)
-  rep = audit.audit(jax.random.key(9), step, without, with_canary, delta=1e-5,
+  rep = audit.audit(jax.random.key(9), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
   _check("subspace DP-SGD step" if subspace else "DP-SGD step", claimed,
          rep.epsilon_lower_bound, n)
@@ -338,7 +341,7 @@ def test_subspace_dp_sgd_step_with_a_stretching_basis(audit_trials):
   the claimed ε."""
   n = audit_trials(5_000, 100_000)
   step, without, with_canary, claimed = _canary_step(_stretching_basis(3.0), sigma=4.0, tol=10.0)
-  rep = audit.audit(jax.random.key(19), step, without, with_canary, delta=1e-5,
+  rep = audit.audit(jax.random.key(19), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
   _check("subspace DP-SGD step, stretching basis", claimed, rep.epsilon_lower_bound, n)
 
@@ -348,7 +351,7 @@ def test_stretching_basis_audit_catches_unscaled_noise(audit_trials):
   n = audit_trials(10_000, 100_000)
   step, without, with_canary, claimed = _canary_step(_stretching_basis(3.0), sigma=4.0,
                                                      unscaled=True)
-  rep = audit.audit(jax.random.key(20), step, without, with_canary, delta=1e-5,
+  rep = audit.audit(jax.random.key(20), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
   assert rep.epsilon_lower_bound > claimed, rep
 
@@ -384,7 +387,7 @@ def test_layer_subspace_dp_sgd_step_with_a_stretching_basis(audit_trials):
   scaled by the largest basis norm, so the step keeps the claimed ε."""
   n = audit_trials(5_000, 100_000)
   step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0)
-  rep = audit.audit(jax.random.key(23), step, without, with_canary, delta=1e-5,
+  rep = audit.audit(jax.random.key(23), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
   _check("per-layer subspace DP-SGD step", claimed, rep.epsilon_lower_bound, n)
 
@@ -393,7 +396,7 @@ def test_layer_subspace_audit_catches_unscaled_noise(audit_trials):
   """Negative control (not in EXPECTED): the same step with noise σC (not scaled by ‖U‖₂ = 3)."""
   n = audit_trials(10_000, 100_000)
   step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0, unscaled=True)
-  rep = audit.audit(jax.random.key(24), step, without, with_canary, delta=1e-5,
+  rep = audit.audit(jax.random.key(24), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
   assert rep.epsilon_lower_bound > claimed, rep
 
@@ -425,17 +428,18 @@ def test_embedding_residual_dp_sgd_step_with_a_canary(audit_trials):
   n = audit_trials(5_000, 100_000)
   step, without, with_canary = _residual_canary_step(1.0)
   claimed = accounting.dpsgd_epsilon(1.0, 1.0, 1, 1e-5)
-  rep = audit.audit(jax.random.key(25), step, without, with_canary, delta=1e-5,
+  rep = audit.audit(jax.random.key(25), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
   _check("embedding+residual DP-SGD step", claimed, rep.epsilon_lower_bound, n)
 
 
+@pytest.mark.slow    # negative control; as above
 def test_embedding_residual_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of σ/3 under the claim for σ."""
   n = audit_trials(10_000, 100_000)
   step, without, with_canary = _residual_canary_step(1.0 / 3.0)
   claimed = accounting.dpsgd_epsilon(1.0, 1.0, 1, 1e-5)
-  rep = audit.audit(jax.random.key(26), step, without, with_canary, delta=1e-5,
+  rep = audit.audit(jax.random.key(26), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
   assert rep.epsilon_lower_bound > claimed, rep
 
@@ -525,13 +529,14 @@ def _masking_pair(key, d, gamma, eps, delta, trials, eta_factor=1.0):
   with jax.enable_x64(True):
     assert float(semimetric.psd_distance(jnp.eye(d), jnp.diag(jnp.asarray(lam)))) == \
         pytest.approx(gamma, rel=1e-9)
-    rep = audit.audit(key, feature, jnp.eye(d), jnp.diag(jnp.asarray(lam)), delta=delta,
+    rep = audit.audit(key, jax.jit(feature), jnp.eye(d), jnp.diag(jnp.asarray(lam)), delta=delta,
                       epsilon_claimed=eps, trials=trials)
   return rep.epsilon_lower_bound
 
 
-# Small γ: F's η-independent part C0 is negligible and the calibration is at its tightest in η;
-# larger γ with d = 3: C0 takes a large share of ε.
+# Small γ: the η-independent part of the loss is negligible and the calibration is at its
+# tightest in η; larger γ with d = 3: that part takes a larger share of ε. η is the default
+# (Rényi) calibration of calibrate_masking.
 MASKING_CONFIGS = [(2, 0.002, 2.0, 1e-3), (3, 0.05, 2.0, 1e-2)]
 
 
@@ -543,13 +548,14 @@ def test_covariance_masking_at_distance_gamma(audit_trials):
 
 
 def test_covariance_masking_audit_catches_too_little_noise(audit_trials):
-  """Negative control (not in EXPECTED): η five times below η_min must be caught. At the first
-  configuration the calibration is tight within a factor ≈ 4 in η, so η/5 genuinely violates
-  (ε, δ) and the audit sees it."""
-  n = audit_trials(100_000, 1_000_000)
+  """Negative control (not in EXPECTED): η 1.5 times below the (Rényi) η_min must be caught. The
+  Rényi calibration is within ≈ 8% of the exact worst pair in η, so η/1.5 genuinely violates
+  (ε, δ), and the audit has power exactly where the tail bound's slack (2.7× in η here) was
+  removed: measured 2.36–2.47 > 2 at 200,000 trials, 2.51 at 10⁶ (1.58 at η_min)."""
+  n = audit_trials(200_000, 1_000_000)
   d, gamma, eps, delta = MASKING_CONFIGS[0]
-  lb = _masking_pair(jax.random.key(40), d, gamma, eps, delta, n, eta_factor=5.0)
-  assert lb > eps, f"the audit missed η = η_min/5: empirical ε ≥ {lb:.3f} ≤ claimed {eps}"
+  lb = _masking_pair(jax.random.key(40), d, gamma, eps, delta, n, eta_factor=1.5)
+  assert lb > eps, f"the audit missed η = η_min/1.5: empirical ε ≥ {lb:.3f} ≤ claimed {eps}"
 
 
 def test_al_covariance_ppme_row_replaced_by_a_huge_row(audit_trials):
@@ -693,6 +699,7 @@ def test_hvz_centred_covariance(audit_trials):
          n)
 
 
+@pytest.mark.slow    # negative control; as above
 def test_hvz_covariance_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of ε = 30 under the claim ε = 1 (the true
   loss of this pair is then 30·(1/4)/(3/2) = 5)."""
@@ -712,7 +719,7 @@ def _pmm_deepest_level_lower_bound(key, trials, epsilon_noise):
   def run(k, rows):
     deepest = pmm_lib.pmm_noisy_levels(k, jnp.asarray(rows, jnp.float32), params)[-1]
     return (deepest[0] - deepest[1]).astype(jnp.float32)
-  return audit.audit(key, run, Y, Y_prime, delta=0.0, trials=trials).epsilon_lower_bound
+  return audit.audit(key, jax.jit(run), Y, Y_prime, delta=0.0, trials=trials).epsilon_lower_bound
 
 
 def test_hvz_pmm_level_counts(audit_trials):
@@ -721,6 +728,7 @@ def test_hvz_pmm_level_counts(audit_trials):
          _pmm_deepest_level_lower_bound(jax.random.key(52), n, 1.0), n)
 
 
+@pytest.mark.slow    # negative control; the auditor's power is checked by default (test_auditor.py)
 def test_hvz_pmm_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): PMM's noise for ε = 8 under the claim ε = 1 (loss 4 on
   this feature)."""
@@ -744,7 +752,7 @@ def _psmm_lower_bound(key, trials, epsilon_noise):
     counts = psmm.psmm_noisy_counts(k, jnp.asarray(rows, jnp.float32), lattice, 1.0,
                                     epsilon_noise)
     return (counts[cells[0]] - counts[cells[1]]).astype(jnp.float32)
-  return audit.audit(key, run, A, A_prime, delta=0.0, trials=trials).epsilon_lower_bound
+  return audit.audit(key, jax.jit(run), A, A_prime, delta=0.0, trials=trials).epsilon_lower_bound
 
 
 def test_hvz_psmm_counts(audit_trials):
@@ -752,6 +760,7 @@ def test_hvz_psmm_counts(audit_trials):
   _check("HVZ PSMM counts", 1.0, _psmm_lower_bound(jax.random.key(54), n, 1.0), n)
 
 
+@pytest.mark.slow    # negative control; as above
 def test_hvz_psmm_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of ε = 2 under the claim ε = 1."""
   n = audit_trials(3_000, 400_000)
