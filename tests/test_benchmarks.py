@@ -92,6 +92,13 @@ def test_covariance_accuracy_options(tmp_path):
        "--json", str(path), "--plot", str(plot)])
   saved = json.loads(path.read_text())
   assert saved["config"]["dims"] == [3] and saved["gaussian"] and plot.stat().st_size > 0
+  # Issue 16's before/after table (--quick: d ∈ {3, 5, 10}, ε ∈ {1, 4}): every tightening lowers n.
+  summary = saved["summary"]
+  for after, before in (("required_n", "required_n_before"),
+                        ("gaussian_required_n", "gaussian_required_n_before")):
+    assert set(summary[after]) == {f"{d},{e}" for d in (3, 5, 10) for e in (1, 4)}
+    assert all(0 < summary[after][key] < summary[before][key] for key in summary[after])
+  assert summary["required_n"]["5,1"] < 5e6 < 2e7 < summary["required_n_before"]["5,1"]
 
 
 @pytest.mark.slow
