@@ -106,8 +106,8 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
     d: dimension.
     epsilon, delta: the total budget.
     radius: closeness radius r > 0 (``2r + r² < 1`` with ``ppme_bound="spec"``).
-    num_groups: k; default the smallest k meeting step 2 (a user value skips the accuracy cap
-      but not the privacy constraints).
+    num_groups: k; default from step 2: the smallest admissible k, raised where more groups need
+      fewer rows in all (a user value skips the accuracy cap but not the privacy constraints).
     min_group_size: m; default from ``group_size_rule`` (utility only; must be ≥ d + 1).
     test_fraction: ε1/ε.
     eta_accuracy: the cap on ``η·(2√d + √(2 ln(1/β)))`` (None: no cap).

@@ -124,7 +124,7 @@ MASKING_ACCOUNTINGS = ("rdp", "tail_bound")
 
 # Rényi orders for the conversion to (ε, δ): dense near 1, geometric up to 10⁵ (the optimum is
 # about 1 + 2 ln(1/δ)/ε and the divergence is finite only below (1 + γ)/γ).
-RDP_ORDERS = tuple(np.unique(np.concatenate([1.0 + np.geomspace(1e-2, 1e5, 481)])).tolist())
+RDP_ORDERS = tuple((1.0 + np.geomspace(1e-2, 1e5, 481)).tolist())
 
 
 def masking_rdp(d: int, distance: float, eta: float, orders=RDP_ORDERS) -> np.ndarray:
@@ -140,7 +140,7 @@ def masking_rdp(d: int, distance: float, eta: float, orders=RDP_ORDERS) -> np.nd
   Returns:
     float64 array of the orders' shape (nats).
   """
-  d, gamma, _, eta = _check(d, distance, 0.5, eta=eta, allow_inf=True)
+  d, gamma, _, eta = _check(d, distance, eta=eta, allow_inf=True)
   alpha = np.asarray(orders, np.float64)
   if alpha.ndim != 1 or alpha.size == 0 or not np.all(alpha > 1.0):
     raise ValueError("orders must be a non-empty 1-D sequence of Rényi orders > 1.")
@@ -329,13 +329,14 @@ def _fixed_loss(d: int, g: float, x: float) -> float:
   return d * d * g * g / 2.0 + math.sqrt(2.0) * d * g * math.sqrt(x) + g * x
 
 
-def _check(d, distance, delta, eta=None, allow_inf=False):
+def _check(d, distance, delta=None, eta=None, allow_inf=False):
   d = v.check_int(d, "d", low=1)
   gamma = v.check_positive(distance, "distance")
   if gamma > 0.5:
     raise ValueError(f"distance must lie in (0, 1/2] for the masking calibration, got "
                      f"distance={gamma!r}.")
-  delta = v.check_delta(delta)
+  if delta is not None:
+    delta = v.check_delta(delta)
   if eta is not None:
     eta = v.check_positive(eta, "eta", allow_inf=allow_inf)
   return d, gamma, delta, eta
