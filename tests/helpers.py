@@ -38,7 +38,8 @@ def run_on_devices(code: str, devices: int = 4, timeout: float = 240.0) -> dict:
   import sys
   root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""),     # the suite's own flags
+                                 f"--xla_force_host_platform_device_count={devices}"]).strip(),
              PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"),
                                          os.environ.get("PYTHONPATH", "")]))
   try:

@@ -26,6 +26,23 @@ def test_projection_distance_rank_mismatch_and_shape_error():
     metrics.projection_distance(A, jnp.eye(4)[:, :2])
 
 
+@pytest.mark.parametrize("theta", [1e-6, 1e-5, 1e-3, 0.7, 1.5])
+def test_projection_distance_is_accurate_at_small_angles_in_float32(theta):
+  """sin θ to working precision, not only above √(2·eps) ≈ 3·10⁻⁴ (where √(1 − cos²θ) stops; the
+  float32 basis itself is orthonormal to ~10⁻⁷):
+  two float32 planes in R⁶ at principal angles (θ/3, θ), and a zero basis (a ⊥ result) at 1."""
+  Q = linalg.orthonormal_basis(jax.random.key(1), 6, 6)
+  V = Q[:, :2]
+  W = jnp.stack([jnp.cos(theta / 3) * Q[:, 0] + jnp.sin(theta / 3) * Q[:, 2],
+                 jnp.cos(theta) * Q[:, 1] + jnp.sin(theta) * Q[:, 3]], axis=1)
+  assert V.dtype == W.dtype == jnp.float32
+  np.testing.assert_allclose(float(metrics.projection_distance(V, W)), np.sin(theta), rtol=2e-2,
+                             atol=3e-7)
+  np.testing.assert_allclose(np.asarray(linalg.principal_angles(W, V)), [theta / 3, theta],
+                             rtol=2e-2, atol=3e-7)
+  assert float(metrics.projection_distance(jnp.zeros_like(V), W)) == 1.0
+
+
 def test_captured_energy():
   V = jnp.eye(4)[:, :1]
   G = jnp.array([[3.0, 4.0, 0.0, 0.0]])
