@@ -50,8 +50,9 @@ import numpy as np
 
 from _timing import blas_info, blas_threads, interleaved, paired, timed
 from dpjax import metrics
-from dpjax.ashtiani_liaw import (closeness_matrix, covariance_calibration, gaussian_batch_sizes,
-                                 learn_covariance, learn_gaussian, neighbour_counts, required_n)
+from dpjax.ashtiani_liaw import (SPEC_CHOICES, closeness_matrix, covariance_calibration,
+                                 gaussian_batch_sizes, learn_covariance, learn_gaussian,
+                                 neighbour_counts, required_n)
 from dpjax.mechanisms import analytic_gaussian_sigma
 
 SPREAD = 6.0                 # eigenvalues 10^{U[−6, 6]}
@@ -211,9 +212,11 @@ REQUIRED_N_DIMS, REQUIRED_N_EPSILONS = (3, 5, 10, 30), (1.0, 4.0)
 def required_n_table(dims=REQUIRED_N_DIMS, epsilons=REQUIRED_N_EPSILONS, delta=1e-6):
   """Rows needed, ``{"<d>,<ε>": n}`` (issue 16's before/after): ``al_covariance``
   (``required_n`` at its defaults) and ``learn_gaussian`` on a full-rank Σ
-  (:func:`gaussian_min_n`). "before": the tail bound F for the mask and PPME's earlier
-  sensitivity bound; "after": the defaults (Rényi accounting, the tight PPME bound)."""
-  settings = {"before": dict(mask_accounting="tail_bound", ppme_bound="spec"), "after": {}}
+  (:func:`gaussian_min_n`). "before": the spec's choices (``SPEC_CHOICES``: the mask's tail
+  bound F, PPME's earlier sensitivity bound, ε/4, r = 1/4, (0.6, 0.8, 0.9), the bound's accuracy
+  cap, a sure-pass target); "after": the defaults (Rényi accounting, the tight PPME bound, the
+  re-chosen split, thresholds and radius, the simulated mask accuracy and a p95 pass target)."""
+  settings = {"before": dict(SPEC_CHOICES), "after": {}}
   out = {}
   for label, kw in settings.items():
     for d in dims:
@@ -439,8 +442,9 @@ def main(argv=None):
   t0 = time.perf_counter()
   req_dims = REQUIRED_N_DIMS[:3] if quick else REQUIRED_N_DIMS
   req = required_n_table(req_dims, REQUIRED_N_EPSILONS, 1e-6)
-  print("rows required at δ = 1e-6, before → after (the mask's tail bound F → exact Rényi, "
-        "PPME's sensitivity bound → the tight one; docs/algorithms.md §3.2, §3.4)")
+  print("rows required at δ = 1e-6, before → after (the spec's choices → the defaults: exact "
+        "Rényi mask accounting, PPME's tight bound, re-chosen split/thresholds/radius, simulated "
+        "mask accuracy, p95 pass target; docs/algorithms.md §3.2, §3.4, §3.5)")
   print(f"{'d,ε':>7}{'al_covariance':>30}{'learn_gaussian (full rank)':>34}")
   for key in req["al_covariance"]["after"]:
     cells = [(req[w]["before"][key], req[w]["after"][key])

@@ -1,7 +1,9 @@
 """Ashtiani & Liaw (COLT 2022): private covariances, subspaces and Gaussians with no bound on the
 scale or the condition number (docs/algorithms.md §3), and their robust variants."""
 
-from dpjax.ashtiani_liaw.calibration import (CovarianceCalibration, covariance_calibration,
+from dpjax.ashtiani_liaw.calibration import (COVARIANCE_RADIUS, COVARIANCE_TEST_FRACTION,
+                                             COVARIANCE_THRESHOLDS, SPEC_CHOICES,
+                                             CovarianceCalibration, covariance_calibration,
                                              required_n)
 from dpjax.ashtiani_liaw.covariance import (al_covariance, learn_covariance, pair_differences,
                                             second_moment)
@@ -10,7 +12,8 @@ from dpjax.ashtiani_liaw.exact_subspace import (ALSubspaceParameters, al_subspac
 from dpjax.ashtiani_liaw.gaussian import gaussian_batch_sizes, learn_gaussian
 from dpjax.ashtiani_liaw.masking import (MaskingCalibration, calibrate_masking, covariance_mask,
                                          masking_concentration, masking_epsilon,
-                                         masking_privacy_loss, masking_rdp)
+                                         masking_privacy_loss, masking_rdp,
+                                         simulated_masking_accuracy, simulated_masking_eta)
 from dpjax.ashtiani_liaw.populous_mean import (PopulousThresholds, min_groups_for_test,
                                                ppme_calibration, ppme_mean)
 from dpjax.ashtiani_liaw.robust import robust_covariance, robust_mean

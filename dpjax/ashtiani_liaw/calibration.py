@@ -4,26 +4,40 @@ Everything here is a function of public quantities (d, ε, δ and the options): 
 groups, the group size, the mask's η and the rows the learner needs. [PROPOSED] end-to-end
 calibration (:func:`covariance_calibration`):
 
-1. ε1 = ε/4 for the test, ε2 = 3ε/4 for the mask, δ1 = δ2 = δ/2; r = 1/4; (a, b, c0) =
-   (0.6, 0.8, 0.9).
-2. The smallest number of groups k with ``k ≥`` :func:`~dpjax.ashtiani_liaw.
-   min_groups_for_test` and, for ``γ = γ_PPME(k)``: ``γ ≤ ½``, ``C_0(γ) < ε2`` and
-   ``η_min(γ)·(2√d + √(2 ln(1/β))) ≤ eta_accuracy`` (default 0.2: the mask then moves its input
-   by at most dist 0.56 w.p. 1 − β). η = η_min(γ), the smallest private η of
-   :func:`~dpjax.ashtiani_liaw.calibrate_masking` (its exact Rényi accounting by default, about
-   2.5× below the tail bound's η_min, so about 2.5× fewer groups at the capped η). With the
-   simulation rule of step 3, k is then raised (on a 2^{1/4} grid, up to 16×) while that lowers
-   ``k·m``: near the smallest admissible k the test's pass target nears 1 and m explodes.
+1. ε1 = 0.3ε for the test, ε2 = 0.7ε for the mask, δ1 = δ2 = δ/2; r = 0.7; (a, b, c0) =
+   (0.3, 0.75, 0.9) (:data:`COVARIANCE_THRESHOLDS`). Any split and any thresholds meeting
+   :func:`~dpjax.ashtiani_liaw.check_thresholds` are private (the proofs hold for each; r > 0.414
+   needs PPME's tight sensitivity bound). These minimise the rows on a grid (r ∈ {0.4, 0.55,
+   0.7, 0.85, 1}, ε1/ε ∈ {0.3, 0.4}, five threshold triples; d = 5, ε = 1; issue 16, research
+   note al-sample-complexity.md §2.3–2.4); the spec's ε/4, r = 1/4, (0.6, 0.8, 0.9) ask 2–5×
+   more. A lower c0 lowers the neighbour-fraction target (smaller groups); a lower a and a wider
+   ramp b − a lower PPME's sensitivity; a larger r needs smaller groups (m ∝ 1/r²) but raises
+   PPME's sensitivity like ((1+r)⁴ − 1)/2.
+2. The smallest number of groups k for which, with ``γ = γ_PPME(k)``: the thresholds' constraints
+   hold, ``γ ≤ ½``, ``C_0(γ) < ε2``, η_min(γ) (the smallest private η of
+   :func:`~dpjax.ashtiani_liaw.calibrate_masking`, exact Rényi accounting by default) is at most
+   the accuracy cap's η, and step 3's pass target is below 1 (with a user ``min_group_size`` or
+   the concentration rule, k ≥ :func:`~dpjax.ashtiani_liaw.min_groups_for_test` instead: a
+   sure pass). η = η_min(γ). The cap ``eta_accuracy`` (default 0.2) promises
+   ``α = masking_concentration(d, cap/(2√d + √(2 ln(1/β))), β)`` (0.56: the mask moves its input
+   by at most that distance w.p. 1 − β); ``mask_accuracy_rule="simulation"`` (default, PROPOSED)
+   lets η go up to the η whose simulated (1 − β)-quantile of the mask's distance is that α
+   (:func:`~dpjax.ashtiani_liaw.simulated_masking_eta`; about 2× the bound's η, hence about half
+   the groups), ``"bound"`` keeps the bound's η. With the simulation rule of step 3, k is then
+   raised (on a 2^{1/4} grid, up to 16×) while that lowers ``k·m``: near the smallest admissible
+   k the pass target nears 1 and m explodes.
 3. A group size m. ``group_size_rule="concentration"`` (the spec's rule): ``√(d/m) +
    √(2 ln(2k/β)/m) ≤ r''/3``, ``r'' = r/(2 + r)``, so every group's empirical covariance is within
    r'' of Σ w.p. 1 − β (Gaussian singular-value bounds), all pairs are r-close and the test passes
    surely. It is a sufficient condition and very conservative (≈ 4·10⁴ rows per group at d = 5).
-   ``group_size_rule="simulation"`` (default, PROPOSED): the smallest m (on a 2^{1/4} grid) at
-   which the mean neighbour fraction of candidates simulated from N(0, I_d) exceeds
-   ``c0 + 2A1 + 0.02`` (then ``Q̂ > c0 + A1`` surely). By affine invariance the law of the
-   whitened candidates, hence of every pairwise predicate, is the same for every Σ, so the
-   simulation is exact in distribution for Gaussian data; it uses only public quantities and a
-   fixed public seed. About 400·d rows per group.
+   ``group_size_rule="simulation"`` (default, PROPOSED): the smallest m (a 2^{1/4} grid, then
+   bisection) at which the mean neighbour fraction of candidates simulated from N(0, I_d) reaches
+   the pass target ``c0 + A1 + min(A1, λ ln(1/(2β))) + 0.02`` (λ, A1 the test's TLap scale and
+   bound): at a fraction Q ≥ target − 0.02 the test ``Q̂ > c0 + A1`` fails w.p. ≤ β (the TLap
+   tail is at most the Laplace tail ½e^{−t/λ}), and surely passes where the slack is A1. By affine
+   invariance the law of the whitened candidates, hence of every pairwise predicate, is the same
+   for every Σ, so the simulation is exact in distribution for Gaussian data; it uses only public
+   quantities and a fixed public seed. About 40·d rows per group at the defaults.
 
 :func:`required_n` reports the n these rules ask for, and the learner raises instead of running
 underpowered. Step 2's accuracy cap and step 3 are about utility only: privacy needs just the
@@ -35,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from typing import NamedTuple
 
 import jax
@@ -45,6 +60,20 @@ from dpjax.ashtiani_liaw import masking, semimetric
 from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PopulousThresholds,
                                                check_test_can_pass, check_thresholds,
                                                min_groups_for_test, ppme_calibration)
+
+
+# [PROPOSED] covariance-learner defaults (module docstring, step 1): PPME's thresholds, the
+# closeness radius and the test's share of ε. PPME's own defaults (PopulousThresholds(), ε/4)
+# stay those of the spec for the Euclidean mean.
+COVARIANCE_THRESHOLDS = PopulousThresholds(a=0.3, b=0.75, c0=0.9)
+COVARIANCE_RADIUS = 0.7
+COVARIANCE_TEST_FRACTION = 0.3
+# The spec's choices (docs/algorithms.md §3.5 as first written; the calibration shipped until
+# 2026-11-26 but for the later bisection of m): ``covariance_calibration(d, ε, δ, **SPEC_CHOICES)``.
+SPEC_CHOICES = types.MappingProxyType(dict(
+    radius=0.25, thresholds=PopulousThresholds(0.6, 0.8, 0.9), test_fraction=0.25,
+    mask_accounting="tail_bound", ppme_bound="spec", mask_accuracy_rule="bound",
+    pass_target="sure"))
 
 
 class CovarianceCalibration(NamedTuple):
@@ -59,12 +88,16 @@ class CovarianceCalibration(NamedTuple):
     mask_sensitivity: γ, PPME's masking sensitivity.
     eta: the mask's noise level η.
     mask_accuracy: α with ``dist(M_η(Ŷ), Ŷ) ≤ α`` w.p. 1 − β.
-    candidate_accuracy: r'' (each group's covariance within r'' of Σ w.p. 1 − β at m rows).
+    candidate_accuracy: c with every group's covariance within dist c of Σ w.p. 1 − β at m rows
+      (Gaussian singular-value bounds, a union over the k groups; ``inf`` where they say nothing;
+      at most r'' = r/(2 + r) under the concentration rule). PPME's output, a convex combination
+      of the groups' covariances, is then within c of Σ too.
     epsilon_test, delta_test, epsilon_mask, delta_mask: the budget split.
     beta: failure probability used for the utility rules.
     smallest_num_groups: the smallest admissible k (privacy, the accuracy cap and the test); k
       is larger where more groups need fewer rows in all (the simulation rule), and
       ``smallest_num_groups·(d + 1)`` is the fail-fast lower bound on n.
+    thresholds: PPME's ``(a, b, c0)``.
   """
   d: int
   num_groups: int
@@ -81,19 +114,24 @@ class CovarianceCalibration(NamedTuple):
   delta_mask: float
   beta: float
   smallest_num_groups: int
+  thresholds: PopulousThresholds
 
 
-def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: float = 0.25,
+def covariance_calibration(d: int, epsilon: float, delta: float, *,
+                           radius: float = COVARIANCE_RADIUS,
                            num_groups: int | None = None, min_group_size: int | None = None,
-                           test_fraction: float = 0.25, eta_accuracy: float | None = 0.2,
+                           test_fraction: float = COVARIANCE_TEST_FRACTION,
+                           eta_accuracy: float | None = 0.2,
                            beta: float = 0.05,
-                           thresholds: PopulousThresholds = PopulousThresholds(),
+                           thresholds: PopulousThresholds = COVARIANCE_THRESHOLDS,
                            radius_margin: float = DEFAULT_RADIUS_MARGIN,
                            group_size_rule: str = "simulation",
                            unknown_mean: bool = False,
                            n: int | None = None,
                            mask_accounting: str = "rdp",
-                           ppme_bound: str = "tight") -> CovarianceCalibration:
+                           ppme_bound: str = "tight",
+                           mask_accuracy_rule: str = "simulation",
+                           pass_target: str = "p95") -> CovarianceCalibration:
   """Public calibration of the covariance learner (module docstring, steps 1–3).
 
   Step 2 (the number of groups k) is cheap; the default step 3 simulates the group size, which
@@ -105,14 +143,14 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
   Args:
     d: dimension.
     epsilon, delta: the total budget.
-    radius: closeness radius r > 0 (``2r + r² < 1`` with ``ppme_bound="spec"``).
+    radius: closeness radius r > 0 (``2r + r² < 1`` with ``ppme_bound="spec"``); default 0.7.
     num_groups: k; default from step 2: the smallest admissible k, raised where more groups need
       fewer rows in all (a user value skips the accuracy cap but not the privacy constraints).
     min_group_size: m; default from ``group_size_rule`` (utility only; must be ≥ d + 1).
-    test_fraction: ε1/ε.
+    test_fraction: ε1/ε (default 0.3).
     eta_accuracy: the cap on ``η·(2√d + √(2 ln(1/β)))`` (None: no cap).
     beta: failure probability for the utility rules.
-    thresholds: PPME's ``(a, b, c0)``.
+    thresholds: PPME's ``(a, b, c0)`` (default :data:`COVARIANCE_THRESHOLDS`, (0.3, 0.75, 0.9)).
     radius_margin: relative slack on r for the floating-point predicate.
     group_size_rule: ``"simulation"`` or ``"concentration"`` (module docstring, step 3).
     unknown_mean: rows are paired into differences, doubling the rows needed.
@@ -122,6 +160,17 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
       or ``"tail_bound"`` (the earlier bound F); see :func:`~dpjax.ashtiani_liaw.calibrate_masking`.
     ppme_bound: PPME's sensitivity bound, ``"tight"`` (default) or ``"spec"`` (the earlier one,
       3.6× larger); see :func:`~dpjax.ashtiani_liaw.ppme_calibration`.
+    mask_accuracy_rule: how the cap ``eta_accuracy`` and ``mask_accuracy`` are read (utility
+      only). ``"bound"``: η·(2√d + √(2 ln(1/β))) ≤ cap and α from
+      :func:`~dpjax.ashtiani_liaw.masking_concentration`. ``"simulation"`` (default, PROPOSED):
+      the cap's α = ``masking_concentration(d, cap/(2√d + √(2 ln(1/β))), β)`` is kept as the
+      promise, and η may go up to :func:`~dpjax.ashtiani_liaw.simulated_masking_eta` of that α
+      (about 2× larger: fewer groups), with ``mask_accuracy`` the simulated (1 − β)-quantile at
+      the chosen η (:func:`~dpjax.ashtiani_liaw.simulated_masking_accuracy`).
+    pass_target: the simulation rule's neighbour-fraction target (utility only). ``"p95"``
+      (default, PROPOSED): ``c0 + A1 + min(A1, λ ln(1/(2β))) + 0.02``, the test passing w.p.
+      ≥ 1 − β, and no floor on k; ``"sure"``: ``c0 + 2A1 + 0.02`` (a sure pass) with
+      k ≥ :func:`~dpjax.ashtiani_liaw.min_groups_for_test`.
 
   Returns:
     :class:`CovarianceCalibration`.
@@ -139,6 +188,8 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
   """
   d = v.check_int(d, "d", low=1)
   epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  radius = v.check_positive(radius, "radius")
+  thresholds = PopulousThresholds(*(float(x) for x in thresholds))
   frac = v.check_probability(test_fraction, "test_fraction", open_high=True)
   beta = v.check_probability(beta, "beta", open_high=True)
   eps1, eps2, delta1, delta2 = epsilon * frac, epsilon * (1 - frac), delta / 2, delta / 2
@@ -148,11 +199,23 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
   spread = 2.0 * math.sqrt(d) + math.sqrt(2.0 * math.log(1.0 / beta))
   v.check_choice(group_size_rule, "group_size_rule", ("simulation", "concentration"))
   v.check_choice(mask_accounting, "mask_accounting", masking.MASKING_ACCOUNTINGS)
+  v.check_choice(mask_accuracy_rule, "mask_accuracy_rule", ("simulation", "bound"))
+  v.check_choice(pass_target, "pass_target", ("p95", "sure"))
   needs_target = min_group_size is None and group_size_rule == "simulation"
+  pairs = 2 if unknown_mean else 1
+  if n is not None:
+    n = v.check_int(n, "n", low=1)
 
   def _simulation_target(k):
+    # The test passes iff Q + noise > c0 + A1 (noise TLap(λ) on [−A1, A1]). At Q ≥ c0 + A1 + t
+    # it fails w.p. ≤ P[noise < −t] ≤ ½e^{−t/λ} (the truncation only thins the tail), which is
+    # β at t = λ ln(1/(2β)); t = A1 makes the pass sure. 0.02 covers the spread of Q around the
+    # simulated mean fraction.
     test = ppme_calibration(k, radius, eps1, delta1, space="covariance", thresholds=thresholds)
-    return thresholds.c0 + 2.0 * test.test_bound + 0.02
+    slack = test.test_bound
+    if pass_target == "p95":
+      slack = min(slack, test.test_scale * math.log(1.0 / (2.0 * beta)))
+    return thresholds.c0 + test.test_bound + slack + 0.02
 
   def feasible(k, cap):
     try:
@@ -163,27 +226,35 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
       cal = masking.calibrate_masking(d, gamma, eps2, delta2, accounting=mask_accounting)
     except ValueError:
       return None
-    if cap is not None and cal.eta * spread > cap:
+    if cap is not None and cal.eta > cap:
       return None
     if needs_target and _simulation_target(k) >= 1.0:
-      return None                                       # the test could not pass surely
+      return None                                       # the test could not pass w.p. 1 − β
     return cal
 
+  if eta_accuracy is None:
+    eta_cap = None
+  elif mask_accuracy_rule == "bound":
+    eta_cap = v.check_positive(eta_accuracy, "eta_accuracy") / spread
+  else:
+    promised = masking.masking_concentration(
+        d, v.check_positive(eta_accuracy, "eta_accuracy") / spread, beta)
+    eta_cap = math.inf                       # the cap only chooses k: unused with a user k
+    if math.isfinite(promised) and num_groups is None:
+      if n is not None and needs_target:    # (the floor of "sure" only raises k: still a bound)
+        # Fail fast before the mask's simulation (seconds at d = 30): no cap means fewer groups,
+        # so k without the cap times d + 1 rows is a lower bound on required_n.
+        k_floor = _smallest_groups(lambda j: feasible(j, None), 2, d, epsilon, delta)
+        if n < k_floor * (d + 1) * pairs:
+          raise _TooFewRows(n=n, d=d, epsilon=epsilon, delta=delta, num_groups=k_floor,
+                            group_size=d + 1, pairs=pairs, exact=False)
+      eta_cap = masking.simulated_masking_eta(d, promised, beta)
   if num_groups is None:
-    lo = min_groups_for_test(eps1, delta1, thresholds)
-    if feasible(lo, eta_accuracy) is None:
-      hi = lo
-      while feasible(hi, eta_accuracy) is None:
-        lo, hi = hi, hi * 2
-        if hi > 10**9:
-          raise ValueError("no number of groups up to 1e9 meets the covariance calibration for "
-                           f"d={d}, epsilon={epsilon}, delta={delta}.")
-      while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if feasible(mid, eta_accuracy) is not None else (mid, hi)
-      lo = hi
-    k = lo
-    mask_cal = feasible(k, eta_accuracy)
+    # The simulation rule's own target (< 1) replaces the sure-pass floor on k.
+    start = (2 if needs_target and pass_target == "p95"
+             else min_groups_for_test(eps1, delta1, thresholds))
+    k = _smallest_groups(lambda j: feasible(j, eta_cap), start, d, epsilon, delta)
+    mask_cal = feasible(k, eta_cap)
   else:
     k = v.check_int(num_groups, "num_groups", low=2)
     check_thresholds(thresholds, k)
@@ -193,11 +264,9 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
                        "more groups.")
     mask_cal = masking.calibrate_masking(d, gamma, eps2, delta2, accounting=mask_accounting)
     check_test_can_pass(k, eps1, delta1, thresholds, learner="the covariance learner")
-  pairs = 2 if unknown_mean else 1
   if n is not None:
     # Fail fast on public numbers, before the simulation: every rule gives groups of at least
     # d + 1 rows (the simulation starts there), and the other two rules are closed-form.
-    n = v.check_int(n, "n", low=1)
     if min_group_size is not None:
       m_low, exact = v.check_int(min_group_size, "min_group_size", low=d + 1), True
     elif group_size_rule == "concentration":
@@ -212,18 +281,41 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *, radius: floa
     # After the fail-fast check: k·(d + 1) with the smallest k is still a lower bound.
     k = _fewest_rows_groups(k, lambda j: simulated_group_size(d, radius, _simulation_target(j)),
                             simulated_group_size(d, radius, thresholds.c0 + 0.02))
-    mask_cal = feasible(k, eta_accuracy)
-  r_candidate = radius / (2.0 + radius)
+    mask_cal = feasible(k, eta_cap)
   if min_group_size is None and group_size_rule == "concentration":
     m = _concentration_group_size(d, k, radius, beta)
   elif min_group_size is None:
     m = simulated_group_size(d, radius, _simulation_target(k))
   else:
     m = v.check_int(min_group_size, "min_group_size", low=d + 1)
-  alpha = masking.masking_concentration(d, mask_cal.eta, beta)
+  alpha = (masking.masking_concentration(d, mask_cal.eta, beta) if mask_accuracy_rule == "bound"
+           else masking.simulated_masking_accuracy(d, mask_cal.eta, beta))
   rows = k * m * pairs
   return CovarianceCalibration(d, k, m, rows, float(radius), mask_cal.distance, mask_cal.eta,
-                               alpha, r_candidate, eps1, delta1, eps2, delta2, beta, k_smallest)
+                               alpha, _candidate_accuracy(d, m, k, beta), eps1, delta1, eps2,
+                               delta2, beta, k_smallest,
+                               thresholds)
+
+
+def _smallest_groups(feasible, start: int, d, epsilon, delta) -> int:
+  """The smallest k ≥ start with ``feasible(k)`` (not None): doubling, then bisection.
+
+  Feasibility is monotone in k: γ_PPME, hence η_min(γ), and the test's pass target all fall as
+  k grows.
+  """
+  lo = start
+  if feasible(lo) is not None:
+    return lo
+  hi = lo
+  while feasible(hi) is None:
+    lo, hi = hi, hi * 2
+    if hi > 10**9:
+      raise ValueError("no number of groups up to 1e9 meets the covariance calibration for "
+                       f"d={d}, epsilon={epsilon}, delta={delta}.")
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if feasible(mid) is not None else (mid, hi)
+  return hi
 
 
 def _fewest_rows_groups(k_min: int, group_size, m_limit: int) -> int:
@@ -244,6 +336,17 @@ def _fewest_rows_groups(k_min: int, group_size, m_limit: int) -> int:
     if m <= m_limit:
       break                                   # larger k only adds rows
   return best_k
+
+
+def _candidate_accuracy(d: int, m: int, k: int, beta: float) -> float:
+  """dist(group covariance, Σ) ≤ c for all k groups of m rows ~ N(0, Σ) w.p. ≥ 1 − β.
+
+  The singular values of an m×d standard Gaussian matrix lie in ``√m(1 ± t)``, ``t = √(d/m) +
+  √(2 ln(2k/β)/m)``, except w.p. β/k each (Davidson–Szarek), so the whitened group covariance has
+  eigenvalues in ``[(1 − t)², (1 + t)²]``: ``c = max((1 + t)² − 1, (1 − t)⁻² − 1)``.
+  """
+  t = math.sqrt(d / m) + math.sqrt(2.0 * math.log(2.0 * k / beta) / m)
+  return math.inf if t >= 1.0 else max((1.0 + t) ** 2 - 1.0, (1.0 - t) ** -2 - 1.0)
 
 
 def _concentration_group_size(d: int, k: int, radius: float, beta: float) -> int:
@@ -285,7 +388,7 @@ class _TooFewRows(ValueError):
 
 def simulated_group_size(d: int, radius: float, target: float, *, num_candidates: int = 192,
                          seed: int = 0) -> int:
-  """Smallest m on a 2^{1/4} grid whose simulated mean neighbour fraction exceeds ``target``.
+  """Smallest m (a 2^{1/4} grid, then bisection) whose simulated mean neighbour fraction ≥ ``target``.
 
   Candidates are empirical covariances of m rows of N(0, I_d) (public, fixed seed); by affine
   invariance the result holds for every N(0, Σ). Returns the first m (from d + 1) where the
@@ -295,15 +398,22 @@ def simulated_group_size(d: int, radius: float, target: float, *, num_candidates
     ValueError: ``target ≥ 1`` (unreachable) or no m up to 10⁷ reaches it.
   """
   if not target < 1.0:
-    raise ValueError(f"the PPME test cannot pass surely: target fraction {target:.4f} >= 1; "
-                     "use more groups or a larger epsilon.")
+    raise ValueError(f"the PPME test cannot pass at any group size: target neighbour fraction "
+                     f"{target:.4f} >= 1; use more groups or a larger epsilon.")
+  reaches = lambda rows: _simulated_fraction(d, float(radius), num_candidates, seed,  # noqa: E731
+                                             rows) >= target
   with jax.enable_x64(True):
-    m = float(d + 1)
+    m, below = float(d + 1), None
     while m <= 1e7:
       rows = int(math.ceil(m))
-      if _simulated_fraction(d, float(radius), num_candidates, seed, rows) >= target:
+      if reaches(rows):
+        # Bisect between the last grid point below the target and this one (the grid alone
+        # overshoots by up to 19%); every returned m was itself simulated to reach the target.
+        while below is not None and rows - below > 1:
+          mid = (below + rows) // 2
+          below, rows = (below, mid) if reaches(mid) else (mid, rows)
         return rows
-      m *= 2.0 ** 0.25
+      below, m = rows, m * 2.0 ** 0.25
   raise ValueError(f"no group size up to 1e7 reaches neighbour fraction {target:.4f}.")
 
 

@@ -24,8 +24,8 @@ from dpjax import _validation as v
 from dpjax import linalg
 from dpjax._host import host_call
 from dpjax.ashtiani_liaw import masking, semimetric
-from dpjax.ashtiani_liaw.calibration import (CovarianceCalibration, _TooFewRows,
-                                             covariance_calibration)
+from dpjax.ashtiani_liaw.calibration import (COVARIANCE_RADIUS, CovarianceCalibration,
+                                             _TooFewRows, covariance_calibration)
 from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PPMECalibration,
                                                PopulousThresholds, check_thresholds,
                                                populous_mean, ppme_calibration, split_groups)
@@ -47,7 +47,8 @@ def pair_differences(X: jax.Array) -> jax.Array:
   return (X[0:2 * half:2] - X[1:2 * half:2]) / math.sqrt(2.0)
 
 
-def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: float = 0.25,
+def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
+                  radius: float = COVARIANCE_RADIUS,
                   num_groups: int | None = None, min_group_size: int | None = None,
                   unknown_mean: bool = False, estimator=None, **calibration_kwargs
                   ) -> EstimateResult:
@@ -64,9 +65,13 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float, radius: fl
   noise is multiplicative, so the grid-and-integer-noise fix of the additive mechanisms does not
   apply); the PPME test bit is float-safe up to float64's 2^-53 resolution of the TLap tail.
 
-  Utility ([AL22] Thm 5.4 with our constants): on ``N(0, Σ)`` data with ``n ≥ required_n``, w.p.
-  ≥ 1 − 2β the test passes and ``dist(Σ̃, Σ) ≤ (1 + r'')(1 + α) − 1`` (α the mask's
-  concentration), i.e. ``Σ/(1+c) ⪯ Σ̃ ⪯ (1+c)Σ`` for that constant c.
+  Utility ([AL22] Thm 5.4 with our constants): on ``N(0, Σ)`` data with ``n ≥ required_n``, the
+  test passes w.p. ≥ 1 − β at the simulated neighbour fraction (calibration step 3), PPME's
+  output, a convex combination of the groups' covariances, is within ``c =
+  candidate_accuracy`` of Σ w.p. 1 − β, and the mask moves it by at most ``α = mask_accuracy``
+  w.p. 1 − β, so ``dist(Σ̃, Σ) ≤ (1 + c)(1 + α) − 1`` (the semimetric's multiplicative triangle
+  inequality), i.e. ``Σ/(1+C) ⪯ Σ̃ ⪯ (1+C)Σ`` for that constant C, w.p. ≥ 1 − 3β. In practice the
+  average of the k groups is far closer to Σ than c, and the mask's α dominates.
 
   Args:
     key: PRNG key.
@@ -129,8 +134,7 @@ def _al_plan(n, d, epsilon, delta, *, radius, num_groups, min_group_size, unknow
     raise _TooFewRows(n=n, d=d, epsilon=float(epsilon), delta=float(delta),
                       num_groups=cal.num_groups, group_size=cal.min_group_size,
                       pairs=2 if unknown_mean else 1, exact=True)
-  thresholds = check_thresholds(calibration_kwargs.get("thresholds", PopulousThresholds()),
-                                cal.num_groups)
+  thresholds = check_thresholds(cal.thresholds, cal.num_groups)
   ppme = ppme_calibration(cal.num_groups, cal.radius, cal.epsilon_test, cal.delta_test,
                           space="covariance", thresholds=thresholds,
                           radius_margin=calibration_kwargs.get("radius_margin",
@@ -226,7 +230,8 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
   n, d = X.shape
   n_coarse = int(n * frac) if refine else n
   estimator = al_kwargs.pop("estimator", None)
-  al_args = dict(radius=al_kwargs.pop("radius", 0.25), num_groups=al_kwargs.pop("num_groups", None),
+  al_args = dict(radius=al_kwargs.pop("radius", COVARIANCE_RADIUS),
+                 num_groups=al_kwargs.pop("num_groups", None),
                  min_group_size=al_kwargs.pop("min_group_size", None), unknown_mean=unknown_mean,
                  eta_accuracy=eta_accuracy, **al_kwargs)
   try:

@@ -69,6 +69,7 @@ inherit this caveat through their masked release Σ̃.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -265,6 +266,73 @@ def masking_concentration(d: int, eta: float, beta: float) -> float:
   if t >= 1.0:
     return math.inf
   return max((1.0 + t) ** 2 - 1.0, (1.0 - t) ** -2 - 1.0)
+
+
+def simulated_masking_accuracy(d: int, eta: float, beta: float, *, draws: int = 20_000,
+                               seed: int = 0) -> float:
+  """α with ``P[dist(M_η(Σ), Σ) > α] ≤ β`` for every Σ, by Monte Carlo (utility only).
+
+  ``dist(M_η(Σ), Σ)`` has the law of ``dist(WWᵀ, I) = max(s_max² − 1, s_min⁻² − 1)`` over the
+  singular values of ``W = I + ηG`` whatever Σ (affine invariance; :func:`masking_concentration`),
+  so ``draws`` public draws of G (NumPy, fixed ``seed``) estimate its (1 − β)-quantile without a
+  bound's slack: about half of :func:`masking_concentration`'s α at the same η. The returned
+  order statistic sits 3 binomial standard deviations above the (1 − β)·draws-th, so it is an
+  upper confidence bound of the quantile (a one-sided 99.9% level), not a point estimate. Privacy
+  does not depend on it: any η at or above the calibrated η_min is private.
+
+  Args:
+    d: dimension. eta: noise level > 0. beta: failure probability in (0, 1).
+    draws: Monte Carlo draws (≥ 100). seed: public seed.
+
+  Returns:
+    α (a semimetric distance); ``inf`` if the quantile's draw has a singular W.
+  """
+  d = v.check_int(d, "d", low=1)
+  eta = v.check_positive(eta, "eta")
+  beta = v.check_probability(beta, "beta", open_high=True)
+  return _simulated_accuracy(d, eta, beta, v.check_int(draws, "draws", low=100),
+                             v.check_int(seed, "seed", low=0))
+
+
+def simulated_masking_eta(d: int, accuracy: float, beta: float, *, draws: int = 20_000,
+                          seed: int = 0) -> float:
+  """The largest η (to 0.1%) whose :func:`simulated_masking_accuracy` is ≤ ``accuracy``.
+
+  Bisection on ``log η`` with the same public draws at every η (so the quantile is a continuous
+  function of η; it increases in η on every grid checked). About twice the η of the bound
+  :func:`masking_concentration` for the same α at d = 3–10 (research note
+  al-sample-complexity.md §2.5).
+
+  Raises:
+    ValueError: bad arguments.
+  """
+  d = v.check_int(d, "d", low=1)
+  accuracy = v.check_positive(accuracy, "accuracy")
+  beta = v.check_probability(beta, "beta", open_high=True)
+  draws, seed = v.check_int(draws, "draws", low=100), v.check_int(seed, "seed", low=0)
+  lo = hi = 1.0 / (2.0 * math.sqrt(d) + math.sqrt(2.0 * math.log(1.0 / beta)))
+  while _simulated_accuracy(d, lo, beta, draws, seed) > accuracy:
+    lo /= 2.0
+  while _simulated_accuracy(d, hi, beta, draws, seed) <= accuracy:
+    hi *= 2.0
+  while hi / lo > 1.001:
+    mid = math.sqrt(lo * hi)
+    lo, hi = (mid, hi) if _simulated_accuracy(d, mid, beta, draws, seed) <= accuracy else (lo, mid)
+  return lo
+
+
+@functools.lru_cache(maxsize=8)
+def _mask_draws(d: int, draws: int, seed: int) -> np.ndarray:
+  return np.random.default_rng(seed).standard_normal((draws, d, d))
+
+
+@functools.lru_cache(maxsize=1024)
+def _simulated_accuracy(d, eta, beta, draws, seed) -> float:
+  s = np.linalg.svd(np.eye(d) + eta * _mask_draws(d, draws, seed), compute_uv=False)
+  with np.errstate(divide="ignore"):
+    dist = np.maximum(s[:, 0] ** 2 - 1.0, s[:, -1] ** -2.0 - 1.0)
+  index = math.ceil(draws * (1.0 - beta) + 3.0 * math.sqrt(draws * beta * (1.0 - beta)))
+  return float(np.sort(dist)[min(index, draws) - 1])
 
 
 def covariance_mask(key: jax.Array, Sigma, *, eta: float) -> jax.Array:

@@ -242,6 +242,42 @@ def test_concentration_bound_holds_empirically(d, eta, beta):
   assert low <= beta
 
 
+@pytest.mark.parametrize("d,eta,beta", [(3, 0.07, 0.05), (5, 0.15, 0.05)])
+def test_simulated_accuracy_holds_for_the_mechanism_and_is_below_the_bound(d, eta, beta):
+  """The simulated α (utility only) is a (1 − β)-quantile of the real mask's distance on an
+  ill-conditioned Σ: the exceedance rate's Clopper–Pearson lower end stays ≤ β, and its upper
+  end is well above β/4 (α is not a loose bound: it is where the quantile is). It sits below the
+  concentration bound at the same η, and the η for an α is the largest such on the 0.1% grid."""
+  alpha = mk.simulated_masking_accuracy(d, eta, beta)
+  bound = mk.masking_concentration(d, eta, beta)
+  assert alpha < 0.7 * bound
+  assert alpha == mk.simulated_masking_accuracy(d, eta, beta)                 # fixed public seed
+  n = 4_000
+  rng = np.random.default_rng(d)
+  Sigma = _rand_cov(rng, d, 1e6)
+  M = _masks(jax.random.key(d), Sigma, eta, n)
+  with jax.enable_x64(True):
+    dist = np.asarray(jax.jit(jax.vmap(semimetric.psd_distance, in_axes=(None, 0)))(
+        jnp.asarray(Sigma), jnp.asarray(M)))
+  low, high = clopper_pearson(int((dist > alpha).sum()), n, 0.999)
+  assert low <= beta and high > beta / 4
+  eta_for = mk.simulated_masking_eta(d, alpha, beta)
+  assert mk.simulated_masking_accuracy(d, eta_for, beta) <= alpha
+  assert mk.simulated_masking_accuracy(d, eta_for * 1.002, beta) > alpha
+  assert eta_for == pytest.approx(eta, rel=2e-3)
+
+
+def test_simulated_accuracy_bad_arguments():
+  with pytest.raises(ValueError, match="eta"):
+    mk.simulated_masking_accuracy(3, 0.0, 0.05)
+  with pytest.raises(ValueError, match="beta"):
+    mk.simulated_masking_accuracy(3, 0.1, 1.0)
+  with pytest.raises(ValueError, match="draws"):
+    mk.simulated_masking_accuracy(3, 0.1, 0.05, draws=10)
+  with pytest.raises(ValueError, match="accuracy"):
+    mk.simulated_masking_eta(3, -1.0, 0.05)
+
+
 def test_concentration_bound_shape():
   d = 3
   assert mk.masking_concentration(d, 0.02, 0.01) < mk.masking_concentration(d, 0.04, 0.01)

@@ -409,10 +409,13 @@ D_COV, EPS_COV, DELTA_COV = 3, 10.0, 1e-5
 
 def _candidate_bound(cal):
   """dist(group covariance, Σ) for every group w.p. ≥ 1 − β at the calibration's m: the singular
-  values of an m×d Gaussian matrix lie in √m(1 ± (√(d/m) + √(2 ln(2k/β)/m))) (Davidson–Szarek)."""
+  values of an m×d Gaussian matrix lie in √m(1 ± (√(d/m) + √(2 ln(2k/β)/m))) (Davidson–Szarek);
+  the calibration reports the same figure."""
   t = math.sqrt(cal.d / cal.min_group_size) + math.sqrt(
       2 * math.log(2 * cal.num_groups / cal.beta) / cal.min_group_size)
-  return max((1 + t) ** 2 - 1, (1 - t) ** -2 - 1)
+  bound = max((1 + t) ** 2 - 1, (1 - t) ** -2 - 1) if t < 1 else math.inf
+  assert cal.candidate_accuracy == pytest.approx(bound, rel=1e-12)
+  return bound
 
 
 @pytest.mark.parametrize("seed,unknown_mean", [pytest.param(0, False, marks=pytest.mark.slow),
@@ -424,11 +427,9 @@ def test_al_covariance_ill_conditioned_passes_and_is_accurate(seed, unknown_mean
   Bound: each candidate is within c := _candidate_bound of Σ (w.p. 1 − β), their convex
   combination too (the whitened eigenvalues stay in the same interval), and the mask moves it by
   ≤ α = mask_accuracy (w.p. 1 − β), so dist ≤ (1 + c)(1 + α) − 1 by the multiplicative triangle
-  inequality. The calibration's own figure uses c = r'' = candidate_accuracy, which holds for the
-  conservative concentration rule of m, not for the default simulated m; in practice the
-  candidates sit well inside 0.5 at the simulated m (Wishart fluctuations of size ~2√(d/m) ≈ 0.12
-  and averaging over ~k groups shrinks them further), so we also assert the practical figure
-  (1 + 0.5)(1 + α) − 1.
+  inequality (c is the calibration's candidate_accuracy). In practice PPME's average of ~k groups
+  sits far closer to Σ than c (each group's Wishart fluctuation is ~2√(d/m), and averaging
+  shrinks it), so we also assert the practical figure (1 + 0.5)(1 + α) − 1.
   """
   rng = np.random.default_rng(seed)
   Sigma = _rand_cov(rng, D_COV, 1e10)
@@ -476,8 +477,12 @@ def test_al_covariance_reports_the_required_n():
   with pytest.raises(ValueError, match=f"n >= {k0 * (D_COV + 1)} rows at the very "
                                        f"least for d={D_COV}"):
     cv.al_covariance(jax.random.key(0), X[:n - 2], epsilon=EPS_COV, delta=DELTA_COV)
-  with pytest.raises(ValueError, match=f"n >= {2 * k0 * (D_COV + 1)} rows at the"):
+  # Paired rows: refused before the mask's simulation too, with k without the accuracy cap
+  # (fewer groups: still a lower bound) times 2·(d + 1).
+  with pytest.raises(ValueError, match="rows at the very least") as err:
     cv.al_covariance(jax.random.key(0), X, epsilon=EPS_COV, delta=DELTA_COV, unknown_mean=True)
+  bound = int(str(err.value).split("n >= ")[1].split(" ")[0])
+  assert n < bound <= 2 * k0 * (D_COV + 1) and bound % (2 * (D_COV + 1)) == 0
   assert cv.required_n(D_COV, EPS_COV, DELTA_COV) == cal.required_n
   assert cal.required_n == cal.num_groups * cal.min_group_size
   paired = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, unknown_mean=True)
@@ -501,40 +506,55 @@ def test_concentration_rule_asks_for_larger_groups_than_simulation():
   sim = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV)
   conc = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, group_size_rule="concentration")
   assert conc.min_group_size > sim.min_group_size
-  # The concentration rule keeps the smallest admissible k; the simulation rule may raise it.
-  assert conc.num_groups == conc.smallest_num_groups <= sim.smallest_num_groups <= sim.num_groups
-  assert sim.eta <= conc.eta
-  # That k meets step 2 of the calibration (η·(2√d + √(2 ln(1/β))) ≤ 0.2) and k − 1 not.
+  # The concentration rule keeps the smallest admissible k (with the sure-pass floor); the
+  # simulation rule has no floor and may raise its k.
+  assert conc.num_groups == conc.smallest_num_groups
+  assert sim.smallest_num_groups <= sim.num_groups
+  # Step 2's cap at 0.2 promises α = masking_concentration(d, 0.2/spread, β); η may go up to the
+  # simulated η of that α, and the reported accuracy is the simulated quantile, within the promise.
   spread = 2 * math.sqrt(D_COV) + math.sqrt(2 * math.log(1 / sim.beta))
-  assert sim.eta * spread <= 0.2 and conc.eta * spread <= 0.2
+  promised = masking.masking_concentration(D_COV, 0.2 / spread, sim.beta)
+  eta_cap = masking.simulated_masking_eta(D_COV, promised, sim.beta)
+  assert eta_cap > 1.5 * 0.2 / spread                      # about 2× the bound's η
+  for cal in (sim, conc):
+    assert cal.eta <= eta_cap and cal.mask_accuracy <= promised
+    assert cal.mask_accuracy == masking.simulated_masking_accuracy(D_COV, cal.eta, cal.beta)
   prev = pm.ppme_calibration(conc.num_groups - 1, sim.radius, sim.epsilon_test, sim.delta_test,
-                             space="covariance")
+                             space="covariance", thresholds=sim.thresholds)
   try:
     eta_prev = masking.calibrate_masking(D_COV, prev.mask_sensitivity, sim.epsilon_mask,
                                          sim.delta_mask).eta
   except ValueError:                    # C_0 ≥ ε2 at k − 1: no η at all
     eta_prev = math.inf
-  # k − 1 breaks the cap, or is below the test's own minimum (which binds at small d now).
-  assert (eta_prev * spread > 0.2
-          or conc.num_groups - 1 < pm.min_groups_for_test(sim.epsilon_test, sim.delta_test))
+  # k − 1 breaks the cap, or is below the test's own minimum (which binds at small d).
+  assert (eta_prev > eta_cap or conc.num_groups - 1 < pm.min_groups_for_test(
+      sim.epsilon_test, sim.delta_test, sim.thresholds))
+  bound = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, mask_accuracy_rule="bound")
+  assert bound.eta * spread <= 0.2 and bound.required_n > sim.required_n
 
 
 def test_the_group_count_minimises_the_rows_near_the_test_limit():
-  """With the Rényi mask at cap 0.5 and d = 3 the smallest admissible k sits where the test's pass
-  target nears 1 and the simulated m explodes (2,512 groups of 2,436 rows); the calibration
-  raises k while that lowers k·m, and a larger k is private too (smaller γ, smaller η)."""
+  """With cap 0.5 at d = 3 the smallest admissible k sits where the test's pass target nears 1
+  and the simulated m explodes (1,256 groups of 420 rows); the calibration raises k while that
+  lowers k·m, and a larger k is private too (smaller γ, smaller η)."""
   d, eps, delta = 3, 1.0, 1e-6
-  k_min = 2_512                           # the smallest k whose pass target is below 1
-  with pytest.raises(ValueError, match="cannot pass surely"):
-    cv.covariance_calibration(d, eps, delta, eta_accuracy=0.5, num_groups=k_min - 1)
-  at_min = cv.covariance_calibration(d, eps, delta, eta_accuracy=0.5, num_groups=k_min)
   best = cv.covariance_calibration(d, eps, delta, eta_accuracy=0.5)
+  k_min = best.smallest_num_groups               # the smallest k whose pass target is below 1
+  assert k_min == 1_256
+  # (A user k below the sure-pass floor also warns: a sure pass is impossible there.)
+  with pytest.raises(ValueError, match="cannot pass at any group size"), \
+       pytest.warns(UserWarning, match="min_groups_for_test"):
+    cv.covariance_calibration(d, eps, delta, eta_accuracy=0.5, num_groups=k_min - 1)
+  with pytest.warns(UserWarning, match="min_groups_for_test"):
+    at_min = cv.covariance_calibration(d, eps, delta, eta_accuracy=0.5, num_groups=k_min)
   assert best.num_groups > k_min and best.required_n < 0.8 * at_min.required_n
   assert best.mask_sensitivity < at_min.mask_sensitivity and best.eta < at_min.eta
   assert best.required_n == best.num_groups * best.min_group_size
-  # The earlier bounds' cap binds at a large k there: k stays the smallest admissible one.
-  tail = cv.covariance_calibration(d, eps, delta, mask_accounting="tail_bound", ppme_bound="spec")
-  assert tail.required_n == 9_123_408 and tail.num_groups == 10_584       # the shipped values
+  # The spec's choices (the tail bound F, PPME's earlier bound, ε/4, r = 1/4, (0.6, 0.8, 0.9), the
+  # bound's cap and a sure pass): the cap binds at a large k, which stays the smallest admissible.
+  spec = cv.covariance_calibration(d, eps, delta, **cv.SPEC_CHOICES)
+  assert spec.num_groups == spec.smallest_num_groups == 10_584
+  assert spec.required_n == 7_821_576 and best.required_n < spec.required_n / 25
 
 
 def test_pair_differences_keep_the_covariance():
@@ -594,7 +614,8 @@ def test_covariance_calibration_warns_when_a_user_num_groups_cannot_pass_surely(
   """Issue 10 §6: a user k below min_groups_for_test(ε1, δ1) makes ⊥ likely even on perfect
   data; say so (with the largest pass probability) instead of answering ⊥ silently."""
   import warnings
-  recommended = pm.min_groups_for_test(EPS_COV / 4, DELTA_COV / 2)
+  recommended = pm.min_groups_for_test(EPS_COV * cv.COVARIANCE_TEST_FRACTION, DELTA_COV / 2,
+                                       cv.COVARIANCE_THRESHOLDS)
   with pytest.warns(UserWarning, match=f"num_groups=140 < min_groups_for_test.*= {recommended}"):
     cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, num_groups=140, min_group_size=10)
   with warnings.catch_warnings():

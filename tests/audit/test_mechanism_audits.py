@@ -560,19 +560,21 @@ def test_covariance_masking_audit_catches_too_little_noise(audit_trials):
 
 def test_al_covariance_ppme_row_replaced_by_a_huge_row(audit_trials):
   """The covariance learner's traceable parts (second-moment candidates, the Cholesky closeness
-  predicate, the covariance mask at the public calibration) on a fixed partition into k groups of
-  d + 1 rows. Candidates are multiples of I: A (60) = I, B (124) = 1.2 I, C (16) = 1.44 I
-  (dist 0.2 < r = 0.25 between neighbours, 0.44 between A and C), so Q straddles the pass level
-  as in the Euclidean audit. X' replaces ONE row (the zero row of a B group) by 1e3·e0: that
-  group's covariance leaves every neighbourhood. Feature: log of the released (0, 0) entry.
+  predicate, the covariance mask at the default public calibration: r = 0.7, thresholds
+  (0.3, 0.75, 0.9), ε1 = 0.3ε) on a fixed partition into k groups of d + 1 rows. Candidates are
+  multiples of I: A (60) = I, B (124) = 1.6 I, C (16) = 2.56 I (dist 0.6 < r between neighbours,
+  1.56 between A and C), so Q straddles the pass level as in the Euclidean audit (ε = 10/3 keeps
+  ε1 = 1). X' replaces ONE row (the zero row of a B group) by 1e3·e0: that group's covariance
+  leaves every neighbourhood. Feature: log of the released (0, 0) entry.
   """
   n = audit_trials(20_000, 500_000)
-  d, k, eps, delta = 2, 200, 4.0, 0.02
+  d, k, eps, delta = 2, 200, 10.0 / 3.0, 0.02
   cal = al_calibration.covariance_calibration(d, eps, delta, num_groups=k, min_group_size=d + 1)
+  assert cal.radius == 0.7 and cal.thresholds == (0.3, 0.75, 0.9)
   ppme = ppme_lib.ppme_calibration(k, cal.radius, cal.epsilon_test, cal.delta_test,
-                                   space="covariance")
+                                   space="covariance", thresholds=cal.thresholds)
   n_a, n_b, n_c = 60, 124, 16
-  scale = np.concatenate([np.ones(n_a), np.full(n_b, 1.2), np.full(n_c, 1.44)])
+  scale = np.concatenate([np.ones(n_a), np.full(n_b, 1.6), np.full(n_c, 2.56)])
   groups = np.zeros((k, d + 1, d))
   groups[:, :d, :] = np.sqrt(scale * (d + 1))[:, None, None] * np.eye(d)   # second moment = c·I
   groups_prime = groups.copy()
@@ -585,7 +587,7 @@ def test_al_covariance_ppme_row_replaced_by_a_huge_row(audit_trials):
         key, g, estimator=cov_lib.second_moment,
         neighbour_counts=lambda Y: semimetric.neighbour_counts(Y, cal.radius),
         mask=lambda km, S: cov_masking.mask_covariance(km, S, cal.eta),
-        calibration=ppme, thresholds=ppme_lib.PopulousThresholds(),
+        calibration=ppme, thresholds=cal.thresholds,
         placeholder=jnp.eye(d, dtype=g.dtype))
 
   with jax.enable_x64(True):
