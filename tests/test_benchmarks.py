@@ -265,3 +265,18 @@ def test_dpsgd_step_options(tmp_path):
   assert big["microbatch"] == 8 and small["microbatch"] is None
   assert small["ghost_vs_vmap_max_rel_diff"] < 1e-5
   assert set(big["median_s"]) >= {"nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd"}
+
+
+@pytest.mark.slow   # four learn_gaussian runs on 1.7·10⁶ rows (about a minute)
+def test_learn_gaussian_at_its_minimum_n_on_the_model_data_answers_accurately():
+  """Issue 16's end-to-end check at the new calibration (d = 5, rank 3, ε = 1, ‖μ‖ = 10⁶,
+  eigenvalues 10^U(−6, 6)): trial 3 answered ok=True with a mean off by 10⁶ before the
+  float-safe releases of CoinPress's mean and of the orthogonal-mean PPME stopped saturating at
+  their clamps. Every run must answer and be accurate (no garbage behind ok=True)."""
+  bench = _load("covariance")
+  n = bench.gaussian_min_n(5, 3, 1.0, 1e-6)
+  cell = bench.gaussian_cell(5, n, 4, 1.0, 1e-6, 0)
+  assert cell["bottom_rate"] == 0.0
+  assert max(cell["covariance_errors"]) < 0.05
+  assert max(cell["mahalanobis_errors"]) < 0.05
+  assert max(cell["orthogonal_mean_errors"]) < 1.0

@@ -248,7 +248,10 @@ def _constant_mean(k_scale, k_ppme, B, U_perp, tilt, trace, epsilon, delta, beta
   spread = tilt * math.sqrt(trace / m) * (1.0 + math.sqrt(2.0 * math.log(2.0 * k / beta)))
   radius = 2.0 * spread + 2.0 ** -40 * scale * math.sqrt(U.shape[1])
   radius = max(radius, _MIN_ORTHOGONAL_RADIUS)      # public: all-zero rows give S ≈ 2^-1016
-  res = ppme_mean(k_ppme, U, epsilon=epsilon, delta=delta, num_groups=k, radius=radius)
+  # |U entries| ≤ ‖x‖ ≲ √d·S for rows in the released octave; 4√d·S leaves room (public). Without
+  # it the float-safe release would clamp at ≈ 2^40·γ, far below ‖μ‖ at this tiny radius.
+  res = ppme_mean(k_ppme, U, epsilon=epsilon, delta=delta, num_groups=k, radius=radius,
+                  magnitude=4.0 * math.sqrt(B.shape[1]) * scale)
   return np.asarray(res.estimate) if bool(res.ok) else None
 
 

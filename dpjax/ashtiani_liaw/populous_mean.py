@@ -298,7 +298,8 @@ def split_groups(key: jax.Array, X: jax.Array, num_groups: int) -> jax.Array:
 def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: int,
               radius: float, estimator: Callable | None = None, test_fraction: float = 0.25,
               thresholds: PopulousThresholds = PopulousThresholds(),
-              radius_margin: float = DEFAULT_RADIUS_MARGIN, secure: bool = True) -> EstimateResult:
+              radius_margin: float = DEFAULT_RADIUS_MARGIN, secure: bool = True,
+              magnitude: float | None = None) -> EstimateResult:
   """Private mean with PPME in ℓ2 and Gaussian masking ([AL22] Algorithm 1; §3.7 Lemma 7.2).
 
   Each of the k groups (public random partition) gives ``Est(group) ∈ R^d`` (default the group
@@ -334,6 +335,12 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     thresholds: ``(a, b, c0)``.
     radius_margin: slack on r for the float predicate.
     secure: float-safe discretized Gaussian mask (default) or raw continuous noise.
+    magnitude: optional public bound on the mean's entries (e.g. from a DP histogram of the
+      scale). The float-safe release clamps each entry to ``±2^50 Λ`` (Λ ≈ γ/(2^10 √d), its
+      public grid), about ``2^40 γ/√d``: a mean beyond it saturates there, a silent error (at
+      γ = 10⁻⁹ the clamp is 500). With ``magnitude`` the grid is coarsened (the noise
+      calibrated to sensitivity ``max(γ, 2^-39·√d·magnitude)``, a larger bound is private too)
+      so that the clamp covers it. Unused with ``secure=False``.
 
   Returns:
     :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``) with ``estimate
@@ -378,7 +385,12 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     # The jitted program returns the test bit and the UNMASKED average (never released: only
     # its masked version leaves this function); the mask runs on the host.
     z = rdp_gaussian_sigma(eps2, delta2)
-    grid = discretization(cal.mask_sensitivity, d)
+    mask_sensitivity = cal.mask_sensitivity
+    if magnitude is not None:
+      # Δ = 2^-39·√d·M: the grid 2^⌊log2(Δ/(2^10 √d))⌋ ≥ 2^-50·M, so the clamp 2^50 Λ ≥ M.
+      mask_sensitivity = max(mask_sensitivity, 2.0 ** -39 * math.sqrt(d)
+                             * v.check_positive(magnitude, "magnitude"))
+    grid = discretization(mask_sensitivity, d)
     mask_sigma = z * grid.grid_sensitivity * grid.grid
     info.update(sigma=mask_sigma, grid=grid.grid)
   else:
@@ -398,7 +410,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
       ok, estimate = bool(ok), np.asarray(estimate, np.float64)
     if secure:
       estimate = (discretized_gaussian_mechanism(k_mask, estimate,
-                                                 sensitivity=cal.mask_sensitivity,
+                                                 sensitivity=mask_sensitivity,
                                                  noise_multiplier=z) if ok
                   else np.zeros(d))                 # ok is the DP test's output: a public branch
     return ok, estimate

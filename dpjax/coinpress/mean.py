@@ -43,7 +43,10 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
        (``x ↦ c_t + (x − c_t) min(1, R_t/‖x − c_t‖)``);
     2. release ``c_{t+1} = mean(clipped rows) + N(0, σ_t² I_d)``, ``σ_t = z_t · 2R_t/n`` (by
        default the float-safe discretized Gaussian: σ_t is then ``z_t`` times the grid
-       sensitivity, at most ``(1 + 2^-10)·2R_t/n``; module docstring);
+       sensitivity, at most ``(1 + 2^-10)·2R_t/n``; module docstring). The float-safe release
+       is of the clipped rows' mean deviation from ``c_t`` (norm ≤ R_t), added back to ``c_t``
+       rounded to the step's grid Λ_t (public post-processing; ``R_t`` then includes
+       ``√d·Λ_t`` for that rounding), so its clamp never binds however far μ is from 0;
     3. shrink: ``r_{t+1} = γ' sqrt(1/n + σ_t²)``.
 
   Output ``c_T``. Every ``R_t``, ``σ_t`` and ``r_t`` is a public function of
@@ -121,6 +124,10 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
   radii, clip_radii, sens, sigmas, grids = [radius], [], [], [], []
   for z in zs:
     big_r = radii[-1] + norm_radius
+    if secure:
+      # The centre is rounded to the step's grid Λ (≤ 2× the grid of the unshifted radius), which
+      # moves it by ≤ √d·Λ/2: the ball grows by that much so that nothing else is clipped.
+      big_r += math.sqrt(d) * discretization(2.0 * big_r / n, d).grid
     clip_radii.append(big_r)
     sens.append(2.0 * big_r / n)
     if secure:                                  # the discretized release's effective std
@@ -142,10 +149,17 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
                                        jnp.asarray(sigmas, jnp.float64))
         return True, np.asarray(estimate, np.float64), np.asarray(centers, np.float64)
       centers = []
-      for k_step, big_r, sensitivity, z in zip(jax.random.split(key, T), clip_radii, sens, zs):
-        stat = np.asarray(_clipped_mean(X_j, c, jnp.float64(big_r)), np.float64)
-        released = discretized_gaussian_mechanism(k_step, stat, sensitivity=sensitivity,
-                                                  noise_multiplier=z)
+      for k_step, big_r, sensitivity, z, grid in zip(jax.random.split(key, T), clip_radii, sens,
+                                                     zs, grids):
+        # Released relative to the (public) centre, rounded to the grid: the clipped rows'
+        # mean deviation is at most R in norm, so the mechanism's clamp B = 2^50 Λ never binds
+        # however far the data sit from 0 (released about c it clamped at |c| ≳ 2^50 Λ, e.g.
+        # 1e8 at n = 3·10⁵: a silent, large error). The sum c + Λ·k is exact (both multiples of
+        # Λ, |c|/Λ < 2^53) or rounds to a multiple of a larger power of two: post-processing.
+        c = jnp.round(c / grid) * grid
+        deviation = np.asarray(_clipped_deviation(X_j, c, jnp.float64(big_r)), np.float64)
+        released = np.asarray(c) + discretized_gaussian_mechanism(
+            k_step, deviation, sensitivity=sensitivity, noise_multiplier=z)
         centers.append(released)
         c = jnp.asarray(released)
     return True, centers[-1], np.stack(centers)
@@ -172,15 +186,20 @@ def _mean_core(key, X, center, clip_radii, sigmas):
   return _mean_steps(X, center, clip_radii, sigmas, noise)
 
 
-def _clipped_mean_impl(X, c, big_r):
-  """Mean of the rows clipped to the ball ``B(c, R)`` (the statistic each step releases)."""
+def _clipped_deviation_impl(X, c, big_r):
+  """Mean of ``x − c`` over the rows clipped to the ball ``B(c, R)`` (norm ≤ R)."""
   diff = X - c
   norms = jnp.sqrt(jnp.sum(diff * diff, axis=1))
   scale = jnp.minimum(1.0, big_r / jnp.maximum(norms, jnp.finfo(X.dtype).tiny))
-  return c + jnp.mean(diff * scale[:, None], axis=0)
+  return jnp.mean(diff * scale[:, None], axis=0)
 
 
-_clipped_mean = jax.jit(_clipped_mean_impl)
+def _clipped_mean_impl(X, c, big_r):
+  """Mean of the rows clipped to the ball ``B(c, R)`` (the statistic each step releases)."""
+  return c + _clipped_deviation_impl(X, c, big_r)
+
+
+_clipped_deviation = jax.jit(_clipped_deviation_impl)
 
 
 @jax.jit

@@ -355,6 +355,24 @@ def test_ppme_mean_unbounded_mean_within_lemma_3_6_bound(seed):
     assert bool(raw.ok) and np.linalg.norm(np.asarray(raw.estimate) - mu) <= bound
 
 
+def test_ppme_mean_magnitude_keeps_a_far_mean_under_a_tiny_radius():
+  """At radius 10⁻⁶ the float-safe release's clamp 2^50 Λ is ≈ 5·10⁻³·2^10: a mean of 10⁶ would
+  saturate there (learn_gaussian's orthogonal-mean step, found end to end); a public
+  ``magnitude`` coarsens the grid so that the clamp covers it, and the answer is accurate."""
+  rng = np.random.default_rng(5)
+  mu = np.array([1e6, -3e5])
+  X = mu + 1e-8 * rng.normal(size=(6_000, 2))
+  kw = dict(epsilon=4.0, delta=1e-6, num_groups=600, radius=1e-6)
+  plain = pm.ppme_mean(jax.random.key(1), X, **kw)
+  assert bool(plain.ok) and 2.0**50 * plain.info["grid"] < 1e6       # the clamp binds
+  assert np.abs(np.asarray(plain.estimate) - mu).max() > 1e5
+  res = pm.ppme_mean(jax.random.key(1), X, magnitude=2e6, **kw)
+  assert bool(res.ok) and 2.0**50 * res.info["grid"] >= 2e6
+  assert np.abs(np.asarray(res.estimate) - mu).max() < 1e-3
+  with pytest.raises(ValueError, match="magnitude"):
+    pm.ppme_mean(jax.random.key(1), X, magnitude=-1.0, **kw)
+
+
 def test_ppme_mean_bottom_on_far_apart_clusters():
   """Rows from three clusters 1e4 apart: group means scatter, Q is small, ⊥ surely (zeros)."""
   rng = np.random.default_rng(5)
