@@ -268,7 +268,8 @@ def test_closeness_matrix_float32():
   np.testing.assert_array_equal(got[decided], close[decided])
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 7, 13, None])
+@pytest.mark.parametrize("chunk_size", [1, pytest.param(4, marks=pytest.mark.slow),
+                                        pytest.param(7, marks=pytest.mark.slow), 13, None])
 def test_neighbour_counts_are_row_sums_of_the_closeness_matrix(chunk_size):
   d, k, r = 2, 13, 0.3
   Ys, _, _ = _candidates(70, k, d, num_singular=2)
@@ -322,7 +323,9 @@ def test_euclidean_neighbour_counts_match_brute_force(k, p, block_size, offset, 
 # ------------------------------------------------------------------------- _cholesky_succeeds
 
 
-@pytest.mark.parametrize("d", [1, 2, 3, 5, pytest.param(8, marks=pytest.mark.slow), 12,   # unrolled
+@pytest.mark.parametrize("d", [1, pytest.param(2, marks=pytest.mark.slow), 3,
+                               pytest.param(5, marks=pytest.mark.slow),
+                               pytest.param(8, marks=pytest.mark.slow), 12,   # unrolled
                                pytest.param(16, marks=pytest.mark.slow), 24])  # LAPACK paths
 def test_cholesky_succeeds_agrees_with_eigenvalues(d):
   rng = np.random.default_rng(80 + d)

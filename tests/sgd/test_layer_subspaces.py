@@ -240,7 +240,7 @@ def test_without_noise_or_clipping_the_residual_channel_drops_nothing():
 
 
 @pytest.mark.parametrize("joint", [True, False])
-@pytest.mark.parametrize("stretch", [1.0, 3.0])
+@pytest.mark.parametrize("stretch", [pytest.param(1.0, marks=pytest.mark.slow), 3.0])  # 1: plain
 def test_removing_one_example_moves_the_scaled_sums_by_at_most_the_bound(stretch, joint):
   """The sensitivity of the (embedding, residual) release is Δ (1 joint, √2 per part) in the
   scaled units for every example — huge, zero, non-finite — and any basis (even one that
