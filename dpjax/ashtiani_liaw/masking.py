@@ -321,7 +321,7 @@ def simulated_masking_eta(d: int, accuracy: float, beta: float, *, draws: int = 
   return lo
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=2)     # 144 MB each at d = 30: keep only what a bisection reuses
 def _mask_draws(d: int, draws: int, seed: int) -> np.ndarray:
   return np.random.default_rng(seed).standard_normal((draws, d, d))
 

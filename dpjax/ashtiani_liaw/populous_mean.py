@@ -338,9 +338,9 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     magnitude: optional public bound on the mean's entries (e.g. from a DP histogram of the
       scale). The float-safe release clamps each entry to ``±2^50 Λ`` (Λ ≈ γ/(2^10 √d), its
       public grid), about ``2^40 γ/√d``: a mean beyond it saturates there, a silent error (at
-      γ = 10⁻⁹ the clamp is 500). With ``magnitude`` the grid is coarsened (the noise
-      calibrated to sensitivity ``max(γ, 2^-39·√d·magnitude)``, a larger bound is private too)
-      so that the clamp covers it. Unused with ``secure=False``.
+      γ = 10⁻⁹ and d = 5 the clamp is about 500). With ``magnitude`` the grid is coarsened
+      (the noise calibrated to sensitivity ``max(γ, 2^-39·√d·magnitude)``, a larger bound is
+      private too) so that the clamp covers it. Unused with ``secure=False``.
 
   Returns:
     :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``) with ``estimate

@@ -368,6 +368,8 @@ def test_ppme_mean_magnitude_keeps_a_far_mean_under_a_tiny_radius():
   assert np.abs(np.asarray(plain.estimate) - mu).max() > 1e5
   res = pm.ppme_mean(jax.random.key(1), X, magnitude=2e6, **kw)
   assert bool(res.ok) and 2.0**50 * res.info["grid"] >= 2e6
+  estimate = np.asarray(res.estimate)                   # still float-safe: on its (coarser) grid
+  assert np.all(estimate == np.round(estimate / res.info["grid"]) * res.info["grid"])
   assert np.abs(np.asarray(res.estimate) - mu).max() < 1e-3
   with pytest.raises(ValueError, match="magnitude"):
     pm.ppme_mean(jax.random.key(1), X, magnitude=-1.0, **kw)
