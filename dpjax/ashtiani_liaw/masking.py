@@ -285,7 +285,8 @@ def simulated_masking_accuracy(d: int, eta: float, beta: float, *, draws: int = 
     draws: Monte Carlo draws (≥ 100). seed: public seed.
 
   Returns:
-    α (a semimetric distance); ``inf`` if the quantile's draw has a singular W.
+    α (a semimetric distance); ``inf`` if the quantile's draw has a singular W or η is so large
+    that its singular values overflow when squared.
   """
   d = v.check_int(d, "d", low=1)
   eta = v.check_positive(eta, "eta")
@@ -329,7 +330,7 @@ def _mask_draws(d: int, draws: int, seed: int) -> np.ndarray:
 @functools.lru_cache(maxsize=1024)
 def _simulated_accuracy(d, eta, beta, draws, seed) -> float:
   s = np.linalg.svd(np.eye(d) + eta * _mask_draws(d, draws, seed), compute_uv=False)
-  with np.errstate(divide="ignore"):
+  with np.errstate(divide="ignore", over="ignore"):    # a singular or huge W: dist = inf
     dist = np.maximum(s[:, 0] ** 2 - 1.0, s[:, -1] ** -2.0 - 1.0)
   index = math.ceil(draws * (1.0 - beta) + 3.0 * math.sqrt(draws * beta * (1.0 - beta)))
   return float(np.sort(dist)[min(index, draws) - 1])
