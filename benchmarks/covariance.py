@@ -5,8 +5,9 @@ a fresh Σ per trial. For each d and n on a grid of multiples of the minimum the
 calibration asks for, several trials give the median spectral error ``‖Σ^{-1/2} Σ̂ Σ^{-1/2} − I‖``
 (over the trials that did not answer ⊥) and the ⊥ rate of
 
-* the Ashtiani–Liaw step alone (``learn_covariance(refine=False)`` on the coarse half: exactly
-  the preconditioner that the refined learner uses, same key),
+* the Ashtiani–Liaw step alone (``learn_covariance(refine=False)`` on the coarse rows of the
+  default split, ``learn_covariance_plan``: exactly the preconditioner that the refined learner
+  uses, same key),
 * the refined learner (AL preconditioner + CoinPress, ``learn_covariance``),
 * a clip-and-add-Gaussian-noise baseline with a public clipping bound B = 3√d chosen for
   unit-scale data (never ⊥; it fails when the scale is unknown, and works on Σ = I),
@@ -52,6 +53,7 @@ from _timing import blas_info, blas_threads, interleaved, paired, timed
 from dpjax import metrics
 from dpjax.ashtiani_liaw import (SPEC_CHOICES, closeness_matrix, covariance_calibration,
                                  gaussian_batch_sizes, learn_covariance, learn_gaussian,
+                                 learn_covariance_plan, learn_covariance_required_n,
                                  neighbour_counts, required_n)
 from dpjax.mechanisms import analytic_gaussian_sigma
 
@@ -114,8 +116,8 @@ def covariance_cells(d, grid, trials, epsilon, delta, seed):
   errs = {n: {"al": [], "refined": [], "baseline": [], "baseline_pd": []} for n in grid}
   # Underpowered on purpose: groups of m/8 rows (a utility override; privacy is unchanged), so
   # the candidates scatter and the private test should refuse (⊥) rather than answer badly.
-  small = covariance_calibration(d, epsilon, delta, eta_accuracy=0.5).min_group_size // 8
-  n_small = 2 * required_n(d, epsilon, delta, eta_accuracy=0.5, min_group_size=small)
+  small = covariance_calibration(d, epsilon, delta, eta_accuracy=None).min_group_size // 8
+  n_small = learn_covariance_required_n(d, epsilon, delta, min_group_size=small)
   under = []
   for trial in range(trials):
     rng = np.random.default_rng([seed, d, trial])
@@ -126,7 +128,8 @@ def covariance_cells(d, grid, trials, epsilon, delta, seed):
       key = jax.random.fold_in(jax.random.key(seed), 1000 * d + 100 * i + trial)  # fresh noise
       kw = dict(epsilon=epsilon, delta=delta)
       # Same key and rows as the coarse step inside the refined call: its preconditioner.
-      errs[n]["al"].append(err(learn_covariance(key, X[:n // 2], refine=False, **kw)))
+      coarse = learn_covariance_plan(n, d, **kw).coarse_rows
+      errs[n]["al"].append(err(learn_covariance(key, X[:coarse], refine=False, **kw)))
       errs[n]["refined"].append(err(learn_covariance(key, X[:n], **kw)))
       B = clip_and_noise(rng, X[:n], bound=3.0 * math.sqrt(d), **kw)
       errs[n]["baseline"].append(metrics.covariance_error(B, Sigma))
@@ -157,16 +160,22 @@ def baseline_identity_cell(d, n, trials, epsilon, delta, seed):
   return summarise("clip+noise, Σ = I", d, n, errors, {"pd_rate": float(np.mean(pd))})
 
 
-def gaussian_min_n(d, rank, epsilon, delta, **calibration_kwargs):
-  """Smallest n whose default split gives step 2's learn_covariance its minimum coarse half.
+def gaussian_min_n(d, rank, epsilon, delta, *, split="default", **calibration_kwargs):
+  """Smallest n whose default batch sizes give step 2's learn_covariance the rows it needs.
 
-  Step 2 differences consecutive pairs of its n2 rows (n2 // 2 rows of rank r) and hands the
-  first half of those to the AL step, so it needs ⌊(n2 // 2)/2⌋ ≥ required_n(r, eta_accuracy=0.5).
+  Step 2 differences consecutive pairs of its n2 rows (n2 // 2 rows of rank r) and hands them to
+  ``learn_covariance``: ``split="default"`` needs ``n2 // 2 ≥ learn_covariance_required_n(r)``
+  (the AL step's rows plus the refinement's); ``split="half"`` is the learner until 2026-11-27
+  (the AL step on the first half at ``eta_accuracy=0.5``): ``⌊(n2 // 2)/2⌋ ≥ required_n(r,
+  eta_accuracy=0.5)``.
   """
-  need = required_n(rank, epsilon, delta, eta_accuracy=0.5, **calibration_kwargs)
+  if split == "half":
+    need = 2 * required_n(rank, epsilon, delta, eta_accuracy=0.5, **calibration_kwargs)
+  else:
+    need = learn_covariance_required_n(rank, epsilon, delta, **calibration_kwargs)
   n1, _, _, n4 = gaussian_batch_sizes(10**12, d, epsilon=epsilon, delta=delta)
-  n = n1 + n4 + 6 * need
-  while int((gaussian_batch_sizes(n, d, epsilon=epsilon, delta=delta)[1] // 2) * 0.5) < need:
+  n = n1 + n4 + 3 * need
+  while gaussian_batch_sizes(n, d, epsilon=epsilon, delta=delta)[1] // 2 < need:
     n += 8
   return n
 
@@ -211,21 +220,26 @@ REQUIRED_N_DIMS, REQUIRED_N_EPSILONS = (3, 5, 10, 30), (1.0, 4.0)
 
 def required_n_table(dims=REQUIRED_N_DIMS, epsilons=REQUIRED_N_EPSILONS, delta=1e-6):
   """Rows needed, ``{"<d>,<ε>": n}`` (issue 16's before/after): ``al_covariance``
-  (``required_n`` at its defaults) and ``learn_gaussian`` on a full-rank Σ
+  (``required_n`` at its defaults), ``learn_covariance`` and ``learn_gaussian`` on a full-rank Σ
   (:func:`gaussian_min_n`). "before": the spec's choices (``SPEC_CHOICES``: the mask's tail
   bound F, PPME's earlier sensitivity bound, ε/4, r = 1/4, (0.6, 0.8, 0.9), the bound's accuracy
-  cap, a sure-pass target); "after": the defaults (Rényi accounting, the tight PPME bound, the
-  re-chosen split, thresholds and radius, the simulated mask accuracy and a p95 pass target)."""
-  settings = {"before": dict(SPEC_CHOICES), "after": {}}
+  cap, a sure-pass target) and ``learn_covariance``'s AL step on half the rows at
+  ``eta_accuracy=0.5``; "after": the defaults (Rényi accounting, the tight PPME bound, the
+  re-chosen split, thresholds and radius, the simulated mask accuracy, a p95 pass target, and
+  the AL step on its required rows with the rest for CoinPress)."""
+  settings = {"before": (dict(SPEC_CHOICES), "half"), "after": ({}, "default")}
   out = {}
-  for label, kw in settings.items():
+  for label, (kw, split) in settings.items():
     for d in dims:
       for eps in epsilons:
         key = f"{d},{eps:g}"
         out.setdefault("al_covariance", {}).setdefault(label, {})[key] = required_n(
             d, eps, delta, **kw)
+        out.setdefault("learn_covariance", {}).setdefault(label, {})[key] = (
+            2 * required_n(d, eps, delta, **dict(kw, eta_accuracy=0.5)) if split == "half"
+            else learn_covariance_required_n(d, eps, delta, **kw))
         out.setdefault("learn_gaussian", {}).setdefault(label, {})[key] = gaussian_min_n(
-            d, d, eps, delta, **kw)
+            d, d, eps, delta, split=split, **kw)
   return out
 
 
@@ -407,13 +421,12 @@ def main(argv=None):
   dims = args.dims or ((5, 10) if quick else (5, 10, 20))
   trials = args.trials or (2 if quick else 4)
   repeats = args.repeats or (3 if quick else 7)
-  # d = 20: 1× the minimum is 1.9e7 rows (3 GB per float64 copy, and the learners make a few);
-  # larger multiples do not fit in this machine's 23 GB.
+  # d = 20: one multiple of the minimum only (time; the learners copy the rows a few times).
   multiples = {d: (1, 2) if quick else (1, 2, 4) for d in dims}
   multiples.update({d: (1,) for d in dims if d >= 20})
   trials_at = {d: trials if d < 20 else max(1, trials // 2) for d in dims}
-  # learn_gaussian needs ≈ 6·required_n(d − 2, eta_accuracy=0.5) rows for its covariance step:
-  # 3.4e6 at d = 5, 1.3e7 at d = 10, ≈ 5e7 × 20 floats at d = 20 (skipped: memory).
+  # learn_gaussian needs ≈ 3·learn_covariance_required_n(d − 2) rows (gaussian_min_n); d = 20
+  # is skipped (time).
   gauss_multiples = {dims[0]: (1,)} if quick else {d: (1, 2) if d == dims[0] else (1,)
                                                   for d in dims if d < 20}
   start_all = time.perf_counter()
@@ -445,10 +458,11 @@ def main(argv=None):
   print("rows required at δ = 1e-6, before → after (the spec's choices → the defaults: exact "
         "Rényi mask accounting, PPME's tight bound, re-chosen split/thresholds/radius, simulated "
         "mask accuracy, p95 pass target; docs/algorithms.md §3.2, §3.4, §3.5)")
-  print(f"{'d,ε':>7}{'al_covariance':>30}{'learn_gaussian (full rank)':>34}")
+  print(f"{'d,ε':>7}{'al_covariance':>30}{'learn_covariance':>34}"
+        f"{'learn_gaussian (full rank)':>34}")
   for key in req["al_covariance"]["after"]:
     cells = [(req[w]["before"][key], req[w]["after"][key])
-             for w in ("al_covariance", "learn_gaussian")]
+             for w in ("al_covariance", "learn_covariance", "learn_gaussian")]
     print(f"{key:>7}" + "".join(f"{b:>14,} → {a:>11,} ({b / a:.1f}×)" for b, a in cells))
   print(f"({time.perf_counter() - t0:.0f} s)\n", flush=True)
 
@@ -461,8 +475,9 @@ def main(argv=None):
     print(f"{c['d']:>4}{c['epsilon']:>6g}{c['eta_accuracy']:>9g}{c['num_groups']:>10}"
           f"{c['min_group_size']:>9}{c['required_n']:>13,}{c['eta']:>9.4f}"
           f"{c['mask_sensitivity']:>9.4f}")
-  print(f"(learn_covariance needs 2× required n at eta_accuracy 0.5; 4× with unknown_mean; "
-        f"{time.perf_counter() - t0:.0f} s)\n", flush=True)
+  print(f"(learn_covariance needs learn_covariance_required_n: its AL step's rows (no cap on η) "
+        f"plus CoinPress's; twice that with unknown_mean; {time.perf_counter() - t0:.0f} s)\n",
+        flush=True)
 
   print(f"covariance: N(0, Σ), eig(Σ) = 10^U[−6,6], ε={eps:g}, δ={delta:g}, spectral error "
         "‖Σ^-1/2 Σ̂ Σ^-1/2 − I‖ (median over non-⊥ trials)", flush=True)
@@ -470,7 +485,7 @@ def main(argv=None):
   print(header)
   cells, n_min = [], {}
   for d in dims:
-    n_min[d] = 2 * required_n(d, eps, delta, eta_accuracy=0.5)
+    n_min[d] = learn_covariance_required_n(d, eps, delta)
     grid = [m * n_min[d] for m in multiples[d]]
     t0 = time.perf_counter()
     new = covariance_cells(d, grid, trials_at[d], eps, delta, args.seed)
@@ -515,6 +530,8 @@ def main(argv=None):
       "pairwise_speedup_vs_numpy": speed_summary,
       "required_n": req["al_covariance"]["after"],
       "required_n_before": req["al_covariance"]["before"],
+      "learn_covariance_required_n": req["learn_covariance"]["after"],
+      "learn_covariance_required_n_before": req["learn_covariance"]["before"],
       "gaussian_required_n": req["learn_gaussian"]["after"],
       "gaussian_required_n_before": req["learn_gaussian"]["before"]}
   strip = lambda t, key: {d: {n: c[key] for n, c in r.items()} for d, r in t.items()}  # noqa

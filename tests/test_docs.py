@@ -80,7 +80,7 @@ def test_private_gaussians_notebook_runs_reduced(monkeypatch):
   ns = _run(code, "private_gaussians.ipynb")
   assert ns["baseline_error"] > 1.0                          # the guessed clip bound fails
   assert bool(ns["refined"].ok) and ns["refined_error"] < min(0.05, ns["coarse_error"])
-  assert ns["gauss"].ok and ns["gauss_cov_error"] < 0.05     # full pipeline, singular Σ
+  assert ns["gauss"].ok and ns["gauss_cov_error"] < 0.1   # singular Σ; refine_accuracy at min n
   assert ns["bad"].failed_step_name == "covariance" and ns["lines"].failed_step_name == "subspace"
 
 

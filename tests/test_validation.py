@@ -334,19 +334,21 @@ def test_dpaseb_too_few_rows_names_the_users_n_and_blocks():
     assert part in message, (part, message)
 
 
-def test_learn_covariance_too_few_rows_names_the_users_n_and_the_coarse_fraction():
-  """Before: al_covariance's message on the coarse half: "got n=500" for the user's 1000."""
+def test_learn_covariance_too_few_rows_names_the_users_n_and_the_split():
+  """The user's n, not the AL step's share of it (al_covariance's message would say n=500)."""
   from dpjax.ashtiani_liaw import learn_covariance
   X = np.random.default_rng(0).standard_normal((1000, 3))
   with pytest.raises(ValueError) as err:
     learn_covariance(KEY, X, epsilon=20.0, delta=1e-6)
   message = str(err.value)
-  for part in ("learn_covariance needs n >=", "got n=1000", "coarse_fraction=0.5",
-               "int(n·coarse_fraction) = 500"):
+  for part in ("learn_covariance needs n >=", "rows for its AL step alone",
+               "plus rows for the CoinPress refinement", "got n=1000.",
+               "learn_covariance_required_n gives the total"):
     assert part in message, (part, message)
-  total = int(message.split("needs n >= ")[1].split(" ")[0])
-  per_step = int(message.split("needs ")[2].split(" ")[0])
-  assert total == 2 * per_step and total > 1000
+  assert int(message.split("needs n >= ")[1].split(" ")[0]) > 1000
+  with pytest.raises(ValueError) as err:
+    learn_covariance(KEY, X, epsilon=20.0, delta=1e-6, coarse_fraction=0.5)
+  assert "got n=1000; the AL step gets 500 of the n=1000 rows" in str(err.value), err.value
 
 
 def test_truncated_laplace_survival_matches_the_sampler():

@@ -5,7 +5,9 @@ from dpjax.ashtiani_liaw.calibration import (COVARIANCE_RADIUS, COVARIANCE_TEST_
                                              COVARIANCE_THRESHOLDS, SPEC_CHOICES,
                                              CovarianceCalibration, covariance_calibration,
                                              required_n)
-from dpjax.ashtiani_liaw.covariance import (al_covariance, learn_covariance, pair_differences,
+from dpjax.ashtiani_liaw.covariance import (LearnCovariancePlan, al_covariance,
+                                            learn_covariance, learn_covariance_plan,
+                                            learn_covariance_required_n, pair_differences,
                                             second_moment)
 from dpjax.ashtiani_liaw.exact_subspace import (ALSubspaceParameters, al_subspace,
                                                 al_subspace_parameters, released_basis)

@@ -25,10 +25,12 @@ from dpjax import linalg
 from dpjax._host import host_call
 from dpjax.ashtiani_liaw import masking, semimetric
 from dpjax.ashtiani_liaw.calibration import (COVARIANCE_RADIUS, CovarianceCalibration,
-                                             _TooFewRows, covariance_calibration)
+                                             _candidate_accuracy, _TooFewRows,
+                                             covariance_calibration)
 from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PPMECalibration,
                                                PopulousThresholds, check_thresholds,
                                                populous_mean, ppme_calibration, split_groups)
+from dpjax.coinpress import coinpress_covariance, covariance_required_n
 from dpjax.results import EstimateResult
 
 
@@ -178,32 +180,210 @@ def _al_covariance(key, X, radius, eta, ppme, thresholds, *, k, estimator, unkno
       vectorize=vectorize)
 
 
+# [PROPOSED] learn_covariance's defaults: the refinement's typical-error target, and no cap on
+# the mask's η (CoinPress needs about as many rows at κ = 1500 as at κ = 16, while the cap adds
+# 21% to the AL step's rows at d = 10; docs/algorithms.md §3.5).
+REFINE_ACCURACY = 0.1
+LEARN_COVARIANCE_ETA_ACCURACY = None
+
+
+class LearnCovariancePlan(NamedTuple):
+  """The public constants of one :func:`learn_covariance` call (a function of n, d, ε, δ and the
+  arguments only).
+
+  Attributes:
+    coarse_rows: rows of the AL step (the first rows of X).
+    refine_rows: rows of the CoinPress refinement (the rest; 0 without refinement).
+    refine_min_rows: rows the refinement needs for ``refine_accuracy`` (0 when unchecked).
+    preconditioner_factor: K with ``Σ/K ⪯ Σ̃ ⪯ KΣ`` w.p. ≥ 1 − 3β on N(0, Σ) data, K =
+      ``(1 + c)(1 + α)`` (c = candidate accuracy at the AL step's group size, α = mask accuracy).
+    al: the AL step's plan.
+  """
+  coarse_rows: int
+  refine_rows: int
+  refine_min_rows: int
+  preconditioner_factor: float
+  al: _ALPlan
+
+
+def learn_covariance_plan(n: int, d: int, *, epsilon: float, delta: float,
+                          coarse_rows: int | None = None, coarse_fraction: float | None = None,
+                          refine: bool = True, refine_accuracy: float | None = REFINE_ACCURACY,
+                          unknown_mean: bool = False,
+                          eta_accuracy: float | None = LEARN_COVARIANCE_ETA_ACCURACY,
+                          **al_kwargs) -> LearnCovariancePlan:
+  """The row split and constants of :func:`learn_covariance` for ``n`` rows (public numbers only).
+
+  Default split [PROPOSED]: the AL step gets exactly the rows its calibration needs
+  (``required_n``; more rows would not tighten the preconditioner, whose error is the mask's)
+  and the CoinPress refinement all the rest, which must be at least
+  :func:`~dpjax.coinpress.covariance_required_n` at ``κ = K²`` and ``refine_accuracy`` (the
+  refinement's accuracy keeps improving with its rows). ``coarse_rows`` or ``coarse_fraction``
+  (``int(n·coarse_fraction)``) fix the AL step's share instead.
+
+  Args:
+    n: rows available (public).
+    d: dimension.
+    epsilon, delta, coarse_rows, coarse_fraction, refine, refine_accuracy, unknown_mean,
+      eta_accuracy, **al_kwargs: as in :func:`learn_covariance`.
+
+  Returns:
+    :class:`LearnCovariancePlan`.
+
+  Raises:
+    ValueError: bad arguments; too few rows for the AL step or the refinement (the message names
+      n, d, ε, δ and the rows each step needs).
+  """
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  if coarse_rows is not None and coarse_fraction is not None:
+    raise ValueError("pass at most one of coarse_rows and coarse_fraction.")
+  if refine_accuracy is not None:
+    refine_accuracy = v.check_positive(refine_accuracy, "refine_accuracy")
+  pairs = 2 if unknown_mean else 1
+  al_args = dict(radius=al_kwargs.pop("radius", COVARIANCE_RADIUS),
+                 num_groups=al_kwargs.pop("num_groups", None),
+                 min_group_size=al_kwargs.pop("min_group_size", None), unknown_mean=unknown_mean,
+                 eta_accuracy=eta_accuracy, **al_kwargs)
+  if not refine:
+    if coarse_rows is not None or coarse_fraction is not None:
+      raise ValueError("coarse_rows / coarse_fraction split the rows for the refinement; "
+                       "with refine=False the AL step uses all n rows.")
+    plan = _al_plan(n, d, epsilon, delta, **al_args)
+    return LearnCovariancePlan(n, 0, 0, _preconditioner_factor(plan), plan)
+  if coarse_fraction is not None:
+    frac = v.check_probability(coarse_fraction, "coarse_fraction", open_high=True)
+    coarse_rows = int(n * frac)
+  elif coarse_rows is not None:
+    coarse_rows = v.check_int(coarse_rows, "coarse_rows", low=1)
+    if coarse_rows >= n:
+      raise ValueError(f"coarse_rows={coarse_rows} leaves no rows of n={n} for the refinement.")
+  try:
+    if coarse_rows is None:
+      # n goes in for the calibration's fail-fast check only: the AL step gets required_n rows.
+      cal = covariance_calibration(d, epsilon, delta, n=n, **al_args)
+      coarse_rows = min(cal.required_n, n)
+    plan = _al_plan(coarse_rows, d, epsilon, delta, **al_args)
+  except _TooFewRows as err:
+    refine_text = ("" if refine_accuracy is None else
+                   ", plus rows for the CoinPress refinement (learn_covariance_plan)")
+    split = "" if err.n == n else f"; the AL step gets {err.n} of the n={n} rows"
+    raise ValueError(
+        f"learn_covariance needs n >= {err.rows} rows{'' if err.exact else ' at the very least'}"
+        f" for its AL step alone{refine_text}, for d={d}, epsilon={err.epsilon:g}, "
+        f"delta={err.delta:g} ({err.groups_text()}), got n={n}{split}. Collect more rows, "
+        "raise epsilon, or pass num_groups/min_group_size to trade accuracy for rows "
+        "(learn_covariance_required_n gives the total"
+        f"{'' if err.exact else ', after a simulation that takes a while at large d'}).") from None
+  K = _preconditioner_factor(plan)
+  if not math.isfinite(K):
+    raise ValueError(f"the AL step's preconditioner factor K = (1 + c)(1 + α) is not finite at "
+                     f"d={d}, epsilon={epsilon:g}, delta={delta:g} (α = "
+                     f"{plan.calibration.mask_accuracy:g}): pass eta_accuracy to cap the mask's η.")
+  n_refine = n - coarse_rows
+  need = 2
+  if refine_accuracy is not None:
+    need = max(need, covariance_required_n(d, kappa=K * K, epsilon=epsilon, delta=delta,
+                                           accuracy=refine_accuracy))
+  if n_refine // pairs < need:
+    raise ValueError(
+        f"learn_covariance needs n >= {coarse_rows + need * pairs} rows for d={d}, "
+        f"epsilon={epsilon:g}, delta={delta:g}: {coarse_rows} for its AL step "
+        f"({plan.calibration.num_groups} groups{', paired' if pairs == 2 else ''}) and "
+        f"{need * pairs} for the CoinPress refinement (typical error {refine_accuracy} at "
+        f"kappa={K * K:.3g}; covariance_required_n), got n={n} ({n_refine} left for the "
+        "refinement). Collect more rows, raise epsilon or refine_accuracy, or pass "
+        "num_groups/min_group_size to trade accuracy for rows.")
+  return LearnCovariancePlan(coarse_rows, n_refine, need if refine_accuracy is not None else 0,
+                             K, plan)
+
+
+def learn_covariance_required_n(d: int, epsilon: float, delta: float, **kwargs) -> int:
+  """Rows :func:`learn_covariance` needs at its default split: the AL step's ``required_n`` plus
+  the refinement's :func:`~dpjax.coinpress.covariance_required_n` (doubled with
+  ``unknown_mean``). Keyword arguments as in :func:`learn_covariance_plan` (not
+  ``coarse_rows`` / ``coarse_fraction``). Public numbers only; takes the calibration's time.
+  """
+  if "coarse_rows" in kwargs or "coarse_fraction" in kwargs:
+    raise ValueError("learn_covariance_required_n is the default split's requirement; it takes "
+                     "no coarse_rows / coarse_fraction.")
+  pairs = 2 if kwargs.get("unknown_mean", False) else 1
+  if not kwargs.get("refine", True):
+    al_kwargs = dict(kwargs, eta_accuracy=kwargs.get("eta_accuracy",
+                                                     LEARN_COVARIANCE_ETA_ACCURACY))
+    al_kwargs.pop("refine"), al_kwargs.pop("refine_accuracy", None)
+    return covariance_calibration(d, epsilon, delta, **al_kwargs).required_n
+  plan = learn_covariance_plan(10**15, d, epsilon=epsilon, delta=delta, **kwargs)
+  return plan.coarse_rows + max(plan.refine_min_rows, 2) * pairs
+
+
+def _preconditioner_factor(plan: _ALPlan) -> float:
+  """K = (1 + c)(1 + α): c the groups' candidate accuracy at the AL step's actual group size.
+
+  Where the Gaussian bound says nothing (``c = ∞``: groups of a few rows, at large ε or a small
+  ``min_group_size``), c is simulated instead (utility only): the largest, over 100 public
+  replicates, of ``max_i dist(Ŷ_i, I)`` over k Wishart(m, I)/m candidates — exact in law for
+  every N(0, Σ) by affine invariance.
+  """
+  cal = plan.calibration
+  d, m, k = cal.d, plan.info["group_size"], cal.num_groups
+  c = _candidate_accuracy(d, m, k, cal.beta)
+  if not math.isfinite(c):
+    c = _simulated_candidate_accuracy(d, m, k)
+  return (1.0 + c) * (1.0 + cal.mask_accuracy)
+
+
+@functools.lru_cache(maxsize=64)
+def _simulated_candidate_accuracy(d: int, m: int, k: int, replicates: int = 100) -> float:
+  """max over replicates of max_i dist(W_i/m, I), W_i ~ Wishart(m, I_d) by Bartlett (public)."""
+  rng = np.random.default_rng([d, m, k, 20261127])
+  worst = 0.0
+  for _ in range(replicates):                 # one replicate at a time: k·d² floats each
+    L = np.tril(rng.standard_normal((k, d, d)), -1)
+    L[:, np.arange(d), np.arange(d)] = np.sqrt(rng.chisquare(m - np.arange(d), (k, d)))
+    w = np.linalg.eigvalsh(L @ np.swapaxes(L, 1, 2) / m)
+    worst = max(worst, float(np.max(np.maximum(w[:, -1] - 1.0, 1.0 / w[:, 0] - 1.0))))
+  return worst
+
+
 def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
-                     coarse_fraction: float = 0.5, refine: bool = True,
-                     unknown_mean: bool = False, eta_accuracy: float | None = 0.5,
+                     coarse_rows: int | None = None, coarse_fraction: float | None = None,
+                     refine: bool = True, refine_accuracy: float | None = REFINE_ACCURACY,
+                     unknown_mean: bool = False,
+                     eta_accuracy: float | None = LEARN_COVARIANCE_ETA_ACCURACY,
                      **al_kwargs) -> EstimateResult:
   """Unbounded covariance to small error: AL preconditioner, then CoinPress ([AL22] Thm 5.4–5.6).
 
-  The rows are split by position (public) into a coarse batch (the first ``coarse_fraction``)
-  and a refinement batch. :func:`al_covariance` on the coarse batch gives Σ̃ with
-  ``dist(Σ̃, Σ) ≤ c`` (``c = (1 + r)(1 + α) − 1``, r the closeness radius, α the mask's
-  concentration; a practical, not worst-case, constant); the refinement batch is whitened by Σ̃
-  and :func:`dpjax.coinpress.coinpress_covariance` (the practical stand-in for
-  [AL22] Thm 5.5, Biswas et al. 2020) refines it with ``κ = (1 + c)²``, after which the
-  estimate is mapped back. ``eta_accuracy`` defaults to 0.5 here (vs 0.2 in
-  :func:`al_covariance`): a looser preconditioner is enough before refinement and halves the
-  groups needed.
+  The rows are split by position (public) into a coarse batch (the first ``coarse_rows``) and a
+  refinement batch (:func:`learn_covariance_plan`: by default the AL step gets exactly the rows
+  its calibration needs and the refinement all the rest). :func:`al_covariance` on the coarse
+  batch gives Σ̃ with ``Σ/K ⪯ Σ̃ ⪯ KΣ`` w.p. ≥ 1 − 3β, ``K = (1 + c)(1 + α)`` (c the groups'
+  candidate accuracy at their size, α the mask's accuracy); the refinement batch is whitened by
+  Σ̃ and :func:`dpjax.coinpress.coinpress_covariance` (the practical stand-in for [AL22] Thm 5.5,
+  Biswas et al. 2020) refines it with ``κ = K²``, after which the estimate is mapped back.
+  ``eta_accuracy`` defaults to None here (vs 0.2 in :func:`al_covariance`): CoinPress barely
+  cares how rough the preconditioner is (its rows needed grow like log κ), so the AL step uses
+  the fewest groups privacy allows.
 
   Privacy guarantee: (ε, δ)-DP under replace-one. Each step is (ε, δ)-DP on its own batch; the
-  batches are disjoint and fixed by position, and the refinement only sees the coarse batch
-  through the DP release Σ̃ (adaptive parallel composition).
+  batches are disjoint and fixed by position (a function of n and public arguments only), and
+  the refinement only sees the coarse batch through the DP release Σ̃ (adaptive parallel
+  composition).
+
+  Utility: the refinement's typical relative spectral error ``‖Σ^{-1/2}Σ̂Σ^{-1/2} − I‖_2`` is at
+  most ``refine_accuracy`` at the minimum n (its proxy, :func:`~dpjax.coinpress.
+  covariance_required_n`; measured errors are 0.15–0.6× the proxy) and falls as n grows.
 
   Args:
     key: PRNG key.
     X: ``(n, d)`` rows ~ N(0, Σ) (N(μ, Σ) with ``unknown_mean``).
     epsilon, delta: the budget (each batch spends all of it).
-    coarse_fraction: share of rows for the AL step.
-    refine: False returns the AL step alone (on ``coarse_fraction`` of the rows).
+    coarse_rows: rows of the AL step (default: its ``required_n``).
+    coarse_fraction: or the AL step's share of n (``int(n·coarse_fraction)`` rows); at most one
+      of the two.
+    refine: False returns the AL step alone, on all n rows.
+    refine_accuracy: the refinement's typical-error target that sets its minimum rows (> 0; None:
+      any 2 or more rows, or pairs).
     unknown_mean: difference consecutive pairs in both batches.
     eta_accuracy: passed to :func:`covariance_calibration`.
     **al_kwargs: further :func:`al_covariance` arguments.
@@ -212,53 +392,32 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``; ⊥ when the AL step
     answers ⊥) with ``estimate (d, d)`` — float64 NumPy eagerly (as :func:`al_covariance`) —
     and ``info`` with ``coarse`` (the AL step's public calibration), ``coarse_rows``,
-    ``refine`` and, when refining, ``preconditioner_factor`` K and ``refine_rows``. Traceable
-    in ``key`` and ``X`` (the host pipeline runs as a ``jax.pure_callback`` under tracing).
+    ``refine`` and, when refining, ``preconditioner_factor`` K, ``refine_rows`` (rows, or pairs
+    with ``unknown_mean``, of the refinement) and ``refine_min_rows``. Traceable in ``key`` and
+    ``X`` (the host pipeline runs as a ``jax.pure_callback`` under tracing).
 
   Raises:
-    ValueError: too few rows for the AL step (the message names the user's n, the coarse
-      fraction and the total rows needed; with ``refine=False`` it is :func:`al_covariance`'s),
-      too few refinement rows, or as :func:`al_covariance`.
+    ValueError: too few rows for the AL step or the refinement (the message names the user's n
+      and the rows each step needs; :func:`learn_covariance_required_n` gives the total), both
+      ``coarse_rows`` and ``coarse_fraction``, or as :func:`al_covariance`.
 
   References:
     [AL22] Algorithm 3, Thm 5.4–5.6; Biswas, Dong, Kamath & Ullman (2020); docs/algorithms.md §3.5.
   """
-  from dpjax.coinpress import coinpress_covariance     # refinement is optional
   key = v.check_key(key)
   X = v.check_data64(X, "X")
-  frac = v.check_probability(coarse_fraction, "coarse_fraction", open_high=not refine)
   n, d = X.shape
-  n_coarse = int(n * frac) if refine else n
   estimator = al_kwargs.pop("estimator", None)
-  al_args = dict(radius=al_kwargs.pop("radius", COVARIANCE_RADIUS),
-                 num_groups=al_kwargs.pop("num_groups", None),
-                 min_group_size=al_kwargs.pop("min_group_size", None), unknown_mean=unknown_mean,
-                 eta_accuracy=eta_accuracy, **al_kwargs)
-  try:
-    plan = _al_plan(n_coarse, d, epsilon, delta, **al_args)
-  except _TooFewRows as err:
-    if not refine:
-      raise
-    # Restate the requirement in the user's terms: the AL step sees only int(n·frac) rows.
-    total = math.ceil(err.rows / frac)
-    while int(total * frac) < err.rows:
-      total += 1
-    raise ValueError(
-        f"learn_covariance needs n >= {total} rows{'' if err.exact else ' at the very least'} "
-        f"for d={d}, epsilon={err.epsilon:g}, delta={err.delta:g}: its AL step runs on "
-        f"coarse_fraction={frac:g} of the rows and needs {err.rows} of them "
-        f"({err.groups_text()}), got n={n} (int(n·coarse_fraction) = {n_coarse} rows for that "
-        "step). Collect more rows, raise epsilon or coarse_fraction, or pass "
-        "num_groups/min_group_size to trade accuracy for rows (required_n(d, epsilon, delta, "
-        f"eta_accuracy={eta_accuracy}) gives the AL step's exact figure).") from None
+  lc = learn_covariance_plan(n, d, epsilon=epsilon, delta=delta, coarse_rows=coarse_rows,
+                             coarse_fraction=coarse_fraction, refine=refine,
+                             refine_accuracy=refine_accuracy, unknown_mean=unknown_mean,
+                             eta_accuracy=eta_accuracy, **al_kwargs)
+  plan, n_coarse, K = lc.al, lc.coarse_rows, lc.preconditioner_factor
   info = {"coarse": plan.info, "coarse_rows": n_coarse, "refine": bool(refine)}
-  n_refine = (n - n_coarse) // (2 if unknown_mean else 1)
-  if refine and n_refine < 2:
-    raise ValueError("learn_covariance has no rows left for the refinement step.")
-  c = (1.0 + plan.info["radius"]) * (1.0 + plan.info["mask_accuracy"]) - 1.0
-  K = 1.0 + c
   if refine:
-    info.update(preconditioner_factor=K, refine_rows=n_refine)
+    info.update(preconditioner_factor=K,
+                refine_rows=lc.refine_rows // (2 if unknown_mean else 1),
+                refine_min_rows=lc.refine_min_rows)
 
   def release(key, X):
     X = np.asarray(X, np.float64)

@@ -10,10 +10,13 @@ batches of rows (fixed by position, public):
 3. **Mean in the subspace.** ``w_i = Σ̂_r^{-1/2} Vᵀ x_i`` has covariance within a constant factor
    of I: Euclidean PPME (:func:`~dpjax.ashtiani_liaw.ppme_mean`) on one half gives a
    centre with a public error radius, CoinPress (:func:`~dpjax.coinpress.
-   coinpress_mean`) on the other refines it (the spec's "or CoinPress" route).
+   coinpress_mean`) on the other refines it (the spec's "or CoinPress" route). PPME's
+   float-safe grid is sized by the public bound ``4√d·S·‖Σ̂_r^{-1/2}‖₂`` on the whitened mean
+   (S below), so that a whitened mean of any size stays inside its clamp.
 4. **Mean outside the subspace.** ``U_⊥ᵀ x_i`` equals ``U_⊥ᵀμ`` up to the released subspace's
-   snapping error and rounding. A stability histogram of ``⌊log2‖x_i‖_∞ / 8 + ω⌋`` on one half
-   releases the scale S of the rows; Euclidean PPME on the other half, with a public radius that
+   snapping error and rounding. A stability histogram of ``⌊log2‖x_i‖_∞ / 8 + ω⌋`` on the first
+   half of step 4's batch releases the scale S of the rows (before step 2, and also when
+   r = d: step 3 uses it too); Euclidean PPME on the other half, with a public radius that
    covers the snapping error of the group means (``2·d·s·‖x̄ − μ‖``, bounded through the released
    Σ̂_r) and the rounding (``2^{-40}S``), releases ``U_⊥ᵀμ``.
 
@@ -22,7 +25,8 @@ Output: ``μ̃ = V Σ̂_r^{1/2} μ̂_w + U_⊥ û_⊥``, ``Σ̃ = V Σ̂_r Vᵀ`
 Privacy guarantee: (ε, δ)-DP under replace-one. Every step is (ε, δ)-DP on its own batch (the
 sub-steps of 3 and 4 use disjoint halves), later steps see earlier batches only through DP
 releases, and one replaced row lies in exactly one batch: adaptive parallel composition. ⊥ in any
-step stops the pipeline and ``failed_step`` names it.
+step stops the pipeline and ``failed_step`` names it (a ⊥ of the scale histogram is reported at
+step 3, its first user, or at step 4 when r = 0).
 
 The paper's Thm 5.7 promises TV error α with ``n = Õ(d²/α² + d²√ln(1/δ)/(αε) + …)``. In floating
 point the released subspace is exact only up to its public snapping grid (``info["subspace"]
@@ -174,6 +178,12 @@ def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwar
   r = V.shape[1]
   U_perp = _orthogonal_complement(V)
 
+  # The rows' scale S (a stability histogram on step 4's first half): a public bound on the
+  # means that steps 3 and 4 release, so that their float-safe grids cover them.
+  scale = _row_scale(keys[4], B4[:B4.shape[0] // 2], epsilon, delta)
+  if scale is None:
+    return fail("mean" if r > 0 else "orthogonal_mean", r)
+
   # 2–3. Covariance and mean in the subspace.
   mean_in, Sigma_r = np.zeros(d), np.zeros((r, r))
   if r > 0:
@@ -189,7 +199,9 @@ def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwar
     Sigma_r = np.asarray(cov.estimate)
     root, inv_root = _sqrt_and_inverse_sqrt(Sigma_r)
     W = B3 @ V @ inv_root
-    mu_w = _whitened_mean(keys[2], keys[3], W, epsilon, delta, beta)
+    # |entries of E w| ≤ ‖Σ̂_r^{-1/2}‖₂·√d·‖μ‖_∞ ≲ ‖Σ̂_r^{-1/2}‖₂·√d·S (public; 4× room).
+    magnitude = 4.0 * math.sqrt(d) * scale * float(np.linalg.norm(inv_root, 2))
+    mu_w = _whitened_mean(keys[2], keys[3], W, epsilon, delta, beta, magnitude)
     if mu_w is None:
       return fail("mean", r)
     mean_in = V @ (root @ mu_w)
@@ -199,15 +211,20 @@ def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwar
   if r < d:
     trace = float(np.trace(Sigma_r)) * 2.0                 # ≥ tr Σ up to the refinement error
     tilt = 2.0 * d * snap_scale                            # ≥ ‖U_⊥ᵀ Π‖ for the snapped release
-    u = _constant_mean(keys[4], keys[5], B4, U_perp, tilt, trace, epsilon, delta, beta)
+    u = _constant_mean(keys[5], B4[B4.shape[0] // 2:], U_perp, scale, tilt, trace, epsilon,
+                       delta, beta)
     if u is None:
       return fail("orthogonal_mean", r)
     mean_out = U_perp @ u
   return True, mean_in + mean_out, V @ Sigma_r @ V.T, 0, r
 
 
-def _whitened_mean(k_coarse, k_fine, W, epsilon, delta, beta):
-  """Step 3: PPME centre on one half, CoinPress on the other; rows with covariance ≈ I."""
+def _whitened_mean(k_coarse, k_fine, W, epsilon, delta, beta, magnitude):
+  """Step 3: PPME centre on one half, CoinPress on the other; rows with covariance ≈ I.
+
+  ``magnitude`` (public) bounds the whitened mean's entries: PPME's float-safe grid is coarsened
+  to cover it (a whitened mean of 10¹² otherwise saturates at PPME's clamp ``2^40 γ/√r``).
+  """
   n, r = W.shape
   half = n // 2
   k = _mean_groups(epsilon, delta)
@@ -215,7 +232,7 @@ def _whitened_mean(k_coarse, k_fine, W, epsilon, delta, beta):
   K = 2.0                                                  # covariance of W within a factor 2
   group_error = math.sqrt(K / m) * (math.sqrt(r) + math.sqrt(2.0 * math.log(2.0 * k / beta)))
   coarse = ppme_mean(k_coarse, W[:half], epsilon=epsilon, delta=delta, num_groups=k,
-                     radius=2.0 * group_error)
+                     radius=2.0 * group_error, magnitude=magnitude)
   if not bool(coarse.ok):
     return None
   sigma = coarse.info["sigma"]
@@ -226,24 +243,29 @@ def _whitened_mean(k_coarse, k_fine, W, epsilon, delta, beta):
   return np.asarray(fine.estimate) * scale
 
 
-def _constant_mean(k_scale, k_ppme, B, U_perp, tilt, trace, epsilon, delta, beta):
-  """Step 4: the (nearly) constant ``U_⊥ᵀ x_i`` via a scale histogram and Euclidean PPME.
-
-  A group mean of ``U_⊥ᵀ x`` differs from ``U_⊥ᵀ μ`` by ``U_⊥ᵀ Π (x̄ − μ)``, at most
-  ``tilt · √(tr Σ/m)(1 + √(2 ln(2k/β)))`` for all k groups of m rows w.p. ≥ 1 − β (Gaussian
-  norm concentration), plus rounding ≈ ``2^{-40}·S``; twice that is PPME's public radius.
-  """
-  half = B.shape[0] // 2
+def _row_scale(k_scale, B, epsilon, delta):
+  """The rows' scale S: the upper edge of the most common octave of ``‖x_i‖_∞`` (randomly offset
+  bins of 8 binary orders, a stability histogram; (ε, δ)-DP on ``B``), or None on ⊥."""
   offset = float(jax.random.uniform(jax.random.fold_in(k_scale, 1), ()))
-  magnitude = np.maximum(np.max(np.abs(B[:half]), axis=1), np.finfo(np.float64).tiny)
+  magnitude = np.maximum(np.max(np.abs(B), axis=1), np.finfo(np.float64).tiny)
   octave = np.floor(np.log2(magnitude) / 8.0 + offset).astype(np.int32)[:, None]
   hist = stable_histogram(k_scale, octave, epsilon=epsilon, delta=delta)
   ok, bin_, _ = top_bin(hist)
   if not bool(ok):
     return None
-  scale = 2.0 ** (8.0 * (int(bin_[0]) + 1 - offset))       # upper edge of the released octave
+  return 2.0 ** (8.0 * (int(bin_[0]) + 1 - offset))
+
+
+def _constant_mean(k_ppme, B, U_perp, scale, tilt, trace, epsilon, delta, beta):
+  """Step 4: the (nearly) constant ``U_⊥ᵀ x_i`` by Euclidean PPME on ``B`` (step 4's second half).
+
+  A group mean of ``U_⊥ᵀ x`` differs from ``U_⊥ᵀ μ`` by ``U_⊥ᵀ Π (x̄ − μ)``, at most
+  ``tilt · √(tr Σ/m)(1 + √(2 ln(2k/β)))`` for all k groups of m rows w.p. ≥ 1 − β (Gaussian
+  norm concentration), plus rounding ≈ ``2^{-40}·S`` (S the released scale of the rows); twice
+  that is PPME's public radius.
+  """
   k = _mean_groups(epsilon, delta)
-  U = B[half:] @ U_perp
+  U = B @ U_perp
   m = U.shape[0] // k
   spread = tilt * math.sqrt(trace / m) * (1.0 + math.sqrt(2.0 * math.log(2.0 * k / beta)))
   radius = 2.0 * spread + 2.0 ** -40 * scale * math.sqrt(U.shape[1])

@@ -1,5 +1,6 @@
 """CoinPress (Biswas, Dong, Kamath & Ullman 2020): iterative private mean and covariance."""
 
-from dpjax.coinpress.covariance import choose_covariance_steps, coinpress_covariance
+from dpjax.coinpress.covariance import (choose_covariance_steps, coinpress_covariance,
+                                       covariance_required_n)
 from dpjax.coinpress.mean import coinpress_mean
 from dpjax.coinpress.schedule import calibrate_noise_scale, default_fractions, gaussian_norm_radius

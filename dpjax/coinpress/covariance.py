@@ -227,6 +227,58 @@ def choose_covariance_steps(n: int, d: int, *, kappa: float, epsilon: float, del
   return 1 + next(i for i, p in enumerate(proxies) if p <= 1.1 * best)
 
 
+def covariance_required_n(d: int, *, kappa: float, epsilon: float, delta: float,
+                          accuracy: float = 0.1, beta: float = 0.01) -> int:
+  """[PROPOSED] Rows :func:`coinpress_covariance` needs for a typical error ``accuracy``.
+
+  The smallest n at which the best T in 1..8 has the typical-case error proxy of
+  :func:`choose_covariance_steps` (the ``error_bound`` recursion without its tail terms, an
+  estimate of ``‖Σ^{-1/2}Σ̂Σ^{-1/2} − I‖_2`` at the worst spread ``I ⪯ Σ ⪯ κI``) at most
+  ``accuracy/1.1``. That minimum over T falls with n, and the chosen T's proxy is within 1.1× of
+  it, so every n at or above the answer has proxy ≤ ``accuracy`` at its default T. A public
+  planning figure (utility only): privacy never depends on n. The proxy is conservative:
+  measured median errors (ε = 1, δ = 1e-6, κ ∈ {16, 52}, 4 seeds, eigenvalues geometric on
+  [1, κ]) are 0.15–0.6× it once it is below 0.5 (d = 3, 5, 10, 30; ``docs/algorithms.md`` §3.5).
+
+  Args:
+    d: dimension ≥ 1.
+    kappa: κ ≥ 1 with ``I ⪯ Σ ⪯ κ I``.
+    epsilon, delta: the budget of the CoinPress run.
+    accuracy: the target, > 0 (default 0.1).
+    beta: β ∈ (0, 1) as in :func:`coinpress_covariance`.
+
+  Returns:
+    n as an int ≥ 2.
+
+  Raises:
+    ValueError: bad arguments, or no n up to 10¹² reaches the target.
+  """
+  d = v.check_int(d, "d", low=1)
+  kappa = v.check_positive(kappa, "kappa")
+  if kappa < 1.0:
+    raise ValueError(f"kappa must be >= 1 (the bound I ⪯ Σ ⪯ kappa·I), got kappa={kappa!r}.")
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  accuracy = v.check_positive(accuracy, "accuracy")
+  beta = v.check_probability(beta, "beta", open_high=True)
+  s0 = analytic_gaussian_sigma(epsilon, delta, 1.0)
+
+  def reaches(n):
+    return min(_covariance_plan(n, d, kappa, beta, default_fractions(t), s0).typical_error
+               for t in range(1, _AUTO_MAX_STEPS + 1)) <= accuracy / 1.1
+
+  lo, hi = 1, 2
+  while not reaches(hi):
+    lo, hi = hi, hi * 2
+    if hi > 10**12:
+      raise ValueError(f"coinpress_covariance reaches no typical error {accuracy:g} with up to "
+                       f"1e12 rows at d={d}, kappa={kappa:g}, epsilon={epsilon:g}, "
+                       f"delta={delta:g}.")
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+  return hi
+
+
 class _CovariancePlan(NamedTuple):
   norm_radius: float
   sensitivity: float

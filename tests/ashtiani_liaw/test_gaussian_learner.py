@@ -7,7 +7,9 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import metrics
 from dpjax.ashtiani_liaw import (covariance_calibration, gaussian_batch_sizes, learn_covariance,
-                              learn_gaussian)
+                              learn_covariance_plan, learn_covariance_required_n, learn_gaussian)
+from dpjax.ashtiani_liaw.covariance import REFINE_ACCURACY
+from dpjax.coinpress import covariance_required_n
 
 EPS, DELTA = 20.0, 1e-6
 
@@ -84,32 +86,82 @@ def test_learn_gaussian_subspace_bottom_on_disagreeing_groups():
 
 @pytest.mark.slow
 def test_learn_covariance_refinement_beats_the_preconditioner():
+  """At exactly learn_covariance_required_n (the AL step's rows plus CoinPress's minimum) on a
+  condition number of 1e12: the refinement meets its target and beats the preconditioner."""
   rng = np.random.default_rng(6)
   d = 3
   U, ev = _sigma(rng, d, d, -6.0, 6.0)                  # condition number 1e12
-  n = 2 * covariance_calibration(d, EPS, DELTA, eta_accuracy=0.5).required_n
+  n = learn_covariance_required_n(d, EPS, DELTA)
+  plan = learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA)
   X = _rows(rng, n, U, ev, 0.0)
   Sigma = U @ np.diag(ev) @ U.T
-  coarse = learn_covariance(jax.random.key(7), X, epsilon=EPS, delta=DELTA, refine=False)
-  again = learn_covariance(jax.random.key(7), X, epsilon=EPS, delta=DELTA, refine=False)
+  # Same key and rows as the AL step inside the refined call: exactly its preconditioner.
+  coarse = learn_covariance(jax.random.key(7), X[:plan.coarse_rows], epsilon=EPS, delta=DELTA,
+                            refine=False)
+  again = learn_covariance(jax.random.key(7), X[:plan.coarse_rows], epsilon=EPS, delta=DELTA,
+                           refine=False)
   np.testing.assert_array_equal(coarse.estimate, again.estimate)       # fixed key: same output
   fine = learn_covariance(jax.random.key(7), X, epsilon=EPS, delta=DELTA)
   assert coarse.ok and fine.ok and fine.info["refine"]
+  assert fine.info["refine_rows"] == fine.info["refine_min_rows"] == n - plan.coarse_rows
   e_coarse = metrics.covariance_error(coarse.estimate, Sigma)
   e_fine = metrics.covariance_error(fine.estimate, Sigma)
-  assert e_coarse <= coarse.info["coarse"]["mask_accuracy"] + 0.5
-  assert e_fine < 0.1 and e_fine < e_coarse / 3, (e_coarse, e_fine)
+  assert e_coarse <= fine.info["preconditioner_factor"] - 1.0           # Σ/K ⪯ Σ̃ ⪯ KΣ
+  assert e_fine < REFINE_ACCURACY and e_fine < e_coarse / 3, (e_coarse, e_fine)
   np.testing.assert_allclose(fine.estimate, fine.estimate.T)
   assert np.linalg.eigvalsh(fine.estimate)[0] > 0
 
 
+def test_learn_covariance_default_split_gives_the_al_step_its_required_rows():
+  d, n = 3, 10**7
+  cal = covariance_calibration(d, EPS, DELTA, eta_accuracy=None)
+  plan = learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA)
+  assert plan.coarse_rows == cal.required_n and plan.refine_rows == n - cal.required_n
+  assert plan.al.calibration == cal._replace(required_n=cal.required_n)
+  K = plan.preconditioner_factor
+  assert plan.refine_min_rows == covariance_required_n(d, kappa=K * K, epsilon=EPS, delta=DELTA,
+                                                       accuracy=REFINE_ACCURACY)
+  total = learn_covariance_required_n(d, EPS, DELTA)
+  assert total == cal.required_n + plan.refine_min_rows
+  assert learn_covariance_required_n(d, EPS, DELTA, unknown_mean=True) == (
+      2 * cal.required_n + 2 * plan.refine_min_rows)
+  assert learn_covariance_plan(total, d, epsilon=EPS, delta=DELTA).refine_rows == (
+      plan.refine_min_rows)
+  # The user's split instead: a fixed number or a share of the rows for the AL step.
+  assert learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA,
+                               coarse_rows=2 * cal.required_n).coarse_rows == 2 * cal.required_n
+  assert learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA,
+                               coarse_fraction=0.5).coarse_rows == n // 2
+  no_refine = learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA, refine=False)
+  assert (no_refine.coarse_rows, no_refine.refine_rows) == (n, 0)
+  # K = (1 + c)(1 + α) at the AL step's actual group size: more rows per group, smaller K.
+  wide = learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA, coarse_fraction=0.5)
+  assert 1.0 + cal.mask_accuracy < wide.preconditioner_factor < K
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(coarse_rows=10, coarse_fraction=0.5), "at most one"),
+    (dict(coarse_rows=10**7), "leaves no rows"),
+    (dict(coarse_fraction=1.0), "coarse_fraction"),
+    (dict(refine=False, coarse_rows=10), "refine=False"),
+    (dict(refine_accuracy=0.0), "refine_accuracy")])
+def test_learn_covariance_plan_rejects_bad_splits(bad, match):
+  with pytest.raises(ValueError, match=match):
+    learn_covariance_plan(10**7, 3, epsilon=EPS, delta=DELTA, **bad)
+
+
 def test_learn_covariance_raises_with_the_required_n():
-  X = np.random.default_rng(8).normal(size=(5_000, 3))
-  need = covariance_calibration(3, EPS, DELTA, eta_accuracy=0.5).required_n
-  # The user's n and the total (both halves), not the AL step's half.
-  with pytest.raises(ValueError, match=rf"learn_covariance needs n >= {2 * need} rows for d=3"
-                                       rf".*needs {need} of them.*got n=5000"):
+  """Rows enough for the AL step but not for the refinement: the message gives the total."""
+  total = learn_covariance_required_n(3, EPS, DELTA)
+  coarse = covariance_calibration(3, EPS, DELTA, eta_accuracy=None).required_n
+  X = np.random.default_rng(8).normal(size=(coarse + 10, 3))
+  with pytest.raises(ValueError, match=rf"learn_covariance needs n >= {total} rows for d=3.*"
+                                       rf"{coarse} for its AL step.*got n={coarse + 10} "
+                                       r"\(10 left for the refinement\)"):
     learn_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA)
+  # refine_accuracy=None: any two refinement rows do.
+  res = learn_covariance(jax.random.key(0), X, epsilon=EPS, delta=DELTA, refine_accuracy=None)
+  assert res.info["refine_rows"] == 10 and res.info["refine_min_rows"] == 0
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -143,3 +195,30 @@ def test_learn_gaussian_on_all_zero_rows():
     np.testing.assert_array_equal(res.covariance, np.zeros((d, d)))
   else:
     assert res.failed_step_name in ("subspace", "orthogonal_mean")
+
+
+def test_learn_gaussian_mean_far_out_along_a_thin_direction():
+  """‖μ‖ = 1e9 along an eigenvalue of 1e-6: a whitened mean of 1e12. Step 3's PPME clamped its
+  float-safe release at ≈ 2^40·γ and answered ok=True with a Mahalanobis error of 8·10¹¹ until
+  its grid was sized by the released scale of the rows."""
+  d = 2
+  need = learn_covariance_required_n(d, EPS, DELTA)
+  n = next(m for m in range(3 * need, 10**9, 1000)
+           if gaussian_batch_sizes(m, d, epsilon=EPS, delta=DELTA)[1] // 2 >= need)
+  rng = np.random.default_rng(0)
+  U, _ = np.linalg.qr(rng.standard_normal((d, d)))
+  ev = np.array([1e-6, 1.0])
+  mu = 1e9 * U[:, 0]
+  res = learn_gaussian(jax.random.key(1), _rows(rng, n, U, ev, mu), epsilon=EPS, delta=DELTA)
+  assert res.ok
+  assert metrics.mahalanobis_error(res.mean, mu, (U * ev) @ U.T) < 0.1
+
+
+def test_preconditioner_factor_is_finite_at_groups_of_a_few_rows():
+  """Groups of 12 rows (a user's min_group_size): the Gaussian bound on c is infinite, so c is
+  simulated (the worst of 100 public replicates of k Wishart candidates) and K stays finite."""
+  plan = learn_covariance_plan(10**6, 3, epsilon=1000.0, delta=1e-5, min_group_size=12,
+                               coarse_rows=504)
+  cal = plan.al.calibration
+  assert cal.candidate_accuracy == np.inf
+  assert 1.0 + cal.mask_accuracy < plan.preconditioner_factor < 1e3

@@ -277,6 +277,51 @@ def test_covariance_default_steps_rule():
   assert given.info["steps_rule"] == "given" and given.info["steps"] == 3
 
 
+def test_covariance_required_n_is_the_first_n_whose_default_run_meets_the_target():
+  s0 = analytic_gaussian_sigma(EPS, DELTA)
+  best = lambda n, d, kappa: min(                                         # noqa: E731
+      cp_covariance._covariance_plan(n, d, kappa, 0.01, cp.default_fractions(t), s0).typical_error
+      for t in range(1, 9))
+  for d, kappa, accuracy in ((5, 52.0, 0.1), (10, 1540.0, 0.1), (3, 16.0, 0.3)):
+    n = cp.covariance_required_n(d, kappa=kappa, epsilon=EPS, delta=DELTA, accuracy=accuracy)
+    assert best(n, d, kappa) <= accuracy / 1.1 < best(n - 1, d, kappa)
+    for m in (n, 2 * n, 10 * n):                 # the default T's proxy stays under the target
+      T = cp.choose_covariance_steps(m, d, kappa=kappa, epsilon=EPS, delta=DELTA)
+      plan = cp_covariance._covariance_plan(m, d, kappa, 0.01, cp.default_fractions(T), s0)
+      assert plan.typical_error <= accuracy
+  # Fewer rows at a looser target or a larger ε; slowly more at a larger κ (3.7× at 1e8).
+  n = cp.covariance_required_n(5, kappa=52.0, epsilon=EPS, delta=DELTA)
+  assert cp.covariance_required_n(5, kappa=52.0, epsilon=EPS, delta=DELTA, accuracy=0.2) < n
+  assert cp.covariance_required_n(5, kappa=52.0, epsilon=4.0, delta=DELTA) < n
+  assert n < cp.covariance_required_n(5, kappa=1e8, epsilon=EPS, delta=DELTA) < 5 * n
+
+
+def test_covariance_at_required_n_meets_the_target_on_the_worst_spread():
+  """Measured error at the planned n, eigenvalues geometric on [1, κ] (the proxy's worst case)."""
+  d, kappa = 5, 52.0
+  n = cp.covariance_required_n(d, kappa=kappa, epsilon=EPS, delta=DELTA, accuracy=0.1)
+  errors = []
+  for seed in range(3):
+    rng = np.random.default_rng(seed)
+    Q, _ = np.linalg.qr(rng.normal(size=(d, d)))
+    A = Q * np.sqrt(np.geomspace(1.0, kappa, d))
+    X = rng.normal(size=(n, d)) @ A.T
+    S = cp.coinpress_covariance(jax.random.key(seed), X, epsilon=EPS, delta=DELTA,
+                                kappa=kappa).estimate
+    W = np.linalg.inv(np.linalg.cholesky(A @ A.T))
+    errors.append(np.linalg.norm(W @ S @ W.T - np.eye(d), 2))
+  assert max(errors) < 0.1, errors
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kappa=0.5), "kappa"), (dict(accuracy=0.0), "accuracy"), (dict(epsilon=-1.0), "epsilon"),
+    (dict(delta=1.0), "delta"), (dict(beta=1.0), "beta")])
+def test_covariance_required_n_rejects_bad_arguments(bad, match):
+  kwargs = dict(kappa=10.0, epsilon=EPS, delta=DELTA) | bad
+  with pytest.raises(ValueError, match=match):
+    cp.covariance_required_n(5, **kwargs)
+
+
 # ---------------------------------------------------------------------- privacy bookkeeping
 
 
