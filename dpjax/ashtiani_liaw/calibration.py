@@ -422,16 +422,45 @@ def _simulated_fraction(d, radius, num_candidates, seed, rows):
   return float(_neighbour_fraction(jax.random.key(seed), rows, d, num_candidates, radius))
 
 
-@functools.partial(jax.jit, static_argnames=("d", "num_candidates"))
-def _neighbour_fraction(key, rows, d, num_candidates, radius):
-  """Mean neighbour fraction of Wishart(rows, I_d)/rows candidates (Bartlett: one compile)."""
+def _wishart_candidates(key, rows, d: int, num_candidates: int):
+  """``num_candidates`` draws of Wishart(rows, I_d)/rows by Bartlett's decomposition: the law
+  of a group's empirical covariance of ``rows`` rows ~ N(0, I_d) (float64; traceable)."""
   k_diag, k_low = jax.random.split(key)
   dof = rows - jnp.arange(d, dtype=jnp.float64)                # χ²_{m − i} on the diagonal
   diag = jnp.sqrt(2.0 * jax.random.gamma(k_diag, dof / 2.0, (num_candidates, d), jnp.float64))
   low = jnp.tril(jax.random.normal(k_low, (num_candidates, d, d), jnp.float64), -1)
   L = low + jax.vmap(jnp.diag)(diag)
-  Y = L @ jnp.swapaxes(L, -1, -2) / rows
+  return L @ jnp.swapaxes(L, -1, -2) / rows
+
+
+@functools.partial(jax.jit, static_argnames=("d", "num_candidates"))
+def _neighbour_fraction(key, rows, d, num_candidates, radius):
+  """Mean neighbour fraction of Wishart(rows, I_d)/rows candidates (one compile per shape)."""
+  Y = _wishart_candidates(key, rows, d, num_candidates)
   return jnp.mean(semimetric.neighbour_counts(Y, radius)) / num_candidates
+
+
+@functools.partial(jax.jit, static_argnames=("d", "num_candidates"))
+def _largest_candidate_distances(keys, rows, d, num_candidates):
+  """Per key, ``max_i dist(Y_i, I)`` over Wishart(rows, I_d)/rows candidates Y_i."""
+  eye = jnp.eye(d, dtype=jnp.float64)
+
+  def one(key):
+    Y = _wishart_candidates(key, rows, d, num_candidates)
+    return jnp.max(jax.vmap(lambda A: semimetric.psd_distance(A, eye))(Y))
+  return jax.lax.map(one, keys)          # one replicate at a time: k·d² floats each
+
+
+@functools.lru_cache(maxsize=64)
+def simulated_candidate_accuracy(d: int, m: int, k: int, *, replicates: int = 100,
+                                 seed: int = 0) -> float:
+  """c with every one of k group covariances (m rows ~ N(0, Σ)) within dist c of Σ, simulated:
+  the largest over ``replicates`` public replicates of ``max_i dist(Ŷ_i, I)`` (exact in law for
+  every Σ by affine invariance). Utility only; used where :func:`_candidate_accuracy`'s Gaussian
+  bound is infinite (groups of a few rows). ``inf`` if a candidate is singular (m ≤ d)."""
+  with jax.enable_x64(True):
+    keys = jax.random.split(jax.random.key(seed), replicates)
+    return float(jnp.max(_largest_candidate_distances(keys, m, d, k)))
 
 
 def required_n(d: int, epsilon: float, delta: float, **kwargs) -> int:

@@ -26,7 +26,8 @@ from dpjax._host import host_call
 from dpjax.ashtiani_liaw import masking, semimetric
 from dpjax.ashtiani_liaw.calibration import (COVARIANCE_RADIUS, CovarianceCalibration,
                                              _candidate_accuracy, _TooFewRows,
-                                             covariance_calibration)
+                                             covariance_calibration,
+                                             simulated_candidate_accuracy)
 from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PPMECalibration,
                                                PopulousThresholds, check_thresholds,
                                                populous_mean, ppme_calibration, split_groups)
@@ -329,21 +330,8 @@ def _preconditioner_factor(plan: _ALPlan) -> float:
   d, m, k = cal.d, plan.info["group_size"], cal.num_groups
   c = _candidate_accuracy(d, m, k, cal.beta)
   if not math.isfinite(c):
-    c = _simulated_candidate_accuracy(d, m, k)
+    c = simulated_candidate_accuracy(d, m, k)
   return (1.0 + c) * (1.0 + cal.mask_accuracy)
-
-
-@functools.lru_cache(maxsize=64)
-def _simulated_candidate_accuracy(d: int, m: int, k: int, replicates: int = 100) -> float:
-  """max over replicates of max_i dist(W_i/m, I), W_i ~ Wishart(m, I_d) by Bartlett (public)."""
-  rng = np.random.default_rng([d, m, k, 20261127])
-  worst = 0.0
-  for _ in range(replicates):                 # one replicate at a time: k·d² floats each
-    L = np.tril(rng.standard_normal((k, d, d)), -1)
-    L[:, np.arange(d), np.arange(d)] = np.sqrt(rng.chisquare(m - np.arange(d), (k, d)))
-    w = np.linalg.eigvalsh(L @ np.swapaxes(L, 1, 2) / m)
-    worst = max(worst, float(np.max(np.maximum(w[:, -1] - 1.0, 1.0 / w[:, 0] - 1.0))))
-  return worst
 
 
 def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,

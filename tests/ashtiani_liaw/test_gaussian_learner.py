@@ -8,6 +8,7 @@ from dp_accounting import NeighboringRelation
 from dpjax import metrics
 from dpjax.ashtiani_liaw import (covariance_calibration, gaussian_batch_sizes, learn_covariance,
                               learn_covariance_plan, learn_covariance_required_n, learn_gaussian)
+from dpjax.ashtiani_liaw.calibration import _candidate_accuracy, simulated_candidate_accuracy
 from dpjax.ashtiani_liaw.covariance import REFINE_ACCURACY
 from dpjax.coinpress import covariance_required_n
 
@@ -222,3 +223,5 @@ def test_preconditioner_factor_is_finite_at_groups_of_a_few_rows():
   cal = plan.al.calibration
   assert cal.candidate_accuracy == np.inf
   assert 1.0 + cal.mask_accuracy < plan.preconditioner_factor < 1e3
+  # Where the Gaussian bound is finite, the simulated worst case lies below it.
+  assert simulated_candidate_accuracy(5, 261, 1494) < _candidate_accuracy(5, 261, 1494, 0.05)
