@@ -1,6 +1,7 @@
 """Gradient-subspace DP-SGD routes against a tuned DP-SGD, paired over seeds, at ε ∈ {1, 2}.
 
     python benchmarks/gradient_subspace.py [--quick] [--json PATH] [--plot PATH]
+        [--oracle-refresh R [R ...]] [--oracle-rank r] [--gep-edge-scale c] [--gep-two-sided]
 
 Routes, trained by ``dpjax.sgd.train_route`` (every DP route at the same total (ε, δ) under
 add/remove-one, by one PLD accountant: T Poisson-sampled Gaussian steps with the same q and σ):
@@ -21,6 +22,13 @@ add/remove-one, by one PLD accountant: T Poisson-sampled Gaussian steps with the
   of this route's private rows); the first layer's noise lives in the top-16 principal
   directions of the public rows' inputs (``dpjax.sgd.layer_subspace_noise``, after clipping).
 
+Ablation, NOT private (``--oracle-refresh``, off by default): ``oracle_every<R>`` is
+``dp_sgd``'s release with each weight matrix's update projected onto ``U Uᵀ (·) V Vᵀ``, U and V
+the top-r (``--oracle-rank``, default 3) singular vectors of the mean clipped gradient over all
+training rows, recomputed every R steps (``dpjax.sgd.train_route("oracle_subspace")``). It shows
+the room an exact low-rank gradient subspace of age < R steps would give, i.e. what a private
+subspace estimate competes for; its rows say ``"private": false`` and never win.
+
 Protocol. A fixed split per data set: 25% test, 10% of all rows held back as the tuning set,
 the rest training. Each route's learning rate is chosen on the tuning set (the same grid for
 every route, ``--learning-rates``; mean tuning accuracy over ``--tuning-seeds`` seeds), then
@@ -28,8 +36,8 @@ every route, ``--learning-rates``; mean tuning accuracy over ``--tuning-seeds`` 
 and noise keys for every route) and scored on the test set. Reported per
 ``<dataset>/<model>/eps=<ε>`` and route: the median test accuracy, the mean paired difference
 against ``dp_sgd`` with a 95% t-interval, the chosen rate and its tuning accuracy (the equal-grid
-best-of result). A route ``wins`` when the interval is above zero AND its mean accuracy beats the
-best ``dp_sgd`` over every model tried on that data set at that ε. Tuning is not privacy-
+best-of result), and ``private``. A private route ``wins`` when the interval is above zero AND its
+mean accuracy beats the best ``dp_sgd`` over every model tried on that data set at that ε. Tuning is not privacy-
 accounted (as in the papers compared with; stated, not hidden).
 
 Data: ``digits`` (scikit-learn's bundled 8×8 digits, features ×1/16) and ``generated``
@@ -55,6 +63,7 @@ import scipy.stats
 from dpjax import demo, sgd
 
 ROUTES = sgd.ROUTES
+NOT_PRIVATE = ("non_private",)
 MODELS = {"softmax": (), "mlp_small": (32,), "mlp_large": (128,)}
 DATASETS = ("digits", "generated")
 DELTA = 1e-5
@@ -94,6 +103,15 @@ def init_fn(in_dim: int, sizes: tuple[int, ...]):
 @jax.jit
 def _accuracy(params, X, y):
   return jax.vmap(lambda p: demo.accuracy(p, X, y))(params)
+
+
+def oracle_name(every: int) -> str:
+  """The summary's row name of the oracle ablation refreshed every ``every`` steps."""
+  return f"oracle_every{every}"
+
+
+def is_oracle(row: str) -> bool:
+  return row.startswith("oracle_every")
 
 
 def noise_multiplier(epsilon: float, sampling_prob: float, steps: int) -> float:
@@ -157,10 +175,19 @@ def main(argv=None) -> dict:
   parser.add_argument("--gep-edge-scale", type=float, default=None,
                       help="turn on gep_trajectory's noise-edge rank rule at this scale "
                            "(RouteSettings.gep_edge_scale; default off: rank 8)")
+  parser.add_argument("--gep-two-sided", action="store_true",
+                      help="gep_trajectory's bases get an output-side factor too "
+                           "(RouteSettings.gep_two_sided: embedding UᵀGV)")
+  parser.add_argument("--oracle-refresh", type=int, nargs="*", default=[],
+                      help="add the NOT private oracle_subspace ablation, one row "
+                           "oracle_every<R> per refresh period R (steps)")
+  parser.add_argument("--oracle-rank", type=int, default=ROUTE_SETTINGS.oracle_rank,
+                      help="the oracle's rank r per weight matrix (left and right)")
   parser.add_argument("--json", type=str, default=None)
   parser.add_argument("--plot", type=str, default=None, help="PNG of accuracy against ε")
   args = parser.parse_args(argv)
-  route_settings = dataclasses.replace(ROUTE_SETTINGS, gep_edge_scale=args.gep_edge_scale)
+  route_settings = dataclasses.replace(ROUTE_SETTINGS, gep_edge_scale=args.gep_edge_scale,
+                                       gep_two_sided=args.gep_two_sided)
   seeds = args.seeds or (5 if args.quick else 20)
   tuning_seeds = args.tuning_seeds or (2 if args.quick else 3)
   lrs_grid = np.asarray(args.learning_rates or ([0.01, 0.03, 0.1] if args.quick
@@ -168,6 +195,11 @@ def main(argv=None) -> dict:
   routes = [r for r in ROUTES if r in args.routes]
   if "dp_sgd" not in routes:
     routes.insert(1 if "non_private" in routes else 0, "dp_sgd")
+  # (row name, route, settings): the routes, then the oracle ablation (not private).
+  jobs = [(r, r, route_settings) for r in routes] + [
+      (oracle_name(every), "oracle_subspace",
+       dataclasses.replace(route_settings, oracle_rank=args.oracle_rank, oracle_refresh=every))
+      for every in args.oracle_refresh]
   chunk = len(lrs_grid) * tuning_seeds
   print(f"seeds={seeds} tuning seeds={tuning_seeds} learning rates={lrs_grid.tolist()} "
         f"δ={DELTA} accountant=PLD neighbouring=add/remove-one", flush=True)
@@ -187,24 +219,24 @@ def main(argv=None) -> dict:
         tune_lrs = np.tile(lrs_grid, tuning_seeds)
         eval_keys = jnp.stack([jax.random.key(s) for s in range(seeds)])
         rows = {}
-        for route in routes:
+        for row, route, row_settings in jobs:
           if route == "non_private" and eps != args.epsilons[0]:
-            rows[route] = details[f"{dataset}/{model}/eps={args.epsilons[0]:g}"][route]
+            rows[row] = details[f"{dataset}/{model}/eps={args.epsilons[0]:g}"][row]
             continue
           tuned, _, t_tune = run_route(route, data, sizes=sizes, epsilon=eps, settings=settings,
                                        keys=tune_keys, lrs=tune_lrs, chunk=chunk,
-                                       route_settings=route_settings)
+                                       route_settings=row_settings)
           by_lr = tuned["tune"].reshape(tuning_seeds, len(lrs_grid)).mean(axis=0)
           best = float(lrs_grid[int(np.argmax(by_lr))])
           acc, sigma, t_eval = run_route(route, data, sizes=sizes, epsilon=eps,
                                          settings=settings, keys=eval_keys,
                                          lrs=np.full(seeds, best), chunk=chunk,
-                                         route_settings=route_settings)
-          rows[route] = {"test": acc["test"].tolist(), "learning_rate": best,
-                         "tuning_accuracy": float(by_lr.max()),
-                         "tuning_grid": dict(zip(map(float, lrs_grid), map(float, by_lr))),
-                         "noise_multiplier": sigma, "seconds": t_tune + t_eval}
-          print(f"  {name:28s} {route:16s} lr={best:<6g} σ={sigma:.3f} "
+                                         route_settings=row_settings)
+          rows[row] = {"test": acc["test"].tolist(), "learning_rate": best,
+                       "tuning_accuracy": float(by_lr.max()),
+                       "tuning_grid": dict(zip(map(float, lrs_grid), map(float, by_lr))),
+                       "noise_multiplier": sigma, "seconds": t_tune + t_eval}
+          print(f"  {name:28s} {row:16s} lr={best:<6g} σ={sigma:.3f} "
                 f"median acc={np.median(acc['test']):.3f} ({t_tune + t_eval:.0f} s)", flush=True)
         details[name] = rows
         base = np.asarray(rows["dp_sgd"]["test"])
@@ -214,7 +246,8 @@ def main(argv=None) -> dict:
           diff, ci = paired_interval(acc - base)
           summary[name][route] = {"acc": float(np.median(acc)), "mean": float(np.mean(acc)),
                                   "diff": diff, "ci": ci, "learning_rate": r["learning_rate"],
-                                  "tuning_accuracy": r["tuning_accuracy"]}
+                                  "tuning_accuracy": r["tuning_accuracy"],
+                                  "private": route not in NOT_PRIVATE and not is_oracle(route)}
   _mark_wins(summary)
   report = {"config": {"seeds": seeds, "tuning_seeds": tuning_seeds,
                        "learning_rates": lrs_grid.tolist(), "delta": DELTA,
@@ -234,7 +267,8 @@ def main(argv=None) -> dict:
 
 
 def _mark_wins(summary: dict) -> None:
-  """``wins``: interval above zero and mean accuracy above the best dp_sgd over all models."""
+  """``wins``: a private route other than dp_sgd, interval above zero and mean accuracy above the
+  best dp_sgd over all models."""
   best = {}
   for name, rows in summary.items():
     dataset, _, eps = name.split("/")
@@ -242,7 +276,7 @@ def _mark_wins(summary: dict) -> None:
   for name, rows in summary.items():
     dataset, _, eps = name.split("/")
     for route, r in rows.items():
-      r["wins"] = bool(route not in ("dp_sgd", "non_private") and r["ci"][0] > 0
+      r["wins"] = bool(r["private"] and route != "dp_sgd" and r["ci"][0] > 0
                        and r["mean"] > best[(dataset, eps)])
       r["vs_best_dp_sgd"] = r["mean"] - best[(dataset, eps)]
 

@@ -128,6 +128,7 @@ def test_gradient_subspace_options(tmp_path):
         for route, r in rows.items():
           assert 0 <= r["acc"] <= 1 and r["ci"][0] <= r["diff"] <= r["ci"][1]
           assert r["learning_rate"] in (0.05, 0.1)
+          assert r["private"] == (route != "non_private")
           assert r["wins"] == (route not in ("dp_sgd", "non_private") and r["ci"][0] > 0
                                and r["vs_best_dp_sgd"] > 0)
   assert [r for r in bench.ROUTES if "public" in r] == ["public_subspace"]
@@ -137,9 +138,14 @@ def test_gradient_subspace_options(tmp_path):
   assert plot.stat().st_size > 0
   sub = bench.main(["--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.1",
                     "--epsilons", "2", "--datasets", "digits", "--models", "softmax",
-                    "--routes", "gep_trajectory", "--steps", "12", "--gep-edge-scale", "0.5"])
-  assert set(sub["summary"]["digits/softmax/eps=2"]) == {"dp_sgd", "gep_trajectory"}
+                    "--routes", "gep_trajectory", "--steps", "12", "--gep-edge-scale", "0.5",
+                    "--gep-two-sided", "--oracle-refresh", "1", "5", "--oracle-rank", "2"])
+  rows = sub["summary"]["digits/softmax/eps=2"]
+  assert set(rows) == {"dp_sgd", "gep_trajectory", "oracle_every1", "oracle_every5"}
   assert sub["config"]["route_settings"]["gep_edge_scale"] == 0.5
+  assert sub["config"]["route_settings"]["gep_two_sided"] is True
+  for name in ("oracle_every1", "oracle_every5"):   # the ablation is not private: never a win
+    assert not rows[name]["private"] and not rows[name]["wins"]
 
 
 @pytest.mark.slow

@@ -1,11 +1,12 @@
-"""Per-layer gradient subspaces: a pytree of input-side bases, noise only in their span
-(docs/algorithms.md §6.4).
+"""Per-layer gradient subspaces: a pytree of bases, one per weight matrix, noise only in their
+span (docs/algorithms.md §6.4).
 
 A dense layer's per-example gradient is rank one, ``x δᵀ`` for a kernel ``(in, out)`` applied as
 ``x @ W``: its column space lies in the span of the layer's inputs. A basis ``U_ℓ (a_ℓ, r_ℓ)``
 per weight matrix (its first axis, a_ℓ = in) keeps that structure, where one flattened (p, k)
 basis throws it away: the noise lives in ``Σ_ℓ r_ℓ b_ℓ`` coordinates (b_ℓ = the product of the
-other axes) instead of p.
+other axes) instead of p. A :class:`TwoSidedBasis` ``(U_ℓ, V_ℓ)`` adds an output-side factor
+``V_ℓ (b_ℓ, r'_ℓ)``: the leaf's coefficients are ``U_ℓᵀ G_ℓ V_ℓ`` (``r_ℓ r'_ℓ`` coordinates).
 
 References:
   Yu et al., "Large Scale Private Learning via Low-rank Reparametrization" (RGP), ICML 2021
@@ -15,6 +16,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -33,7 +35,8 @@ class LayerSubspaceNoiseState(NamedTuple):
 
   Attributes:
     key: PRNG key, split at every update (never reused; :func:`update_layer_bases` keeps it).
-    bases: pytree like the params with ``None`` (full noise) or an ``(a, r)`` basis per leaf.
+    bases: pytree like the params with ``None`` (full noise), an ``(a, r)`` basis or a
+      :class:`TwoSidedBasis` per leaf.
     base_std: float32 scalar ``σ·C`` (rounded up).
     noise_std: float32 scalar ``σ·C·max(1, max_ℓ ν̂_ℓ)`` (rounded up), the std in every released
       coordinate.
@@ -44,8 +47,51 @@ class LayerSubspaceNoiseState(NamedTuple):
   noise_std: jax.Array
 
 
-def _is_none(x):
-  return x is None
+class TwoSidedBasis(NamedTuple):
+  """Left and right factors of one weight leaf's subspace, the leaf read as a matrix ``(a, b)``
+  (first axis by the rest): coefficients ``Uᵀ G V`` ``(r, r')``, lifted back as ``U c Vᵀ``.
+
+  Attributes:
+    left: ``U (a, r)``, orthonormal (or zero, under a rank rule) columns: the input side.
+    right: ``V (b, r')``, likewise: the output side.
+  """
+  left: Any
+  right: Any
+
+
+def _is_basis(x):
+  """A leaf of a bases pytree: None, or a TwoSidedBasis taken whole (not as two leaves)."""
+  return x is None or isinstance(x, TwoSidedBasis)
+
+
+def _embed(G, basis):
+  """``Uᵀ G`` (one-sided) or ``Uᵀ G V`` (two-sided) of a matrix G, in G's dtype."""
+  if isinstance(basis, TwoSidedBasis):
+    return linalg.matmul(linalg.matmul(basis.left.astype(G.dtype).T, G),
+                         basis.right.astype(G.dtype))
+  return linalg.matmul(basis.astype(G.dtype).T, G)
+
+
+def _lift(c, basis):
+  """``U c`` (one-sided) or ``U c Vᵀ`` (two-sided): coefficients back to the matrix."""
+  if isinstance(basis, TwoSidedBasis):
+    return linalg.matmul(linalg.matmul(basis.left.astype(c.dtype), c),
+                         basis.right.astype(c.dtype).T)
+  return linalg.matmul(basis.astype(c.dtype), c)
+
+
+def _basis_bound(basis) -> float:
+  """An upper bound on the spectral norm of ``G ↦ Uᵀ G [V]`` (Frobenius to Frobenius):
+  ``‖U‖₂`` or ``‖U‖₂‖V‖₂`` (``‖UᵀGV‖_F ≤ ‖U‖₂‖G‖_F‖V‖₂``)."""
+  if isinstance(basis, TwoSidedBasis):
+    return transforms.basis_norm_bound(basis.left) * transforms.basis_norm_bound(basis.right)
+  return transforms.basis_norm_bound(basis)
+
+
+def _is_full(basis) -> bool:
+  """Whether the basis spans its whole leaf (square factors: no residual)."""
+  sides = basis if isinstance(basis, TwoSidedBasis) else (basis,)
+  return all(b.shape[1] >= b.shape[0] for b in sides)
 
 
 def _check_noise(clip_norm, noise_multiplier, expected_batch_size, key):
@@ -59,9 +105,11 @@ def check_layer_bases(bases, params, *, tol: float = 1e-3):
   """Validates a pytree of per-layer bases against ``params`` (host side).
 
   ``bases`` has the structure of ``params`` with ``None`` where a leaf is not projected; a
-  projected leaf of shape ``(a, ...)`` needs an ``(a, r)`` basis with orthonormal or zero
-  columns (:func:`dpjax.sgd.transforms.check_basis` with ``partial=True``, spectral tolerance
-  ``tol``; a zero column is a direction left out, as :func:`trajectory_bases`' rank rule does).
+  projected leaf of shape ``(a, ...)`` needs an ``(a, r)`` basis, or a :class:`TwoSidedBasis`
+  of an ``(a, r)`` left and a ``(b, r')`` right factor (b = the product of the other axes),
+  each with orthonormal or zero columns (:func:`dpjax.sgd.transforms.check_basis` with
+  ``partial=True``, spectral tolerance ``tol``; a zero column is a direction left out, as
+  :func:`trajectory_bases`' rank rule does).
 
   Returns:
     The bases with arrays as ``jax.Array``.
@@ -71,8 +119,8 @@ def check_layer_bases(bases, params, *, tol: float = 1e-3):
       leaf's first axis, a leaf with fewer than two axes given a basis, or as ``check_basis``.
     TypeError: as ``check_basis``.
   """
-  leaves = jax.tree_util.tree_leaves(bases, is_leaf=_is_none)
-  placeholders = jax.tree_util.tree_map(lambda _: 0, bases, is_leaf=_is_none)
+  leaves = jax.tree_util.tree_leaves(bases, is_leaf=_is_basis)
+  placeholders = jax.tree_util.tree_map(lambda _: 0, bases, is_leaf=_is_basis)
   if jax.tree_util.tree_structure(placeholders) != jax.tree_util.tree_structure(params):
     raise ValueError("bases must have the structure of the params, with None for the leaves "
                      "that are not projected.")
@@ -85,39 +133,53 @@ def check_layer_bases(bases, params, *, tol: float = 1e-3):
     if jnp.ndim(leaf) < 2:
       raise ValueError(f"a basis was given for a leaf of shape {jnp.shape(leaf)}: only leaves "
                        "with at least two axes (weight matrices) are projected.")
-    basis = transforms.check_basis(basis, tol=tol, partial=True)
-    if basis.shape[0] != jnp.shape(leaf)[0]:
-      raise ValueError(f"a basis for a leaf of shape {jnp.shape(leaf)} must have "
-                       f"{jnp.shape(leaf)[0]} rows (the leaf's first, input-side axis), got "
-                       f"{tuple(basis.shape)}.")
-    return basis
+    shape = jnp.shape(leaf)
+    if isinstance(basis, TwoSidedBasis):
+      return TwoSidedBasis(_check_side(basis.left, shape, shape[0], "left", tol),
+                           _check_side(basis.right, shape, math.prod(shape[1:]), "right", tol))
+    return _check_side(basis, shape, shape[0], "", tol)
 
-  return jax.tree_util.tree_map(check, bases, params, is_leaf=_is_none)
+  return jax.tree_util.tree_map(check, bases, params, is_leaf=_is_basis)
+
+
+def _check_side(basis, shape, rows, side, tol):
+  basis = transforms.check_basis(basis, f"{side} basis".strip(), tol=tol, partial=True)
+  if basis.shape[0] != rows:
+    what = ("the product of the leaf's other axes" if side == "right"
+            else "the leaf's first, input-side axis")
+    raise ValueError(f"a {side + ' ' if side else ''}basis for a leaf of shape {shape} must "
+                     f"have {rows} rows ({what}), got {tuple(basis.shape)}.")
+  return basis
 
 
 def layer_noise_std(base_std: float, bases) -> np.float32:
   """``σC·max(1, max_ℓ ν̂_ℓ)`` in float32 rounded up: the released map is block diagonal, so its
-  spectral norm is the largest block's (identity blocks count 1)."""
-  bounds = [transforms.basis_norm_bound(b)
-            for b in jax.tree_util.tree_leaves(bases, is_leaf=_is_none) if b is not None]
+  spectral norm is the largest block's (identity blocks count 1; a two-sided block
+  ``ν̂(U_ℓ)·ν̂(V_ℓ)``)."""
+  bounds = [_basis_bound(b)
+            for b in jax.tree_util.tree_leaves(bases, is_leaf=_is_basis) if b is not None]
   return transforms.round_up_float32(float(base_std) * max([1.0] + bounds))
 
 
 def layer_subspace_noise(bases, *, clip_norm: float, noise_multiplier: float,
                          expected_batch_size: float, key: jax.Array,
                          tol: float = 1e-3) -> optax.GradientTransformation:
-  """Noise in per-layer input-side subspaces: ``W_ℓ ↦ U_ℓ (U_ℓᵀ S_ℓ + N(0, s²)) / L``.
+  """Noise in per-layer subspaces: ``W_ℓ ↦ U_ℓ (U_ℓᵀ S_ℓ + N(0, s²)) / L``, or with a
+  :class:`TwoSidedBasis` ``W_ℓ ↦ U_ℓ (U_ℓᵀ S_ℓ V_ℓ + N(0, s²)) V_ℓᵀ / L``.
 
   ``S`` is the sum of per-example gradients clipped to global ℓ2 norm C (over all leaves;
   :func:`dpjax.sgd.clipped_grad_sum`). A leaf with a basis ``U_ℓ (a, r)`` is read as the
   matrix ``S_ℓ (a, b)`` (first axis by the rest) and only its ``r × b`` coefficients
-  ``U_ℓᵀ S_ℓ`` get noise; a leaf with ``None`` gets noise in all its coordinates, as in
+  ``U_ℓᵀ S_ℓ`` get noise (``r × r'`` coefficients ``U_ℓᵀ S_ℓ V_ℓ`` with a right factor
+  ``V_ℓ (b, r')``); a leaf with ``None`` gets noise in all its coordinates, as in
   :func:`dpjax.sgd.dp_gaussian_noise`.
 
   Privacy: under add/remove-one, one step releases ``M S + N(0, s² I)`` with M the block-diagonal
-  map ``(U_ℓᵀ S_ℓ)_ℓ`` (identity blocks for unprojected leaves), ``‖M‖₂ = max(1, max_ℓ ‖U_ℓ‖₂)``
-  so the release has ℓ2-sensitivity ``≤ C·ν`` with
-  ``ν = max(1, max_ℓ ν̂_ℓ)`` (:func:`dpjax.sgd.transforms.basis_norm_bound`) and ``s = σCν``: the
+  map ``(U_ℓᵀ S_ℓ [V_ℓ])_ℓ`` (identity blocks for unprojected leaves),
+  ``‖M‖₂ = max(1, max_ℓ ‖U_ℓ‖₂[‖V_ℓ‖₂])`` (Frobenius to Frobenius:
+  ``‖UᵀSV‖_F ≤ ‖U‖₂‖S‖_F‖V‖₂``), so the release has ℓ2-sensitivity ``≤ C·ν`` with
+  ``ν = max(1, max_ℓ ν̂_ℓ)`` (:func:`dpjax.sgd.transforms.basis_norm_bound`, multiplied over the
+  two factors of a two-sided basis) and ``s = σCν``: the
   Gaussian mechanism with noise multiplier σ, accounted exactly as DP-SGD
   (:func:`dpjax.accounting.dpsgd_event`). Mapping back by ``U_ℓ`` and dividing by L are
   post-processing. The bases must be public, DP releases whose cost is composed in, or
@@ -128,14 +190,15 @@ def layer_subspace_noise(bases, *, clip_norm: float, noise_multiplier: float,
   same key (same draws).
 
   Args:
-    bases: pytree like the params; ``None`` or an ``(a, r)`` float array with orthonormal
-      columns per leaf (``a`` = the leaf's first axis; ``1 ≤ r ≤ a``).
+    bases: pytree like the params; ``None``, an ``(a, r)`` float array with orthonormal
+      columns (``a`` = the leaf's first axis; ``1 ≤ r ≤ a``) or a :class:`TwoSidedBasis`
+      ``(U (a, r), V (b, r'))`` per leaf (b = the product of the other axes).
     clip_norm: C > 0.
     noise_multiplier: σ ≥ 0.
     expected_batch_size: L > 0, the public expected batch size.
     key: PRNG key, kept in the state and split at every update.
-    tol: accepted ``‖UᵀU − I‖₂`` per basis (a usability check; privacy holds for any accepted
-      basis through ν).
+    tol: accepted ``‖UᵀU − I‖₂`` per basis factor (a usability check; privacy holds for any
+      accepted basis through ν).
 
   Returns:
     An ``optax.GradientTransformation`` (state :class:`LayerSubspaceNoiseState`); the bases are
@@ -176,12 +239,13 @@ def _layer_update(batch):
         continue
       # The coefficients are computed with U as stored (at least float32), as in
       # subspace_dp_gaussian_noise: ν̂ covers U's own values, not a 16-bit rounding of them.
-      dtype = jnp.promote_types(jnp.promote_types(g.dtype, U.dtype), jnp.float32)
+      dtype = functools.reduce(jnp.promote_types, [x.dtype for x in jax.tree_util.tree_leaves(U)],
+                               jnp.promote_types(g.dtype, jnp.float32))
       G = g.reshape(g.shape[0], -1).astype(dtype)
-      Ud = U.astype(dtype)
-      noise = jax.random.normal(k, (U.shape[1], G.shape[1]), dtype)
-      coefficients = linalg.matmul(Ud.T, G) + state.noise_std.astype(dtype) * noise
-      out.append((linalg.matmul(Ud, coefficients) / jnp.asarray(batch, dtype))
+      coefficients = _embed(G, U)
+      noise = jax.random.normal(k, coefficients.shape, dtype)
+      coefficients = coefficients + state.noise_std.astype(dtype) * noise
+      out.append((_lift(coefficients, U) / jnp.asarray(batch, dtype))
                  .reshape(g.shape).astype(g.dtype))
     return jax.tree_util.tree_unflatten(treedef, out), state._replace(key=next_key)
 
@@ -199,22 +263,29 @@ def update_layer_bases(opt_state, bases, *, tol: float = 1e-3):
       as :func:`dpjax.sgd.transforms.check_basis`.
   """
   def swap(state):
-    old = jax.tree_util.tree_structure(state.bases, is_leaf=_is_none)
-    if jax.tree_util.tree_structure(bases, is_leaf=_is_none) != old:
+    old = jax.tree_util.tree_structure(state.bases, is_leaf=_is_basis)
+    if jax.tree_util.tree_structure(bases, is_leaf=_is_basis) != old:
       raise ValueError("the new bases must have the current structure and None pattern.")
 
-    def check(new, cur):
-      if (new is None) != (cur is None):
-        raise ValueError("the new bases must have the current None pattern.")
-      if new is None:
-        return None
+    def check_side(new, cur):
       new = transforms.check_basis(new, tol=tol, partial=True)
       if new.shape != cur.shape:
         raise ValueError(f"a new basis must have the current shape {tuple(cur.shape)}, got "
                          f"{tuple(new.shape)}.")
       return new.astype(cur.dtype)
 
-    checked = jax.tree_util.tree_map(check, bases, state.bases, is_leaf=_is_none)
+    def check(new, cur):
+      if (new is None) != (cur is None) or (isinstance(new, TwoSidedBasis)
+                                            != isinstance(cur, TwoSidedBasis)):
+        raise ValueError("the new bases must have the current None pattern and kinds "
+                         "(one- or two-sided).")
+      if new is None:
+        return None
+      if isinstance(new, TwoSidedBasis):
+        return TwoSidedBasis(check_side(new.left, cur.left), check_side(new.right, cur.right))
+      return check_side(new, cur)
+
+    checked = jax.tree_util.tree_map(check, bases, state.bases, is_leaf=_is_basis)
     std = layer_noise_std(float(state.base_std), checked)
     return state._replace(bases=checked, noise_std=jnp.asarray(std, jnp.float32))
 
@@ -222,9 +293,10 @@ def update_layer_bases(opt_state, bases, *, tol: float = 1e-3):
 
 
 def trajectory_bases(released, rank: int, *, min_dim: int = 2, noise_std=None,
-                     edge_scale: float = 1.0):
-  """Per-layer input-side bases from RELEASED updates: the top-``rank`` left singular vectors
-  of each weight matrix of ``released`` (e.g. an average of past privatised updates).
+                     edge_scale: float = 1.0, two_sided: bool = False):
+  """Per-layer bases from RELEASED updates: the top-``rank`` left singular vectors of each
+  weight matrix of ``released`` (e.g. an average of past privatised updates); with
+  ``two_sided`` a :class:`TwoSidedBasis` of the top-``rank`` left and right singular vectors.
 
   Rank rule (``noise_std`` given): a matrix ``G (a, b)`` of pure noise with i.i.d. entries of
   std s has its largest singular value near the bulk edge ``s(√a + √b)`` (Marchenko–Pastur;
@@ -248,6 +320,8 @@ def trajectory_bases(released, rank: int, *, min_dim: int = 2, noise_std=None,
     noise_std: None (keep all r columns) or the per-entry noise std s ≥ 0 of ``released``'s
       matrices (float or traced scalar, same units as ``released``).
     edge_scale: multiplies the edge (> 0; PROPOSED 1).
+    two_sided: also the right factor ``V (b, min(rank, b))`` (the rank rule zeroes the same
+      directions on both sides).
 
   Returns:
     A pytree of bases for :func:`layer_subspace_noise` / :func:`embedding_residual_noise`
@@ -268,16 +342,21 @@ def trajectory_bases(released, rank: int, *, min_dim: int = 2, noise_std=None,
     if g.ndim < 2 or g.shape[0] < max(min_dim, rank + 1) or math.prod(g.shape[1:]) < min_dim:
       return None
     G = g.reshape(g.shape[0], -1).astype(jnp.promote_types(g.dtype, jnp.float32))
-    U = linalg.top_k_right_singular_vectors(G.T, min(rank, G.shape[1]))
-    if noise_std is None:
-      return U
-    a, b = G.shape
-    singular_values = jnp.linalg.norm(linalg.matmul(G.T, U), axis=0)
-    edge = edge_scale * jnp.asarray(noise_std, G.dtype) * (math.sqrt(a) + math.sqrt(b))
-    return U * (singular_values > edge).astype(U.dtype)
+    k = min(rank, G.shape[1])
+    U = linalg.top_k_right_singular_vectors(G.T, k)
+    V = linalg.top_k_right_singular_vectors(G, k) if two_sided else None
+    if noise_std is not None:
+      a, b = G.shape
+      singular_values = jnp.linalg.norm(linalg.matmul(G.T, U), axis=0)
+      edge = edge_scale * jnp.asarray(noise_std, G.dtype) * (math.sqrt(a) + math.sqrt(b))
+      keep = (singular_values > edge).astype(U.dtype)
+      U = U * keep
+      # Both factors list the singular values in decreasing order: the same kept directions.
+      V = None if V is None else V * keep
+    return U if V is None else TwoSidedBasis(U, V)
 
   bases = jax.tree_util.tree_map(basis, released)
-  if all(b is None for b in jax.tree_util.tree_leaves(bases, is_leaf=_is_none)):
+  if all(b is None for b in jax.tree_util.tree_leaves(bases, is_leaf=_is_basis)):
     raise ValueError("no leaf of released is a matrix large enough to project.")
   return bases
 
@@ -297,9 +376,8 @@ def _split(g, U, embedding_clip, residual_clip):
     return g / embedding_clip, jnp.zeros((0,), g.dtype)
   dtype = jnp.promote_types(g.dtype, jnp.float32)
   G = g.reshape(g.shape[0], -1).astype(dtype)
-  Ud = U.astype(dtype)
-  e = linalg.matmul(Ud.T, G)
-  return e / embedding_clip, ((G - linalg.matmul(Ud, e)) / residual_clip).reshape(g.shape)
+  e = _embed(G, U)
+  return e / embedding_clip, ((G - _lift(e, U)) / residual_clip).reshape(g.shape)
 
 
 def embedding_residual_grad_sum(loss_fn, *, embedding_clip: float, residual_clip: float,
@@ -311,7 +389,8 @@ def embedding_residual_grad_sum(loss_fn, *, embedding_clip: float, residual_clip
 
   For one example with gradient leaves ``G_ℓ (a, b)`` and bases ``U_ℓ (a, r)``: the embedding
   ``e_ℓ = U_ℓᵀ G_ℓ`` (r × b; the whole leaf where the basis is ``None``) and the residual
-  ``ρ_ℓ = G_ℓ − U_ℓ e_ℓ``. The pair is scaled to ``u = (e / C_e, ρ / C_ρ)``; ``joint=True``
+  ``ρ_ℓ = G_ℓ − U_ℓ e_ℓ``; with a :class:`TwoSidedBasis` ``e_ℓ = U_ℓᵀ G_ℓ V_ℓ`` (r × r') and
+  ``ρ_ℓ = G_ℓ − U_ℓ e_ℓ V_ℓᵀ``. The pair is scaled to ``u = (e / C_e, ρ / C_ρ)``; ``joint=True``
   clips ``‖u‖₂ ≤ 1`` (bound Δ = 1), ``joint=False`` clips each part to norm 1 on its own (GEP;
   bound Δ = √2) (``clipping="clip"``, or "normalize"; the edge cases of
   :func:`dpjax.sgd.clip_per_example`: non-finite examples contribute 0), so every term has
@@ -332,8 +411,9 @@ def embedding_residual_grad_sum(loss_fn, *, embedding_clip: float, residual_clip
 
   Returns:
     A :class:`dpjax.sgd.ClippedGradSum` ``fn(params, batch, mask, bases) -> {"embedding": tree,
-    "residual": tree}`` in scaled units, carrying ``l2_norm_bound = Δ``: the embedding tree has ``(r, b)`` coefficient leaves where a basis is
-    given and the leaf itself elsewhere; the residual tree has the leaf's shape where a basis is
+    "residual": tree}`` in scaled units, carrying ``l2_norm_bound = Δ``: the embedding tree has
+    ``(r, b)`` (two-sided: ``(r, r')``) coefficient leaves where a basis is given and the leaf
+    itself elsewhere; the residual tree has the leaf's shape where a basis is
     given and empty ``(0,)`` leaves elsewhere. ``bases`` is an argument (not baked into the
     compiled program), as in :func:`layer_subspace_noise`.
 
@@ -378,7 +458,8 @@ def embedding_residual_noise(bases, *, embedding_clip: float, residual_clip: flo
                              key: jax.Array,
                              l2_norm_bound: float = 1.0) -> optax.GradientTransformation:
   """Noise for :func:`embedding_residual_grad_sum`'s sums, then back to the params' shape:
-  ``g̃_ℓ = (C_e U_ℓ (ē_ℓ + N(0, σ²Δ²)) + C_ρ (ρ̄_ℓ + N(0, σ²Δ²))) / L``.
+  ``g̃_ℓ = (C_e U_ℓ (ē_ℓ + N(0, σ²Δ²)) + C_ρ (ρ̄_ℓ + N(0, σ²Δ²))) / L`` (two-sided bases:
+  ``C_e U_ℓ (ē_ℓ + N(0, σ²Δ²)) V_ℓᵀ``).
 
   ``ē, ρ̄`` are the scaled sums (per-example scaled norm ≤ Δ = the grad sum's
   ``l2_norm_bound``). Privacy: add/remove-one moves the pair of sums by ≤ Δ in ℓ2, and every
@@ -389,8 +470,9 @@ def embedding_residual_noise(bases, *, embedding_clip: float, residual_clip: flo
   :func:`dp_gaussian_noise`'s, draw for draw (tested).
 
   Args:
-    bases: pytree like the params, ``None`` or an ``(a, r)`` orthonormal basis per leaf
-      (checked at ``init`` by :func:`check_layer_bases`); held in the state.
+    bases: pytree like the params, ``None``, an ``(a, r)`` orthonormal basis or a
+      :class:`TwoSidedBasis` per leaf (checked at ``init`` by :func:`check_layer_bases`); held
+      in the state.
     embedding_clip, residual_clip: ``C_e, C_ρ > 0``, as given to the grad sum.
     noise_multiplier: σ ≥ 0.
     expected_batch_size: L > 0.
@@ -428,8 +510,8 @@ def embedding_residual_noise(bases, *, embedding_clip: float, residual_clip: flo
       if U is None:
         out.append((c_e * noisy_e / batch).astype(e.dtype))
         continue
-      back = (c_e * linalg.matmul(U.astype(dtype), noisy_e)).reshape(r.shape)
-      if U.shape[1] < U.shape[0]:            # a full basis leaves no residual: nothing to release
+      back = (c_e * _lift(noisy_e, U)).reshape(r.shape)
+      if not _is_full(U):                    # a full basis leaves no residual: nothing to release
         back = back + c_r * (r.astype(dtype) + std * jax.random.normal(k_r, r.shape, dtype))
       out.append((back / batch).astype(r.dtype))
     return jax.tree_util.tree_unflatten(treedef, out), state._replace(key=next_key)

@@ -24,6 +24,15 @@ multiplier σ and are accounted as DP-SGD (``dpjax.accounting.plan_dpsgd_budget`
   directions of the public rows' inputs (:func:`layer_subspace_noise`, after clipping; the basis
   is public, so its norm bound is a public fact). The public rows must not be among ``data``.
 
+A diagnostic that is NOT private (:data:`DIAGNOSTIC_ROUTES`, not in :data:`ROUTES`):
+
+* ``oracle_subspace``: ``dp_sgd``'s release with each weight matrix's update projected onto
+  ``U Uᵀ (·) V Vᵀ``, U and V the top-``oracle_rank`` left and right singular vectors of the mean
+  clipped gradient over ALL of ``data``, recomputed every ``oracle_refresh`` steps. The bases read
+  the private rows directly, so the run has no privacy guarantee; it measures how much an exact
+  low-rank gradient subspace of a given age could gain (the room a private subspace estimate
+  competes for). docs/algorithms.md §6.5.
+
 Privacy: ``(ε, δ)``-DP under add/remove-one of a row of ``data`` for every route but
 ``non_private``, by the PLD (default) or RDP accountant over ``steps`` Poisson-sampled Gaussian
 releases with sampling rate ``L/N``. Choosing the learning rate on a tuning split (as the demo and
@@ -48,6 +57,7 @@ from dpjax.sgd import denoise, layer_subspaces, per_example, privatizer, transfo
 
 ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "public_subspace")
 PUBLIC_ROUTES = ("public_subspace",)
+DIAGNOSTIC_ROUTES = ("oracle_subspace",)   # not private: see the module docstring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +79,14 @@ class RouteSettings:
       :func:`trajectory_bases`' rank rule: a direction is kept only if its singular value in the
       filtered releases exceeds ``gep_edge_scale`` times the noise's bulk edge (the public noise
       std: :func:`gep_edge_noise_std`), so the rank adapts to the noise (≤ ``gep_rank``).
+    gep_two_sided: the trajectory bases get an output-side factor too
+      (:class:`dpjax.sgd.TwoSidedBasis` of the top left and right singular vectors): the
+      embedding is ``UᵀGV`` (r × r) and the rest goes to the residual.
     public_rank: rank of the public input subspace.
+    oracle_rank: r of ``oracle_subspace``'s left and right bases (capped at each matrix's sides;
+      r ≥ both sides of every matrix reproduces ``dp_sgd``).
+    oracle_refresh: steps between ``oracle_subspace``'s recomputations of its bases (1: fresh
+      every step).
   """
   clip_norm: float = 1.0
   clipping: str = "normalize"
@@ -82,7 +99,10 @@ class RouteSettings:
   gep_refreshes: int = 10
   gep_filter: float = 0.9
   gep_edge_scale: float | None = None
+  gep_two_sided: bool = False
   public_rank: int = 16
+  oracle_rank: int = 3
+  oracle_refresh: int = 1
 
 
 class RouteRun(NamedTuple):
@@ -94,7 +114,8 @@ class RouteRun(NamedTuple):
     noise_multiplier: σ (0 for ``non_private``).
     rank: the projected layer's subspace rank (None for routes without a subspace).
     bases: the first layer's basis ``(d, rank)`` at the end: stacked ``(K, d, rank)`` for
-      ``gep_trajectory`` (released-only, post-processing), the public basis for
+      ``gep_trajectory`` (released-only, post-processing; with ``gep_two_sided`` a
+      :class:`dpjax.sgd.TwoSidedBasis` of stacked factors), the public basis for
       ``public_subspace``, else None.
   """
   params: Any
@@ -105,8 +126,8 @@ class RouteRun(NamedTuple):
 
 def route_rank(route: str, settings: RouteSettings = RouteSettings()) -> int | None:
   """The first layer's subspace rank of ``route`` (None where the noise is in all p)."""
-  return {"gep_trajectory": settings.gep_rank,
-          "public_subspace": settings.public_rank}.get(route)
+  return {"gep_trajectory": settings.gep_rank, "public_subspace": settings.public_rank,
+          "oracle_subspace": settings.oracle_rank}.get(route)
 
 
 def gep_edge_noise_std(noise_multiplier: float, expected_batch_size: float,
@@ -165,7 +186,7 @@ def _transforms(route, sigma, batch, basis_bytes, shapes, settings, loss_fn):
   in_dim = dict(shapes[0])["w"][0]
   if route == "non_private":
     return ()
-  if route == "dp_sgd":
+  if route in ("dp_sgd", "oracle_subspace"):
     return (full,)
   if route == "dp_sgd_denoise":
     return (optax.chain(full, denoise.low_rank_denoise(sigma * settings.clip_norm / batch,
@@ -177,7 +198,12 @@ def _transforms(route, sigma, batch, basis_bytes, shapes, settings, loss_fn):
         noise_multiplier=sigma, expected_batch_size=batch, key=key),)
   # gep_trajectory: built with a public placeholder basis; the released trajectory bases are
   # put into its state inside the trace (the GEP release's sensitivity does not depend on them).
-  placeholder = np.eye(in_dim, settings.gep_rank, dtype=np.float32)
+  out_dim = dict(shapes[0])["w"][1]
+  rank = min(settings.gep_rank, out_dim)     # trajectory_bases' column count
+  placeholder = np.eye(in_dim, rank, dtype=np.float32)
+  if settings.gep_two_sided:
+    placeholder = layer_subspaces.TwoSidedBasis(placeholder, np.eye(out_dim, rank,
+                                                                    dtype=np.float32))
   bound = _gep_grad_sum(loss_fn, settings).l2_norm_bound
   return (full, layer_subspaces.embedding_residual_noise(
       first_layer_bases(template, placeholder), embedding_clip=settings.clip_norm,
@@ -195,6 +221,18 @@ def _gep_grad_sum(loss_fn, settings):
 def _average(params, avg, t, ema):
   decay = jnp.minimum(ema, (1.0 + t) / (10.0 + t))
   return optax.incremental_update(params, avg, 1.0 - decay)
+
+
+def _project_top(updates, reference, rank):
+  """Each dense layer's ``w`` (a, b) update projected to ``U Uᵀ w V Vᵀ`` with U the top
+  ``min(rank, a)`` left and V the top ``min(rank, b)`` right singular vectors of ``reference``'s
+  ``w`` (a full SVD, so a rank ≥ a side is the identity on that side); other leaves unchanged."""
+  def one(g, ref):
+    u, _, vt = jnp.linalg.svd(ref, full_matrices=True)
+    basis = layer_subspaces.TwoSidedBasis(u[:, :rank], vt[:rank].T)
+    return layer_subspaces._lift(layer_subspaces._embed(g, basis), basis)
+  return [{name: one(g, reference[i][name]) if name == "w" else g for name, g in layer.items()}
+          for i, layer in enumerate(updates)]
 
 
 def _unclipped_sum(loss_fn):
@@ -226,7 +264,7 @@ def _train(keys, lrs, X, y, states, edge_std, *, txs, route, init_fn, loss_fn, s
                                               clipping=settings.clipping,
                                               stability=settings.stability)
 
-    def dp_step(grad_sum, tx, filter_decay=None, extra=lambda s: ()):
+    def dp_step(grad_sum, tx, filter_decay=None, extra=lambda s: (), oracle=False):
       def body(carry, k):
         params, opt, noise_state, filt, avg, t = carry
         total = privatizer.poisson_clipped_sum(grad_sum, params, (X, y), k, sampling_prob=q,
@@ -236,6 +274,12 @@ def _train(keys, lrs, X, y, states, edge_std, *, txs, route, init_fn, loss_fn, s
           g = jax.tree_util.tree_map(lambda s: s / batch, total)
         else:
           g, noise_state = tx.update(total, noise_state, params)
+        if oracle:   # NOT private: filt holds the all-rows mean clipped gradient (see ROUTES)
+          filt = jax.lax.cond(t % settings.oracle_refresh == 0, lambda: jax.tree_util.tree_map(
+              lambda s: s / X.shape[0], privatizer.poisson_clipped_sum(
+                  grad_sum, params, (X, y), k, sampling_prob=1.0, microbatch_size=microbatch)),
+              lambda: filt)
+          g = _project_top(g, filt, settings.oracle_rank)
         updates, opt = adam.update(g, opt, params)
         params = optax.apply_updates(params, updates)
         if filter_decay is not None:   # an EMA of RELEASED updates only
@@ -248,7 +292,8 @@ def _train(keys, lrs, X, y, states, edge_std, *, txs, route, init_fn, loss_fn, s
     carry = (params, adam.init(params), noise_states[0] if txs else None, zeros, params,
              jnp.int32(0))
     if route != "gep_trajectory":
-      carry, _ = jax.lax.scan(dp_step(grad_sum, txs[0] if txs else None), carry,
+      carry, _ = jax.lax.scan(dp_step(grad_sum, txs[0] if txs else None,
+                                      oracle=route == "oracle_subspace"), carry,
                               jax.random.split(k_sample, steps))
       return carry[4], None
     warm_steps = max(1, round(settings.gep_warmup * steps))
@@ -264,7 +309,7 @@ def _train(keys, lrs, X, y, states, edge_std, *, txs, route, init_fn, loss_fn, s
       filt = carry[3]
       # The free refresh: bases from the EMA of released updates, nothing else.
       bases = first_layer_bases(filt, layer_subspaces.trajectory_bases(
-          [filt[0]], settings.gep_rank,
+          [filt[0]], settings.gep_rank, two_sided=settings.gep_two_sided,
           noise_std=None if settings.gep_edge_scale is None else edge_std)[0]["w"])
       carry = carry[:2] + (carry[2]._replace(bases=bases),) + carry[3:]
       return jax.lax.scan(gep_body, carry, keys)[0], None
@@ -303,14 +348,15 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   summed by :func:`dpjax.sgd.poisson_clipped_sum` in micro-batches (never truncated), the
   route's clipping and noise, division by L, Adam; returns the EMA of the iterates.
 
-  Privacy: every route but ``non_private`` is ``(ε, δ)``-DP under add/remove-one of a row of
+  Privacy: every route of :data:`ROUTES` but ``non_private`` is ``(ε, δ)``-DP under add/remove-one of a row of
   ``data`` (σ calibrated by ``accountant`` over ``steps`` Poisson-sampled Gaussian releases; GEP's
   two clipped parts are noised at σ times their joint sensitivity √2; the trajectory bases read
-  released updates only; the public basis reads ``public_inputs`` only). The learning rates are
-  public inputs: choosing them on private rows is a cost this function does not account.
+  released updates only; the public basis reads ``public_inputs`` only). ``oracle_subspace``
+  (:data:`DIAGNOSTIC_ROUTES`) is NOT private: its bases read all of ``data``. The learning rates
+  are public inputs: choosing them on private rows is a cost this function does not account.
 
   Args:
-    route: one of :data:`ROUTES`.
+    route: one of :data:`ROUTES` or :data:`DIAGNOSTIC_ROUTES`.
     keys: ``(K,)`` typed PRNG keys, one per run.
     learning_rates: ``(K,)`` Adam learning rates, one per run.
     data: ``(X (N, d) float32, y (N,) int)``, the private rows.
@@ -330,10 +376,12 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   Raises:
     ValueError: an unknown route, mismatched keys and learning rates, a public route without
       ``public_inputs`` (or a private one with them), a model that is not a list of dense layers,
-      bad sizes, ``settings.gep_edge_scale`` not None and not > 0.
+      bad sizes, ``settings.gep_edge_scale`` not None and not > 0, ``settings.oracle_rank`` or
+      ``settings.oracle_refresh`` < 1.
+    TypeError: ``settings.oracle_rank`` or ``settings.oracle_refresh`` not an integer.
   """
-  if route not in ROUTES:
-    raise ValueError(f"route must be one of {ROUTES}, got {route!r}.")
+  if route not in ROUTES + DIAGNOSTIC_ROUTES:
+    raise ValueError(f"route must be one of {ROUTES + DIAGNOSTIC_ROUTES}, got {route!r}.")
   X, y = (np.asarray(a) for a in data)
   if X.ndim != 2 or y.shape != (X.shape[0],):
     raise ValueError(f"data must be (X (N, d), y (N,)), got shapes {X.shape} and {y.shape}.")
@@ -360,6 +408,8 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
       raise ValueError(f"public_rank={settings.public_rank} exceeds the public rows' "
                        f"{public_inputs.shape}.")
     basis = public_input_basis(public_inputs, settings.public_rank)
+  v.check_int(settings.oracle_rank, "settings.oracle_rank", low=1)
+  v.check_int(settings.oracle_refresh, "settings.oracle_refresh", low=1)
   scale = settings.gep_edge_scale
   if scale is not None:
     scale = v.check_positive(scale, "settings.gep_edge_scale")

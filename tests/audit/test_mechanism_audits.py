@@ -356,17 +356,23 @@ def test_stretching_basis_audit_catches_unscaled_noise(audit_trials):
   assert rep.epsilon_lower_bound > claimed, rep
 
 
-def _layer_canary_step(stretch, sigma, unscaled=False):
+def _layer_canary_step(stretch, sigma, unscaled=False, right_stretch=None):
   """One full-batch step with per-layer bases: params {"w": (4, 2), "b": (2,)}, the canary's
   gradient is 5·E₀₀ (clipped to E₀₀, norm C = 1), the basis of "w" is ``[stretch·e0, e1]``
-  (‖U‖₂ = stretch). ``unscaled``: noise σC, not σCν (a negative control)."""
+  (‖U‖₂ = stretch), with ``right_stretch`` a two-sided basis whose right factor is
+  ``diag(right_stretch, 1)`` (the canary's coefficient moves by stretch·right_stretch·C).
+  ``unscaled``: noise σC, not σCν (a negative control); with a right factor, noise σC·‖U‖₂, the
+  left factor's norm only."""
   from dpjax.sgd import layer_subspaces
   C = 1.0
   X = jnp.concatenate([jnp.zeros((1, 4, 2)).at[0, 0, 0].set(5.0), 0.1 * jnp.ones((5, 4, 2))])
   loss = lambda p, x: jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["b"])   # gradient of w = x
   grad_sum = sgd.clipped_grad_sum(loss, clip_norm=C)
   params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
-  bases = {"w": jnp.eye(4)[:, :2].at[0, 0].set(stretch), "b": None}
+  left = jnp.eye(4)[:, :2].at[0, 0].set(stretch)
+  bases = {"w": left, "b": None}
+  if right_stretch is not None:
+    bases["w"] = layer_subspaces.TwoSidedBasis(left, jnp.eye(2).at[0, 0].set(right_stretch))
 
   def step(key, mask):
     summed = grad_sum(params, X, mask)
@@ -374,7 +380,8 @@ def _layer_canary_step(stretch, sigma, unscaled=False):
                                               expected_batch_size=1.0, key=key, tol=10.0)
     state = tx.init(params)
     if unscaled:
-      state = state._replace(noise_std=state.base_std)
+      state = state._replace(noise_std=state.base_std * (1.0 if right_stretch is None
+                                                         else stretch))
     out, _ = tx.update(summed, state)
     return out["w"][0, 0]                            # the canary's coordinate
   with_canary = jnp.ones(6)
@@ -397,6 +404,27 @@ def test_layer_subspace_audit_catches_unscaled_noise(audit_trials):
   n = audit_trials(10_000, 100_000)
   step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0, unscaled=True)
   rep = audit.audit(jax.random.key(24), jax.jit(step), without, with_canary, delta=1e-5,
+                    epsilon_claimed=claimed, trials=n)
+  assert rep.epsilon_lower_bound > claimed, rep
+
+
+def test_two_sided_layer_subspace_step_with_stretching_factors(audit_trials):
+  """Two-sided bases: factors of norm 3 (left) and 3 (right) move the canary's coefficient by
+  9C; the noise is scaled by the product of the factor norms, so the step keeps the claimed ε."""
+  n = audit_trials(5_000, 100_000)
+  step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0, right_stretch=3.0)
+  rep = audit.audit(jax.random.key(27), jax.jit(step), without, with_canary, delta=1e-5,
+                    epsilon_claimed=claimed, trials=n)
+  _check("two-sided per-layer subspace DP-SGD step", claimed, rep.epsilon_lower_bound, n)
+
+
+def test_two_sided_audit_catches_noise_scaled_by_the_left_factor_only(audit_trials):
+  """Negative control (not in EXPECTED): the same step with noise σC·‖U‖₂ (the right factor's
+  norm 3 left out)."""
+  n = audit_trials(10_000, 100_000)
+  step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0, unscaled=True,
+                                                           right_stretch=3.0)
+  rep = audit.audit(jax.random.key(28), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
   assert rep.epsilon_lower_bound > claimed, rep
 
@@ -797,7 +825,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
             "AL exact subspace", "Analyze Gauss", "DP-SGD step", "subspace DP-SGD step",
             "subspace DP-SGD step, stretching basis",
-            "per-layer subspace DP-SGD step",
+            "per-layer subspace DP-SGD step", "two-sided per-layer subspace DP-SGD step",
             "embedding+residual DP-SGD step",
             "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
             "AL covariance", "AL covariance test bit", "CoinPress mean",

@@ -1,4 +1,4 @@
-"""Per-layer input-side subspaces (dpjax/sgd/layer_subspaces.py)."""
+"""Per-layer subspaces, one- and two-sided (dpjax/sgd/layer_subspaces.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +33,17 @@ def _noise(bases, sigma=1.0, key=1):
                                  expected_batch_size=4.0, key=jax.random.key(key))
 
 
-def test_identity_bases_give_plain_dp_sgd():
+@pytest.mark.parametrize("two_sided", [False, True])
+def test_identity_bases_give_plain_dp_sgd(two_sided):
+  """Identity bases (U = I, or U = I and V = I): the same draws as dp_gaussian_noise."""
   params = _params()
   summed = jax.tree_util.tree_map(lambda p: jnp.ones_like(p) * 0.3, params)
   eye = {"layers": [{"w": jnp.eye(6), "b": None}, {"w": jnp.eye(4), "b": None}],
          "conv": jnp.eye(5)}
+  if two_sided:
+    eye = {"layers": [{"w": ls.TwoSidedBasis(jnp.eye(6), jnp.eye(4)), "b": None},
+                      {"w": ls.TwoSidedBasis(jnp.eye(4), jnp.eye(3)), "b": None}],
+           "conv": ls.TwoSidedBasis(jnp.eye(5), jnp.eye(4))}
   tx, plain = _noise(eye), transforms.dp_gaussian_noise(
       clip_norm=2.0, noise_multiplier=1.0, expected_batch_size=4.0, key=jax.random.key(1))
   s1, s2 = tx.init(params), plain.init(params)
@@ -279,3 +285,121 @@ def test_embedding_residual_shapes_and_bad_options():
     with pytest.raises(ValueError):
       ls.embedding_residual_noise(bases, noise_multiplier=1.0, expected_batch_size=1.0,
                                   key=jax.random.key(0), **bad)
+
+
+# ------------------------------------------------------------ two-sided bases (left and right)
+
+
+def _two_sided(r=2, r_right=2, stretch=1.0):
+  keys = jax.random.split(jax.random.key(7), 4)
+  return {"layers": [{"w": ls.TwoSidedBasis(_orthonormal(keys[0], 6, r) * stretch,
+                                            _orthonormal(keys[1], 4, r_right)), "b": None},
+                     {"w": None, "b": None}],
+          "conv": ls.TwoSidedBasis(_orthonormal(keys[2], 5, r), _orthonormal(keys[3], 4, 1))}
+
+
+def test_two_sided_release_is_u_times_noisy_coefficients_times_v_transposed():
+  """Without noise the update is U Uᵀ S V Vᵀ / L; with noise the released part lies in
+  span(U) ⊗ span(V) with std σCν/L per coefficient and nothing outside."""
+  params, bases = _params(), _two_sided()
+  summed = jax.tree_util.tree_map(lambda p: normal(jax.random.key(3), p.shape), params)
+  quiet, _ = _noise(bases, sigma=0.0).update(summed, _noise(bases, sigma=0.0).init(params))
+  U, V = bases["layers"][0]["w"]
+  S = summed["layers"][0]["w"]
+  np.testing.assert_allclose(quiet["layers"][0]["w"], U @ U.T @ S @ V @ V.T / 4.0, atol=1e-5)
+  Uc, Vc = bases["conv"]
+  Sc = summed["conv"].reshape(5, 4)
+  np.testing.assert_allclose(quiet["conv"].reshape(5, 4), Uc @ Uc.T @ Sc @ Vc @ Vc.T / 4.0,
+                             atol=1e-5)
+  tx = _noise(bases, sigma=1.0)
+  state = tx.init(params)
+  coefficients = []
+  for _ in range(400):
+    out, state = jax.jit(tx.update)(summed, state)
+    noise = (out["layers"][0]["w"] - quiet["layers"][0]["w"]) * 4.0
+    np.testing.assert_allclose(noise - U @ (U.T @ noise @ V) @ V.T, 0, atol=1e-4)
+    coefficients.append(np.asarray(U.T @ noise @ V))
+  std = float(np.std(np.stack(coefficients)))
+  assert abs(std - float(state.noise_std)) < 0.06 * float(state.noise_std)
+  assert float(state.noise_std) == pytest.approx(2.0, rel=1e-3)       # σC, orthonormal factors
+
+
+def test_two_sided_noise_is_scaled_by_the_product_of_the_factor_norms():
+  """‖UᵀSV‖_F ≤ ‖U‖₂‖S‖_F‖V‖₂: a left factor stretched 3× and a right one 2× give ν = 6."""
+  params = {"w": jnp.zeros((6, 4)), "b": jnp.zeros(4)}
+  U = jnp.eye(6)[:, :2].at[0, 0].set(3.0)
+  V = jnp.eye(4)[:, :2].at[0, 0].set(2.0)
+  tx = ls.layer_subspace_noise({"w": ls.TwoSidedBasis(U, V), "b": None}, clip_norm=2.0,
+                               noise_multiplier=1.0, expected_batch_size=4.0,
+                               key=jax.random.key(0), tol=10.0)
+  assert float(tx.init(params).noise_std) == pytest.approx(2.0 * 6.0, rel=1e-5)
+  # the bound is attained: the canary E₀₀ moves the coefficient (0, 0) by 6
+  E = jnp.zeros((6, 4)).at[0, 0].set(1.0)
+  assert float(jnp.linalg.norm(U.T @ E @ V)) == pytest.approx(6.0)
+
+
+def test_two_sided_bases_are_checked_and_swapped():
+  params, bases = _params(), _two_sided()
+  tx = _noise(bases)
+  state = tx.init(params)
+  new = _two_sided(stretch=-1.0)     # same shapes, other signs: accepted
+  swapped = ls.update_layer_bases(state, new)
+  np.testing.assert_allclose(swapped.bases["layers"][0]["w"].left, new["layers"][0]["w"].left)
+  assert swapped.key is state.key
+  with pytest.raises(ValueError, match="right basis .* must have 4 rows"):
+    _noise({**bases, "conv": ls.TwoSidedBasis(bases["conv"].left, jnp.eye(3)[:, :1])}).init(
+        params)
+  with pytest.raises(ValueError, match="left basis .* must have 6 rows"):
+    _noise({**bases, "layers": [{"w": ls.TwoSidedBasis(jnp.eye(5)[:, :2],
+                                                       bases["layers"][0]["w"].right),
+                                 "b": None}, {"w": None, "b": None}]}).init(params)
+  with pytest.raises(ValueError, match="one- or two-sided"):
+    ls.update_layer_bases(state, {**new, "conv": new["conv"].left})
+  with pytest.raises(ValueError, match="current shape"):
+    ls.update_layer_bases(state, {**new, "conv": ls.TwoSidedBasis(new["conv"].left,
+                                                                  jnp.eye(4)[:, :2])})
+
+
+def test_two_sided_trajectory_bases_are_the_top_singular_pairs():
+  rng = np.random.default_rng(0)
+  G = rng.normal(size=(8, 5)) @ np.diag([5.0, 3.0, 0.1, 0.1, 0.1]) @ rng.normal(size=(5, 6))
+  out = ls.trajectory_bases({"w": jnp.asarray(G, jnp.float32), "b": jnp.zeros(6)}, 2,
+                            two_sided=True)
+  assert isinstance(out["w"], ls.TwoSidedBasis) and out["b"] is None
+  u, _, vt = np.linalg.svd(G)
+  np.testing.assert_allclose(np.abs(out["w"].left.T @ u[:, :2]), np.eye(2), atol=1e-4)
+  np.testing.assert_allclose(np.abs(out["w"].right.T @ vt[:2].T), np.eye(2), atol=1e-4)
+  # the rank rule zeroes the same directions on both sides
+  ruled = ls.trajectory_bases({"w": jnp.asarray(G, jnp.float32)}, 3, noise_std=0.5,
+                              two_sided=True)["w"]
+  np.testing.assert_allclose(np.linalg.norm(ruled.left, axis=0),
+                             np.linalg.norm(ruled.right, axis=0), atol=1e-5)
+  assert 0 < float(np.linalg.norm(ruled.left, axis=0).sum()) < 3
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_two_sided_embedding_residual_split_is_orthogonal_and_bounded(joint):
+  """GEP with two-sided bases: e = UᵀGV, ρ = G − U e Vᵀ, ‖e‖² + ‖ρ‖² = ‖G‖², and the noisy
+  release maps back to the params' shapes; every example's scaled term is within Δ."""
+  params = {"w": jnp.zeros((6, 4)), "b": jnp.zeros(4)}
+  keys = jax.random.split(jax.random.key(2), 3)
+  bases = {"w": ls.TwoSidedBasis(_orthonormal(keys[0], 6, 2), _orthonormal(keys[1], 4, 2)),
+           "b": None}
+  G = normal(keys[2], (6, 4))
+  e, rho = ls._split(G, bases["w"], 1.0, 1.0)
+  U, V = bases["w"]
+  np.testing.assert_allclose(e, U.T @ G @ V, atol=1e-5)
+  assert float(jnp.sum(e**2) + jnp.sum(rho**2)) == pytest.approx(float(jnp.sum(G**2)), rel=1e-4)
+  X = normal(keys[2], (5, 6, 4)) * 10.0
+  loss = lambda p, x: jnp.sum(p["w"] * x) + jnp.sum(p["b"])   # noqa: E731
+  grad_sum = ls.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.5,
+                                            joint=joint)
+  for i in range(5):
+    one = grad_sum(params, X, jnp.zeros(5).at[i].set(1.0), bases)
+    norm = jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree_util.tree_leaves(one)))
+    assert float(norm) <= grad_sum.l2_norm_bound * (1 + 1e-5)
+  tx = ls.embedding_residual_noise(bases, embedding_clip=1.0, residual_clip=0.5,
+                                   noise_multiplier=1.0, expected_batch_size=4.0,
+                                   key=jax.random.key(0), l2_norm_bound=grad_sum.l2_norm_bound)
+  out, _ = tx.update(grad_sum(params, X, jnp.ones(5), bases), tx.init(params))
+  assert out["w"].shape == (6, 4) and out["b"].shape == (4,)

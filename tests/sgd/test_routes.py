@@ -144,10 +144,79 @@ def test_gep_rank_rule_drops_directions_below_the_public_noise_edge(data):
   np.testing.assert_array_equal(norms[1e6], 0.0)
 
 
+def test_oracle_at_full_rank_is_dp_sgd_and_at_low_rank_is_not(data):
+  """The NOT private oracle diagnostic: with r at least every side of every matrix the projection
+  is the identity, so the run is dp_sgd's (same keys, float tolerance); at r = 1 it differs, and
+  so do two refresh periods (the reference is recomputed)."""
+  keys = jnp.stack([jax.random.key(0), jax.random.key(1)])
+  base = _run("dp_sgd", data, keys)
+  full = _run("oracle_subspace", data, keys, settings=sgd.RouteSettings(oracle_rank=D))
+  assert full.rank == D and full.bases is None
+  assert full.noise_multiplier == base.noise_multiplier
+  for a, b in zip(jax.tree_util.tree_leaves(full.params), jax.tree_util.tree_leaves(base.params)):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+  low = {every: _run("oracle_subspace", data, keys,
+                     settings=sgd.RouteSettings(oracle_rank=1, oracle_refresh=every))
+         for every in (1, 100)}
+  for a, b, c in zip(*(jax.tree_util.tree_leaves(r.params)
+                       for r in (base, low[1], low[100]))):
+    assert np.all(np.isfinite(b)) and np.all(np.isfinite(c))
+  first = [jax.tree_util.tree_leaves(r.params)[1] for r in (base, low[1], low[100])]
+  assert np.abs(first[0] - first[1]).max() > 1e-3
+  assert np.abs(first[1] - first[2]).max() > 1e-3
+
+
+def test_oracle_projection_is_the_top_left_right_projector():
+  """_project_top: ``U Uᵀ G V Vᵀ`` for each weight matrix (rank capped at the sides), idempotent,
+  biases untouched."""
+  rng = np.random.default_rng(0)
+  ref = [{"w": jnp.asarray(rng.normal(size=(6, 4))), "b": jnp.zeros(4)},
+         {"w": jnp.asarray(rng.normal(size=(4, 2))), "b": jnp.zeros(2)}]
+  g = [{"w": jnp.asarray(rng.normal(size=(6, 4))), "b": jnp.asarray(rng.normal(size=4))},
+       {"w": jnp.asarray(rng.normal(size=(4, 2))), "b": jnp.asarray(rng.normal(size=2))}]
+  out = routes._project_top(g, ref, 3)
+  u, _, vt = np.linalg.svd(np.asarray(ref[0]["w"]))
+  expected = u[:, :3] @ u[:, :3].T @ np.asarray(g[0]["w"]) @ vt[:3].T @ vt[:3]
+  np.testing.assert_allclose(out[0]["w"], expected, atol=1e-5)    # float32 (x64 off)
+  # (4, 2): rank 3 keeps 3 of 4 left directions and both right ones.
+  u, _, vt = np.linalg.svd(np.asarray(ref[1]["w"]))
+  np.testing.assert_allclose(out[1]["w"], u[:, :3] @ u[:, :3].T @ np.asarray(g[1]["w"]),
+                             atol=1e-5)
+  full = routes._project_top(g, ref, 6)                               # rank ≥ every side
+  for a, b in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(g)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  np.testing.assert_array_equal(out[0]["b"], g[0]["b"])
+  again = routes._project_top(out, ref, 3)
+  np.testing.assert_allclose(again[0]["w"], out[0]["w"], atol=1e-5)
+
+
+def test_gep_two_sided_bases_are_orthonormal_factor_pairs(data):
+  """RouteSettings.gep_two_sided: the first layer's trajectory bases are TwoSidedBasis pairs
+  ((K, D, r) left, (K, 8, r) right, orthonormal columns), the run finite and paired by key."""
+  keys = jnp.stack([jax.random.key(0), jax.random.key(0)])
+  run = _run("gep_trajectory", data, keys,
+             settings=sgd.RouteSettings(gep_rank=3, gep_refreshes=2, gep_two_sided=True))
+  assert isinstance(run.bases, sgd.TwoSidedBasis)
+  assert run.bases.left.shape == (2, D, 3) and run.bases.right.shape == (2, 8, 3)
+  for factor in run.bases:
+    gram = np.einsum("kdr,kds->krs", factor, factor)
+    np.testing.assert_allclose(gram, np.broadcast_to(np.eye(3), gram.shape), atol=1e-4)
+  for x in jax.tree_util.tree_leaves(run.params):
+    assert np.all(np.isfinite(x))
+    np.testing.assert_array_equal(x[0], x[1])
+
+
 def test_gep_edge_noise_std_is_the_stated_public_bound():
   s = sgd.RouteSettings(clip_norm=2.0, gep_residual_clip=0.5, gep_filter=0.8)
   expected = 3.0 * 2.0 / 64 * np.sqrt(2 * (1 + 0.25)) * np.sqrt(0.2 / 1.8)
   assert sgd.gep_edge_noise_std(3.0, 64, s) == pytest.approx(expected, rel=1e-12)
+
+
+def test_oracle_settings_must_be_integers(data):
+  with pytest.raises(TypeError, match="oracle_refresh"):
+    sgd.train_route("oracle_subspace", jnp.stack([jax.random.key(0)]), [0.1], data,
+                    init_fn=INIT, loss_fn=demo.example_loss, epsilon=1.0, delta=1e-5, steps=4,
+                    expected_batch_size=32, settings=sgd.RouteSettings(oracle_refresh=2.5))
 
 
 @pytest.mark.parametrize("route, kwargs, match", [
@@ -163,6 +232,8 @@ def test_gep_edge_noise_std_is_the_stated_public_bound():
     ("dp_sgd", {"init_fn": functools.partial(demo.init_mlp, sizes=(D + 1, 3))}, "inputs"),
     ("gep_trajectory", {"settings": sgd.RouteSettings(gep_edge_scale=0.0)}, "gep_edge_scale"),
     ("gep_trajectory", {"settings": sgd.RouteSettings(gep_edge_scale=-1.0)}, "gep_edge_scale"),
+    ("oracle_subspace", {"settings": sgd.RouteSettings(oracle_rank=0)}, "oracle_rank"),
+    ("oracle_subspace", {"settings": sgd.RouteSettings(oracle_refresh=0)}, "oracle_refresh"),
 ])
 def test_bad_arguments_raise_clear_errors(route, kwargs, match, data):
   args = {"learning_rates": [0.1], "init_fn": INIT, "expected_batch_size": 32,
