@@ -15,6 +15,9 @@ every release accounted, the private subspace's cost included). Routes that use 
   (post-processing; docs/algorithms.md §6.3).
 * ``gep_trajectory``: no public data; the first layer's gradients split before clipping into a
   rank-8 embedding and a residual (GEP), the basis taken from the released updates (free; §6.4).
+* ``private_input_subspace``: no public data; the first layer's noise in the top-k eigenvectors
+  of Analyze Gauss's noisy second moment of the training rows' inputs, paying
+  ``(--subspace-epsilon-fraction·ε, 0.1·δ)`` out of the total (docs/algorithms.md §6.5).
 * ``subspace_dp_sgd_private``: a rank-k subspace of the flattened per-example gradients learned
   with DPASE, paying (ε_s, δ_s) out of the total (``dpjax.sgd.train_dp_sgd``); if DPASE returns
   ⊥, the run continues as plain DP-SGD with the remaining budget, and the table says ⊥.
@@ -74,7 +77,8 @@ from dpjax.sgd import training
 # The methods, in run order: (name, source). Source "route": dpjax.sgd.train_route (the name is
 # the route); "private" / "public": dpjax.sgd.train_dp_sgd's subspace argument.
 METHODS = (("non_private", "route"), ("dp_sgd", "route"), ("dp_sgd_denoise", "route"),
-           ("gep_trajectory", "route"), ("subspace_dp_sgd_private", "private"),
+           ("gep_trajectory", "route"), ("private_input_subspace", "route"),
+           ("subspace_dp_sgd_private", "private"),
            ("public_subspace", "route"), ("subspace_dp_sgd_public", "public"))
 PUBLIC_METHODS = ("public_subspace", "subspace_dp_sgd_public")
 # The share of δ spent on the private subspace (train_dp_sgd's subspace_delta_fraction).
@@ -184,7 +188,7 @@ def plan_routes(*, n_train: int, n_public: int, p: int, k: int, epsilon: float, 
               f"{'training' if method == 'non_private' else 'private training'} rows")
     elif source in ("private", "public") and k > p:
       note = f"k={k} exceeds the model's p={p} parameters"
-    elif method == "public_subspace" and d is not None and k > d:
+    elif method in ("public_subspace", "private_input_subspace") and d is not None and k > d:
       note = f"k={k} exceeds the d={d} input features"
     elif public and n_public < k:
       note = f"the public split has {n_public} rows, fewer than k={k}"
@@ -255,7 +259,9 @@ def run(args) -> dict:
                        epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size,
                        gamma=args.gamma, subspace_epsilon_fraction=args.subspace_epsilon_fraction,
                        d=d, dataset=ds.name)
-  settings = sgd.RouteSettings(clip_norm=args.clip_norm, public_rank=args.k)
+  settings = sgd.RouteSettings(clip_norm=args.clip_norm, public_rank=args.k, input_rank=args.k,
+                               input_epsilon_fraction=args.subspace_epsilon_fraction,
+                               input_delta_fraction=SUBSPACE_DELTA_FRACTION)
   grid = [float(lr) for lr in args.learning_rates]
   seed_keys = [jax.random.key(seed) for seed in range(args.seeds)]
   progress = not args.no_progress
@@ -489,8 +495,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--gamma", type=float, default=1e-3,
                       help="DPASE's public gap parameter for the gradient subspace (default 1e-3)")
   parser.add_argument("--subspace-epsilon-fraction", type=float, default=0.25,
-                      help="share of ε spent on the private subspace (default 0.25); if DPASE "
-                           "cannot run at this share, that method is reported as not runnable")
+                      help="share of ε spent on each private subspace, DPASE's and "
+                           "private_input_subspace's (default 0.25); if DPASE cannot run at this "
+                           "share, that method is reported as not runnable")
   parser.add_argument("--refresh-every", type=int, default=5,
                       help="recompute the public subspace every this many steps (free; default 5)")
   parser.add_argument("--no-progress", action="store_true", help="hide progress bars")

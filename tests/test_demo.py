@@ -15,14 +15,15 @@ from dpjax import demo
 from dpjax import subspace
 from dpjax.sgd import training
 
-METHODS = {"non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "subspace_dp_sgd_private",
-           "public_subspace", "subspace_dp_sgd_public"}
+METHODS = {"non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private_input_subspace",
+           "subspace_dp_sgd_private", "public_subspace", "subspace_dp_sgd_public"}
 ROW_KEYS = {"method", "epsilon", "delta", "test_accuracy", "subspace_ok", "seed", "status", "note",
             "n_private", "rank", "noise_multiplier", "learning_rate"}
 REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "steps", "neighbouring",
                "accountant", "epsilon", "delta", "subspace_epsilon_fraction", "learning_rates",
                "winner", "privacy_note", "summary", "results"}
-RANKS = {"gep_trajectory": 8, "subspace_dp_sgd_private": "k", "public_subspace": "k",
+RANKS = {"gep_trajectory": 8, "private_input_subspace": "k", "subspace_dp_sgd_private": "k",
+         "public_subspace": "k",
          "subspace_dp_sgd_public": "k"}
 
 
@@ -212,6 +213,7 @@ def test_plan_reports_dpase_not_runnable_with_the_reason_and_a_feasible_share():
     (dict(k=20), "subspace_dp_sgd_public", "the public split has 15 rows, fewer than k=20"),
     (dict(k=20), "public_subspace", "the public split has 15 rows, fewer than k=20"),
     (dict(k=12, d=10), "public_subspace", "k=12 exceeds the d=10 input features"),
+    (dict(k=12, d=10), "private_input_subspace", "k=12 exceeds the d=10 input features"),
 ])
 def test_plan_names_the_reason_a_route_cannot_run(kwargs, method, expected):
   settings = dict(n_train=150, n_public=15, p=2410, k=4, epsilon=50.0, delta=1e-5,

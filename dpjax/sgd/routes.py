@@ -20,6 +20,13 @@ multiplier σ and are accounted as DP-SGD (``dpjax.accounting.plan_dpsgd_budget`
   :func:`embedding_residual_noise`, sensitivity √2 in scaled units, the same σ). The basis is
   :func:`trajectory_bases` of an EMA of the RELEASED updates, refreshed periodically: a function
   of releases already paid for (post-processing, free). §6.4.
+* ``private_input_subspace`` (no public data): the first layer's noise lives in the top
+  ``input_rank`` eigenvectors of Analyze Gauss's noisy second moment of the private rows' inputs
+  (:func:`dpjax.subspace.analyze_gauss`, rows clipped to the public ``input_clip_norm``, at
+  ``(ε_s, δ_s) = (input_epsilon_fraction·ε, input_delta_fraction·δ)``; one release per run, from
+  the run's own key), used after clipping as ``public_subspace`` uses its basis (the noise scaled
+  by the released basis's norm bound); DP-SGD gets the rest of the budget
+  (:func:`dpjax.accounting.plan_dpsgd_budget`, basic composition). docs/algorithms.md §6.5.
 * ``public_subspace`` (public data): the first layer's noise lives in the top principal
   directions of the public rows' inputs (:func:`layer_subspace_noise`, after clipping; the basis
   is public, so its norm bound is a public fact). The public rows must not be among ``data``.
@@ -53,9 +60,11 @@ import optax
 
 from dpjax import _validation as v
 from dpjax import accounting, linalg
+from dpjax import subspace as subspace_lib
 from dpjax.sgd import denoise, layer_subspaces, per_example, privatizer, transforms
 
-ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "public_subspace")
+ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private_input_subspace",
+          "public_subspace")
 PUBLIC_ROUTES = ("public_subspace",)
 DIAGNOSTIC_ROUTES = ("oracle_subspace",)   # not private: see the module docstring
 
@@ -82,6 +91,11 @@ class RouteSettings:
     gep_two_sided: the trajectory bases get an output-side factor too
       (:class:`dpjax.sgd.TwoSidedBasis` of the top left and right singular vectors): the
       embedding is ``UᵀGV`` (r × r) and the rest goes to the residual.
+    input_rank: rank of ``private_input_subspace``'s basis (≤ the number of input features).
+    input_epsilon_fraction: the share of ε spent on that basis (PROPOSED 0.1; in (0, 1)).
+    input_delta_fraction: the share of δ spent on it (PROPOSED 0.1; in (0, 1)).
+    input_clip_norm: the public row-norm bound C_x of Analyze Gauss (rows above it are scaled
+      down for the basis only; PROPOSED 4, about the norm of a digits row scaled to [0, 1]).
     public_rank: rank of the public input subspace.
     oracle_rank: r of ``oracle_subspace``'s left and right bases (capped at each matrix's sides;
       r ≥ both sides of every matrix reproduces ``dp_sgd``).
@@ -100,6 +114,10 @@ class RouteSettings:
   gep_filter: float = 0.9
   gep_edge_scale: float | None = None
   gep_two_sided: bool = False
+  input_rank: int = 16
+  input_epsilon_fraction: float = 0.1
+  input_delta_fraction: float = 0.1
+  input_clip_norm: float = 4.0
   public_rank: int = 16
   oracle_rank: int = 3
   oracle_refresh: int = 1
@@ -116,7 +134,8 @@ class RouteRun(NamedTuple):
     bases: the first layer's basis ``(d, rank)`` at the end: stacked ``(K, d, rank)`` for
       ``gep_trajectory`` (released-only, post-processing; with ``gep_two_sided`` a
       :class:`dpjax.sgd.TwoSidedBasis` of stacked factors), the public basis for
-      ``public_subspace``, else None.
+      ``public_subspace``, the released Analyze Gauss bases ``(K, d, rank)`` for
+      ``private_input_subspace``, else None.
   """
   params: Any
   noise_multiplier: float
@@ -127,6 +146,7 @@ class RouteRun(NamedTuple):
 def route_rank(route: str, settings: RouteSettings = RouteSettings()) -> int | None:
   """The first layer's subspace rank of ``route`` (None where the noise is in all p)."""
   return {"gep_trajectory": settings.gep_rank, "public_subspace": settings.public_rank,
+          "private_input_subspace": settings.input_rank,
           "oracle_subspace": settings.oracle_rank}.get(route)
 
 
@@ -162,9 +182,13 @@ def public_input_basis(public_inputs: np.ndarray, rank: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def noise_multiplier(epsilon: float, delta: float, sampling_prob: float, steps: int,
-                     accountant: str = "pld") -> float:
-  """σ of ``steps`` Poisson-sampled Gaussian releases at ``(ε, δ)``, add/remove-one."""
+                     accountant: str = "pld", subspace_epsilon: float = 0.0,
+                     subspace_delta: float = 0.0) -> float:
+  """σ of ``steps`` Poisson-sampled Gaussian releases at what ``(ε, δ)`` leaves after a
+  subspace release of ``(ε_s, δ_s)`` (basic composition), add/remove-one."""
   return accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=sampling_prob, steps=steps,
+                                      subspace_epsilon=subspace_epsilon,
+                                      subspace_delta=subspace_delta,
                                       accountant=accountant).noise_multiplier
 
 
@@ -191,6 +215,12 @@ def _transforms(route, sigma, batch, basis_bytes, shapes, settings, loss_fn):
   if route == "dp_sgd_denoise":
     return (optax.chain(full, denoise.low_rank_denoise(sigma * settings.clip_norm / batch,
                                                        decay=settings.denoise_decay)),)
+  if route == "private_input_subspace":
+    # A public placeholder; each run's released basis and its noise std go into the state.
+    return (layer_subspaces.layer_subspace_noise(
+        first_layer_bases(template, np.eye(in_dim, settings.input_rank, dtype=np.float32)),
+        clip_norm=settings.clip_norm, noise_multiplier=sigma, expected_batch_size=batch,
+        key=key),)
   if route == "public_subspace":
     basis = np.frombuffer(basis_bytes, np.float32).reshape(in_dim, settings.public_rank)
     return (layer_subspaces.layer_subspace_noise(
@@ -246,16 +276,19 @@ def _unclipped_sum(loss_fn):
 
 @functools.partial(jax.jit, static_argnames=("route", "txs", "init_fn", "loss_fn", "steps",
                                              "batch", "microbatch", "settings"))
-def _train(keys, lrs, X, y, states, edge_std, *, txs, route, init_fn, loss_fn, steps, batch,
-           microbatch, settings):
+def _train(keys, lrs, X, y, states, edge_std, run_bases, run_stds, *, txs, route, init_fn,
+           loss_fn, steps, batch, microbatch, settings):
   q = batch / X.shape[0]
   ema = settings.weight_ema
 
-  def one(key, lr):
+  def one(key, lr, run_basis, run_std):
     k_init, k_noise, k_sample = jax.random.split(key, 3)
     params = init_fn(k_init)
     noise_states = [_with_key(st, k) for st, k in
                     zip(states, jax.random.split(k_noise, max(1, len(states))))]
+    if route == "private_input_subspace":   # this run's released basis, its noise std (host)
+      noise_states[0] = noise_states[0]._replace(bases=first_layer_bases(params, run_basis),
+                                                 noise_std=run_std)
     adam = optax.adam(lr)
     if route == "non_private":
       grad_sum = _unclipped_sum(loss_fn)
@@ -321,7 +354,7 @@ def _train(keys, lrs, X, y, states, edge_std, *, txs, route, init_fn, loss_fn, s
 
   # Runs one after another inside the program (lax.map), not vmapped: on XLA:CPU (jaxlib
   # 0.10.2) a vmapped while_loop (the Poisson sum) next to an SVD in one scan body deadlocked.
-  return jax.lax.map(lambda a: one(*a), (keys, lrs))
+  return jax.lax.map(lambda a: one(*a), (keys, lrs, run_bases, run_stds))
 
 
 def _shapes(params) -> tuple:
@@ -335,6 +368,21 @@ def _shapes(params) -> tuple:
                      f"{jnp.shape(params[0]['w'])}.")
   return tuple(tuple(sorted((name, tuple(jnp.shape(x))) for name, x in layer.items()))
                for layer in params)
+
+
+def _private_input_bases(keys, X, state, template, eps_s, delta_s, settings):
+  """One Analyze Gauss release per run (its key folded from the run's key), the basis
+  ``(K, d, r)`` and the noise std ``(K,)`` that :func:`update_layer_bases` computes for it
+  (σC times the released basis's norm bound, on the host)."""
+  bases, stds = [], []
+  for key in keys:
+    basis = np.asarray(subspace_lib.analyze_gauss(
+        jax.random.fold_in(key, 1), X, epsilon=eps_s, delta=delta_s, k=settings.input_rank,
+        clip_norm=settings.input_clip_norm).basis, np.float32)
+    swapped = layer_subspaces.update_layer_bases(state, first_layer_bases(template, basis))
+    bases.append(basis)
+    stds.append(np.float32(swapped.noise_std))
+  return np.stack(bases), np.stack(stds)
 
 
 def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: Callable,
@@ -351,7 +399,11 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   Privacy: every route of :data:`ROUTES` but ``non_private`` is ``(ε, δ)``-DP under add/remove-one of a row of
   ``data`` (σ calibrated by ``accountant`` over ``steps`` Poisson-sampled Gaussian releases; GEP's
   two clipped parts are noised at σ times their joint sensitivity √2; the trajectory bases read
-  released updates only; the public basis reads ``public_inputs`` only). ``oracle_subspace``
+  released updates only; the public basis reads ``public_inputs`` only;
+  ``private_input_subspace``'s basis is an Analyze Gauss release at ``(ε_s, δ_s)`` — calibrated
+  for the replace-one sensitivity 2C_x², so also ``(ε_s, δ_s)``-DP under add/remove-one, whose
+  sensitivity is C_x² — and the SGD steps are calibrated to ``(ε − ε_s, δ − δ_s)``: the total
+  is ``(ε, δ)`` by basic (adaptive) composition). ``oracle_subspace``
   (:data:`DIAGNOSTIC_ROUTES`) is NOT private: its bases read all of ``data``. The learning rates
   are public inputs: choosing them on private rows is a cost this function does not account.
 
@@ -377,8 +429,10 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     ValueError: an unknown route, mismatched keys and learning rates, a public route without
       ``public_inputs`` (or a private one with them), a model that is not a list of dense layers,
       bad sizes, ``settings.gep_edge_scale`` not None and not > 0, ``settings.oracle_rank`` or
-      ``settings.oracle_refresh`` < 1.
-    TypeError: ``settings.oracle_rank`` or ``settings.oracle_refresh`` not an integer.
+      ``settings.oracle_refresh`` < 1; for ``private_input_subspace`` ``settings.input_rank``
+      outside ``[1, d]``, a fraction outside (0, 1) or ``input_clip_norm`` not > 0.
+    TypeError: ``settings.oracle_rank``, ``settings.oracle_refresh`` or ``settings.input_rank``
+      not an integer.
   """
   if route not in ROUTES + DIAGNOSTIC_ROUTES:
     raise ValueError(f"route must be one of {ROUTES + DIAGNOSTIC_ROUTES}, got {route!r}.")
@@ -413,8 +467,18 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   scale = settings.gep_edge_scale
   if scale is not None:
     scale = v.check_positive(scale, "settings.gep_edge_scale")
+  private_input = route == "private_input_subspace"
+  if private_input:
+    v.check_int(settings.input_rank, "settings.input_rank", low=1, high=d)
+    for name in ("input_epsilon_fraction", "input_delta_fraction"):
+      if not 0.0 < float(getattr(settings, name)) < 1.0:
+        raise ValueError(f"settings.{name} must lie in (0, 1), got {getattr(settings, name)}.")
+    v.check_positive(settings.input_clip_norm, "settings.input_clip_norm")
+  # The basis's (ε_s, δ_s) (private_input_subspace only), composed with the SGD steps.
+  eps_s = settings.input_epsilon_fraction * float(epsilon) if private_input else 0.0
+  delta_s = settings.input_delta_fraction * float(delta) if private_input else 0.0
   sigma = 0.0 if route == "non_private" else noise_multiplier(
-      float(epsilon), float(delta), batch / n, steps, accountant)
+      float(epsilon), float(delta), batch / n, steps, accountant, eps_s, delta_s)
   microbatch = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
   # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
   edge_std = jnp.float32((1.0 if scale is None else scale)
@@ -423,9 +487,16 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   txs = _transforms(route, float(sigma), batch, basis.tobytes(), shapes, static, loss_fn)
   template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
   states = tuple(tx.init(template) for tx in txs)
+  run_bases, run_stds = np.zeros((len(lrs), 1, 1), np.float32), np.zeros(len(lrs), np.float32)
+  if private_input:
+    run_bases, run_stds = _private_input_bases(keys, X, states[0], template, eps_s, delta_s,
+                                               settings)
   params, bases = _train(keys, jnp.asarray(lrs), jnp.asarray(X, jnp.float32), jnp.asarray(y),
-                         states, edge_std, txs=txs, route=route, init_fn=init_fn, loss_fn=loss_fn,
+                         states, edge_std, jnp.asarray(run_bases), jnp.asarray(run_stds),
+                         txs=txs, route=route, init_fn=init_fn, loss_fn=loss_fn,
                          steps=steps, batch=batch, microbatch=microbatch, settings=static)
   if route in PUBLIC_ROUTES:
     bases = jnp.asarray(basis)
+  elif private_input:
+    bases = jnp.asarray(run_bases)
   return RouteRun(params, float(sigma), route_rank(route, settings), bases)

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax import accounting, demo, sgd
+from dpjax import accounting, demo, sgd, subspace
 from dpjax.sgd import routes
 
 D, N = 12, 400
@@ -48,7 +48,7 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
   private rows, the subspace rank and bases."""
   keys = jnp.stack([jax.random.key(0), jax.random.key(1), jax.random.key(0)])
   run = _run(route, data, keys, settings=sgd.RouteSettings(gep_rank=3, public_rank=4,
-                                                           gep_refreshes=2))
+                                                           gep_refreshes=2, input_rank=4))
   shapes = [(3, *x.shape) for x in jax.tree_util.tree_leaves(INIT(jax.random.key(0)))]
   assert [x.shape for x in jax.tree_util.tree_leaves(run.params)] == shapes
   leaves = jax.tree_util.tree_leaves(run.params)
@@ -56,10 +56,12 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
   for x in leaves:
     np.testing.assert_array_equal(x[0], x[2])         # same key, same run
   assert any(not np.array_equal(x[0], x[1]) for x in leaves)
-  assert run.rank == {"gep_trajectory": 3, "public_subspace": 4}.get(route)
+  assert run.rank == {"gep_trajectory": 3, "public_subspace": 4,
+                      "private_input_subspace": 4}.get(route)
   n = N - 40 if route in sgd.PUBLIC_ROUTES else N
+  share = (0.2, 0.1e-5) if route == "private_input_subspace" else (0.0, 0.0)
   expected = 0.0 if route == "non_private" else routes.noise_multiplier(2.0, 1e-5, 32 / n, 12,
-                                                                         "rdp")
+                                                                         "rdp", *share)
   assert run.noise_multiplier == expected
   if route == "gep_trajectory":
     assert run.bases.shape == (3, D, 3)
@@ -67,6 +69,9 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
     np.testing.assert_allclose(gram, np.broadcast_to(np.eye(3), gram.shape), atol=1e-4)
   elif route == "public_subspace":
     assert run.bases.shape == (D, 4)
+  elif route == "private_input_subspace":
+    assert run.bases.shape == (3, D, 4)
+    np.testing.assert_array_equal(run.bases[0], run.bases[2])
   else:
     assert run.bases is None
 
@@ -117,7 +122,7 @@ def test_trajectory_bases_read_only_released_updates(data):
   def bases_after(X, y):
     _, bases = routes._train(jnp.stack([jax.random.key(3)]), jnp.array([0.05]), X, y,
                              tuple(tx.init(params) for tx in txs), jnp.float32(edge_std),
-                             txs=txs,
+                             jnp.zeros((1, 1, 1)), jnp.zeros(1), txs=txs,
                              route="gep_trajectory", init_fn=INIT, loss_fn=demo.example_loss,
                              steps=10, batch=32, microbatch=56, settings=settings)
     return np.asarray(bases[0])
@@ -206,6 +211,40 @@ def test_gep_two_sided_bases_are_orthonormal_factor_pairs(data):
     np.testing.assert_array_equal(x[0], x[1])
 
 
+def test_private_input_subspace_pays_its_share_and_releases_one_basis_per_run(data):
+  """private_input_subspace: σ is DP-SGD's at (ε − ε_s, δ − δ_s) (basic composition with the
+  Analyze Gauss release at (ε_s, δ_s), total ≤ (ε, δ)); each run's basis is Analyze Gauss on
+  the rows' inputs with a key folded from the run's key (orthonormal, equal for equal keys,
+  different otherwise); its noise std is σC times that basis's norm bound."""
+  settings = sgd.RouteSettings(input_rank=3, input_epsilon_fraction=0.2,
+                               input_delta_fraction=0.3, input_clip_norm=2.0)
+  keys = jnp.stack([jax.random.key(0), jax.random.key(1)])
+  run = _run("private_input_subspace", data, keys, settings=settings, steps=4)
+  budget = accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=32 / N, steps=4,
+                                        subspace_epsilon=0.4, subspace_delta=0.3e-5,
+                                        accountant="rdp")
+  assert run.noise_multiplier == budget.noise_multiplier
+  assert budget.epsilon <= 2.0 + 1e-9 and budget.delta <= 1e-5 * (1 + 1e-9)
+  assert run.noise_multiplier > routes.noise_multiplier(2.0, 1e-5, 32 / N, 4, "rdp")
+  expected = subspace.analyze_gauss(jax.random.fold_in(keys[1], 1), data[0], epsilon=0.4,
+                                    delta=0.3e-5, k=3, clip_norm=2.0).basis
+  np.testing.assert_allclose(run.bases[1], expected, atol=1e-6)
+  assert not np.allclose(np.abs(run.bases[0]), np.abs(run.bases[1]), atol=1e-2)
+  gram = np.einsum("kdr,kds->krs", run.bases, run.bases)
+  np.testing.assert_allclose(gram, np.broadcast_to(np.eye(3), gram.shape), atol=1e-4)
+  template = INIT(jax.random.key(0))
+  tx = sgd.layer_subspace_noise(routes.first_layer_bases(template, np.eye(D, 3,
+                                                                          dtype=np.float32)),
+                                clip_norm=1.0, noise_multiplier=run.noise_multiplier,
+                                expected_batch_size=32, key=jax.random.key(0))
+  bases, stds = routes._private_input_bases(keys, np.asarray(data[0]), tx.init(template),
+                                            template, 0.4, 0.3e-5, settings)
+  for basis, std in zip(bases, stds):
+    bound = sgd.transforms.basis_norm_bound(basis)
+    assert std >= np.float32(run.noise_multiplier * max(1.0, bound))
+    assert std == pytest.approx(run.noise_multiplier * max(1.0, bound), rel=1e-6)
+
+
 def test_gep_edge_noise_std_is_the_stated_public_bound():
   s = sgd.RouteSettings(clip_norm=2.0, gep_residual_clip=0.5, gep_filter=0.8)
   expected = 3.0 * 2.0 / 64 * np.sqrt(2 * (1 + 0.25)) * np.sqrt(0.2 / 1.8)
@@ -233,6 +272,15 @@ def test_oracle_settings_must_be_integers(data):
     ("gep_trajectory", {"settings": sgd.RouteSettings(gep_edge_scale=0.0)}, "gep_edge_scale"),
     ("gep_trajectory", {"settings": sgd.RouteSettings(gep_edge_scale=-1.0)}, "gep_edge_scale"),
     ("oracle_subspace", {"settings": sgd.RouteSettings(oracle_rank=0)}, "oracle_rank"),
+    ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=D + 1)}, "input_rank"),
+    ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=2,
+                                                              input_epsilon_fraction=0.0)},
+     "input_epsilon_fraction"),
+    ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=2,
+                                                              input_delta_fraction=1.0)},
+     "input_delta_fraction"),
+    ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=2, input_clip_norm=0.0)},
+     "input_clip_norm"),
     ("oracle_subspace", {"settings": sgd.RouteSettings(oracle_refresh=0)}, "oracle_refresh"),
 ])
 def test_bad_arguments_raise_clear_errors(route, kwargs, match, data):
