@@ -126,7 +126,7 @@ def test_demo_runs_every_other_option(user_data, tmp_path):
   assert report["steps"] == 3 and report["delta"] == 1e-6
   assert report["subspace_epsilon_fraction"] == 0.5
   _check_schema(report, epsilon=4.0, delta=1e-6)
-  assert [r["seed"] for r in report["results"]] == [0] * 7
+  assert [r["seed"] for r in report["results"]] == [0] * len(demo.METHODS)
   # DPASE fits at this share (n = 360 rows, t subsets of k + 1 = 4 rows): every run is real.
   assert subspace.dpase_parameters(360, demo.num_params((10, 8, 3)), 3, epsilon=2.0,
                                    delta=1e-7, gamma=1e-4).subset_size >= 4
