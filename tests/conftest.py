@@ -14,9 +14,17 @@
   hold at both levels (checked: one that did not exposed an inaccurate small-angle
   ``projection_distance``, since fixed). ``--run-slow`` (CI) and ``--xla-default-opt`` keep XLA's
   default level, what users run; a level already set in ``XLA_FLAGS`` is left alone.
+* A worker frees JAX's compiled programs (``jax.clear_caches()``) when its memory mappings pass
+  half of Linux's ``vm.max_map_count``: XLA:CPU holds each compiled executable in three
+  mappings, JAX's caches keep up to ~16k executables alive, and at the limit (65,530 by default,
+  about 21,800 executables) XLA's compiler crashes ("LLVM compilation error: Cannot allocate
+  memory", then a segfault in ``backend_compile_and_load``). A long-lived worker of the full
+  suite compiles more programs than that; ``docs/development.md`` has the reduction.
 """
 
+import gc
 import os
+import sys
 
 import pytest
 
@@ -49,6 +57,13 @@ def _full(config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+  # Every slow mark says what it covers that the default run does not.
+  unexplained = [item.nodeid for item in items
+                 if any(not str(mark.kwargs.get("reason", "")).strip()
+                        for mark in item.iter_markers("slow"))]
+  if unexplained:
+    raise pytest.UsageError("slow marks without a reason (use pytest.mark.slow(reason=...)): "
+                            + ", ".join(unexplained[:10]))
   if config.getoption("--run-slow") or config.getoption("markexpr"):
     return
   kept, slow = [], []
@@ -64,6 +79,28 @@ def pytest_report_header(config):
     return "dpjax: full suite (slow tests included, audits at full trial counts)"
   return ("dpjax: fast suite (slow tests deselected, audits at reduced trial counts, XLA_FLAGS="
           f"{os.environ.get('XLA_FLAGS', '')!r}; --run-slow for the full suite)")
+
+
+def _map_limit() -> int | None:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return None                                 # not Linux: no such limit to guard
+
+
+_MAP_LIMIT = _map_limit()
+
+
+def _mappings() -> int:
+  with open("/proc/self/maps", "rb") as f:
+    return f.read().count(b"\n")
+
+
+def pytest_runtest_teardown(item):
+  if _MAP_LIMIT is not None and "jax" in sys.modules and _mappings() > _MAP_LIMIT // 2:
+    sys.modules["jax"].clear_caches()
+    gc.collect()
 
 
 @pytest.fixture

@@ -16,6 +16,27 @@ def normal(seed, shape, dtype=jnp.float32):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
+def count_compilations(run, monkeypatch, *, clear: bool = True) -> int:
+  """How many XLA compilations happen during ``run()``.
+
+  ``clear`` (default) empties JAX's caches first, so that any JAX operation inside ``run`` must
+  compile again and is counted (a program compiled ahead of time keeps its executable).
+  """
+  from jax._src import compiler
+  count = [0]
+  real = compiler.backend_compile_and_load
+
+  def counted(*args, **kwargs):
+    count[0] += 1
+    return real(*args, **kwargs)
+
+  if clear:
+    jax.clear_caches()
+  monkeypatch.setattr(compiler, "backend_compile_and_load", counted)
+  jax.block_until_ready(run())
+  return count[0]
+
+
 def print_audit_table(rows):
   """Prints ``(name, (claimed ε, empirical ε lower bound, trials))`` rows (visible with -s)."""
   if rows:

@@ -68,9 +68,15 @@ def _check_block_independence(batch, fn, name, shape, dtype):
     assert any(not np.array_equal(x[3], y[3]) for x, y in zip(_leaves(before), _leaves(after)))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=pytest.mark.slow)])
-# By default one case per top-k method; --run-slow runs both routes of each.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n
+_SECOND_ROUTE = pytest.mark.slow(reason="the second route of its top-k method; the default run "
+                                         "checks one route per method")
+
+
+@pytest.mark.parametrize("dtype", [
+    jnp.float32,
+    pytest.param(jnp.float64, marks=pytest.mark.slow(reason="float64 blocks; the default run "
+                                                            "checks float32"))])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_SECOND_ROUTE) if n in SLOW_CASES else n
                                   for n in sorted(DECOMPOSITIONS)])
 def test_changing_one_block_leaves_the_others_bitwise_unchanged(name, dtype):
   fn, shape = DECOMPOSITIONS[name]
@@ -110,7 +116,8 @@ def test_map_blocks_batches_on_verified_backends_only(monkeypatch):
   assert "scan" in jaxpr or "while" in jaxpr                        # one call per block
 
 
-@pytest.mark.slow    # the per-block tests above cover both solvers by default
+@pytest.mark.slow(reason="subsets gathered 3 per chunk stay independent; DPASE's small runs "
+                         "gather in one chunk")
 @pytest.mark.parametrize("method", ["exact", "subspace_iteration"])
 def test_gathered_subsets_chunked_are_independent(method, monkeypatch):
   """DPASE's path: subsets gathered by index from one X, a few subsets per chunk (``lax.map``

@@ -23,7 +23,8 @@ def _load(name):
   return importlib.import_module(name)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="dpase_speed's NumPy baseline equals dpjax's top-k (both routes, all "
+                         "methods); a benchmark check, not library code")
 def test_numpy_top_k_matches_dpjax():
   bench = _load("dpase_speed")
   rng = np.random.default_rng(0)
@@ -36,7 +37,7 @@ def test_numpy_top_k_matches_dpjax():
       np.testing.assert_allclose(ours, np.asarray(theirs), atol=1e-4)   # same signs (canonical_signs)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the DPASE speed benchmark's options (Gram and covariance routes)")
 @pytest.mark.parametrize("shape", [("600", "40"), ("1500", "8")])   # m < d, then m ≥ d
 def test_dpase_speed_options(tmp_path, shape):
   pytest.importorskip("threadpoolctl")
@@ -68,7 +69,8 @@ def test_closeness_baselines_match_dpjax():
     np.testing.assert_array_equal(bench.numpy_closeness_batched(Y, 1.5, chunk_bytes=1), ours)
 
 
-@pytest.mark.slow    # as every benchmark's options test (the full suite runs them)
+@pytest.mark.slow(reason="the covariance benchmark's --speed-only options and its NumPy "
+                         "predicates on both Cholesky paths")
 def test_covariance_speed_options(tmp_path):
   pytest.importorskip("threadpoolctl")
   path = tmp_path / "out.json"
@@ -82,7 +84,8 @@ def test_covariance_speed_options(tmp_path):
     assert len(sp["results"]) == 4
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the covariance benchmark's accuracy options: learners at their minimum "
+                         "n, the required-n tables, the plot")
 def test_covariance_accuracy_options(tmp_path):
   pytest.importorskip("matplotlib")
   path, plot = tmp_path / "out.json", tmp_path / "fig.png"
@@ -105,50 +108,51 @@ def test_covariance_accuracy_options(tmp_path):
   assert summary["learn_covariance_required_n"]["5,1"] < 0.6 * 2 * summary["required_n"]["5,1"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the gradient-subspace benchmark's options (routes' training programs "
+                         "compile per data set and model)")
 def test_gradient_subspace_options(tmp_path):
-  """Every option at tiny sizes; the JSON has the documented summary schema and wins rule."""
+  """Every option at toy sizes (3 steps, 2 seeds, one model per call, as many tuning runs as
+  evaluation runs so each route compiles once); the JSON has the documented summary schema
+  and wins rule. It tests that the options work, not the results."""
   pytest.importorskip("matplotlib")
   pytest.importorskip("sklearn")
   path, plot = tmp_path / "out.json", tmp_path / "acc.png"
-  out = _load("gradient_subspace").main(
-      ["--quick", "--seeds", "3", "--tuning-seeds", "1", "--learning-rates", "0.05", "0.1",
-       "--epsilons", "1", "2", "--datasets", "digits", "generated", "--rows", "1500",
-       "--models", "softmax", "mlp_small", "--steps", "12", "--json", str(path),
-       "--plot", str(plot)])
+  bench = _load("gradient_subspace")
+  out = bench.main(
+      ["--quick", "--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.05", "0.1",
+       "--epsilons", "1", "2", "--datasets", "digits", "generated", "--rows", "300",
+       "--models", "softmax", "--steps", "3", "--json", str(path), "--plot", str(plot)])
   saved = json.loads(path.read_text())
   assert saved["summary"] == json.loads(json.dumps(out["summary"]))
-  bench = _load("gradient_subspace")
   for dataset in ("digits", "generated"):
-    for model in ("softmax", "mlp_small"):
-      for eps in ("1", "2"):
-        rows = saved["summary"][f"{dataset}/{model}/eps={eps}"]
-        assert set(rows) == set(bench.ROUTES)
-        assert rows["dp_sgd"]["diff"] == 0 and not rows["dp_sgd"]["wins"]
-        for route, r in rows.items():
-          assert 0 <= r["acc"] <= 1 and r["ci"][0] <= r["diff"] <= r["ci"][1]
-          assert r["learning_rate"] in (0.05, 0.1)
-          assert r["private"] == (route != "non_private")
-          assert r["wins"] == (route not in ("dp_sgd", "non_private") and r["ci"][0] > 0
-                               and r["vs_best_dp_sgd"] > 0)
+    for eps in ("1", "2"):
+      rows = saved["summary"][f"{dataset}/softmax/eps={eps}"]
+      assert set(rows) == set(bench.ROUTES)
+      assert rows["dp_sgd"]["diff"] == 0 and not rows["dp_sgd"]["wins"]
+      for route, r in rows.items():
+        assert 0 <= r["acc"] <= 1 and r["ci"][0] <= r["diff"] <= r["ci"][1]
+        assert r["learning_rate"] in (0.05, 0.1)
+        assert r["private"] == (route != "non_private")
+        assert r["wins"] == (route not in ("dp_sgd", "non_private") and r["ci"][0] > 0
+                             and r["vs_best_dp_sgd"] > 0)
   assert [r for r in bench.ROUTES if "public" in r] == ["public_subspace"]
   # Paired seeds: the non-private route's test accuracies are shared across ε.
   d = saved["details"]
   assert d["digits/softmax/eps=1"]["non_private"] == d["digits/softmax/eps=2"]["non_private"]
   assert plot.stat().st_size > 0
-  sub = bench.main(["--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.1",
-                    "--epsilons", "2", "--datasets", "digits", "--models", "softmax",
-                    "--routes", "gep_trajectory", "--steps", "12", "--gep-edge-scale", "0.5",
-                    "--gep-two-sided", "--oracle-refresh", "1", "5", "--oracle-rank", "2"])
-  rows = sub["summary"]["digits/softmax/eps=2"]
-  assert set(rows) == {"dp_sgd", "gep_trajectory", "oracle_every1", "oracle_every5"}
+  sub = bench.main(["--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.05", "0.1",
+                    "--epsilons", "2", "--datasets", "digits", "--models", "mlp_small",
+                    "--routes", "gep_trajectory", "--steps", "3", "--gep-edge-scale", "0.5",
+                    "--gep-two-sided", "--oracle-refresh", "1", "2", "--oracle-rank", "2"])
+  rows = sub["summary"]["digits/mlp_small/eps=2"]
+  assert set(rows) == {"dp_sgd", "gep_trajectory", "oracle_every1", "oracle_every2"}
   assert sub["config"]["route_settings"]["gep_edge_scale"] == 0.5
   assert sub["config"]["route_settings"]["gep_two_sided"] is True
-  for name in ("oracle_every1", "oracle_every5"):   # the ablation is not private: never a win
+  for name in ("oracle_every1", "oracle_every2"):   # the ablation is not private: never a win
     assert not rows[name]["private"] and not rows[name]["wins"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the synthetic-data benchmark's options and its NumPy PMM baseline")
 def test_synthetic_data_options(tmp_path):
   """Every option at tiny sizes; the JSON has the documented summary schema, both PNGs exist and
   the NumPy baseline's PMM pieces equal dpjax's."""
@@ -192,7 +196,7 @@ def test_synthetic_data_options(tmp_path):
     assert (tmp_path / name).stat().st_size > 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the classic PCA/ERM benchmark's options (diffprivlib when present)")
 def test_classic_options(tmp_path):
   """benchmarks/classic.py with every option at tiny sizes: the documented JSON summary schema,
   both PNGs, diffprivlib measured or reported missing (never a crash)."""
@@ -223,7 +227,7 @@ def test_classic_options(tmp_path):
     assert (tmp_path / f"fig_{kind}.png").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the ERM regularisation benchmark's options")
 def test_erm_regularization_options(capsys):
   bench = _load("erm_regularization")
   bench.main(["--quick", "--dataset", "digits", "--epsilons", "1", "--uncentred"])
@@ -232,7 +236,8 @@ def test_erm_regularization_options(capsys):
   assert "κ=" in text and "non-private" in text
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the scaling benchmark's options: simulated-device and streaming "
+                         "worker processes")
 def test_scaling_options(tmp_path):
   """Every documented option of benchmarks/scaling.py at tiny sizes (--gpu only where a GPU is:
   it runs the same workers on the host's real devices)."""
@@ -257,7 +262,7 @@ def test_scaling_options(tmp_path):
     _load("scaling").main(["--gpu", "--devices", "1", "--skip-in-memory", *tiny])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the DP-SGD step benchmark's options, its peers' steps included")
 def test_dpsgd_step_options(tmp_path):
   """Every option at tiny sizes: one model above --max-per-example-gb (micro-batched per-example
   sides), one below (ghost checked against the vmap path); the summary has the issue's keys."""
@@ -276,7 +281,8 @@ def test_dpsgd_step_options(tmp_path):
   assert set(big["median_s"]) >= {"nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd"}
 
 
-@pytest.mark.slow   # four learn_gaussian runs on 1.7·10⁶ rows (about a minute)
+@pytest.mark.slow(reason="four learn_gaussian runs at its minimum n (1.7·10⁶ rows); "
+                         "tests/ashtiani_liaw runs it at small n")
 def test_learn_gaussian_at_its_minimum_n_on_the_model_data_answers_accurately():
   """Issue 16's end-to-end check at the new calibration (d = 5, rank 3, ε = 1, ‖μ‖ = 10⁶,
   eigenvalues 10^U(−6, 6)): trial 3 answered ok=True with a mean off by 10⁶ before the

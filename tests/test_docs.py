@@ -3,7 +3,10 @@
 import json
 import pathlib
 import re
+import types
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -15,17 +18,52 @@ def _run(source: str, name: str) -> dict:
   return namespace
 
 
-@pytest.mark.slow
-def test_readme_example_runs():
+def _rdp_epsilon(budget) -> float:
+  """ε of the T Poisson-sampled Gaussian steps by dp_accounting's own RDP accountant (its
+  default orders), from the budget's public numbers: an independent recomputation."""
+  import dp_accounting
+  event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+      budget.sampling_prob, dp_accounting.GaussianDpEvent(budget.noise_multiplier)),
+      budget.steps)
+  accountant = dp_accounting.rdp.RdpAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+  return accountant.compose(event).get_epsilon(budget.delta)
+
+
+def _assert_budget(budget, *, epsilon, delta, sampling_prob, steps):
+  """The guarantee the example claims, for the sampling and steps written in it."""
+  assert budget.neighbouring.name == "ADD_OR_REMOVE_ONE"
+  assert budget.sampling_prob == pytest.approx(sampling_prob) and budget.steps == steps
+  assert budget.delta <= delta
+  independent = _rdp_epsilon(budget)
+  assert independent <= epsilon * (1 + 1e-3), independent
+  assert budget.epsilon == pytest.approx(independent, rel=0.02)
+
+
+@pytest.mark.slow(reason="trains with a public subspace for 100 steps; the privatizer example "
+                         "below runs by default")
+def test_readme_example_runs(monkeypatch):
+  """The first example as written: DPASE answers near the truth, and DP-SGD trains on rows
+  disjoint from the ones it calls public, at the stated (ε, δ)."""
+  import dpjax
   text = (ROOT / "README.md").read_text()
   code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+  calls = []
+  real = dpjax.sgd.train_dp_sgd
+  monkeypatch.setattr(dpjax.sgd, "train_dp_sgd",
+                      lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
   ns = _run(code, "README.md")
   assert bool(ns["res"].ok) and float(ns["metrics"].projection_distance(
       ns["res"].basis, ns["model"].basis)) < 0.1
-  assert ns["out"].budget.epsilon <= 2.0 + 1e-9
+  (args, kwargs), = calls
+  train_rows = {r.tobytes() for r in np.asarray(args[3][0])}
+  public_rows = {r.tobytes() for r in np.asarray(kwargs["public_data"][0])}
+  assert public_rows and not train_rows & public_rows          # private as written
+  _assert_budget(ns["out"].budget, epsilon=2.0, delta=1e-5, sampling_prob=180 / 1_800, steps=100)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the README's covariance example; the privatizer example runs by "
+                         "default")
 def test_readme_covariance_example_runs():
   text = (ROOT / "README.md").read_text()
   code = re.findall(r"```python\n(.*?)```", text, re.S)[1]
@@ -34,27 +72,63 @@ def test_readme_covariance_example_runs():
                                                                ns["Sigma"]) < 0.1
 
 
-def test_readme_privatizer_example_runs():
-  """The optax-loop example: at most 5 DP-specific lines (issue 11 §3), and it learns."""
+def test_readme_privatizer_example_runs(monkeypatch):
+  """The optax-loop example as written is DP-SGD at the (ε, δ) it prints, and it learns: the
+  loop draws exactly T fresh Poisson samples, every one goes through the noise transform, that
+  noise has std σC with the C the gradients are clipped at, and (σ, q, T) give ε ≤ 2 by
+  dp_accounting's own RDP accountant."""
+  import dpjax
+  import optax
   text = (ROOT / "README.md").read_text()
   code = re.findall(r"```python\n(.*?)```", text, re.S)[2]
-  assert 1 <= code.count("# DP") <= 5
+  sums, updates, made = [], [], []
+  real = dpjax.sgd.dp_sgd_privatizer
+
+  def spying_privatizer(*args, **kwargs):
+    dp = real(*args, **kwargs)
+    made.append(dp)
+
+    def clipped_sum(params, data, key):
+      out = dp.clipped_sum(params, data, key)
+      sums.append((np.asarray(jax.random.key_data(key)).tobytes(), out))
+      return out
+
+    def update(grads, state, params=None):
+      out, state = dp.transform.update(grads, state, params)
+      updates.append((grads, out))
+      return out, state
+
+    return types.SimpleNamespace(clipped_sum=clipped_sum, budget=dp.budget,
+                                 transform=optax.GradientTransformation(dp.transform.init, update))
+
+  monkeypatch.setattr(dpjax.sgd, "dp_sgd_privatizer", spying_privatizer)
   ns = _run(code, "README.md#privatizer")
+  dp, = made
   assert float(ns["jnp"].linalg.norm(ns["params"] - ns["jnp"].arange(1.0, 6.0))) < 0.5
-  assert ns["dp"].budget.epsilon <= 2.0 + 1e-9
+  assert len(sums) == len(updates) == dp.steps == 200
+  assert len({key for key, _ in sums}) == dp.steps                        # fresh keys
+  assert all(g is s for (g, _), (_, s) in zip(updates, sums))             # every sum is noised
+  clip = dp.grad_fn.l2_norm_bound
+  assert clip == 5.0
+  noise = np.stack([np.asarray(out) * dp.expected_batch_size - np.asarray(g)
+                    for g, out in updates])                              # (T, 5): σC·N(0, 1)
+  assert np.std(noise) == pytest.approx(dp.noise_multiplier * clip, rel=0.1)
+  _assert_budget(dp.budget, epsilon=2.0, delta=1e-5, sampling_prob=50 / 1_000, steps=200)
 
 
-@pytest.mark.slow    # a subprocess; the sharded step's audit runs by default
+@pytest.mark.slow(reason="the README's mesh example trains; the sharded step's audit runs by "
+                         "default")
 def test_readme_several_devices_example_runs():
   """The mesh example runs (on however many devices this process has) and learns."""
   text = (ROOT / "README.md").read_text()
   code = re.findall(r"```python\n(.*?)```", text, re.S)[3]
   assert "mesh=mesh" in code
   ns = _run(code, "README.md#devices")
-  assert float(ns["out"].params[0]) > 0.5 and ns["out"].budget.epsilon <= 2.0 + 1e-9
+  assert float(ns["out"].params[0]) > 0.5
+  _assert_budget(ns["out"].budget, epsilon=2.0, delta=1e-5, sampling_prob=100 / 2_000, steps=50)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the quickstart notebook; no notebook runs by default")
 def test_quickstart_notebook_runs():
   nb = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text())
   code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
@@ -62,7 +136,7 @@ def test_quickstart_notebook_runs():
   assert ns["out"].subspace_ok is True and ns["out"].history[-1]["accuracy"] > 0.9
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the private_subspaces notebook (reduced); no notebook runs by default")
 def test_private_subspaces_notebook_runs_reduced(monkeypatch):
   monkeypatch.setenv("DPJAX_NOTEBOOK_QUICK", "1")
   nb = json.loads((ROOT / "notebooks" / "private_subspaces.ipynb").read_text())
@@ -72,14 +146,16 @@ def test_private_subspaces_notebook_runs_reduced(monkeypatch):
   assert all(r[1] < 0.1 for r in ns["rows"])                 # DPASE accurate at every d
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the private_gaussians notebook (reduced); no notebook runs by default")
 def test_private_gaussians_notebook_runs_reduced(monkeypatch):
   monkeypatch.setenv("DPJAX_NOTEBOOK_QUICK", "1")
   nb = json.loads((ROOT / "notebooks" / "private_gaussians.ipynb").read_text())
   code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
   ns = _run(code, "private_gaussians.ipynb")
   assert ns["baseline_error"] > 1.0                          # the guessed clip bound fails
-  assert bool(ns["refined"].ok) and ns["refined_error"] < min(0.05, ns["coarse_error"])
+  # refine_accuracy (0.1) is the refinement's typical error at the minimum n (about half of the
+  # keys land above 0.05 there, before and after issue 33's NumPy host RNG).
+  assert bool(ns["refined"].ok) and ns["refined_error"] < min(0.1, ns["coarse_error"])
   assert ns["gauss"].ok and ns["gauss_cov_error"] < 0.1   # singular Σ; refine_accuracy at min n
   assert ns["bad"].failed_step_name == "covariance" and ns["lines"].failed_step_name == "subspace"
 
@@ -125,7 +201,7 @@ def test_every_cited_section_exists():
   assert not missing, missing
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the synthetic_data notebook (reduced); no notebook runs by default")
 def test_synthetic_data_notebook_runs_reduced(monkeypatch):
   import matplotlib
   import numpy as np
@@ -145,7 +221,7 @@ def test_synthetic_data_notebook_runs_reduced(monkeypatch):
   ns["plt"].close("all")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the classic_pca_erm notebook (reduced); no notebook runs by default")
 def test_classic_pca_erm_notebook_runs_reduced(monkeypatch):
   """The notebook's lessons hold at its reduced size: PPCA and Analyze Gauss capture more
   variance at the larger ε than MOD-SuLQ, and objective perturbation at ε = 3 beats the

@@ -24,7 +24,8 @@ def _expected_failed(estimator):
 
 
 @pytest.mark.filterwarnings("ignore::dpjax.estimators.PrivacyLeakWarning")
-@pytest.mark.slow                   # about a hundred fits; test_fit_* below run by default
+@pytest.mark.slow(reason="scikit-learn's estimator checks (about a hundred fits); test_fit_* run "
+                         "by default")
 @parametrize_with_checks([PrivatePCA(n_components=1, random_state=0),
                           PrivatePCA(n_components=1, method="ppca", random_state=0),
                           PrivateLogisticRegression(random_state=0)],
@@ -58,7 +59,8 @@ def test_fit_private_pca(method):
   np.testing.assert_allclose(est.inverse_transform(Z).shape, X.shape)
 
 
-@pytest.mark.slow    # two fits; the estimators' other tests run by default
+@pytest.mark.slow(reason="LR's accuracy, determinism and multiclass fit; the default run fits "
+                         "binary LR")
 def test_fit_private_logistic_regression_binary_and_multiclass():
   X, y = _digits_like(n=2000)
   X_copy = X.copy()

@@ -39,7 +39,8 @@ def test_ledger_enforces_one_relation():
     ledger.record_event("gaussian")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="dpase and train_dp_sgd record into a ledger; the default run records "
+                         "streaming DPASE")
 def test_dpase_and_training_record_into_a_ledger():
   import jax
   import jax.numpy as jnp

@@ -159,8 +159,14 @@ def _spiked(key, m, d, k, noise, dtype=jnp.float32):
   return Z @ B.T + noise * normal(ke, (m, d), dtype), B
 
 
-@pytest.mark.parametrize("m,d", [(300, 80), pytest.param(40, 120, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("m,d", [
+    (300, 80),
+    pytest.param(40, 120, marks=pytest.mark.slow(reason="m < d (40 × 120); the default run checks "
+                                                        "300 × 80"))])
+@pytest.mark.parametrize("dtype", [
+    jnp.float32,
+    pytest.param(jnp.float64, marks=pytest.mark.slow(reason="float64; the default run checks "
+                                                            "float32"))])
 def test_subspace_iteration_agrees_with_the_exact_top_k(m, d, dtype):
   with jax.enable_x64(dtype == jnp.float64):
     X, _ = _spiked(jax.random.key(m + d), m, d, 4, 0.05, dtype)
@@ -194,7 +200,8 @@ def test_subspace_iteration_edge_cases():
     linalg.top_k_right_singular_vectors(X, 2, method="lanczos")
 
 
-@pytest.mark.slow        # test_batching checks the chunked gather against one batch by default
+@pytest.mark.slow(reason="gathered subsets equal the materialised blocks, per method; DPASE "
+                         "gathers by default")
 def test_gathered_top_k_equals_the_materialised_blocks():
   X = normal(4, (60, 20)) * jnp.linspace(2.0, 0.1, 20)
   index = jnp.arange(60).reshape(5, 12).at[2, -3:].set(60)         # 60 = a zero padding row
@@ -225,7 +232,8 @@ def _dot_precisions(closed):
 
 
 @pytest.mark.filterwarnings("ignore:DPASE")
-@pytest.mark.slow    # compiles every product-using function to read its HLO
+@pytest.mark.slow(reason="every privacy-bearing product asks for HIGHEST precision; no default "
+                         "test reads the traces")
 def test_dpjax_products_ask_for_full_precision():
   """On GPUs/TPUs a default-precision float32 product runs in TF32/bfloat16 (error ~1e-3), which
   would loosen the bounds the privacy arguments read off dpjax's products: every product in the

@@ -224,7 +224,8 @@ def test_determinism():
                         np.asarray(filtered_covariance(X, corruption=ETA)))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="output dtypes (float32, int input, float64 traced); the default run "
+                         "checks values")
 def test_dtypes_are_preserved():
   Xm, _ = _mean_sample(2, "far")
   Xc, _ = _cov_sample(2, "far")

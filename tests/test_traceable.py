@@ -8,6 +8,7 @@ per row of a ``vmap``. ``poisson_microbatches`` is host-only by design (its outp
 sampled batch size) and is absent here.
 """
 
+import contextlib
 import logging
 
 import jax
@@ -102,8 +103,6 @@ TRACED = {
                                                     min_group_size=50, num_groups=300), XL),
     "learn_covariance": (lambda k, x: AL.learn_covariance(k, x, epsilon=20., delta=1e-6,
                                                           min_group_size=50, num_groups=150), XL),
-    "learn_gaussian": (lambda k, x: AL.learn_gaussian(
-        k, x, epsilon=20., delta=1e-6, covariance_kwargs=dict(min_group_size=50)), XL),
     "ppme_mean": (lambda k, x: AL.ppme_mean(k, x, epsilon=4., delta=1e-5, num_groups=100,
                                             radius=10.), X8),
     "robust_mean": (lambda k, x: AL.robust_mean(k, x, epsilon=4., delta=1e-5, corruption=0.01,
@@ -153,12 +152,26 @@ TRACED = {
 # Full suite only (issue 11 §8: the default run under 5 minutes). Each of these functions' modules
 # keeps its own default tests; the default audits run most of them (or their wrappers) under
 # jit(vmap) over trials (tests/audit), and mod_sulq keeps its entry here.
-SLOW = {"al_covariance", "learn_covariance", "learn_gaussian", "robust_covariance", "dpaseb",
+SLOW = {"al_covariance", "learn_covariance", "robust_covariance", "dpaseb",
         "private_gradient_subspace", "dpase", "approximate_subspace_data",
         "low_dimensional_cube_data", "ppca(k=2)", "output_perturbation", "one_vs_rest",
         "robust_mean", "coinpress_covariance", "dpese", "ppca", "pmm_core", "al_subspace",
         "dpase_core", "objective_perturbation", "ppme_mean", "stable_histogram",
         "discrete_laplace_mechanism", "gap_max_core", "coinpress_mean", "psmm_noisy_counts"}
+
+# Float64 learners (dpjax._host.float64): traceable with JAX's x64 mode on only (a float32 trace
+# raises TypeError, tested in their modules), so traced here inside `jax.enable_x64(True)`.
+X64 = {"coinpress_mean", "coinpress_covariance", "mod_sulq", "ppca", "ppca(k=2)",
+       "output_perturbation", "objective_perturbation", "one_vs_rest"}
+X64 |= {"al_subspace", "al_covariance", "learn_covariance", "ppme_mean", "robust_mean",
+        "robust_covariance"}
+
+# Orchestrated on the host (dpjax._host.eager_only: steps whose shapes depend on released
+# values): tracing raises TypeError naming the traceable pieces.
+EAGER_ONLY = {
+    "learn_gaussian": (lambda k, x: AL.learn_gaussian(
+        k, x, epsilon=20., delta=1e-6, covariance_kwargs=dict(min_group_size=50)), XL),
+}
 
 KEYS = jax.random.split(jax.random.key(7), 2)
 
@@ -199,32 +212,47 @@ def test_host_releases_agree_eagerly_under_jit_and_vmap(name):
     _assert_same(traced, batched[i], exact=True)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+_COSTLY = pytest.mark.slow(reason="jit(vmap) of a costly function (issue 11 §8); the audits vmap "
+                                   "most of these by default")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_COSTLY) if n in SLOW else n
                                   for n in sorted(TRACED)])
 def test_public_functions_run_under_jit_and_vmap(name):
   f, x = TRACED[name]
-  # jax.jit(f)(key, x) traces f with the data as a traced argument: eval_shape is that trace
-  # without compiling a program that jit(vmap(f)) below compiles and runs anyway.
-  abstract = jax.eval_shape(f, KEYS[0], x)
-  # The data closed over (concrete inside the trace): host checks must not stage jnp operations.
-  jax.make_jaxpr(lambda k: f(k, x))(KEYS[0])
-  run = jax.jit(jax.vmap(lambda k: f(k, x)))
-  batched = run(KEYS)
-  _assert_same(batched, run(KEYS), exact=True)                       # deterministic per key
-  # Static metadata stays static: the batched result has the traced tree structure.
-  assert jax.tree_util.tree_structure(batched) == jax.tree_util.tree_structure(abstract)
-  for a, b in zip(jax.tree_util.tree_leaves(abstract), _leaves(batched)):
-    assert b.shape == (len(KEYS),) + a.shape and b.dtype == a.dtype
-  if isinstance(abstract, dpjax.DPResult):
-    assert abstract.ok.dtype == jnp.bool_ and abstract.ok.shape == ()
-    eager = f(KEYS[0], x)
-    assert type(eager) is type(abstract)
-    _assert_same(eager, f(KEYS[0], x), exact=True)
-    assert (eager.epsilon, eager.delta, eager.neighbouring, eager.info) == (
-        abstract.epsilon, abstract.delta, abstract.neighbouring, abstract.info)
+  with jax.enable_x64(True) if name in X64 else contextlib.nullcontext():
+    # jax.jit(f)(key, x) traces f with the data as a traced argument: eval_shape is that trace
+    # without compiling a program that jit(vmap(f)) below compiles and runs anyway.
+    abstract = jax.eval_shape(f, KEYS[0], x)
+    # The data closed over (concrete inside the trace): host checks must not stage jnp operations.
+    jax.make_jaxpr(lambda k: f(k, x))(KEYS[0])
+    run = jax.jit(jax.vmap(lambda k: f(k, x)))
+    batched = run(KEYS)
+    _assert_same(batched, run(KEYS), exact=True)                       # deterministic per key
+    # Static metadata stays static: the batched result has the traced tree structure.
+    assert jax.tree_util.tree_structure(batched) == jax.tree_util.tree_structure(abstract)
+    for a, b in zip(jax.tree_util.tree_leaves(abstract), _leaves(batched)):
+      assert b.shape == (len(KEYS),) + a.shape and b.dtype == a.dtype
+    if isinstance(abstract, dpjax.DPResult):
+      assert abstract.ok.dtype == jnp.bool_ and abstract.ok.shape == ()
+      eager = f(KEYS[0], x)
+      assert type(eager) is type(abstract)
+      _assert_same(eager, f(KEYS[0], x), exact=True)
+      assert (eager.epsilon, eager.delta, eager.neighbouring, eager.info) == (
+          abstract.epsilon, abstract.delta, abstract.neighbouring, abstract.info)
 
 
-@pytest.mark.slow             # the TRACED["dpase"] case runs the same vmap by default
+@pytest.mark.parametrize("name", sorted(EAGER_ONLY))
+def test_eager_only_learners_refuse_tracing(name):
+  f, x = EAGER_ONLY[name]
+  with pytest.raises(TypeError, match=f"{name} is orchestrated on the host.*call it eagerly"):
+    jax.eval_shape(f, KEYS[0], x)
+  with pytest.raises(TypeError, match="orchestrated on the host"):
+    jax.vmap(lambda k: f(k, x))(KEYS)
+
+
+@pytest.mark.slow(reason="vmap(dpase) returning its result; the default TRACED cases vmap other "
+                         "learners' results")
 def test_results_vmap_over_keys_with_the_relation_as_metadata():
   """The issue's example: ``vmap(lambda k: dpase(k, X, ...))(keys)`` (str leaves broke it)."""
   out = jax.vmap(lambda k: S.dpase(k, X8, epsilon=4., delta=1e-5, k=2, gamma=0.01))(KEYS)
@@ -243,7 +271,8 @@ def test_an_epsilon_sweep_does_not_recompile():
   assert run._cache_size() == before
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a DPASEB ε/δ sweep at fixed t does not recompile; the ppme_mean sweep "
+                         "runs by default")
 def test_a_dpaseb_epsilon_sweep_at_fixed_shapes_does_not_recompile():
   """With t fixed (num_subsets), ε and δ only move traced scalars of DPASEB's jitted core."""
   from dpjax.subspace import boosted

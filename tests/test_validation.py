@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import dpjax
+from helpers import count_compilations
 from dpjax import data, mechanisms as M, sgd
 
 KEY = jax.random.key(0)
@@ -132,13 +133,14 @@ SAMPLERS = {
 }
 
 
-# Determinism of DPASE and DP-SGD is also checked by the default run elsewhere
-# (test_traceable's dpase_core, test_training's fixed-key test): here with the slow tests.
-_SLOW_SAMPLERS = {"dpase", "train_dp_sgd"}
+_SLOW_SAMPLERS = {
+    "dpase": "dpase's same-key determinism; test_approximate checks it by default",
+    "train_dp_sgd": "train_dp_sgd's same-key determinism; no default test checks it"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_SAMPLERS
-                                  else n for n in sorted(SAMPLERS)])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow(reason=_SLOW_SAMPLERS[n])) if n in _SLOW_SAMPLERS
+    else n for n in sorted(SAMPLERS)])
 def test_same_key_bit_identical_different_key_different(name):
   draw = SAMPLERS[name]
   a, b, c = (np.asarray(draw(jax.random.key(s))) for s in (7, 7, 8))
@@ -170,7 +172,10 @@ def _distance(basis, truth):
   return float(np.linalg.norm(basis @ basis.T - truth @ truth.T, 2))
 
 
-@pytest.mark.parametrize("scale", [1e25, pytest.param(1e-25, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scale", [
+    1e25,
+    pytest.param(1e-25, marks=pytest.mark.slow(reason="underflow (1e-25); the default run checks "
+                                                      "overflow (1e25)"))])
 def test_dpase_float32_gram_overflow_or_underflow_gives_the_unscaled_answer(scale):
   """Before: every subset's Gram matrix over/underflowed, all got the same garbage basis, they
   "agreed" and DPASE answered ok=True with a random subspace (distance ≈ 1)."""
@@ -182,7 +187,8 @@ def test_dpase_float32_gram_overflow_or_underflow_gives_the_unscaled_answer(scal
   assert abs(_distance(res.basis, MODEL.basis) - _distance(base.basis, MODEL.basis)) < 1e-3
 
 
-@pytest.mark.slow             # the float32 version above runs by default
+@pytest.mark.slow(reason="the float64 Gram's over- and underflow; the float32 version above runs "
+                         "by default")
 @pytest.mark.parametrize("scale", [1e200, 1e-200])
 def test_dpase_float64_gram_overflow_or_underflow_gives_the_unscaled_answer(scale):
   with jax.enable_x64(True):
@@ -280,7 +286,8 @@ def test_check_data_upcasts_16_bit_floats(dtype):
 
 
 @pytest.mark.filterwarnings("ignore:DPASE")     # dpaseb's small blocks: ⊥ likely, still private
-@pytest.mark.slow             # check_data's 16-bit upcast is unit-tested above by default
+@pytest.mark.slow(reason="the learners on 16-bit input; check_data's upcast is unit-tested above "
+                         "by default")
 @pytest.mark.parametrize("dtype", HALF)
 def test_learners_accept_16_bit_input(dtype):
   """Before: float16/bfloat16 passed validation and crashed in jaxlib's LAPACK bindings
@@ -303,18 +310,30 @@ def test_learners_accept_16_bit_input(dtype):
   np.testing.assert_array_equal(np.asarray(out), np.asarray(out).T)
 
 
-def test_al_covariance_too_few_rows_fails_fast_and_names_the_numbers():
+def test_al_covariance_too_few_rows_fails_fast_and_names_the_numbers(monkeypatch):
   """Before: 442 s (busy machine; 58 s on an idle one) of group-size simulation at d = 30 before
-  the error. The cheap bound k·(d + 1) is known without simulating."""
-  import time
-  from dpjax.ashtiani_liaw import al_covariance
+  the error. The cheap bound k·(d + 1) is known without simulating: the error comes before any
+  simulation runs and before anything is compiled."""
+  from dpjax.ashtiani_liaw import al_covariance, calibration, masking
+
+  def simulated(*args, **kwargs):
+    raise AssertionError("a calibration simulation ran before the too-few-rows error")
+
+  for module, name in ((calibration, "_simulated_fraction"),
+                       (calibration, "simulated_candidate_accuracy"),
+                       (masking, "_simulated_accuracy")):
+    monkeypatch.setattr(module, name, simulated)
   X = np.random.default_rng(0).standard_normal((1000, 30))
-  start = time.perf_counter()
-  with pytest.raises(ValueError) as err:
-    al_covariance(KEY, X, epsilon=1.0, delta=1e-6)
-  elapsed = time.perf_counter() - start
-  message = str(err.value)
-  assert elapsed < 5.0, elapsed
+  dpjax._validation.check_data64(X, "X")          # the input checks' own programs, compiled now
+  errors = []
+
+  def run():
+    with pytest.raises(ValueError) as err:
+      al_covariance(KEY, X, epsilon=1.0, delta=1e-6)
+    errors.append(str(err.value))
+
+  assert count_compilations(run, monkeypatch, clear=False) == 0     # beyond the input checks
+  message = errors[0]
   for part in ("got n=1000", "d=30", "epsilon=1,", "delta=1e-06", "required_n",
                "at the very least"):
     assert part in message, (part, message)

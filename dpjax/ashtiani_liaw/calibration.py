@@ -402,7 +402,7 @@ def simulated_group_size(d: int, radius: float, target: float, *, num_candidates
                      f"{target:.4f} >= 1; use more groups or a larger epsilon.")
   reaches = lambda rows: _simulated_fraction(d, float(radius), num_candidates, seed,  # noqa: E731
                                              rows) >= target
-  with jax.enable_x64(True):
+  with jax.enable_x64(True), jax.ensure_compile_time_eval():   # public: eager in a trace too
     m, below = float(d + 1), None
     while m <= 1e7:
       rows = int(math.ceil(m))
@@ -458,7 +458,7 @@ def simulated_candidate_accuracy(d: int, m: int, k: int, *, replicates: int = 10
   the largest over ``replicates`` public replicates of ``max_i dist(Ŷ_i, I)`` (exact in law for
   every Σ by affine invariance). Utility only; used where :func:`_candidate_accuracy`'s Gaussian
   bound is infinite (groups of a few rows). ``inf`` if a candidate is singular (m ≤ d)."""
-  with jax.enable_x64(True):
+  with jax.enable_x64(True), jax.ensure_compile_time_eval():   # public: eager in a trace too
     keys = jax.random.split(jax.random.key(seed), replicates)
     return float(jnp.max(_largest_candidate_distances(keys, m, d, k)))
 

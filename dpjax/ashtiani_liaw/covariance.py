@@ -22,7 +22,7 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import linalg
-from dpjax._host import host_call
+from dpjax._host import float64
 from dpjax.ashtiani_liaw import masking, semimetric
 from dpjax.ashtiani_liaw.calibration import (COVARIANCE_RADIUS, CovarianceCalibration,
                                              _candidate_accuracy, _TooFewRows,
@@ -63,7 +63,7 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
   Privacy guarantee: (ε, δ)-DP under replace-one (n public): the PPME test is
   ``(ε1, δ1)``-DP via ``TLap(2/k, ε1, δ1)``; on a pass the weighted average moves by semimetric
   distance ≤ γ (``populous_mean.py``), and ``M_η`` with ``η ≥ η_min(γ)`` is a (γ, ε2, δ2)-masking
-  mechanism (``masking.py``). Everything runs in float64 (under ``jax.enable_x64``). Floating
+  mechanism (``masking.py``). Everything runs in float64 (JAX's x64 mode). Floating
   point: the masked release's low-order bits are not protected (see ``masking.py``: the mask's
   noise is multiplicative, so the grid-and-integer-noise fix of the additive mechanisms does not
   apply); the PPME test bit is float-safe up to float64's 2^-53 resolution of the TLap tail.
@@ -91,11 +91,16 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``) with ``estimate
     (d, d)`` (zeros on ⊥) — float64 NumPy eagerly: the masked preconditioner of a covariance with
     condition number up to 1e12 needs float64 whatever JAX's x64 flag —; ``info`` holds the
-    calibration and the group size. Traceable in ``key`` and ``X``: under ``jit`` / ``vmap`` the
-    float64 computation runs on the host as a ``jax.pure_callback`` (same output per key),
-    returned in JAX's default float dtype; a non-finite traced ``X`` gives ⊥.
+    calibration and the group size. Traceable in ``key`` and ``X`` with JAX's x64 mode on
+    (``with jax.enable_x64(True):`` around the ``jit`` / ``vmap`` trace): the float64 computation
+    is staged in the caller's program (float64 output, the eager call's output per key up to
+    rounding: XLA fuses the traced program differently, and the traced estimate is symmetric
+    only up to rounding); a non-finite traced ``X`` gives ⊥. Under a float32 trace (x64 off) it
+    raises ``TypeError``.
 
   Raises:
+    TypeError: traced with JAX's x64 mode off (call it eagerly, or trace inside
+      ``jax.enable_x64(True)``); a bad key or non-numeric ``X``.
     ValueError: bad input (NaN/inf in a concrete X included), or ``n`` below the calibration's
       ``required_n`` (the message gives it with d, ε, δ and the groups). A hopeless ``n`` (below ``k·(d + 1)``, k the number of
       groups, found without simulation) is refused at once, before the group-size simulation,
@@ -109,10 +114,9 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
   n, d = X.shape
   plan = _al_plan(n, d, epsilon, delta, radius=radius, num_groups=num_groups,
                   min_group_size=min_group_size, unknown_mean=unknown_mean, **calibration_kwargs)
-  release = functools.partial(_al_covariance_host, plan=plan, estimator=estimator,
+  release = functools.partial(_al_covariance_release, plan=plan, estimator=estimator,
                               unknown_mean=unknown_mean)
-  ok, estimate = host_call(release, (jax.ShapeDtypeStruct((), np.bool_),
-                                     jax.ShapeDtypeStruct((d, d), np.float64)), key, X)
+  ok, estimate = float64("al_covariance", release, key, X)
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=float(epsilon),
                         delta=float(delta), neighbouring=NeighboringRelation.REPLACE_ONE,
                         info=plan.info)
@@ -147,21 +151,18 @@ def _al_plan(n, d, epsilon, delta, *, radius, num_groups, min_group_size, unknow
   return _ALPlan(cal, ppme, thresholds, info)
 
 
-def _al_covariance_host(key, X, *, plan: _ALPlan, estimator, unknown_mean):
-  """al_covariance's release on the host in float64: ``(ok, estimate (d, d))``."""
-  X = np.asarray(X, np.float64)
-  d = X.shape[1]
-  if not np.all(np.isfinite(X)):                  # traced only: outside the domain
-    return False, np.zeros((d, d))
+def _al_covariance_release(key, X, *, plan: _ALPlan, estimator, unknown_mean):
+  """al_covariance's release, traceable JAX in float64 (run through ``float64``): ``(ok,
+  estimate (d, d))``. A non-finite X (reachable only traced: a concrete X is validated) lies
+  outside the domain and gives ⊥; it is zeroed first, a fixed map, so that no estimator iterates
+  on NaN."""
   vectorize = estimator is None                 # a user estimator may iterate: one group at a time
   estimator = second_moment if estimator is None else estimator
   cal = plan.calibration
-  with jax.enable_x64(True):
-    ok, estimate = _al_covariance(key, jnp.asarray(X), cal.radius, cal.eta, plan.ppme,
-                                  plan.thresholds, k=cal.num_groups, estimator=estimator,
-                                  unknown_mean=unknown_mean, vectorize=vectorize)
-    estimate = linalg.symmetrize(estimate)          # exactly symmetric (post-processing)
-    return bool(ok), np.asarray(estimate, np.float64)
+  ok, estimate = _al_covariance(key, jnp.where(v.all_finite(X), X, 0.0), cal.radius, cal.eta,
+                                plan.ppme, plan.thresholds, k=cal.num_groups, estimator=estimator,
+                                unknown_mean=unknown_mean, vectorize=vectorize)
+  return v.domain_bottom(X, ok, linalg.symmetrize(estimate))     # symmetric: post-processing
 
 
 @functools.partial(jax.jit, static_argnames=("k", "estimator", "unknown_mean", "vectorize"))
@@ -382,9 +383,13 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     and ``info`` with ``coarse`` (the AL step's public calibration), ``coarse_rows``,
     ``refine`` and, when refining, ``preconditioner_factor`` K, ``refine_rows`` (rows, or pairs
     with ``unknown_mean``, of the refinement) and ``refine_min_rows``. Traceable in ``key`` and
-    ``X`` (the host pipeline runs as a ``jax.pure_callback`` under tracing).
+    ``X`` with JAX's x64 mode on, as :func:`al_covariance` (its shapes are static; on ⊥ the
+    refinement still runs, on the identity preconditioner, and its output is discarded); under a
+    float32 trace it raises ``TypeError``.
 
   Raises:
+    TypeError: traced with JAX's x64 mode off (call it eagerly, or trace inside
+      ``jax.enable_x64(True)``).
     ValueError: too few rows for the AL step or the refinement (the message names the user's n
       and the rows each step needs; :func:`learn_covariance_required_n` gives the total), both
       ``coarse_rows`` and ``coarse_fraction``, or as :func:`al_covariance`.
@@ -408,33 +413,36 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
                 refine_min_rows=lc.refine_min_rows)
 
   def release(key, X):
-    X = np.asarray(X, np.float64)
     k_coarse, k_refine = jax.random.split(key)
-    ok, coarse = _al_covariance_host(k_coarse, X[:n_coarse], plan=plan, estimator=estimator,
-                                     unknown_mean=unknown_mean)
-    if not refine or not ok:
+    ok, coarse = _al_covariance_release(k_coarse, X[:n_coarse], plan=plan, estimator=estimator,
+                                        unknown_mean=unknown_mean)
+    if not refine:
       return ok, coarse
     rows = X[n_coarse:]
     if unknown_mean:
       rows = pair_differences(rows)
-    root, inv_root = _sqrt_and_inverse_sqrt(coarse)
+    # ok is the AL step's DP output: the refinement runs either way (with the identity as
+    # preconditioner on ⊥) and its output is discarded on ⊥, a post-processing of both releases.
+    root, inv_root = _sqrt_and_inverse_sqrt(jnp.where(ok, coarse, jnp.eye(d, dtype=X.dtype)))
     whitened = math.sqrt(K) * rows @ inv_root
     # A row that overflows in the whitening becomes 0: a fixed row-wise map given the released
     # preconditioner, so the refinement's guarantee is unchanged (never an error on data).
-    whitened = np.where(np.all(np.isfinite(whitened), axis=1, keepdims=True), whitened, 0.0)
+    whitened = jnp.where(jnp.all(jnp.isfinite(whitened), axis=1, keepdims=True), whitened, 0.0)
     fine = coinpress_covariance(k_refine, whitened, epsilon=epsilon, delta=delta, kappa=K * K)
-    estimate = root @ np.asarray(fine.estimate) @ root / K
-    return True, (estimate + estimate.T) / 2
+    estimate = root @ jnp.asarray(fine.estimate, X.dtype) @ root / K
+    ok = ok & fine.ok
+    return ok, jnp.where(ok, (estimate + estimate.T) / 2, 0.0)
 
-  ok, estimate = host_call(release, (jax.ShapeDtypeStruct((), np.bool_),
-                                     jax.ShapeDtypeStruct((d, d), np.float64)), key, X)
+  ok, estimate = float64("learn_covariance", release, key, X)
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=float(epsilon),
                         delta=float(delta), neighbouring=NeighboringRelation.REPLACE_ONE,
                         info=info)
 
 
-def _sqrt_and_inverse_sqrt(S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Symmetric square root and inverse square root of a released PD matrix (post-processing)."""
-  w, V = np.linalg.eigh((S + S.T) / 2)
-  w = np.maximum(w, np.finfo(np.float64).tiny)
-  return (V * np.sqrt(w)) @ V.T, (V / np.sqrt(w)) @ V.T
+def _sqrt_and_inverse_sqrt(S):
+  """Symmetric square root and inverse square root of a released PD matrix (post-processing):
+  NumPy in, NumPy out (the eager learners' host arithmetic); JAX in, JAX out (traceable)."""
+  xp = np if isinstance(S, np.ndarray) else jnp
+  w, V = xp.linalg.eigh((S + S.T) / 2)
+  w = xp.maximum(w, xp.finfo(S.dtype).tiny)
+  return (V * xp.sqrt(w)) @ V.T, (V / xp.sqrt(w)) @ V.T

@@ -19,7 +19,7 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import linalg
-from dpjax._host import host_call
+from dpjax._host import float64
 from dpjax.mechanisms.truncated_laplace import (_truncated_laplace, truncated_laplace_params,
                                                 truncated_laplace_survival)
 from dpjax.results import SubspaceResult
@@ -208,9 +208,10 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
   subspace), outliers in more than about half of the groups, or a data-dependent rank decision
   close to ``rank_tol``. Full-rank data give ``Π_i = I`` in every group: the answer is ``R^d``.
 
-  Numerics: the per-group SVDs run in float64 (``jax.enable_x64`` inside, not global). NumPy
-  float64 input keeps its precision even when x64 is off; float32 rows are low-rank only up to
-  ≈ 1e-7 relative rounding, hence the looser float32 defaults (``rank_tol = 1e-5``, ``s = 0.01/d``).
+  Numerics: everything runs in float64 (JAX's x64 mode: inside, not global, for an eager
+  call). NumPy float64 input keeps its precision even when x64 is off; float32 rows are low-rank
+  only up to ≈ 1e-7 relative rounding, hence the looser float32 defaults (``rank_tol = 1e-5``,
+  ``s = 0.01/d``).
 
   Args:
     key: PRNG key (split into the permutation, the offset ω and the test noise).
@@ -236,13 +237,15 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
     ``rank_tol``, ``threshold``, ``tlap_bound``, ``sure_pass_count``,
     ``outlier_groups_tolerated``). :func:`released_basis` trims the basis to its r columns.
 
-  Traceable in ``key`` and ``X``: the float64 computation runs on the host (a
-  ``jax.pure_callback`` under tracing, the same output per key; float64 whatever JAX's x64 flag,
-  because the groups' ranks and snapped projections need it), and a non-finite traced ``X``
-  gives ⊥.
+  Traceable in ``key`` and ``X`` with JAX's x64 mode on (``with jax.enable_x64(True):`` around
+  the ``jit`` / ``vmap`` trace): the float64 computation (the groups' ranks and snapped
+  projections need float64 whatever JAX's x64 flag) is staged in the caller's program, with the
+  eager call's test bit and rank per key and its basis up to rounding; a non-finite traced ``X``
+  gives ⊥. Under a float32 trace (x64 off) it raises ``TypeError``.
 
   Raises:
-    TypeError: ``key`` is not a PRNG key, ``X`` not a real array, ``num_groups`` not an integer.
+    TypeError: ``key`` is not a PRNG key, ``X`` not a real array, ``num_groups`` not an integer;
+      traced with JAX's x64 mode off (call it eagerly, or trace inside ``jax.enable_x64(True)``).
     ValueError: NaN/inf in a concrete ``X``, ``X`` not 2-D, ε ≤ 0, δ ∉ (0, 1/2), ``num_groups ∉ [3, n]``,
       ``rank_tol ∉ (0, 1)``, ``snap_scale ∉ [2^-40, 1/(4d)]``, n too small for the default
       ``num_groups`` (``n < k_min·d``), or ``num_groups ≤ 4`` (⊥ certain up to δ/1.1).
@@ -267,11 +270,9 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
                                   rank_tol=rank_tol, snap_scale=snap_scale,
                                   unit_roundoff=unit_roundoff)
   info = al_subspace_info(params)
-  shapes = (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((d, d), np.float64),
-            jax.ShapeDtypeStruct((), np.int32))
-  raw = checked if v.is_traced(checked) else X     # NumPy float64 keeps its precision
-  ok, basis, rank = host_call(functools.partial(_al_subspace_host, params=params), shapes, key,
-                              raw)
+  raw = checked if v.is_traced(checked) else np.asarray(X)   # float64 input keeps its digits
+  ok, basis, rank = float64("al_subspace", functools.partial(_al_subspace_release,
+                                                             params=params), key, raw)
   return SubspaceResult(ok=jnp.asarray(ok), basis=jnp.asarray(basis, checked.dtype),
                         released={"rank": jnp.asarray(rank, jnp.int32)},
                         epsilon=params.tlap_epsilon, delta=float(delta),
@@ -293,21 +294,14 @@ def al_subspace_info(params: ALSubspaceParameters) -> dict:
   }
 
 
-def _al_subspace_host(key, X, params):
-  """:func:`al_subspace` on the host in float64: ``(ok, basis (d, d) zero-padded, rank)``."""
-  X64 = np.asarray(X, np.float64)                   # full precision even when x64 is off
-  d = X64.shape[1]
-  padded = np.zeros((d, d))
-  if not np.all(np.isfinite(X64)):                  # only reachable traced: outside the domain
-    return False, padded, 0
-  with jax.enable_x64(True):
-    ok, snapped = al_subspace_core(key, jnp.asarray(X64), params)
-    ok, snapped = bool(ok), np.asarray(snapped, np.float64)
-  if not ok:
-    return False, padded, 0
-  basis = nearest_projection_basis(snapped)         # post-processing of the released Π*
-  padded[:, :basis.shape[1]] = basis
-  return True, padded, basis.shape[1]
+def _al_subspace_release(key, X, params):
+  """:func:`al_subspace`'s release, traceable JAX in float64 (run through ``float64``): ``(ok,
+  basis (d, d) zero-padded, rank)``. A non-finite X (reachable only traced: a concrete X is
+  validated) lies outside the domain and gives ⊥."""
+  X = jnp.asarray(X, jnp.float64)                   # integer data: exact up to 2^53
+  ok, snapped = al_subspace_core(key, jnp.where(v.all_finite(X), X, 0.0), params)
+  ok, snapped = v.domain_bottom(X, ok, snapped)
+  return (ok, *nearest_projection_basis(snapped))   # post-processing of the released Π* (0 on ⊥)
 
 
 def released_basis(result) -> np.ndarray:
@@ -315,16 +309,18 @@ def released_basis(result) -> np.ndarray:
   return np.asarray(result.basis)[:, :int(result.released["rank"])]
 
 
-def nearest_projection_basis(P) -> np.ndarray:
-  """Orthonormal basis ``(d, r)`` of the orthogonal projection nearest to ``P`` (host, float64).
+def nearest_projection_basis(P: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Orthonormal basis of the orthogonal projection nearest to a symmetric ``P`` (traceable).
 
-  The nearest projection (in Frobenius or operator norm) to a symmetric matrix keeps the
-  eigenvectors with eigenvalue > 1/2; columns are ordered by decreasing eigenvalue.
+  The nearest projection (in Frobenius or operator norm) keeps the eigenvectors with eigenvalue
+  > 1/2. Returns ``(basis (d, d), rank)``: the kept eigenvectors in the first ``rank`` columns,
+  ordered by decreasing eigenvalue, and zeros in the others (static shapes); ``P = 0`` gives
+  rank 0.
   """
-  P = np.asarray(P, np.float64)
-  w, vecs = np.linalg.eigh((P + P.T) / 2)
+  w, vecs = jnp.linalg.eigh((P + P.T) / 2)          # ascending
+  w, vecs = w[::-1], vecs[:, ::-1]                   # decreasing: the kept ones come first
   keep = w > 0.5
-  return vecs[:, keep][:, ::-1]
+  return jnp.where(keep[None, :], vecs, 0.0), jnp.sum(keep).astype(jnp.int32)
 
 
 def al_subspace_core(key: jax.Array, X: jax.Array, params: ALSubspaceParameters):

@@ -37,7 +37,6 @@ orthogonal error separately (:func:`dpjax.metrics.gaussian_tv` does the former).
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 
@@ -47,7 +46,7 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
-from dpjax._host import host_call
+from dpjax._host import eager_only
 from dpjax.ashtiani_liaw.covariance import (_sqrt_and_inverse_sqrt, learn_covariance,
                                             pair_differences)
 from dpjax.ashtiani_liaw.exact_subspace import (al_subspace, al_subspace_info,
@@ -112,14 +111,18 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
     ``released["rank"]`` (the released rank r of Σ, 0 on ⊥ at step 1) and ``info`` with the
     public ``batch_sizes`` and the subspace step's parameters. A step whose public row
     requirement depends on the released rank (step 2 at rank r) and is not met answers ⊥ with a
-    ``UserWarning`` naming the requirement, never an exception after a release. Traceable in
-    ``key`` and ``X``: under ``jit`` / ``vmap`` the host pipeline runs as a
-    ``jax.pure_callback`` (same output per key), returned in JAX's default float dtype; a
-    non-finite traced ``X`` gives ⊥ at step 1.
+    ``UserWarning`` naming the requirement, never an exception after a release.
+
+  Eager only: the steps' shapes (r columns) and whether later steps run depend on released
+  values, so the pipeline is orchestrated on the host and neither a ``jit`` program nor a host
+  callback (which runs no JAX) can hold it. Its steps :func:`~dpjax.ashtiani_liaw.al_subspace`,
+  :func:`~dpjax.ashtiani_liaw.learn_covariance`, :func:`~dpjax.ashtiani_liaw.ppme_mean` and
+  :func:`~dpjax.coinpress.coinpress_mean` are traceable on their own (with JAX's x64 mode on).
 
   Raises:
-    ValueError: bad input (NaN/inf in a concrete X included), n too small for a step (the
-      message says which and how many rows).
+    TypeError: called under ``jit`` / ``vmap`` (a traced ``key`` or ``X``): call it eagerly.
+    ValueError: bad input (NaN/inf in X included), n too small for a step (the message says
+      which and how many rows).
 
   References:
     [AL22] §5.1, Thm 5.7; docs/algorithms.md §3.6.
@@ -141,36 +144,36 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
   sub_params = al_subspace_parameters(sizes[0] // 2, d, epsilon=epsilon, delta=delta,
                                       **(subspace_kwargs or {}))
   info = {"batch_sizes": sizes, "subspace": al_subspace_info(sub_params)}
-  release = functools.partial(
-      _learn_gaussian_host, sizes=sizes, epsilon=epsilon, delta=delta, beta=beta,
+  eager_only("learn_gaussian", key, X,
+             cores="al_subspace, learn_covariance, ppme_mean and coinpress_mean (trace them "
+                   "inside `with jax.enable_x64(True):`)")
+  ok, mean, covariance, failed, rank = _learn_gaussian(
+      key, X, sizes=sizes, epsilon=epsilon, delta=delta, beta=beta,
       covariance_kwargs=covariance_kwargs or {}, subspace_kwargs=subspace_kwargs or {},
       snap_scale=sub_params.snap_scale)
-  shapes = (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((d,), np.float64),
-            jax.ShapeDtypeStruct((d, d), np.float64), jax.ShapeDtypeStruct((), np.int32),
-            jax.ShapeDtypeStruct((), np.int32))
-  ok, mean, covariance, failed, rank = host_call(release, shapes, key, X)
   return GaussianResult(ok=jnp.asarray(ok), mean=mean, covariance=covariance,
                         failed_step=jnp.asarray(failed, jnp.int32),
                         released={"rank": jnp.asarray(rank, jnp.int32)}, epsilon=epsilon,
                         delta=delta, neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
-def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwargs,
-                         subspace_kwargs, snap_scale):
-  """The four steps on the host in float64: ``(ok, mean, covariance, failed_step, rank)``."""
-  X = np.asarray(X, np.float64)
+def _learn_gaussian(key, X, *, sizes, epsilon, delta, beta, covariance_kwargs, subspace_kwargs,
+                    snap_scale):
+  """The four steps, eagerly, on float64 NumPy rows ``X`` (the steps' releases are float64
+  NumPy eagerly): ``(ok, mean, covariance, failed_step, rank)``."""
   d = X.shape[1]
   fail = lambda step, rank=0: (False, np.zeros(d), np.zeros((d, d)),        # noqa: E731
                                1 + STEPS.index(step), rank)
-  if not np.all(np.isfinite(X)):                  # traced only: outside the domain
-    return fail("subspace")
   ends = np.cumsum(sizes)
   B1, B2, B3, B4 = (X[e - s:e] for s, e in zip(sizes, ends))
-  keys = jax.random.split(key, 6)
+  # One split of the parent key into disjoint purposes.
+  (k_subspace, k_covariance, k_mean_coarse, k_mean_fine, k_scale_offset, k_scale_histogram,
+   k_orthogonal) = jax.random.split(key, 7)
 
-  # 1. Subspace (float64 basis: the released projection is applied to rows of any scale).
+  # 1. Subspace (float64 basis: the released projection is applied to rows of any scale; x64 on
+  # so that al_subspace returns its basis in the rows' float64).
   with jax.enable_x64(True):
-    sub = al_subspace(keys[0], pair_differences(B1), epsilon=epsilon, delta=delta,
+    sub = al_subspace(k_subspace, pair_differences(B1), epsilon=epsilon, delta=delta,
                       **subspace_kwargs)
   if not bool(sub.ok):
     return fail("subspace")
@@ -180,7 +183,8 @@ def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwar
 
   # The rows' scale S (a stability histogram on step 4's first half): a public bound on the
   # means that steps 3 and 4 release, so that their float-safe grids cover them.
-  scale = _row_scale(keys[4], B4[:B4.shape[0] // 2], epsilon, delta)
+  scale = _row_scale(k_scale_offset, k_scale_histogram, B4[:B4.shape[0] // 2], epsilon,
+                     delta)
   if scale is None:
     return fail("mean" if r > 0 else "orthogonal_mean", r)
 
@@ -188,11 +192,11 @@ def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwar
   mean_in, Sigma_r = np.zeros(d), np.zeros((r, r))
   if r > 0:
     try:
-      cov = learn_covariance(keys[1], pair_differences(B2) @ V, epsilon=epsilon, delta=delta,
+      cov = learn_covariance(k_covariance, pair_differences(B2) @ V, epsilon=epsilon, delta=delta,
                              **covariance_kwargs)
     except ValueError as err:          # the rows step 2 needs depend on the released rank r
       warnings.warn(f"learn_gaussian: step 2 answers ⊥ at the released rank r={r}: {err}",
-                    UserWarning, stacklevel=2)
+                    UserWarning, stacklevel=3)
       return fail("covariance", r)
     if not bool(cov.ok):
       return fail("covariance", r)
@@ -201,7 +205,7 @@ def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwar
     W = B3 @ V @ inv_root
     # |entries of E w| ≤ ‖Σ̂_r^{-1/2}‖₂·√d·‖μ‖_∞ ≲ ‖Σ̂_r^{-1/2}‖₂·√d·S (public; 4× room).
     magnitude = 4.0 * math.sqrt(d) * scale * float(np.linalg.norm(inv_root, 2))
-    mu_w = _whitened_mean(keys[2], keys[3], W, epsilon, delta, beta, magnitude)
+    mu_w = _whitened_mean(k_mean_coarse, k_mean_fine, W, epsilon, delta, beta, magnitude)
     if mu_w is None:
       return fail("mean", r)
     mean_in = V @ (root @ mu_w)
@@ -211,7 +215,7 @@ def _learn_gaussian_host(key, X, *, sizes, epsilon, delta, beta, covariance_kwar
   if r < d:
     trace = float(np.trace(Sigma_r)) * 2.0                 # ≥ tr Σ up to the refinement error
     tilt = 2.0 * d * snap_scale                            # ≥ ‖U_⊥ᵀ Π‖ for the snapped release
-    u = _constant_mean(keys[5], B4[B4.shape[0] // 2:], U_perp, scale, tilt, trace, epsilon,
+    u = _constant_mean(k_orthogonal, B4[B4.shape[0] // 2:], U_perp, scale, tilt, trace, epsilon,
                        delta, beta)
     if u is None:
       return fail("orthogonal_mean", r)
@@ -243,13 +247,13 @@ def _whitened_mean(k_coarse, k_fine, W, epsilon, delta, beta, magnitude):
   return np.asarray(fine.estimate) * scale
 
 
-def _row_scale(k_scale, B, epsilon, delta):
+def _row_scale(k_offset, k_histogram, B, epsilon, delta):
   """The rows' scale S: the upper edge of the most common octave of ``‖x_i‖_∞`` (randomly offset
   bins of 8 binary orders, a stability histogram; (ε, δ)-DP on ``B``), or None on ⊥."""
-  offset = float(jax.random.uniform(jax.random.fold_in(k_scale, 1), ()))
+  offset = float(jax.random.uniform(k_offset, ()))                 # public
   magnitude = np.maximum(np.max(np.abs(B), axis=1), np.finfo(np.float64).tiny)
   octave = np.floor(np.log2(magnitude) / 8.0 + offset).astype(np.int32)[:, None]
-  hist = stable_histogram(k_scale, octave, epsilon=epsilon, delta=delta)
+  hist = stable_histogram(k_histogram, octave, epsilon=epsilon, delta=delta)
   ok, bin_, _ = top_bin(hist)
   if not bool(ok):
     return None

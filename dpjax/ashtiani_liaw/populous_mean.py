@@ -60,12 +60,11 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import linalg
-from dpjax._host import host_call
+from dpjax._host import float64
 from dpjax.ashtiani_liaw import semimetric
 from dpjax.results import EstimateResult
 from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
@@ -344,14 +343,19 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
 
   Returns:
     :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``) with ``estimate
-    (d,)`` — float64 NumPy eagerly (computed under ``jax.enable_x64`` whatever the global flag:
+    (d,)`` — float64 NumPy eagerly (computed in JAX's x64 mode whatever the global flag:
     means of 1e6 keep their digits; with ``secure=True`` every entry is a multiple of
     ``info["grid"]``) —; ``info`` holds k, m, r, γ, σ (the mask's std) and the grid.
-    Traceable in ``key`` and ``X``: under ``jit`` / ``vmap`` the float64 computation runs on the
-    host as a ``jax.pure_callback`` (same output per key), returned in JAX's default float
-    dtype; a non-finite traced ``X`` gives ⊥.
+    Traceable in ``key`` and ``X`` with JAX's x64 mode on (``with jax.enable_x64(True):``
+    around the ``jit`` / ``vmap`` trace): the float64 computation is staged in the caller's
+    program and the secure mask is :func:`~dpjax.mechanisms.discretized_gaussian_mechanism`'s
+    own NumPy host callback (float64 output, the eager call's test bit per key and its estimate
+    up to rounding of the unmasked average); a non-finite traced ``X`` gives ⊥. Under a float32
+    trace (x64 off) it raises ``TypeError``.
 
   Raises:
+    TypeError: traced with JAX's x64 mode off (call it eagerly, or trace inside
+      ``jax.enable_x64(True)``).
     TypeError/ValueError: bad key or data (NaN/inf in a concrete X), ε ≤ 0, δ ∉ (0, 1), broken threshold constraints,
       fewer than 2 rows per group, or ``num_groups`` so small that even unanimous groups pass
       the test with probability ≤ δ1 (``num_groups ≤ 2/(1 − c0)``: ⊥ would be certain).
@@ -383,7 +387,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
           "pass_level": cal.pass_level, "secure": bool(secure)}
   if secure:
     # The jitted program returns the test bit and the UNMASKED average (never released: only
-    # its masked version leaves this function); the mask runs on the host.
+    # its masked version leaves this function); the mask is the discretized Gaussian release.
     z = rdp_gaussian_sigma(eps2, delta2)
     mask_sensitivity = cal.mask_sensitivity
     if magnitude is not None:
@@ -401,22 +405,19 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
   thresholds = check_thresholds(thresholds, k)
 
   def release(key, X):
-    X = np.asarray(X, np.float64)
-    if not np.all(np.isfinite(X)):                  # traced only: outside the domain
-      return False, np.zeros(d)
+    # A non-finite X (reachable only traced: a concrete X is validated) lies outside the domain
+    # and gives ⊥; it is zeroed first (a fixed map) so that no estimator iterates on NaN.
     k_run, k_mask = jax.random.split(key)
-    with jax.enable_x64(True):
-      ok, estimate = run(k_run, jnp.asarray(X), r, mask_sigma, cal, thresholds)
-      ok, estimate = bool(ok), np.asarray(estimate, np.float64)
+    ok, estimate = run(k_run, jnp.where(v.all_finite(X), X, 0.0), r, mask_sigma, cal,
+                       thresholds)
     if secure:
-      estimate = (discretized_gaussian_mechanism(k_mask, estimate,
-                                                 sensitivity=mask_sensitivity,
-                                                 noise_multiplier=z) if ok
-                  else np.zeros(d))                 # ok is the DP test's output: a public branch
-    return ok, estimate
+      # ok is the DP test's output, so discarding the mask's release on ⊥ is post-processing:
+      # the host draw (the mechanism's own callback when traced) happens either way.
+      estimate = discretized_gaussian_mechanism(k_mask, estimate, sensitivity=mask_sensitivity,
+                                                noise_multiplier=z)
+    return v.domain_bottom(X, ok, estimate)
 
-  ok, estimate = host_call(release, (jax.ShapeDtypeStruct((), np.bool_),
-                                     jax.ShapeDtypeStruct((d,), np.float64)), key, X)
+  ok, estimate = float64("ppme_mean", release, key, X)
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=epsilon, delta=delta,
                         neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
 
@@ -430,7 +431,7 @@ def _ppme_mean_run(key, X, radius, sigma, calibration, thresholds, *, k, estimat
                    mask):
   """ppme_mean's jitted body. The public scalars (radius, σ, the calibration and thresholds)
   are traced, so an ε or radius sweep compiles once. ``mask=False``: the unmasked average
-  (never released: the caller masks it on the host)."""
+  (never released: the caller masks it with the discretized Gaussian)."""
   k_split, k_run = jax.random.split(key)
   groups = split_groups(k_split, X, k)
   if mask:

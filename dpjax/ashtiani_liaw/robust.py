@@ -46,8 +46,9 @@ def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: 
     **ppme_kwargs: :func:`ppme_mean`'s ``test_fraction``, ``thresholds``, ``radius_margin``.
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` with ``estimate (d,)`` (as :func:`ppme_mean`, which
-    also makes it traceable); ``info["corruption"]`` is η_c.
+    :class:`~dpjax.results.EstimateResult` with ``estimate (d,)`` (as :func:`ppme_mean`:
+    traceable with JAX's x64 mode on, ``TypeError`` under a float32 trace);
+    ``info["corruption"]`` is η_c.
 
   References:
     [AL22] Algorithm 5, Thm 7.4, Lemma 7.2; docs/algorithms.md §3.7.
@@ -79,8 +80,9 @@ def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corrup
       ``min_group_size``, ...).
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` with ``estimate (d, d)`` (as :func:`al_covariance`,
-    which also makes it traceable); ``info["corruption"]`` is η_c.
+    :class:`~dpjax.results.EstimateResult` with ``estimate (d, d)`` (as :func:`al_covariance`:
+    traceable with JAX's x64 mode on, ``TypeError`` under a float32 trace);
+    ``info["corruption"]`` is η_c.
 
   References:
     [AL22] Algorithm 4, Thm 6.3, Prop 6.2; docs/algorithms.md §3.7.

@@ -27,9 +27,11 @@ the guarantee.
 
 Optimisation: L-BFGS (``optax.lbfgs`` with a zoom line search) inside ``jax.lax.while_loop``,
 from ``f = 0``, until ``‖∇J̃(f)‖ ≤ tol`` (default 1e-10) or ``max_iterations`` (J̃ the
-objective actually minimised), in float64: the validating wrappers run under
-``jax.enable_x64(True)`` (inside, not global). The traceable core :func:`erm_core` runs in its
-input's dtype (float32 cannot reach ``tol = 1e-10``: enable x64 to use it in float64).
+objective actually minimised), in float64 in JAX (:func:`dpjax._host.float64`, no host
+callback): eagerly the validating wrappers run under ``jax.enable_x64(True)`` (inside, not
+global); under ``jit`` / ``vmap`` they are staged inline and need the trace to run with x64 on (a
+float32 trace raises ``TypeError``). The traceable core :func:`erm_core` runs in its input's
+dtype (float32 cannot reach ``tol = 1e-10``: enable x64 to use it in float64).
 
 Three caveats, stated once for every function here:
 
@@ -72,8 +74,8 @@ from optax import tree_utils as otu
 
 from dpjax import _validation as v
 from dpjax import linalg
-from dpjax._host import host_call
-from dpjax.mechanisms.l2_laplace import _noise, x64_enabled
+from dpjax._host import float64
+from dpjax.mechanisms.l2_laplace import _noise
 from dpjax.results import ERMResult
 
 LOSSES = ("logistic", "huber")
@@ -415,15 +417,15 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
     ``REPLACE_ONE``): ``coefficients (d,)`` (float64 NumPy eagerly), predicting
     ``sign(x·f)``; ``nonprivate_gradient_norm`` — NOT private, a diagnostic only; ``info``
     (public): method, loss, c, Λ and its rule, sensitivity, β, n, d, data_norm, clip, tol,
-    max_iterations. Eagerly the float64 program runs on the CPU. Traceable in ``key``, ``X``
-    and ``y``: with x64 enabled the float64 program is staged inline (on the caller's device),
-    otherwise it runs on the host CPU as a ``jax.pure_callback`` (same output per key; JAX's
-    default float dtype). Under tracing a dataset outside the domain
+    max_iterations. Eagerly the float64 program runs on the CPU (under
+    ``jax.enable_x64(True)``, whatever the flag). Traceable in ``key``, ``X`` and ``y`` with
+    JAX's x64 mode on: the float64 program is staged inline (on the caller's device); under a
+    float32 trace (x64 off) it raises ``TypeError``. Under tracing a dataset outside the domain
     (NaN, a label not ±1, a row above B without ``clip``) gives ``ok=False`` and zeros instead
     of an error (the guarantee is stated on the domain).
 
   Raises:
-    TypeError: bad key, non-numeric X or y.
+    TypeError: bad key, non-numeric X or y; traced with JAX's x64 mode off.
     ValueError: NaN/inf in X or y, labels not in {−1, +1}, a row above ``data_norm`` without
       ``clip`` (the message gives the number of rows), shapes, or a bad ε, Λ, loss, h, B, tol,
       max_iterations.
@@ -495,7 +497,7 @@ def _fit(key, X, y, method, *, epsilon, clip, **kwargs) -> ERMResult:
     coefficients, grad_norm = erm_core(key, X, y, params)
     return _bottom(ok, coefficients, grad_norm)
 
-  ok, coefficients, grad_norm = _run_x64(run, ((d,), ()), key, X, y)
+  ok, coefficients, grad_norm = _run_x64(f"{method}_perturbation", run, key, X, y)
   return ERMResult(ok=ok, coefficients=coefficients, nonprivate_gradient_norm=grad_norm,
                    epsilon=float(epsilon), delta=0.0,
                    neighbouring=NeighboringRelation.REPLACE_ONE, info=dict(info, clip=clip))
@@ -533,11 +535,11 @@ def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: f
     ``classes[argmax_k x·f_k]``, :func:`predict`), ``nonprivate_gradient_norm (K,)`` (NOT
     private), ``epsilon`` the total, and ``info`` holding ``classes``, ``num_classes``,
     ``epsilon_per_class`` and ``composition`` besides the per-problem values. Traceable as
-    :func:`output_perturbation` (a label outside ``classes`` is outside the domain: ``ok=False``
-    under tracing).
+    :func:`output_perturbation` (with x64 on; a label outside ``classes`` is outside the domain:
+    ``ok=False`` under tracing).
 
   Raises:
-    TypeError: non-integer ``classes`` or labels.
+    TypeError: non-integer ``classes`` or labels; traced with JAX's x64 mode off.
     ValueError: fewer than 2 or repeated classes, a label outside ``classes`` (the message gives
       the count), and everything :func:`output_perturbation` raises.
   """
@@ -567,7 +569,7 @@ def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: f
       coefficients, grad_norm = (jnp.stack(parts) for parts in zip(*rows))
     return _bottom(ok, coefficients, grad_norm)
 
-  ok, coefficients, grad_norm = _run_x64(run, ((K, d), (K,)), key, X, labels)
+  ok, coefficients, grad_norm = _run_x64("one_vs_rest", run, key, X, labels)
   info = dict(info, clip=clip, classes=classes, num_classes=K, epsilon_per_class=epsilon / K,
               composition="basic (each replaced row changes all K problems)")
   return ERMResult(ok=ok, coefficients=coefficients, nonprivate_gradient_norm=grad_norm,
@@ -604,28 +606,18 @@ def predict(coefficients, X, classes: Sequence[int] | None = None):
 # --------------------------------------------------------------------------------- helpers
 
 
-def _run_x64(run, shapes, key, *args):
-  """``run(key, *args)`` in float64: eagerly (and under tracing without x64) on the host CPU, as
-  NumPy float64; under tracing with x64 on, staged inline. Returns ``(ok, *outputs)``."""
-  structs = (jax.ShapeDtypeStruct((), np.bool_),) + tuple(
-      jax.ShapeDtypeStruct(s, np.float64) for s in shapes)
-  if v.is_traced(key, args) and x64_enabled():
-    return run(key, *(_as64(a) for a in args))
-
-  def host(key, *host_args):
-    # The CPU device and a key committed to it, as in host_call's callback, eagerly too: the
-    # same compiled programs serve both paths (both are part of the compilation cache key).
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu), jax.enable_x64(True):
-      out = run(jax.device_put(key, cpu), *(_as64(jnp.asarray(np.asarray(a))) for a in host_args))
-      return (bool(out[0]),) + tuple(np.asarray(o, np.float64) for o in out[1:])
-
-  ok, *outputs = host_call(host, structs, key, *args)
+def _run_x64(name, run, key, *args):
+  """``run(key, *args)`` in float64 (:func:`dpjax._host.float64`, float arrays cast): traced
+  with x64 on, staged inline; traced with x64 off, ``TypeError`` naming ``name``; eagerly under
+  ``jax.enable_x64(True)`` on the CPU with the key committed to it (so that the eager programs
+  are compiled once, whatever the default device), outputs as NumPy float64. Returns
+  ``(ok, *outputs)``."""
+  if v.is_traced(key, args):
+    return float64(name, run, key, *args)
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    ok, *outputs = float64(name, run, jax.device_put(key, cpu), *args)
   return (jnp.asarray(ok), *outputs)
-
-
-def _as64(a):
-  return a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
 
 
 @jax.jit

@@ -15,7 +15,11 @@ mean first, e.g. :func:`dpjax.coinpress.coinpress_mean`, and pass the centred ro
 The cores work on ``S = Σ u_i u_iᵀ = n A`` with ``u_i = x_i / data_norm`` (rows in the unit ball):
 ``tr(VᵀSV) = Σ ‖Vᵀu_i‖²`` is the exponential mechanism's score, of sensitivity 1, and ``S``'s
 upper triangle has ℓ2-sensitivity √2 (:data:`SECOND_MOMENT_SENSITIVITY`). Both wrappers compute
-S in float64 on the host whatever JAX's x64 flag.
+S, and PPCA's sampler and MOD-SuLQ's continuous release, in float64 in JAX whatever JAX's x64 flag
+(:func:`dpjax._host.float64`): eagerly under ``jax.enable_x64(True)``; under ``jit`` / ``vmap``
+staged inline, which needs the trace to run with x64 on (a float32 trace raises ``TypeError``).
+MOD-SuLQ's float-safe release (the discretized Gaussian on S's upper triangle and the
+eigendecomposition) is plain NumPy on the host, a pure callback under tracing.
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting, linalg
-from dpjax._host import host_call
+from dpjax._host import float64
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, rdp_gaussian_sigma
 from dpjax.mechanisms.grid import discretization
 from dpjax.results import SubspaceResult
-from dpjax.subspace.baselines import _noisy_top_k, _secure_noisy_moment, _unit_second_moment
+from dpjax.subspace.baselines import _noisy_top_k, _secure_top_k, _unit_second_moment
 
 # Replace-one ℓ2-sensitivity of the upper triangle (diagonal included) of S = Σ u uᵀ, ‖u‖ ≤ 1:
 # ‖triu(uuᵀ − u'u'ᵀ)‖ ≤ ‖uuᵀ − u'u'ᵀ‖_F = sqrt(‖u‖⁴ + ‖u'‖⁴ − 2(u·u')²) ≤ √2, attained by
@@ -87,18 +91,14 @@ def _row_norms(X: np.ndarray) -> np.ndarray:
   return top * np.linalg.norm(X / safe[:, None], axis=1)
 
 
-def _second_moment_host(X, mantissa, exponent) -> jax.Array:
-  """Host, float64: ``S = Σ u uᵀ`` with ``u = x / max(C, ‖x‖)`` (``C = mantissa·2^exponent``)."""
-  with jax.enable_x64(True):
-    return _unit_second_moment(jnp.asarray(np.asarray(X, np.float64)), mantissa, exponent)
-
-
 def second_moment(X, *, data_norm: float = 1.0, clip: bool = False) -> np.ndarray:
   """``S = Σ_i u_i u_iᵀ`` (float64), ``u_i = x_i / data_norm`` (clipped to the unit ball): the
   input of :func:`mod_sulq_core` and :func:`ppca_core` (``S = n A`` in the paper's notation).
 
   Scale-safe (rows are normalised by a power of two of their largest entry first, as in
   :func:`dpjax.subspace.analyze_gauss`). Not a release: S is private.
+
+  Eager only (S is returned as NumPy float64; under tracing the wrappers compute it).
 
   Raises:
     ValueError: as :func:`ppca` (a row above ``data_norm`` without ``clip``, NaN, bad shape).
@@ -107,7 +107,9 @@ def second_moment(X, *, data_norm: float = 1.0, clip: bool = False) -> np.ndarra
   if v.is_traced(X):
     raise TypeError("second_moment needs a concrete X; under jit call mod_sulq / ppca.")
   X64, mantissa, exponent, _ = _check_rows(X, data_norm, clip)
-  return np.asarray(_second_moment_host(X64, mantissa, exponent), np.float64)
+  # S = Σ u uᵀ, u = x / max(C, ‖x‖) with C = mantissa·2^exponent: the rows' scale-safe
+  # normalisation of dpjax.subspace.analyze_gauss, in float64.
+  return float64("second_moment", _unit_second_moment, X64, mantissa, exponent)
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,17 +161,18 @@ def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
   ≥ 1.002, at d = 1, ε = 1e4, δ = 0.39; the factor grows like d). No ⊥: ``ok`` is always True
   (a NaN in a traced X gives the typed ⊥).
 
-  * ``secure=True`` (default): the noisy upper triangle of ``n A`` is released on the host by
-    :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact discrete Gaussian noise on a
-    public power-of-two grid; float-safe, docs/algorithms.md §1.10) with noise multiplier
-    ``z = nβ/(Δ_Λ Λ)`` at sensitivity √2 (so the std on A is β, as the paper asks), checked
-    with the RDP accountant to give (ε, δ) — the release's guarantee is its Rényi curve. That
+  * ``secure=True`` (default): the noisy upper triangle of ``n A`` is released on the host (in
+    NumPy) by the release of :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact
+    discrete Gaussian noise on a public power-of-two grid; float-safe, docs/algorithms.md
+    §1.10) with noise multiplier ``z = nβ/(Δ_Λ Λ)`` at sensitivity √2 (so the std on A is β,
+    as the paper asks), checked with the RDP accountant to give (ε, δ) — the release's
+    guarantee is its Rényi curve. That
     conversion (``dp_accounting``'s finite grid of orders) is looser than the analytic one: at
     small ε (measured: ε ≤ 0.01 with δ ≤ 1e-6) or δ near its limit β does not pass, and z
     becomes :func:`dpjax.mechanisms.rdp_gaussian_sigma`'s — much more noise at small ε (ε =
     0.003, δ = 1e-6: 400× the analytic σ), or a ValueError where no multiplier up to 1e7
     passes (ε = 0.01, δ = 1e-9), as for Analyze Gauss; use ``secure=False`` there.
-    Eigenvectors in float64 on the host.
+    Eigenvectors in float64 on the host (NumPy; shared with Analyze Gauss).
   * ``secure=False``: continuous noise of std ``max(β, σ_analytic(ε, δ, √2/n))`` (= β) in float64
     (:func:`mod_sulq_core`); (ε, δ)-DP in real arithmetic (floating-point caveat of §1.10).
 
@@ -189,10 +192,13 @@ def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
     given), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats: float32); ``info``:
     ``beta`` (the paper's β, units of ``data_norm²``), ``sigma`` (the std used on A),
     ``data_norm``, ``clip``, ``secure`` and (secure) ``noise_multiplier`` and ``grid`` (the
-    grid step of ``n A``). Traceable in ``key`` and ``X`` (host work as a pure callback).
+    grid step of ``n A``). S (and with ``secure=False`` the whole release) is computed in
+    float64 in JAX: traceable in ``key`` and ``X`` with JAX's x64 mode on (the secure release
+    then runs in NumPy as a pure callback); under a float32 trace (x64 off) it raises
+    ``TypeError``; eagerly it runs under ``jax.enable_x64(True)`` whatever the flag.
 
   Raises:
-    TypeError: bad key, X not a real array, clip not a bool.
+    TypeError: bad key, X not a real array, clip not a bool; traced with JAX's x64 mode off.
     ValueError: NaN/inf in a concrete X, a row above ``data_norm`` (without ``clip``), bad ε,
       δ, k or ``data_norm``.
   """
@@ -220,17 +226,15 @@ def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
                                                        SECOND_MOMENT_SENSITIVITY))
   info["sigma"] = unit_sigma / n
 
-  def release(key, X):
-    if not np.all(np.isfinite(X)):              # traced X only (a concrete one raised)
-      return np.zeros((d, k))
-    S = _second_moment_host(X, mantissa, exponent)
-    if secure:
-      noisy = _secure_noisy_moment(key, S, z, sensitivity=SECOND_MOMENT_SENSITIVITY)
-      return np.linalg.eigh(noisy)[1][:, ::-1][:, :k]
-    with jax.enable_x64(True):
-      return np.asarray(mod_sulq_core(key, S, unit_sigma, k=k), np.float64)
-
-  basis = host_call(release, jax.ShapeDtypeStruct((d, k), np.float64), key, X64)
+  # A NaN in a traced X makes S NaN: the secure release counts such entries as 0 and the
+  # continuous one returns NaN; either way the typed ⊥ below replaces the basis. The key is an
+  # argument of the float64 stage in both paths, so that a traced key (X closed over) stages it.
+  if secure:
+    S = float64("mod_sulq", lambda _, X: _unit_second_moment(X, mantissa, exponent), key, X64)
+    basis = _secure_top_k(key, S, z, k, sensitivity=SECOND_MOMENT_SENSITIVITY)
+  else:
+    basis = float64("mod_sulq", lambda key, X: mod_sulq_core(
+        key, _unit_second_moment(X, mantissa, exponent), unit_sigma, k=k), key, X64)
   basis = jnp.asarray(basis, out_dtype)
   ok = jnp.asarray(True)
   if v.is_traced(X64):
@@ -244,9 +248,9 @@ def mod_sulq_core(key: jax.Array, S: jax.Array, noise_std, *, k: int) -> jax.Arr
   """Traceable MOD-SuLQ with raw continuous noise: the top-k eigenvectors of ``S + E``.
 
   ``E`` symmetric, upper triangle and diagonal i.i.d. ``N(0, noise_std²)``, in S's dtype (run
-  under ``jax.enable_x64(True)`` with float64 S for the wrapper's precision). With
-  ``S = second_moment(X)`` (= nA) and ``noise_std = n·mod_sulq_beta(n, d, ε, δ)`` this is
-  ``mod_sulq(..., secure=False)``: (ε, δ)-DP in real arithmetic under replace-one. No
+  under ``jax.enable_x64(True)`` with float64 S for the wrapper's precision, as :func:`mod_sulq`
+  does). With ``S = second_moment(X)`` (= nA) and ``noise_std = n·mod_sulq_beta(n, d, ε, δ)``
+  this is ``mod_sulq(..., secure=False)``: (ε, δ)-DP in real arithmetic under replace-one. No
   validation: ``jax.jit`` / ``jax.vmap`` it over keys.
 
   Returns:
@@ -448,9 +452,9 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
 
   Running time depends on the data (the rejection sampler's acceptance rate; the loop is never
   capped, since a fallback after N tries would break the law): timing is not protected. The
-  sampler runs in float64 on the host (as a pure callback under tracing) whatever JAX's x64
-  flag, with ``C = (ε/2)·Σ u_i u_iᵀ`` (entries up to ``nε/2``). Like every floating-point
-  sampler it is DP in real arithmetic (docs/algorithms.md §1.10).
+  sampler runs in float64 in JAX whatever JAX's x64 flag (:func:`dpjax._host.float64`), with
+  ``C = (ε/2)·Σ u_i u_iᵀ`` (entries up to ``nε/2``). Like every floating-point sampler it is DP
+  in real arithmetic (docs/algorithms.md §1.10).
 
   Args:
     key: PRNG key.
@@ -468,11 +472,13 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
     :class:`~dpjax.results.SubspaceResult` (``ok`` True; ``epsilon`` ε, ``delta`` 0,
     neighbouring ``REPLACE_ONE``), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats:
     float32); ``info``: ``exact`` (k = 1), ``num_sweeps`` (0 for k = 1), ``batch_size``,
-    ``data_norm``, ``clip``. Traceable in ``key`` and ``X`` (a NaN in a traced X gives ⊥).
+    ``data_norm``, ``clip``. Traceable in ``key`` and ``X`` with JAX's x64 mode on (the float64
+    sampler staged inline; a NaN in a traced X gives ⊥); under a float32 trace (x64 off) it
+    raises ``TypeError``; eagerly it runs under ``jax.enable_x64(True)`` whatever the flag.
 
   Raises:
     TypeError: bad key, X not a real array, non-integer k / num_sweeps / batch_size, clip not a
-      bool.
+      bool; traced with JAX's x64 mode off.
     ValueError: NaN/inf in a concrete X, a row above ``data_norm`` (without ``clip``), bad ε, k,
       ``num_sweeps``, ``batch_size`` or ``data_norm``; ``εn/2 > MAX_CONCENTRATION``.
   """
@@ -488,16 +494,13 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
                      "beyond the sampler's float64 range; ε that large gives no privacy.")
   sweeps = 0 if k == 1 else num_sweeps
 
-  def release(key, X):
-    if not np.all(np.isfinite(X)):              # traced X only (a concrete one raised)
-      return np.zeros((d, k))
-    S = _second_moment_host(X, mantissa, exponent)
-    with jax.enable_x64(True):
-      V = ppca_core(key, S, epsilon, k=k, num_sweeps=num_sweeps, batch_size=batch_size)
-      return np.asarray(V, np.float64)
+  def run(key, X):
+    # A NaN in a traced X makes S NaN: the sampler then draws from C = 0 (so it ends) and the
+    # typed ⊥ below replaces the basis.
+    S = _unit_second_moment(X, mantissa, exponent)
+    return ppca_core(key, S, epsilon, k=k, num_sweeps=num_sweeps, batch_size=batch_size)
 
-  basis = host_call(release, jax.ShapeDtypeStruct((d, k), np.float64), key, X64)
-  basis = jnp.asarray(basis, out_dtype)
+  basis = jnp.asarray(float64("ppca", run, key, X64), out_dtype)
   ok = jnp.asarray(True)
   if v.is_traced(X64):
     ok, basis = v.domain_bottom(X64, ok, basis)

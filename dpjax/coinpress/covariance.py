@@ -17,7 +17,7 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting, linalg
-from dpjax._host import host_call
+from dpjax._host import float64
 from dpjax.coinpress.schedule import (_check_common, _standard_normal, default_fractions,
                                       gaussian_norm_radius)
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, discretized_gaussian_mechanism
@@ -81,7 +81,8 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
   smaller.
 
   Args:
-    key: a JAX PRNG key, used once: one draw gives all T steps independent noise.
+    key: a JAX PRNG key, used once: split into the T steps' keys (``secure``), or one draw of
+      all T steps' noise.
     X: ``(n, d)`` real array, rows are individuals, ``n ≥ 2``.
     epsilon: ε > 0 (nats).
     delta: δ ∈ (0, 1).
@@ -100,7 +101,7 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
     secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` (``ok`` always True; neighbouring ``REPLACE_ONE``;
+    :class:`~dpjax.results.EstimateResult` (``ok`` True eagerly; neighbouring ``REPLACE_ONE``;
     ``epsilon`` the composed ε) with ``estimate`` a symmetric PSD ``(d, d)`` array — float64
     NumPy eagerly (the whitening recursion runs in float64 whatever JAX's x64 flag) — and
     ``info`` holding ``steps``, ``fractions``, ``noise_scale``, ``noise_multipliers``,
@@ -109,12 +110,17 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
     ("choose_covariance_steps" or "given"), ``zcdp_rho``, ``accountant``, ``secure`` and
     (secure) ``grids`` (Λ_t); with ``secure=True`` ``released["releases"]`` holds the
     ``(T, d, d)`` released Z_t (DP releases accounted in ε, on their grids in the isometric
-    coordinates). Traceable in ``key`` and ``X``: under ``jit`` / ``vmap`` the float64
-    recursion runs on the host as a ``jax.pure_callback`` (same output per key), returned in
-    JAX's default float dtype; a non-finite traced ``X`` gives ``ok=False``.
+    coordinates). Traceable in ``key`` and ``X`` with JAX's x64 mode on (``with
+    jax.enable_x64(True):`` around the ``jit`` / ``vmap``): the float64 recursion is staged in
+    the caller's program (with ``secure=True`` each step's discretized release is a NumPy host
+    callback, the same draw per key as eagerly) and the outputs are float64 JAX arrays
+    (symmetric up to rounding: XLA may fuse the final mirroring); a non-finite traced ``X``
+    gives ``ok=False`` and zero outputs. Under a float32 trace (x64 off) it raises
+    ``TypeError``.
 
   Raises:
-    TypeError: ``key`` not a PRNG key; non-numeric ``X``; non-integer ``steps``.
+    TypeError: ``key`` not a PRNG key; non-numeric ``X``; non-integer ``steps``; traced
+      (``jit`` / ``vmap``) with JAX's x64 mode off.
     ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in a concrete ``X``; ``kappa`` not finite or < 1; ε ≤ 0;
       δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or ``steps``; unknown ``accountant``, or
       ``"analytic"``/``"pld"`` with ``secure=True``.
@@ -142,35 +148,10 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
   zs = tuple(s / math.sqrt(f) for f in fractions)
   plan = _covariance_plan(n, d, kappa, beta, fractions, s, secure=secure)
   norm_radius, sens, sigmas, etas = plan.norm_radius, plan.sensitivity, plan.sigmas, plan.etas
-  m0 = 1.0 / math.sqrt(kappa)
-
-  def release(key, X):
-    X = np.asarray(X, np.float64)
-    if not np.all(np.isfinite(X)):                  # traced only: outside the domain
-      return False, np.zeros((d, d)), np.zeros((T, d, d))
-    with jax.enable_x64(True):
-      X_j = jnp.asarray(X)
-      if not secure:
-        estimate = _covariance_core(key, X_j, jnp.float64(m0), jnp.float64(norm_radius),
-                                    jnp.asarray(sigmas, jnp.float64),
-                                    jnp.asarray(etas, jnp.float64))
-        return True, np.asarray(linalg.symmetrize(estimate), np.float64), np.zeros((T, d, d))
-      M, M_inv = jnp.eye(d) * m0, jnp.eye(d) / m0
-      releases = []
-      for k_step, z, eta in zip(jax.random.split(key, T), zs, etas):
-        coords = np.asarray(_svec(_whitened_second_moment(X_j, M, jnp.float64(norm_radius))))
-        released = discretized_gaussian_mechanism(k_step, coords, sensitivity=sens,
-                                                  noise_multiplier=z)
-        Z = _unsvec(jnp.asarray(released), d)           # post-processing of the release
-        releases.append(np.asarray(Z))
-        M_inv_used = M_inv                              # the whitening Z was released in
-        M, M_inv = _whitening_update(Z, M, M_inv, jnp.float64(eta))
-      estimate = np.asarray(linalg.symmetrize(_covariance_estimate(Z, M_inv_used)), np.float64)
-    return True, estimate, np.stack(releases)
-
-  shapes = (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((d, d), np.float64),
-            jax.ShapeDtypeStruct((T, d, d), np.float64))
-  ok, estimate, releases = host_call(release, shapes, key, X64)
+  ok, estimate, releases = float64(
+      "coinpress_covariance", _covariance_release, key, X64, m0=1.0 / math.sqrt(kappa),
+      norm_radius=norm_radius, sigmas=sigmas, etas=etas, sensitivity=sens, noise_multipliers=zs,
+      secure=bool(secure))
   info = dict(steps=T, fractions=fractions, noise_scale=s, noise_multipliers=zs,
               sigmas=sigmas, sensitivities=(sens,) * T, clip_radii=(norm_radius,) * T, etas=etas,
               lower_bounds=plan.lower_bounds, error_bound=plan.error_bound, beta=beta,
@@ -318,6 +299,32 @@ def _covariance_plan(n: int, d: int, kappa: float, beta: float, fractions: tuple
     lam = lam / (lam + 2.0 * (sampling_typ + sg * math.sqrt(2.0 * d)))
   typical = sampling_typ + 2.0 * sigmas[-1] * math.sqrt(2.0 * d) / lam
   return _CovariancePlan(norm_radius, sens, grid, sigmas, etas, tuple(lower), error_bound, typical)
+
+
+def _covariance_release(key, X, *, m0, norm_radius, sigmas, etas, sensitivity,
+                        noise_multipliers, secure):
+  """The T steps of :func:`coinpress_covariance` in traceable JAX (float64 under
+  :func:`float64`): ``(ok, estimate, releases (T, d, d) or None)``, ``ok`` False and the outputs
+  zero when ``X`` holds NaN/inf (reachable traced only; a concrete one is rejected by the
+  validation). ``secure``: the float-safe discretized release of each step; else raw continuous
+  noise (no releases returned)."""
+  d = X.shape[1]
+  if not secure:
+    estimate = _covariance_core(key, X, m0, norm_radius, jnp.asarray(sigmas, X.dtype),
+                                jnp.asarray(etas, X.dtype))
+    ok, estimate = v.domain_bottom(X, True, linalg.symmetrize(estimate))
+    return ok, estimate, None
+  M, M_inv = jnp.eye(d, dtype=X.dtype) * m0, jnp.eye(d, dtype=X.dtype) / m0
+  releases = []
+  for k_step, z, eta in zip(jax.random.split(key, len(etas)), noise_multipliers, etas):
+    coords = _svec(_whitened_second_moment(X, M, norm_radius))
+    Z = _unsvec(jnp.asarray(discretized_gaussian_mechanism(
+        k_step, coords, sensitivity=sensitivity, noise_multiplier=z)), d)   # post-processing
+    releases.append(Z)
+    M_inv_used = M_inv                                  # the whitening Z was released in
+    M, M_inv = _whitening_update(Z, M, M_inv, eta)
+  estimate = linalg.symmetrize(_covariance_estimate(Z, M_inv_used))
+  return v.domain_bottom(X, True, estimate, jnp.stack(releases))
 
 
 def _psd_part(Z):

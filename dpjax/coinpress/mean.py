@@ -11,13 +11,12 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting
-from dpjax._host import host_call
+from dpjax._host import float64
 from dpjax.coinpress.schedule import _check_common, _standard_normal, gaussian_norm_radius
 from dpjax.mechanisms.gaussian import discretized_gaussian_mechanism
 from dpjax.mechanisms.grid import discretization
@@ -68,7 +67,8 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
   ``z_t = s/sqrt(f_t)`` and s calibrated so the total is (ε, δ)-DP (replace-one; n is public).
 
   Args:
-    key: a JAX PRNG key, used once: one draw gives all T steps independent noise.
+    key: a JAX PRNG key, used once: split into the T steps' keys (``secure``), or one draw of
+      all T steps' noise.
     X: ``(n, d)`` real array, rows are individuals, ``n ≥ 2``; integer input is converted.
     epsilon: ε > 0 (nats).
     delta: δ ∈ (0, 1).
@@ -85,7 +85,7 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
     secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` (``ok`` always True; ``epsilon`` the composed ε ≤ the
+    :class:`~dpjax.results.EstimateResult` (``ok`` True eagerly; ``epsilon`` the composed ε ≤ the
     requested one; neighbouring ``REPLACE_ONE``) with ``estimate`` a ``(d,)`` array — float64
     NumPy eagerly (the algorithm runs in float64 whatever JAX's x64 flag: means of 1e6 keep
     their digits), with ``secure=True`` a multiple of ``info["grids"][-1]`` —,
@@ -94,12 +94,15 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
     (z_t), ``sigmas`` (σ_t), ``sensitivities`` (Δ_t), ``clip_radii`` (R_t), ``radii``
     (r_0..r_T), ``error_bound`` (r_T), ``norm_radius``, ``beta``, ``zcdp_rho`` (= 1/(2s²)),
     ``accountant``, ``secure`` and (secure) ``grids`` (Λ_t). Traceable in ``key``, ``X`` and
-    ``center``: under ``jit`` / ``vmap`` the float64 loop runs on the host as a
-    ``jax.pure_callback`` (the same output per key) and comes back in JAX's default float dtype;
-    a non-finite traced ``X`` gives ``ok=False``.
+    ``center`` with JAX's x64 mode on (``with jax.enable_x64(True):`` around the ``jit`` /
+    ``vmap``): the float64 steps are staged in the caller's program (with ``secure=True`` each
+    step's discretized release is a NumPy host callback, the same draw per key as eagerly) and
+    the outputs are float64 JAX arrays; a non-finite traced ``X`` or ``center`` gives
+    ``ok=False`` and zero outputs. Under a float32 trace (x64 off) it raises ``TypeError``.
 
   Raises:
-    TypeError: ``key`` not a PRNG key; non-numeric ``X``/``center``; non-integer ``steps``.
+    TypeError: ``key`` not a PRNG key; non-numeric ``X``/``center``; non-integer ``steps``;
+      traced (``jit`` / ``vmap``) with JAX's x64 mode off.
     ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in a concrete ``X`` or ``center``; ``center`` not of
       shape ``(d,)``; ``radius ≤ 0``; ε ≤ 0; δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or
       ``steps``; unknown ``accountant``, or ``"analytic"``/``"pld"`` with ``secure=True``.
@@ -138,35 +141,10 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
       sigmas.append(z * sens[-1])
     radii.append(step_radius * math.sqrt(1.0 / n + sigmas[-1] ** 2))
 
-  def release(key, X, center):
-    X, center = np.asarray(X, np.float64), np.asarray(center, np.float64)
-    if not (np.all(np.isfinite(X)) and np.all(np.isfinite(center))):   # traced only
-      return False, np.zeros(d), np.zeros((T, d))
-    with jax.enable_x64(True):
-      X_j, c = jnp.asarray(X), jnp.asarray(center)
-      if not secure:
-        estimate, centers = _mean_core(key, X_j, c, jnp.asarray(clip_radii, jnp.float64),
-                                       jnp.asarray(sigmas, jnp.float64))
-        return True, np.asarray(estimate, np.float64), np.asarray(centers, np.float64)
-      centers = []
-      for k_step, big_r, sensitivity, z, grid in zip(jax.random.split(key, T), clip_radii, sens,
-                                                     zs, grids):
-        # Released relative to the (public) centre, rounded to the grid: the clipped rows'
-        # mean deviation is at most R in norm, so the mechanism's clamp B = 2^50 Λ never binds
-        # however far the data sit from 0 (released about c it clamped at |c| ≳ 2^50 Λ, e.g.
-        # 1e8 at n = 3·10⁵: a silent, large error). The sum c + Λ·k is exact (both multiples of
-        # Λ, |c|/Λ < 2^53) or rounds to a multiple of a larger power of two: post-processing.
-        c = jnp.round(c / grid) * grid
-        deviation = np.asarray(_clipped_deviation(X_j, c, jnp.float64(big_r)), np.float64)
-        released = np.asarray(c) + discretized_gaussian_mechanism(
-            k_step, deviation, sensitivity=sensitivity, noise_multiplier=z)
-        centers.append(released)
-        c = jnp.asarray(released)
-    return True, centers[-1], np.stack(centers)
-
-  shapes = (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((d,), np.float64),
-            jax.ShapeDtypeStruct((T, d), np.float64))
-  ok, estimate, centers = host_call(release, shapes, key, X64, center64)
+  ok, estimate, centers = float64(
+      "coinpress_mean", _mean_release, key, X64, center64, clip_radii=tuple(clip_radii),
+      sigmas=tuple(sigmas), sensitivities=tuple(sens), noise_multipliers=zs,
+      grids=tuple(grids) if secure else None)
   info = dict(steps=T, fractions=fractions, noise_scale=s, noise_multipliers=zs,
               sigmas=tuple(sigmas), sensitivities=tuple(sens), clip_radii=tuple(clip_radii),
               radii=tuple(radii), error_bound=radii[-1], norm_radius=norm_radius,
@@ -177,6 +155,32 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, released={"centers": centers},
                         epsilon=spent, delta=delta, neighbouring=NeighboringRelation.REPLACE_ONE,
                         info=info)
+
+
+def _mean_release(key, X, center, *, clip_radii, sigmas, sensitivities, noise_multipliers,
+                  grids):
+  """The T steps of :func:`coinpress_mean` in traceable JAX (float64 under :func:`float64`):
+  ``(ok, c_T, centres (T, d))``, ``ok`` False and the outputs zero when ``X`` or ``center`` holds
+  NaN/inf (reachable traced only; a concrete one is rejected by the validation). ``grids`` None:
+  raw continuous noise; else the float-safe discretized release of each step."""
+  if grids is None:
+    estimate, centers = _mean_core(key, X, center, jnp.asarray(clip_radii, X.dtype),
+                                   jnp.asarray(sigmas, X.dtype))
+  else:
+    c, centers = center, []
+    for k_step, big_r, sensitivity, z, grid in zip(jax.random.split(key, len(grids)), clip_radii,
+                                                   sensitivities, noise_multipliers, grids):
+      # Released relative to the (public) centre, rounded to the grid: the clipped rows' mean
+      # deviation is at most R in norm, so the mechanism's clamp B = 2^50 Λ never binds however
+      # far the data sit from 0 (released about c it clamped at |c| ≳ 2^50 Λ, e.g. 1e8 at
+      # n = 3·10⁵: a silent, large error). The sum c + Λ·k is exact (both multiples of Λ,
+      # |c|/Λ < 2^53) or rounds to a multiple of a larger power of two: post-processing.
+      c = jnp.round(c / grid) * grid
+      c = c + discretized_gaussian_mechanism(k_step, _clipped_deviation(X, c, big_r),
+                                             sensitivity=sensitivity, noise_multiplier=z)
+      centers.append(c)
+    estimate, centers = c, jnp.stack(centers)
+  return v.domain_bottom(X, v.all_finite(center), estimate, centers)
 
 
 def _mean_core(key, X, center, clip_radii, sigmas):

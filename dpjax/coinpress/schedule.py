@@ -40,8 +40,11 @@ Example::
     cov.estimate            # (10, 10) float64, symmetric PSD
 
 Numerics: the public radii, noise scales and bounds are computed on the host in float64 (NumPy and
-``math``); the jitted cores run under ``jax.enable_x64(True)`` in float64 and return float64
-arrays, whatever the global x64 flag.
+``math``); the steps run in JAX in float64 through :func:`dpjax._host.float64`: eagerly under
+``jax.enable_x64(True)`` (float64 NumPy outputs whatever the global x64 flag), under ``jit`` /
+``vmap`` staged in the caller's program, which must be traced with x64 on (a float32 trace
+raises ``TypeError``). No JAX runs inside a host callback: the float-safe releases below are
+the mechanism's NumPy callbacks.
 
 Floating point (docs/algorithms.md §1.10). By default (``secure=True``) every step's release goes
 through :func:`dpjax.mechanisms.discretized_gaussian_mechanism`: exact discrete Gaussian noise on

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
-from dpjax._host import host_call
+from dpjax._host import host_call, python_random
 from dpjax.mechanisms import exact as exact_lib
 
 # The exact sampler needs num = ⌈scale·2^10⌉ ≤ 2^25 (its uint32 arithmetic); the geometric one
@@ -199,16 +199,6 @@ def discrete_gaussian_sigma2(sigma: float) -> Fraction:
   return Fraction(max(num, 1), _SIGMA2_DENOMINATOR)
 
 
-def _host_rng(key: jax.Array) -> random.Random:
-  """A host RNG seeded with 128 bits drawn from ``key`` (deterministic per key).
-
-  ``random.Random.randrange`` draws integers exactly uniformly (rejection on random bits), which
-  is all the exact samplers below need.
-  """
-  words = np.asarray(jax.random.bits(key, (4,), jnp.uint32), np.uint64)
-  return random.Random(int(sum(int(w) << (32 * i) for i, w in enumerate(words))))
-
-
 def _bernoulli_exp_unit(rng: random.Random, num: int, den: int) -> bool:
   """Bernoulli(exp(−num/den)) for ``0 ≤ num ≤ den`` (CKS 2020, Algorithm 1, γ ∈ [0, 1])."""
   k = 1
@@ -264,8 +254,8 @@ def discrete_gaussian(key: jax.Array, shape=(), *, sigma: float) -> np.ndarray:
   distribution is exactly the discrete Gaussian at ``σ²`` rounded up to a multiple of 2^-10
   (:func:`discrete_gaussian_sigma2`). Runs on the host, one coordinate at a time (about
   10–30 µs per draw); meant for released statistics, not for the inside of training loops.
-  Randomness: 128 bits drawn from ``key`` seed a host generator, so results are deterministic
-  per key.
+  Randomness: 128 bits of a NumPy generator seeded by ``key``'s data
+  (:func:`dpjax._host.host_rng`) seed the host sampler, so results are deterministic per key.
 
   A sampler; the privacy guarantee comes from :func:`dpjax.mechanisms.gaussian_mechanism`
   (``secure=True``), which adds it to a statistic rounded to a public grid.
@@ -291,14 +281,15 @@ def discrete_gaussian(key: jax.Array, shape=(), *, sigma: float) -> np.ndarray:
   v.check_key(key)
   shape = v.check_shape(shape)
   discrete_gaussian_sigma2(sigma)
-  return host_call(lambda k: discrete_gaussian_host(k, shape, sigma),
+  return host_call(lambda rng: discrete_gaussian_host(rng, shape, sigma),
                    jax.ShapeDtypeStruct(shape, np.int64), key)
 
 
-def discrete_gaussian_host(key: jax.Array, shape, sigma: float) -> np.ndarray:
-  """:func:`discrete_gaussian` on the host, unvalidated (``sigma`` checked by the caller)."""
+def discrete_gaussian_host(rng: np.random.Generator, shape, sigma: float) -> np.ndarray:
+  """:func:`discrete_gaussian` on the host (plain NumPy/Python, callable inside a host callback),
+  unvalidated (``sigma`` checked by the caller); randomness from the NumPy generator ``rng``."""
   sigma2 = discrete_gaussian_sigma2(sigma)
-  rng = _host_rng(key)
+  rng = python_random(rng)
   num, den = sigma2.numerator, sigma2.denominator
   size = math.prod(shape)
   out = np.fromiter((_discrete_gaussian_one(rng, num, den) for _ in range(size)), np.int64,
@@ -332,13 +323,14 @@ def truncated_discrete_laplace(key: jax.Array, shape=(), *, scale: int, bound: i
   shape = v.check_shape(shape)
   t = v.check_int(scale, "scale", low=1)
   K = v.check_int(bound, "bound", low=0)
-  return host_call(lambda k: truncated_discrete_laplace_host(k, shape, t, K),
+  return host_call(lambda rng: truncated_discrete_laplace_host(rng, shape, t, K),
                    jax.ShapeDtypeStruct(shape, np.int64), key)
 
 
-def truncated_discrete_laplace_host(key: jax.Array, shape, t: int, K: int) -> np.ndarray:
-  """:func:`truncated_discrete_laplace` on the host, unvalidated."""
-  rng = _host_rng(key)
+def truncated_discrete_laplace_host(rng: np.random.Generator, shape, t: int, K: int) -> np.ndarray:
+  """:func:`truncated_discrete_laplace` on the host (plain NumPy/Python), unvalidated;
+  randomness from the NumPy generator ``rng``."""
+  rng = python_random(rng)
 
   def one():
     while True:

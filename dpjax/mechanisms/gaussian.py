@@ -261,12 +261,19 @@ def discretized_gaussian_mechanism(key: jax.Array, value, *, sensitivity: float,
   sigma = math.nextafter(z * grid.grid_sensitivity, math.inf)
   discrete.discrete_gaussian_sigma2(sigma)                 # validates σ ≤ 2^40 before tracing
 
-  def release(key, value):
-    index = grid.round(v.sanitise_host_value(value))
-    noise = discrete.discrete_gaussian_host(key, (index.size,), sigma)
-    return grid.release(index + noise, value.shape)
+  return host_call(functools.partial(discretized_gaussian_host, grid=grid, sigma=sigma),
+                   jax.ShapeDtypeStruct(value.shape, np.float64), key, value)
 
-  return host_call(release, jax.ShapeDtypeStruct(value.shape, np.float64), key, value)
+
+def discretized_gaussian_host(rng: np.random.Generator, value, *, grid, sigma: float) -> np.ndarray:
+  """The release of :func:`discretized_gaussian_mechanism` on the host (plain NumPy/Python,
+  callable inside a host callback), unvalidated: ``grid`` from
+  :func:`dpjax.mechanisms.discretization` and the discrete Gaussian's ``sigma`` in grid steps
+  (validated by the caller); ``value`` a NumPy array, NaN/inf entries replaced by 0."""
+  value = np.asarray(value)
+  index = grid.round(v.sanitise_host_value(value))
+  noise = discrete.discrete_gaussian_host(rng, (index.size,), sigma)
+  return grid.release(index + noise, value.shape)
 
 
 def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: float,

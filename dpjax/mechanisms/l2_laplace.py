@@ -78,11 +78,6 @@ def _noise(key, beta, *, d, dtype):
   return (r * u).astype(dtype)
 
 
-def x64_enabled() -> bool:
-  """True when JAX's x64 mode is on here (globally or inside ``jax.enable_x64(True)``)."""
-  return jax.dtypes.canonicalize_dtype(np.float64) == np.float64
-
-
 def l2_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: float):
   """Releases ``value + b``, ``b`` ℓ2-Laplace with ``β = ε/Δ₂`` over all entries of ``value``.
 
@@ -103,9 +98,8 @@ def l2_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: 
   blunts but does not provably remove the leak), or use a float-safe mechanism such as
   :func:`dpjax.mechanisms.snapping_l1_mechanism`.
 
-  Numerics: the noise is sampled and added in float64 under ``jax.enable_x64(True)`` (inside,
-  not global). NaN/inf entries of ``value`` are replaced by 0 first (a fixed map: raising would
-  branch on private data).
+  Numerics: the noise is sampled and added in float64 on the host (NumPy). NaN/inf entries of
+  ``value`` are replaced by 0 first (a fixed map: raising would branch on private data).
 
   Args:
     key: JAX PRNG key.
@@ -114,11 +108,10 @@ def l2_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: 
     epsilon: ``ε > 0``.
 
   Returns:
-    Eagerly: a float64 NumPy array shaped like ``value`` (computed on the CPU). Traceable in
-    ``key`` and ``value``: under ``jit`` / ``vmap`` with x64 enabled the same float64
-    computation is staged inline (the same output per key as the eager call); without x64 it
-    runs on the host as a ``jax.pure_callback`` (the same output per key, returned in JAX's
-    default float dtype: post-processing).
+    Eagerly: a float64 NumPy array shaped like ``value`` (sampled on the host in NumPy,
+    :func:`l2_laplace_host_noise`). Traceable in ``key`` and ``value``: under ``jit`` / ``vmap``
+    the same host computation runs as a ``jax.pure_callback`` (the same output per key, returned
+    in JAX's default float dtype: post-processing).
 
   Raises:
     TypeError: ``key`` not a PRNG key, ``value`` not a float array.
@@ -136,22 +129,17 @@ def l2_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: 
   beta = l2_laplace_beta(sensitivity, epsilon)
   shape, size = tuple(value.shape), int(value.size)
 
-  def release(key, value):
-    # On the CPU with a key committed to it, eagerly as in host_call's callback, so that both
-    # paths share one compiled sampler.
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu), jax.enable_x64(True):
-      return np.asarray(_release(jax.device_put(key, cpu),
-                                 jnp.asarray(np.asarray(value, np.float64)), beta, size=size),
-                        np.float64)
+  def release(rng, value):
+    value = v.sanitise_host_value(np.asarray(value, np.float64))
+    return value + l2_laplace_host_noise(rng, size, beta).reshape(shape)
 
-  if v.is_traced(key, value) and x64_enabled():
-    return _release(key, jnp.asarray(value, jnp.float64), beta, size=size)
   return host_call(release, jax.ShapeDtypeStruct(shape, np.float64), key, value)
 
 
-def _release(key, value, beta, *, size):
-  """``sanitise(value) + b`` in float64 (call with x64 on)."""
-  value = v.sanitise_value(value.astype(jnp.float64))
-  noise = _noise(key, jnp.asarray(beta, jnp.float64), d=size, dtype=jnp.dtype(jnp.float64))
-  return value + noise.reshape(value.shape)
+def l2_laplace_host_noise(rng: np.random.Generator, d: int, beta: float) -> np.ndarray:
+  """:func:`l2_laplace_noise`'s law on the host in float64 (plain NumPy, callable inside a host
+  callback): a uniform direction (a normalised Gaussian) times a ``Gamma(d, 1/β)`` norm."""
+  g = rng.standard_normal(d)
+  # ‖g‖ = 0 has probability 0 (it would need d exact zeros); the guard only avoids 0/0.
+  u = g / max(float(np.sqrt(g @ g)), np.finfo(np.float64).tiny)
+  return (rng.standard_gamma(d) / beta) * u

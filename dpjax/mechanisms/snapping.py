@@ -55,17 +55,16 @@ def snapping_parameters(sensitivity: float, epsilon: float,
   return lam * sensitivity, grid * sensitivity, b * sensitivity
 
 
-def _uniform_doubles(key: jax.Array, size: int) -> np.ndarray:
-  """Doubles in (0, 1] distributed as a uniform real rounded down to a double.
+def _uniform_doubles(rng: np.random.Generator, size: int) -> np.ndarray:
+  """Doubles in (0, 1] distributed as a uniform real rounded down to a double (host, NumPy).
 
   The exponent is geometric (leading zero bits of a random stream, up to 2^-1074's range in
   principle; 128 bits here, so the chance of running out is 2^-128), the 52-bit mantissa uniform;
   unlike ``k / 2^53`` this reaches every double in (0, 1] with the right probability.
   """
-  words = np.asarray(jax.random.bits(key, (size, 6), dtype=np.uint32)).astype(np.uint64)
-  stream = (words[:, 0] << np.uint64(32)) | words[:, 1]
-  stream2 = (words[:, 2] << np.uint64(32)) | words[:, 3]
-  mantissa = ((words[:, 4] << np.uint64(32)) | words[:, 5]) >> np.uint64(12)   # 52 bits
+  words = rng.integers(0, 2**64, size=(size, 3), dtype=np.uint64)
+  stream, stream2 = words[:, 0], words[:, 1]
+  mantissa = words[:, 2] >> np.uint64(12)                                      # 52 bits
   zeros = _leading_zeros(stream)
   zeros = np.where(zeros == 64, 64 + _leading_zeros(stream2), zeros)
   exponent = -1 - zeros
@@ -113,11 +112,10 @@ def snapping_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
   value = v.check_float_array(value)
   lam, grid, b = snapping_parameters(sensitivity, epsilon, bound)
 
-  def release(key, value):
-    k_sign, k_u = jax.random.split(key)
+  def release(rng, value):
     flat = np.clip(v.sanitise_host_value(value).astype(np.float64).reshape(-1), -b, b)
-    signs = np.where(np.asarray(jax.random.bernoulli(k_sign, 0.5, flat.shape)), 1.0, -1.0)
-    noisy = flat + signs * lam * np.log(_uniform_doubles(k_u, flat.size))
+    signs = np.where(rng.integers(0, 2, size=flat.shape) == 1, 1.0, -1.0)
+    noisy = flat + signs * lam * np.log(_uniform_doubles(rng, flat.size))
     snapped = grid * np.round(noisy / grid)        # division by a power of two is exact
     return np.clip(snapped, -b, b).reshape(value.shape)
 

@@ -243,9 +243,9 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
     scale = math.ceil(grid.grid_sensitivity / epsilon)
     K = discrete_truncated_laplace_bound(scale, shift, delta)
 
-    def release(key, value):
+    def release(rng, value):
       index = grid.round(v.sanitise_host_value(value))
-      noise = discrete.truncated_discrete_laplace_host(key, (index.size,), scale, K)
+      noise = discrete.truncated_discrete_laplace_host(rng, (index.size,), scale, K)
       return grid.release(index + noise, value.shape)
 
     return host_call(release, jax.ShapeDtypeStruct(value.shape, np.float64), key, value)

@@ -13,7 +13,8 @@ from dp_accounting import NeighboringRelation
 from dpjax import _validation as v
 from dpjax import linalg
 from dpjax._host import host_call
-from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
+from dpjax.mechanisms import discrete
+from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_host,
                                        rdp_gaussian_sigma)
 from dpjax.mechanisms.grid import discretization
 from dpjax.results import SubspaceResult
@@ -68,8 +69,9 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
     (``σ = info["unit_sigma"]·C²``, computed on the host in float64: ``inf`` if C² overflows
     float64, which the computation never forms), ``info["unit_sigma"]`` the std in units of C²,
     ``info["secure"]``, and with ``secure=True`` ``info["grid"]`` (in units of C²). Traceable in
-    ``key`` and ``X`` (the secure release and its eigendecomposition run on the host, as a
-    ``jax.pure_callback`` under tracing).
+    ``key`` and ``X`` in every x64 mode (the second moment in X's dtype in JAX; the secure
+    release and its eigendecomposition in NumPy on the host, as a ``jax.pure_callback`` under
+    tracing).
 
   Raises:
     TypeError: bad key, or X not a real array.
@@ -102,30 +104,57 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
 
 
 def _secure_basis(key, X, k, clip_mantissa, clip_exponent, epsilon, delta):
-  """The top-k eigenvectors of ``Σ u uᵀ`` (units of C²) with its upper triangle released by the
-  float-safe discretized Gaussian (ℓ2-sensitivity 2), the eigendecomposition on the host in
-  float64 (post-processing); returns ``(basis (d, k) in X's dtype, grid step, noise std)``."""
+  """The top-k eigenvectors of ``Σ u uᵀ`` (units of C², computed in X's dtype) with its upper
+  triangle released by the float-safe discretized Gaussian (ℓ2-sensitivity 2), the
+  eigendecomposition on the host in float64 (post-processing); returns ``(basis (d, k) in X's
+  dtype, grid step, noise std)``."""
   A = _unit_second_moment(X, clip_mantissa, clip_exponent)
-  d = A.shape[0]
   z = rdp_gaussian_sigma(epsilon, delta)
-  grid = discretization(2.0, d * (d + 1) // 2)
-
-  def release(key, A):
-    return np.linalg.eigh(_secure_noisy_moment(key, A, z))[1][:, ::-1][:, :k]
-
-  basis = host_call(release, jax.ShapeDtypeStruct((d, k), np.float64), key, A)
+  grid, _ = _moment_discretization(A.shape[0], z, 2.0)
+  basis = _secure_top_k(key, A, z, k, sensitivity=2.0)
   return jnp.asarray(basis, X.dtype), grid.grid, z * grid.grid_sensitivity * grid.grid
 
 
-def _secure_noisy_moment(key, A, noise_multiplier, sensitivity: float = 2.0) -> np.ndarray:
-  """Host: the upper triangle of ``A (d, d)`` released by the discretized Gaussian
-  (ℓ2-sensitivity Δ = ``sensitivity``, default 2; noise multiplier z), mirrored into a symmetric
-  ``(d, d)`` float64 matrix (also MOD-SuLQ's release, :mod:`dpjax.classic.pca`)."""
+def _secure_top_k(key, A, noise_multiplier: float, k: int, *, sensitivity: float = 2.0):
+  """The top-k eigenvectors (eigenvalues descending) of the symmetric ``A (d, d)`` whose upper
+  triangle is released by the discretized Gaussian (:func:`_secure_noisy_moment`): the float-safe
+  release of a second moment shared by Analyze Gauss (Δ = 2) and MOD-SuLQ (Δ = √2,
+  :mod:`dpjax.classic.pca`). One ``host_call`` of plain NumPy (the release, then ``eigh`` in
+  float64): eagerly a float64 NumPy ``(d, k)``; traced (``A`` concrete or not, any x64 mode) a
+  pure callback returning JAX's default float dtype. The grid and σ are validated here, before
+  any tracing."""
+  d = A.shape[0]
+  _moment_discretization(d, noise_multiplier, sensitivity)     # raises before tracing
+
+  def release(rng, A):
+    noisy = _secure_noisy_moment(rng, A, noise_multiplier, sensitivity)
+    return np.linalg.eigh(noisy)[1][:, ::-1][:, :k]
+
+  return host_call(release, jax.ShapeDtypeStruct((d, k), np.float64), key, A)
+
+
+def _moment_discretization(d, noise_multiplier, sensitivity):
+  """``(grid, σ in grid steps)`` of the discretized Gaussian on the ``d(d+1)/2`` entries of an
+  upper triangle, exactly as :func:`dpjax.mechanisms.discretized_gaussian_mechanism` computes
+  them (default clamp); raises ``ValueError`` for a bad Δ, z or ``σ > 2^40``."""
+  grid = discretization(sensitivity, d * (d + 1) // 2)
+  sigma = math.nextafter(noise_multiplier * grid.grid_sensitivity, math.inf)
+  discrete.discrete_gaussian_sigma2(sigma)
+  return grid, sigma
+
+
+def _secure_noisy_moment(rng, A, noise_multiplier, sensitivity: float = 2.0) -> np.ndarray:
+  """Host (plain NumPy; ``rng`` a NumPy ``Generator``): the upper triangle of ``A (d, d)``
+  released by the discretized Gaussian with ℓ2-sensitivity Δ = ``sensitivity`` (default 2) and
+  noise multiplier z (:func:`dpjax.mechanisms.gaussian.discretized_gaussian_host`, the release
+  of :func:`dpjax.mechanisms.discretized_gaussian_mechanism`), mirrored into a symmetric
+  ``(d, d)`` float64 matrix. NaN/inf entries of ``A`` count as 0. The caller validates (z, Δ)
+  first (:func:`_secure_top_k` does)."""
   A = np.asarray(A, np.float64)
   d = A.shape[0]
+  grid, sigma = _moment_discretization(d, noise_multiplier, sensitivity)
   rows, cols = np.triu_indices(d)
-  released = discretized_gaussian_mechanism(key, A[rows, cols], sensitivity=sensitivity,
-                                            noise_multiplier=noise_multiplier)
+  released = discretized_gaussian_host(rng, A[rows, cols], grid=grid, sigma=sigma)
   noisy = np.zeros((d, d))
   noisy[rows, cols] = released
   noisy[cols, rows] = released

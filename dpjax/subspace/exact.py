@@ -12,6 +12,7 @@ the public ``(n, k)`` is checked against a cap before anything runs. Intended fo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import NamedTuple
@@ -22,8 +23,8 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
-from dpjax._host import host_call
-from dpjax.mechanisms.gap_max import gap_max
+from dpjax._host import eager_only, host_call, host_rng
+from dpjax.mechanisms.gap_max import gap_max_core, gap_max_parameters
 from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
 from dpjax.results import SubspaceResult
 
@@ -152,13 +153,15 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
     basis in JAX's default float dtype; ``info`` has the public work estimate, ``tol`` and
     ``snap_scale`` (the number of candidates is data-dependent and is not reported). With
     ``unsafe_paper_variant=True``: ``epsilon=inf``, ``delta=1``, ``neighbouring=None`` (not
-    private) and the nominal budget in ``info``. Traceable in ``key`` and ``X``: the
-    enumeration runs on the host (a ``jax.pure_callback`` under tracing; the same output per
-    key), and a non-finite traced ``X`` gives ⊥.
+    private) and the nominal budget in ``info``. Traceable in ``key`` and ``X`` (the default
+    variant): the enumeration, the random order and the snapping run on the host in NumPy (a
+    ``jax.pure_callback`` under tracing; the same output per key), GAP-MAX's exact noise in
+    JAX; a non-finite traced ``X`` gives ⊥. The unsafe variant runs eagerly only.
 
   Raises:
-    ValueError: bad arguments (NaN/inf in a concrete X included), or the work estimate above
-      ``max_work``.
+    ValueError: bad arguments (NaN/inf in a concrete X included), ε below GAP-MAX's range, or
+      the work estimate above ``max_work``.
+    TypeError: ``unsafe_paper_variant=True`` under ``jit`` / ``vmap``.
   """
   key = v.check_key(key)
   X = v.check_data(X, "X")
@@ -184,54 +187,81 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
   ell = None if ell is None else v.check_int(ell, "ell", low=0)
   info = {"work_estimate": work, "tol": tol, "snap_scale": snap_scale}
 
-  def release(key, X):
-    return _dpese_host(key, X, k=k, epsilon=epsilon, delta=delta, tol=tol,
-                       snap_scale=snap_scale, ell=ell if unsafe_paper_variant else None)
-
-  ok, basis = host_call(release, (jax.ShapeDtypeStruct((), np.bool_),
-                                  jax.ShapeDtypeStruct((d, k), np.float64)), key, X)
-  ok, basis = jnp.asarray(ok), jnp.asarray(basis, jnp.result_type(float))
   if unsafe_paper_variant:
+    eager_only("dpese(unsafe_paper_variant=True)", key, X, cores="paper_variant_select")
+    ok, basis = _paper_variant(key, np.asarray(X, np.float64), k=k, epsilon=epsilon,
+                               delta=delta, tol=tol, snap_scale=snap_scale, ell=ell)
     info.update(variant="unsafe_paper_variant", nominal_epsilon=epsilon, nominal_delta=delta)
-    return SubspaceResult(ok=ok, basis=basis, epsilon=math.inf, delta=1.0, neighbouring=None,
-                          info=info)
+    return SubspaceResult(ok=jnp.asarray(ok), basis=jnp.asarray(basis, jnp.result_type(float)),
+                          epsilon=math.inf, delta=1.0, neighbouring=None, info=info)
+  params = gap_max_parameters(epsilon, delta / 1.1, integer_scores=True)
+  k_gap, k_host = jax.random.split(key)
+  found, top_two, basis = host_call(
+      functools.partial(_top_candidate_host, k=k, tol=tol, snap_scale=snap_scale),
+      (jax.ShapeDtypeStruct((), np.bool_), jax.ShapeDtypeStruct((2,), np.int32),
+       jax.ShapeDtypeStruct((d, k), np.float64)), k_host, X)
+  # GAP-MAX decides from the top two scores alone: on (u1, u2) it takes the same decision as on
+  # the whole list, and its index 0 is the top candidate the host picked.
+  res = gap_max_core(k_gap, jnp.asarray(top_two, jnp.int32), params)
+  ok = jnp.asarray(found) & res.ok
+  basis = jnp.where(ok, jnp.asarray(basis, jnp.result_type(float)), 0.0)
   return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=delta,
                         neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
-def _dpese_host(key, X, *, k, epsilon, delta, tol, snap_scale, ell):
-  """DPESE on the host in float64: ``(ok, basis (d, k))``; ⊥ for a non-finite X (traced)."""
+def _top_candidate_host(rng, X, *, k, tol, snap_scale):
+  """Host (NumPy, float64): ``(found, (u1, u2), snapped basis (d, k) of the top candidate)``.
+
+  The candidates are put in a uniformly random order (public randomness from ``rng``) before
+  the top one is taken: GAP-MAX breaks ties by list position, and enumeration follows row order,
+  which its proof does not cover. ``u2 = 0`` with one candidate (GAP-MAX's convention);
+  ``found`` is False with none (no k independent rows: ⊥, as a low gap) and for a non-finite X
+  (reachable only traced: outside the domain). The basis is computed whatever GAP-MAX decides
+  and is released only if it answers (the caller's ``where``).
+  """
   X = np.asarray(X, np.float64)
   d = X.shape[1]
-  bottom = (False, np.zeros((d, k)))
-  if not np.all(np.isfinite(X)):                # only reachable traced: outside the domain
-    return bottom
+  nothing = (False, np.zeros(2, np.int32), np.zeros((d, k)))
+  if not np.all(np.isfinite(X)):
+    return nothing
   X = X[np.linalg.norm(X, axis=1) > 0]          # zero rows lie in every subspace: no information
   candidates = enumerate_candidates(X, k, tol=tol)
-  k_noise, k_snap, k_order = jax.random.split(key, 3)
-  if ell is not None:
-    index = int(paper_variant_select(k_noise, candidates.scores, epsilon=epsilon, delta=delta,
-                                     ell=ell))
-    ok = index >= 0
-  elif candidates.scores.size == 0:
-    ok, index = False, 0                        # no k independent rows: ⊥, same as a low gap
-  else:
-    # GAP-MAX breaks ties by list position; enumeration follows row order, which its proof does
-    # not cover. A fresh uniform permutation makes the order data-independent.
-    order = np.asarray(jax.random.permutation(k_order, candidates.scores.size))
-    res = gap_max(k_noise, jnp.asarray(candidates.scores[order]), epsilon=epsilon,
-                  delta=delta / 1.1)
-    ok, index = bool(res.ok), int(order[int(res.index)])
-  if not ok:
-    return bottom
-  rows = X[candidates.members[index]]
+  if candidates.scores.size == 0:
+    return nothing
+  order = rng.permutation(candidates.scores.size)
+  ranked = candidates.scores[order]
+  top = order[int(np.argmax(ranked))]           # the first in the random order among ties
+  u = np.sort(ranked)[::-1]
+  top_two = np.asarray([u[0], u[1] if u.size > 1 else 0], np.int32)
+  return True, top_two, _snapped_basis(rng, X[candidates.members[top]], k, snap_scale)
+
+
+def _snapped_basis(rng, rows, k, snap_scale):
+  """The canonical projection of ``rows``' top-k eigenspace snapped to ``s(Z + ω)`` (a public
+  uniform offset ω per entry from ``rng``), then its top-k eigenvectors (host, float64)."""
+  d = rows.shape[1]
   _, vecs = np.linalg.eigh(rows.T @ rows)
   projection = vecs[:, -k:] @ vecs[:, -k:].T                # canonical: all member rows
-  offset = np.asarray(jax.random.uniform(k_snap, (d, d), jnp.float32), np.float64)
+  offset = rng.random((d, d))
   snapped = snap_scale * (np.round(projection / snap_scale - offset) + offset)
   snapped = (snapped + snapped.T) / 2
   _, vecs = np.linalg.eigh(snapped)
-  return True, vecs[:, ::-1][:, :k]
+  return vecs[:, ::-1][:, :k]
+
+
+def _paper_variant(key, X, *, k, epsilon, delta, tol, snap_scale, ell):
+  """The printed [SS21] Algorithm 1, eagerly (NOT private; for replication)."""
+  d = X.shape[1]
+  if not np.all(np.isfinite(X)):
+    return False, np.zeros((d, k))
+  X = X[np.linalg.norm(X, axis=1) > 0]
+  candidates = enumerate_candidates(X, k, tol=tol)
+  k_select, k_snap = jax.random.split(key)
+  index = int(paper_variant_select(k_select, candidates.scores, epsilon=epsilon, delta=delta,
+                                   ell=ell))
+  if index < 0:
+    return False, np.zeros((d, k))
+  return True, _snapped_basis(host_rng(k_snap), X[candidates.members[index]], k, snap_scale)
 
 
 def paper_variant_select(key: jax.Array, scores, *, epsilon: float, delta: float,

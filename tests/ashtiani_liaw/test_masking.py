@@ -220,10 +220,13 @@ def test_calibration_errors():
 # ---------------------------------------------------------------------- concentration
 
 
-@pytest.mark.parametrize("d,eta,beta", [(2, 0.05, 0.05),
-                                        pytest.param(2, 0.1, 0.5, marks=pytest.mark.slow),
-                                        (4, 0.04, 0.2),
-                                        pytest.param(4, 0.08, 0.5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("d,eta,beta", [
+    (2, 0.05, 0.05),
+    pytest.param(2, 0.1, 0.5, marks=pytest.mark.slow(reason="β = 0.5 at d = 2, η = 0.1; the "
+                                                            "default run checks 0.05 and 0.2")),
+    (4, 0.04, 0.2),
+    pytest.param(4, 0.08, 0.5, marks=pytest.mark.slow(reason="β = 0.5 at d = 4, η = 0.08; the "
+                                                             "default run checks 0.05 and 0.2"))])
 def test_concentration_bound_holds_empirically(d, eta, beta):
   """P[dist(M_η(Σ), Σ) > α(β)] ≤ β: the Clopper–Pearson lower bound of the exceedance rate
   must not exceed β (on an ill-conditioned Σ, float64)."""
@@ -341,8 +344,13 @@ def test_derived_calibration_bounds_the_privacy_loss(gamma, eps, pattern):
 
 
 @pytest.mark.parametrize("gamma,eps,delta,pattern", [
-    (0.02, 1.0, 0.05, "pair"), pytest.param(0.1, 3.0, 0.05, "all up", marks=pytest.mark.slow),
-    pytest.param(0.05, 2.0, 0.05, "all down", marks=pytest.mark.slow),
+    (0.02, 1.0, 0.05, "pair"),
+    pytest.param(0.1, 3.0, 0.05, "all up",
+                 marks=pytest.mark.slow(reason="all up at γ = 0.1, ε = 3, δ = 0.05; the default "
+                                               "run checks γ = 0.002, δ = 1e-3")),
+    pytest.param(0.05, 2.0, 0.05, "all down",
+                 marks=pytest.mark.slow(reason="all down at γ = 0.05, δ = 0.05; the default run "
+                                               "checks γ = 0.002, δ = 1e-3")),
     (0.002, 2.0, 1e-3, "all up"), (0.002, 2.0, 1e-3, "all down")])
 def test_rdp_calibration_meets_the_exact_hockey_stick_criterion(gamma, eps, delta, pattern):
   """d = 3, η = calibrate_masking(...).eta (Rényi accounting, the default), inputs at distance

@@ -20,7 +20,8 @@ def _corrupt(rng, X, fraction, point):
   return X
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seed", [
+    0, pytest.param(1, marks=pytest.mark.slow(reason="a second seed; the default run checks 0"))])
 def test_robust_mean_resists_a_far_cluster_that_biases_ppme(seed):
   rng = np.random.default_rng(seed)
   d, k, m = 5, 151, 400                                  # k = min_groups_for_test: a sure pass
@@ -40,7 +41,8 @@ def test_robust_mean_resists_a_far_cluster_that_biases_ppme(seed):
   assert robust.info["corruption"] == ETA
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="robust_covariance end to end; the default run checks robust_mean and "
+                         "the corruption check")
 def test_robust_covariance_resists_outliers_along_a_small_eigenvector():
   rng = np.random.default_rng(2)
   d = 3

@@ -215,8 +215,12 @@ def _candidates(seed, k, d, *, num_singular=0, T=None):
 
 
 @pytest.mark.parametrize("k,chunk_size,d", [
-    (1, None, 3), (7, 3, 3), pytest.param(13, 4, 3, marks=pytest.mark.slow),
-    pytest.param(20, 8, 3, marks=pytest.mark.slow), (20, None, 3), (6, 64, 3),
+    (1, None, 3), (7, 3, 3),
+    pytest.param(13, 4, 3, marks=pytest.mark.slow(reason="k = 13 in chunks of 4; the default run "
+                                                         "checks k = 7 in chunks of 3")),
+    pytest.param(20, 8, 3, marks=pytest.mark.slow(reason="k = 20 in chunks of 8; the default run "
+                                                         "checks k = 20 unchunked, k = 7 in 3s")),
+    (20, None, 3), (6, 64, 3),
     # d > 12: LAPACK kernel and the short-circuit; chunk 3 makes two scan steps of 64 chunks,
     # several chunks of survivors and a padded last step.
     (9, None, 16), (20, 3, 16)])
@@ -268,8 +272,12 @@ def test_closeness_matrix_float32():
   np.testing.assert_array_equal(got[decided], close[decided])
 
 
-@pytest.mark.parametrize("chunk_size", [1, pytest.param(4, marks=pytest.mark.slow),
-                                        pytest.param(7, marks=pytest.mark.slow), 13, None])
+@pytest.mark.parametrize("chunk_size", [
+    1, 13, None,
+    pytest.param(4, marks=pytest.mark.slow(reason="chunks of 4 (a partial last one); the default "
+                                                  "run checks 1, 13 and none")),
+    pytest.param(7, marks=pytest.mark.slow(reason="chunks of 7 (two, one partial); the default run "
+                                                  "checks 1, 13 and none"))])
 def test_neighbour_counts_are_row_sums_of_the_closeness_matrix(chunk_size):
   d, k, r = 2, 13, 0.3
   Ys, _, _ = _candidates(70, k, d, num_singular=2)
@@ -323,10 +331,15 @@ def test_euclidean_neighbour_counts_match_brute_force(k, p, block_size, offset, 
 # ------------------------------------------------------------------------- _cholesky_succeeds
 
 
-@pytest.mark.parametrize("d", [1, pytest.param(2, marks=pytest.mark.slow), 3,
-                               pytest.param(5, marks=pytest.mark.slow),
-                               pytest.param(8, marks=pytest.mark.slow), 12,   # unrolled
-                               pytest.param(16, marks=pytest.mark.slow), 24])  # LAPACK paths
+_UNROLLED = "the unrolled path at d = {}; the default run checks it at d = 1, 3 and 12"
+
+
+@pytest.mark.parametrize("d", [
+    1, 3, 12,                                                     # unrolled
+    *(pytest.param(d, marks=pytest.mark.slow(reason=_UNROLLED.format(d))) for d in (2, 5, 8)),
+    24,                                                           # LAPACK
+    pytest.param(16, marks=pytest.mark.slow(reason="the LAPACK path at d = 16; the default run "
+                                                   "checks it at d = 24"))])
 def test_cholesky_succeeds_agrees_with_eigenvalues(d):
   rng = np.random.default_rng(80 + d)
   batch = 400

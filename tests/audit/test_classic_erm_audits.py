@@ -41,7 +41,7 @@ def _mechanism_lower_bound(key, epsilon_run, trials):
   def run(k, f):
     return M.l2_laplace_mechanism(k, f, sensitivity=1.0, epsilon=epsilon_run)[0]
 
-  with jax.enable_x64(True):                    # the float64 release, staged inline under vmap
+  with jax.enable_x64(True):                    # the NumPy release in float64, one key a call
     return audit.audit(key, run, value, value_prime, delta=0.0, epsilon_claimed=1.0,
                        trials=trials).epsilon_lower_bound
 

@@ -66,7 +66,8 @@ def test_raw_float32_laplace_on_counts_is_flagged(laplace_support):
   assert report.unmatched_mass > 0.2
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="negative control on raw float32 Gaussian noise; the default run flags "
+                         "raw Laplace")
 def test_raw_float32_gaussian_is_flagged(normal_support):
   sigma = M.analytic_gaussian_sigma(1.0, 1e-5)
   report = audit.exact_output_audit(normal_support, _raw_release(sigma), 0.0, 1.0, delta=1e-5,
@@ -198,6 +199,7 @@ def test_analyze_gauss_release_is_float_safe(audit_trials):
   """Analyze Gauss's released noisy second moment (whose eigenvectors are returned) lies on the
   public grid; X' replaces a row along e1 by one along e0 (the change of XᵀX is 2C²)."""
   from dpjax.mechanisms.gaussian import rdp_gaussian_sigma
+  from dpjax._host import host_rng
   from dpjax.subspace.baselines import _secure_noisy_moment, _unit_second_moment
   z = rdp_gaussian_sigma(1.0, 1e-5)
   n = audit_trials(500, 10_000)
@@ -206,6 +208,6 @@ def test_analyze_gauss_release_is_float_safe(audit_trials):
   grid = M.discretization(2.0, 6).grid
   report = audit.grid_output_audit(
       jax.random.key(9), lambda k, rows: _secure_noisy_moment(
-          k, _unit_second_moment(rows, 0.5, 1), z)[0, 0],
+          host_rng(k), _unit_second_moment(rows, 0.5, 1), z)[0, 0],
       X, X_prime, grid_step=grid, delta=1e-5, epsilon_claimed=1.0, trials=n)
   assert report.passed, report

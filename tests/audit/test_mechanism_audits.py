@@ -140,8 +140,10 @@ def test_exponential_mechanism(audit_trials):
   _check("exponential mechanism", 1.0, rep.epsilon_lower_bound, n)
 
 
-@pytest.mark.parametrize("top_k_method", [pytest.param("exact", marks=pytest.mark.slow),
-                                          "subspace_iteration"])
+@pytest.mark.parametrize("top_k_method", [
+    pytest.param("exact", marks=pytest.mark.slow(reason="the exact per-subset solver; the "
+                                                        "default run audits subspace iteration")),
+    "subspace_iteration"])
 def test_dpase_replaced_row_breaks_a_subset(audit_trials, top_k_method):
   """About t/2 subsets hold a huge outlier; X' adds one more, moving the winning count by 1.
 
@@ -191,7 +193,8 @@ def _dpase_at_the_half_rule(histogram_epsilon_factor):
   return run, X, X_prime, eps, delta
 
 
-@pytest.mark.slow            # the auditor's power on a histogram without noise enough runs by default: test_auditor
+@pytest.mark.slow(reason="negative control for DPASE's histogram noise; test_auditor checks the "
+                         "auditor's power")
 def test_dpase_audit_catches_too_little_histogram_noise(audit_trials):
   """Negative control (not in EXPECTED): DPASE passes at the t/2 edge; with its histogram noise
   ten times too small (scale 0.2 instead of 2) the same audit flags it."""
@@ -461,7 +464,8 @@ def test_embedding_residual_dp_sgd_step_with_a_canary(audit_trials):
   _check("embedding+residual DP-SGD step", claimed, rep.epsilon_lower_bound, n)
 
 
-@pytest.mark.slow    # negative control; as above
+@pytest.mark.slow(reason="negative control for the embedding+residual step (σ/3); test_auditor "
+                         "checks the power")
 def test_embedding_residual_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of σ/3 under the claim for σ."""
   n = audit_trials(10_000, 100_000)
@@ -552,7 +556,8 @@ def test_ppme_euclidean_group_moved_far_away(audit_trials):
   _check("PPME (euclidean)", eps, whole, n)
 
 
-@pytest.mark.slow    # negative control; the auditor's power is checked by default (test_auditor.py)
+@pytest.mark.slow(reason="negative control for the PPME test's TLap; test_auditor checks the "
+                         "auditor's power")
 def test_ppme_test_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the PPME test's TLap calibrated for 1.5·ε1 under the
   claim ε1. The pair moves Q by the test's full sensitivity 2/k (up to 1/k²) inside the TLap's
@@ -751,7 +756,8 @@ def test_hvz_centred_covariance(audit_trials):
          n)
 
 
-@pytest.mark.slow    # negative control; as above
+@pytest.mark.slow(reason="negative control for HVZ covariance (ε = 30 noise); test_auditor checks "
+                         "the power")
 def test_hvz_covariance_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of ε = 30 under the claim ε = 1 (the true
   loss of this pair is then 30·(1/4)/(3/2) = 5)."""
@@ -780,7 +786,8 @@ def test_hvz_pmm_level_counts(audit_trials):
          _pmm_deepest_level_lower_bound(jax.random.key(52), n, 1.0), n)
 
 
-@pytest.mark.slow    # negative control; the auditor's power is checked by default (test_auditor.py)
+@pytest.mark.slow(reason="negative control for PMM (ε = 8 noise); test_auditor checks the "
+                         "auditor's power")
 def test_hvz_pmm_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): PMM's noise for ε = 8 under the claim ε = 1 (loss 4 on
   this feature)."""
@@ -812,7 +819,8 @@ def test_hvz_psmm_counts(audit_trials):
   _check("HVZ PSMM counts", 1.0, _psmm_lower_bound(jax.random.key(54), n, 1.0), n)
 
 
-@pytest.mark.slow    # negative control; as above
+@pytest.mark.slow(reason="negative control for PSMM (ε = 2 noise); test_auditor checks the "
+                         "auditor's power")
 def test_hvz_psmm_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of ε = 2 under the claim ε = 1."""
   n = audit_trials(3_000, 400_000)

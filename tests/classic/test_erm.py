@@ -17,7 +17,9 @@ from scipy import optimize, stats
 
 import dpjax
 from dpjax import mechanisms as M
+from dpjax._host import host_rng
 from dpjax.classic import erm
+from dpjax.mechanisms.l2_laplace import l2_laplace_host_noise
 
 N, D = 40, 3
 KEY = jax.random.key(0)
@@ -73,8 +75,8 @@ def _scipy_minimiser(X, y, lam, loss="logistic", linear=None, huber_width=0.5):
 
 def test_l2_laplace_noise_has_the_gamma_norm_and_a_uniform_direction():
   """The mechanism on the value 0 releases the noise itself: 20,000 draws in d = 3 at
-  β = ε/Δ₂ = 2.5, vmapped over keys with x64 on (the inline float64 program; the audits reuse
-  it)."""
+  β = ε/Δ₂ = 2.5, vmapped over keys with x64 on (the NumPy host sampler as a callback, float64
+  out)."""
   d, trials = 3, 20_000
   keys = jax.random.split(jax.random.key(1), trials)
   with jax.enable_x64(True):
@@ -115,9 +117,9 @@ def test_l2_laplace_mechanism_is_float64_and_the_same_eagerly_and_under_jit():
   eager = M.l2_laplace_mechanism(KEY, value, sensitivity=0.5, epsilon=2.0)
   assert isinstance(eager, np.ndarray) and eager.dtype == np.float64 and eager.shape == (3,)
   assert M.l2_laplace_beta(0.5, 2.0) == 4.0
-  with jax.enable_x64(True):
-    expected = M.l2_laplace_noise(KEY, 3, 4.0, jnp.float64)       # β = ε/Δ₂ = 4
-  np.testing.assert_allclose(eager - value, np.asarray(expected), rtol=1e-12)
+  # The host sampler (NumPy, the generator seeded from the key), β = ε/Δ₂ = 4.
+  expected = l2_laplace_host_noise(host_rng(KEY), 3, 4.0)
+  np.testing.assert_allclose(eager - value, expected, rtol=1e-12)
   callback = jax.jit(lambda k: M.l2_laplace_mechanism(k, value, sensitivity=0.5,
                                                       epsilon=2.0))(KEY)  # host, no x64
   np.testing.assert_allclose(np.asarray(callback), eager, rtol=1e-6)
@@ -334,7 +336,8 @@ def test_bad_parameters_are_refused(kwargs, match):
     erm.output_perturbation(KEY, X, y, **kwargs)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the cores vmapped over keys and labels; the default run calls them "
+                         "via the wrappers")
 def test_cores_run_under_vmap_over_keys_and_labels():
   """erm_core and one_vs_rest_core vmapped over keys (and label vectors), equal to the eager
   wrappers. (By default the audits run the cores vmapped over keys, through the wrappers.)"""
@@ -361,14 +364,32 @@ def test_cores_run_under_vmap_over_keys_and_labels():
 def test_wrappers_are_traceable_and_answer_bottom_outside_the_domain():
   X, y = _data(35)
   eager = erm.objective_perturbation(KEY, X, y, epsilon=1.0, regularization=0.05)
-  # (With x64 on the same float64 program is staged inline: the audits run it under vmap.)
+  # With x64 on the float64 program is staged inline (the audits run it under vmap).
   run = jax.jit(lambda k, X: erm.objective_perturbation(k, X, y, epsilon=1.0,
                                                         regularization=0.05))
-  traced = run(KEY, jnp.asarray(X, jnp.float32))   # host callback, float32 data
-  assert bool(traced.ok)
-  np.testing.assert_allclose(np.asarray(traced.coefficients), eager.coefficients, atol=1e-5)
-  outside = run(KEY, jnp.asarray(3.0 * X, jnp.float32))
+  with jax.enable_x64(True):
+    traced = run(KEY, jnp.asarray(X))
+    outside = run(KEY, jnp.asarray(3.0 * X))
+  assert bool(traced.ok) and traced.coefficients.dtype == jnp.float64
+  np.testing.assert_allclose(np.asarray(traced.coefficients), eager.coefficients, atol=1e-9)
   assert not bool(outside.ok) and np.all(np.asarray(outside.coefficients) == 0)
+
+
+@pytest.mark.parametrize("name", ["output_perturbation", "objective_perturbation", "one_vs_rest"])
+def test_a_float32_trace_is_refused_with_the_x64_hint(name):
+  """The float64 program cannot live in a float32 program: tracing with x64 off raises (traced
+  data or a traced key alike), before anything is solved."""
+  X, y = _data(35)
+  if name == "one_vs_rest":
+    labels = np.where(y > 0, 1, 0)
+    fn = lambda k, X: erm.one_vs_rest(k, X, labels, classes=[0, 1], epsilon=1.0)
+  else:
+    fn = lambda k, X: getattr(erm, name)(k, X, y, epsilon=1.0)
+  X32 = jnp.asarray(X, jnp.float32)
+  with pytest.raises(TypeError, match=f"{name} computes in float64.*enable_x64"):
+    jax.jit(fn)(KEY, X32)
+  with pytest.raises(TypeError, match=f"{name} computes in float64.*enable_x64"):
+    jax.jit(lambda k: fn(k, X32))(KEY)
 
 
 def test_one_vs_rest_splits_the_budget_over_public_classes():
@@ -394,7 +415,8 @@ def test_one_vs_rest_splits_the_budget_over_public_classes():
     erm.one_vs_rest(KEY, X, labels.astype(float), classes=[5, 6, 7], epsilon=1.0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="an unfinished solve (max_iterations=1); the default run checks "
+                         "finished ones")
 def test_the_gradient_norm_diagnostic_reports_an_unfinished_solve():
   """With the iteration cap at 1 the solver stops early and the (non-private) diagnostic says
   so; with the default cap it reaches tol on the same problem."""

@@ -104,7 +104,8 @@ def test_bingham_huge_concentration_is_finite_and_concentrated():
   np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-12)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the k = 1 sampler's law on S² (bipolar, girdle); the default run "
+                         "checks it in d = 2")
 @pytest.mark.parametrize("kappa", [4.0, -4.0])
 def test_bingham_d3_marginal(kappa):
   """S²: with C = κ u uᵀ, t = ⟨x, u⟩ has density ∝ exp(κ t²) on [−1, 1] (Archimedes): bipolar
@@ -115,7 +116,8 @@ def test_bingham_d3_marginal(kappa):
   assert stats.kstest(x @ Q[:, 0], _cdf_from_density(grid, kappa * grid**2)).pvalue > 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the sampler's acceptance rates (p = 3); the default run checks its law "
+                         "in d = 2")
 def test_bingham_acceptance_rates():
   """Measured acceptance (p = 3): 1 for C ∝ I, the high-concentration floor ≈ 0.53 from 1e4 to
   1e100 (≈ 0.87/√p), and a NaN C is treated as 0 (one proposal)."""
@@ -160,7 +162,8 @@ def test_gibbs_orthonormal_recovers_spike_and_is_deterministic():
   assert not np.allclose(V, other)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the Gibbs sampler's law (d = 3, k = 2, KS); the default run checks it "
+                         "finds a spike")
 def test_gibbs_law_d3_k2_against_the_normal_vector():
   """For d = 3, k = 2: tr(VᵀCV) = tr C − nᵀCn with n the plane's normal, so n follows the
   vector Bingham exp(−nᵀCn): its first coordinate against numerical integration (KS)."""
@@ -205,20 +208,40 @@ def test_ppca_k2_wrapper_and_determinism():
 
 
 def test_ppca_and_mod_sulq_under_jit_of_vmap_over_keys():
-  """The host work runs as a pure callback: ``jit(vmap(f))`` gives each key's eager basis."""
-  for fn in (lambda k: pca.ppca(k, X_PLANE, epsilon=1.0, k=1).basis,
-             lambda k: pca.mod_sulq(k, X_SPIKED, epsilon=1.0, delta=1e-5, k=2).basis):
-    batched = np.asarray(jax.jit(jax.vmap(fn))(KEYS[:2]))
-    for i in range(2):
-      np.testing.assert_allclose(batched[i], np.asarray(fn(KEYS[i])), rtol=1e-6)
+  """With x64 on the float64 work is staged inline (the secure release a NumPy callback):
+  ``jit(vmap(f))`` gives each key's eager basis (float64 both ways, up to fusion)."""
+  with jax.enable_x64(True):
+    for fn in (lambda k: pca.ppca(k, X_PLANE, epsilon=1.0, k=1).basis,
+               lambda k: pca.mod_sulq(k, X_SPIKED, epsilon=1.0, delta=1e-5, k=2).basis,
+               lambda k: pca.mod_sulq(k, X_SPIKED, epsilon=1.0, delta=1e-5, k=2,
+                                      secure=False).basis):
+      batched = np.asarray(jax.jit(jax.vmap(fn))(KEYS[:2]))
+      for i in range(2):
+        np.testing.assert_allclose(batched[i], np.asarray(fn(KEYS[i])), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("fn", ["mod_sulq", "mod_sulq(secure=False)", "ppca"])
+def test_a_float32_trace_is_refused_with_the_x64_hint(fn):
+  """The float64 stage cannot live in a float32 program: tracing with x64 off raises (traced
+  data or a traced key alike); eagerly the same call runs."""
+  name = fn.split("(")[0]
+  kw = dict(delta=1e-5, secure=fn == "mod_sulq") if name == "mod_sulq" else {}
+  run = lambda k, X: getattr(pca, name)(k, X, epsilon=1.0, k=1, **kw)
+  X = jnp.asarray(X_PLANE, jnp.float32)
+  for traced in (lambda: jax.jit(run)(KEYS[0], X), lambda: jax.jit(lambda k: run(k, X))(KEYS[0])):
+    with pytest.raises(TypeError, match=f"{name} computes in float64.*enable_x64"):
+      traced()
+  assert bool(run(KEYS[0], X).ok)
 
 
 def test_traced_nan_dataset_gives_bottom():
   X = jnp.asarray(X_SPIKED[:50], jnp.float32).at[3, 1].set(jnp.nan)
-  for fn in (lambda X: pca.ppca(KEYS[0], X, epsilon=1.0, k=1),
-             lambda X: pca.mod_sulq(KEYS[0], X, epsilon=1.0, delta=1e-5, k=1)):
-    res = jax.jit(fn)(X)
-    assert not bool(res.ok) and np.all(np.asarray(res.basis) == 0)
+  with jax.enable_x64(True):
+    for fn in (lambda X: pca.ppca(KEYS[0], X, epsilon=1.0, k=1),
+               lambda X: pca.mod_sulq(KEYS[0], X, epsilon=1.0, delta=1e-5, k=1),
+               lambda X: pca.mod_sulq(KEYS[0], X, epsilon=1.0, delta=1e-5, k=1, secure=False)):
+      res = jax.jit(fn)(X)
+      assert not bool(res.ok) and np.all(np.asarray(res.basis) == 0)
 
 
 # --- MOD-SuLQ -------------------------------------------------------------------------------------
@@ -281,7 +304,7 @@ def test_mod_sulq_secure_release_is_symmetric_with_std_beta():
   beta = pca.mod_sulq_beta(n, d, 1.0, 1e-5)
   assert math.isclose(res.info["beta"], beta) and math.isclose(res.info["sigma"], beta,
                                                               rel_tol=1e-9)
-  noise = _secure_noisy_moment(jax.random.key(11), np.zeros((d, d)),
+  noise = _secure_noisy_moment(np.random.default_rng(11), np.zeros((d, d)),
                                res.info["noise_multiplier"], sensitivity=math.sqrt(2))
   np.testing.assert_array_equal(noise, noise.T)
   upper = noise[np.triu_indices(d)]                             # 465 i.i.d. draws of N_Z(0, (nβ)²)

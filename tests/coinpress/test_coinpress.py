@@ -211,7 +211,8 @@ def test_mean_released_noise_has_the_calibrated_scale():
 # ------------------------------------------------------------------------ covariance: utility
 
 
-@pytest.mark.parametrize("d", [5, pytest.param(10, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("d", [
+    5, pytest.param(10, marks=pytest.mark.slow(reason="d = 10; the default run checks d = 5"))])
 def test_covariance_accuracy(d):
   # Rigorous bound (prob ≥ 0.99): info["error_bound"] (worst case, ≈0.56 at d=5, ≈1.3 at d=10).
   # Stated practical bound: 0.15, about 2× the largest error seen over many seeds at n = 5e4
@@ -504,3 +505,81 @@ def test_bad_key_and_bad_data_type():
   with pytest.raises(ValueError, match="X contains NaN"):
     cp.coinpress_covariance(jax.random.key(0), np.full((5, 2), np.nan), epsilon=EPS,
                             delta=DELTA, kappa=2.0)
+
+
+# ------------------------------------------------------------------ tracing (JAX's x64 mode on)
+
+
+def _traced_problems():
+  X, _, center = _mean_problem(6, n=2_000, d=3)
+  Xc, _ = _cov_problem(6, 5_000, 3)
+  mean = lambda secure: lambda k, X, c: cp.coinpress_mean(            # noqa: E731
+      k, X, epsilon=EPS, delta=DELTA, center=c, radius=100.0, secure=secure)
+  cov = lambda secure: lambda k, X: cp.coinpress_covariance(          # noqa: E731
+      k, X, epsilon=EPS, delta=DELTA, kappa=10.0, steps=2, secure=secure)
+  return X, center, Xc, mean, cov
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_jit_of_vmap_with_x64_gives_each_keys_eager_result(secure):
+  """Traced with x64 on, the float64 steps are staged in the caller's program (with ``secure``
+  each step's release a NumPy host callback drawing from the step's key as eagerly): each key
+  gets its eager result, float64, up to the fusion of the float64 arithmetic."""
+  X, center, Xc, mean, cov = _traced_problems()
+  keys = jax.random.split(jax.random.key(8), 2)
+  with jax.enable_x64(True):
+    m = jax.jit(jax.vmap(mean(secure), in_axes=(0, None, None)))(keys, X, center)
+    c = jax.jit(jax.vmap(cov(secure), in_axes=(0, None)))(keys, Xc)
+  assert m.estimate.dtype == jnp.float64 and c.estimate.dtype == jnp.float64
+  assert bool(jnp.all(m.ok)) and bool(jnp.all(c.ok))
+  for i, key in enumerate(keys):
+    em, ec = mean(secure)(key, X, center), cov(secure)(key, Xc)
+    np.testing.assert_allclose(m.estimate[i], em.estimate, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(m.released["centers"][i], em.released["centers"], rtol=1e-12,
+                               atol=1e-12)
+    np.testing.assert_allclose(c.estimate[i], ec.estimate, rtol=1e-9, atol=1e-12)
+    if secure:
+      np.testing.assert_allclose(c.released["releases"][i], ec.released["releases"],
+                                 rtol=1e-9, atol=1e-12)
+      for centre, grid in zip(np.asarray(m.released["centers"][i]), em.info["grids"]):
+        assert np.all(centre == np.round(centre / grid) * grid)
+
+
+@pytest.mark.parametrize("name", ["coinpress_mean", "coinpress_covariance"])
+def test_a_float32_trace_is_refused_with_the_x64_hint(name):
+  """The float64 steps cannot live in a float32 program: tracing with x64 off raises (traced
+  data or a traced key alike); eagerly the same call runs."""
+  X, center, Xc, mean, cov = _traced_problems()
+  if name == "coinpress_mean":
+    run, data = (lambda k, X: mean(True)(k, X, center)), jnp.asarray(X, jnp.float32)
+  else:
+    run, data = cov(True), jnp.asarray(Xc, jnp.float32)
+  key = jax.random.key(0)
+  for traced in (lambda: jax.jit(run)(key, data), lambda: jax.jit(lambda k: run(k, data))(key)):
+    with pytest.raises(TypeError, match=f"{name} computes in float64.*enable_x64"):
+      traced()
+  assert bool(run(key, data).ok)
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_traced_non_finite_input_gives_bottom(secure):
+  """A traced X (or mean centre) with NaN/inf lies outside the domain: ``ok=False`` and zero
+  outputs (a concrete one is rejected by the validation, above)."""
+  X, center, Xc, mean, cov = _traced_problems()
+  key = jax.random.key(0)
+  bad_center = center.copy()
+  bad_center[1] = np.inf
+  with jax.enable_x64(True):
+    run_mean, run_cov = jax.jit(mean(secure)), jax.jit(cov(secure))
+    for res in (run_mean(key, _with_nan(X), center),
+                run_mean(key, X, bad_center), run_cov(key, _with_nan(Xc))):
+      assert not bool(res.ok)
+      for leaf in jax.tree_util.tree_leaves((res.estimate, res.released)):
+        assert np.all(np.asarray(leaf) == 0)
+    assert bool(run_mean(key, X, center).ok) and bool(run_cov(key, Xc).ok)
+
+
+def _with_nan(X):
+  X = X.copy()
+  X[3, 1] = np.nan
+  return X

@@ -1,6 +1,7 @@
 """Discrete Laplace (docs/algorithms.md §1.4): pmf (chi-square), tail, mechanism, guards, errors."""
 
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +43,29 @@ def test_pmf_at_the_right_scale(exact):
   assert abs(float(np.var(np.asarray(z, np.float64))) / (2 * p / (1 - p) ** 2) - 1) < 0.1
 
 
-def test_exact_sampler_uses_the_scale_rounded_up():
+def test_exact_sampler_uses_the_scale_rounded_up(monkeypatch):
+  """The exact sampler runs at ``⌈σ·2^10⌉/2^10 ≥ σ`` (never less noise), read where it can be
+  seen: the rational scale handed to the jitted sampler (a χ² test cannot tell 5/3 from its
+  rounding, 6·10⁻⁴ apart)."""
   for scale in (0.3, 2.0, 5.0 / 3.0, 1e-6):
     eff = discrete.effective_scale(scale)
-    assert scale <= eff <= scale + 2.0**-10
-  assert discrete.effective_scale(2.0) == 2.0
-  z = np.asarray(M.discrete_laplace(jax.random.key(1), (N,), scale=5.0 / 3.0))
-  assert _chi2_p(z, discrete.effective_scale(5.0 / 3.0)) > 1e-3
+    assert scale <= eff <= scale + 2.0**-10 and (eff * 2**10).is_integer()
+  seen = []
+  real = discrete._exact_jit
+
+  def spy(key, shape, num, den):
+    seen.append(Fraction(num, den))
+    return real(key, shape, num, den)
+
+  monkeypatch.setattr(discrete, "_exact_jit", spy)
+  M.discrete_laplace(jax.random.key(1), (4,), scale=5.0 / 3.0)
+  assert seen[-1] == Fraction(1707, 1024) > Fraction(5, 3)          # ⌈(5/3)·1024⌉ = 1707
+  M.discrete_laplace(jax.random.key(1), (4,), scale=2.0)
+  assert seen[-1] == 2                                               # exact scales stay exact
+  M.discrete_laplace_mechanism(jax.random.key(1), jnp.zeros(4, jnp.int32), sensitivity=5,
+                               epsilon=3.0)                          # Δ/ε = 5/3 again
+  assert seen[-1] == Fraction(1707, 1024)
+  assert discrete.effective_scale(5.0 / 3.0) == 1707 / 1024
 
 
 def test_tail_formula():

@@ -10,7 +10,10 @@ from scipy import stats
 from dpjax.mechanisms import discrete, exact
 
 
-@pytest.mark.parametrize("scale", [0.3, pytest.param(2.0, marks=pytest.mark.slow), 7.5])
+@pytest.mark.parametrize("scale", [
+    0.3, 7.5,
+    pytest.param(2.0, marks=pytest.mark.slow(reason="a third scale, 2.0; the default run checks "
+                                                    "0.3 and 7.5"))])
 def test_exact_sampler_matches_the_pmf(scale):
   num, den = exact.rational_scale(scale)
   assert num / den >= scale and num / den - scale <= 1 / den   # never less noise

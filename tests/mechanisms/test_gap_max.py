@@ -1,5 +1,6 @@
 """Thresholded GAP-MAX (docs/algorithms.md §1.6)."""
 
+import importlib
 import math
 
 import jax
@@ -93,17 +94,33 @@ def test_integer_scores_near_tie_with_exact_integer_noise():
   assert low <= exact <= high
 
 
-def test_float_scores_are_floored_to_the_public_grid():
-  """Scores that agree on the grid give identical outputs (the decision sees only the grid)."""
+def test_float_scores_are_floored_to_the_public_grid(monkeypatch):
+  """The decision sees only ``⌊score/h⌋``: the integers handed to the exact core are the floors,
+  so offsets inside one grid cell (up to 0.99 h, on either side of 0) change nothing, and one
+  more step moves the integer by one. (Rounding, or no flooring, changes the integers.)"""
+  module = importlib.import_module("dpjax.mechanisms.gap_max")   # the package exports the function
+  seen = []
+  real = module._integer_gap_max
+
+  def spy(key, scores, *args):
+    seen.append(np.asarray(scores))
+    return real(key, scores, *args)
+
+  monkeypatch.setattr(module, "_integer_gap_max", spy)
   params = M.gap_max_parameters(1.0, 0.1)
-  a = jnp.array([60.0, 2.0, 1.0])
-  b = a + params.resolution * 0.4                         # same floors
-  for seed in range(3):
-    k = jax.random.key(seed)
-    ra, rb = M.gap_max(k, a, epsilon=1.0, delta=0.1), M.gap_max(k, b, epsilon=1.0, delta=0.1)
-    assert bool(ra.ok) == bool(rb.ok) and int(ra.index) == int(rb.index)
+  h = params.resolution
+  base = np.array([60.0, 2.0, 1.0, -3.0])
+  floors = (base / h).astype(np.int64)                    # exact: h is a power of two
+  for offsets in ([0.0, 0.49, 0.51, 0.99], [0.99, 0.0, 0.75, 0.25]):
+    M.gap_max(jax.random.key(0), jnp.asarray(base + h * np.array(offsets), jnp.float32),
+              epsilon=1.0, delta=0.1)
+    np.testing.assert_array_equal(seen[-1], floors)
+  M.gap_max(jax.random.key(0), jnp.asarray(base + h * np.array([1.0, 0.0, 2.0, -0.01]),
+                                           jnp.float32), epsilon=1.0, delta=0.1)
+  np.testing.assert_array_equal(seen[-1], floors + np.array([1, 0, 2, -1]))
   huge = M.gap_max(jax.random.key(0), jnp.array([1e12, 1e11]), epsilon=1.0, delta=0.1)
-  assert huge.ok.dtype == jnp.bool_                       # clamped, no overflow
+  np.testing.assert_array_equal(seen[-1], [2**29, 2**29])   # clamped, no overflow
+  assert huge.ok.dtype == jnp.bool_
 
 
 def test_ties_go_to_the_lowest_index():

@@ -61,7 +61,8 @@ def test_singleton_release_frequency_matches_the_exact_probability(neighbouring)
   assert low <= exact <= high and exact <= delta
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a popular bin beside bins below τ; the default run checks singletons "
+                         "and the release order")
 def test_popular_bin_is_released_first_and_small_bins_stay_hidden():
   items = jnp.array([[1, 2]] * 80 + [[5, 5]] * 3 + [[7, 0]], jnp.int32)
   keys = jax.random.split(jax.random.key(1), 50)
@@ -118,7 +119,8 @@ MIXED = jnp.concatenate([_items_with_duplicates(jax.random.key(5), 90, 4, 3),
                          jnp.tile(jnp.array([[0, 1, 2, 0]], jnp.int32), (30, 1))])
 
 
-@pytest.mark.slow   # each grouping is checked against numpy.unique by default
+@pytest.mark.slow(reason="both groupings and auto give one histogram; each is checked against "
+                         "numpy.unique by default")
 def test_pairwise_and_hash_grouping_agree():
   key = jax.random.key(4)
   a = M.stable_histogram(key, MIXED, epsilon=1.0, delta=1e-2, grouping="pairwise")
@@ -153,7 +155,8 @@ def test_grouping_matches_numpy_unique_including_chunked_and_adversarial_keys(mo
   assert {tuple(r) for r in released} <= set(expected_group)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="auto choosing hash on wide items; the default run asks for hash by "
+                         "name")
 def test_hash_grouping_on_wide_items_via_auto():
   t, d = 40, 40_000                                   # t·t·D = 6.4e7 > 5e7: "auto" hashes
   items = jnp.zeros((t, d), jnp.int32).at[::2, -1].set(1)

@@ -71,7 +71,8 @@ def four_devices():
   return run_on_devices(_FOUR, devices=4)
 
 
-@pytest.mark.slow    # a subprocess; the 1-device mesh test runs the same code path by default
+@pytest.mark.slow(reason="4-device training equals 1-device (a subprocess); the default run "
+                         "audits a 4-device step")
 def test_one_and_four_devices_agree_for_a_fixed_key(four_devices):
   """Same key, same Poisson samples, same noise: the sharded run is the single-device run up to
   the order of float additions."""
@@ -85,14 +86,16 @@ def test_one_and_four_devices_agree_for_a_fixed_key(four_devices):
   assert np.linalg.norm(four_devices["one"]) > 0
 
 
-@pytest.mark.slow    # as above; the 4-device audit runs by default
+@pytest.mark.slow(reason="the noise of 4-device training is added once; the default run audits "
+                         "a 4-device step")
 def test_the_noise_is_added_once_on_four_devices(four_devices):
   """One step's noise std is σC/L: noise drawn per device and summed would be 2× (√4)."""
   noise = four_devices["noise"]
   assert noise["std"] == pytest.approx(noise["expected"], rel=0.03)
 
 
-@pytest.mark.slow    # two training runs; the sharded sum's audit on 4 devices runs by default
+@pytest.mark.slow(reason="training on a 1-device mesh equals the unsharded run; the default run "
+                         "audits the sharded sum")
 def test_a_one_device_mesh_gives_the_unsharded_run():
   ns = {}
   exec(_SETUP, ns)                                   # the same setup as the subprocess

@@ -58,12 +58,17 @@ def _both(apply_fn, **kwargs):
 
 
 @pytest.mark.parametrize("layers,bias,shape,clipping,dtype", [
-    pytest.param(1, True, (5,), "clip", jnp.float64, marks=pytest.mark.slow),
+    pytest.param(1, True, (5,), "clip", jnp.float64,
+                 marks=pytest.mark.slow(reason="one layer, clip, float64; the default run checks "
+                                               "two layers in float32")),
     (2, False, (5,), "normalize", jnp.float32),
     pytest.param(3, True, (4, 5), "clip", jnp.float32,  # sequence, Gram route (T² < a·b)
-                 marks=pytest.mark.slow),
+                 marks=pytest.mark.slow(reason="the Gram route for sequences (T² < a·b); the "
+                                               "default run takes the direct route")),
     (2, True, (30, 3), "normalize", jnp.float32),  # sequence, direct route (T² ≥ a·b)
-    pytest.param(3, False, (4, 5), "normalize", jnp.float64, marks=pytest.mark.slow),
+    pytest.param(3, False, (4, 5), "normalize", jnp.float64,
+                 marks=pytest.mark.slow(reason="the Gram route in float64, normalized; the "
+                                               "default run takes the direct route")),
 ])
 def test_equals_the_vmap_path(layers, bias, shape, clipping, dtype):
   with jax.enable_x64(dtype == jnp.float64):
@@ -84,7 +89,8 @@ def test_equals_the_vmap_path(layers, bias, shape, clipping, dtype):
                                atol=rtol * np.abs(_flat(expected)).max())
 
 
-@pytest.mark.slow    # extreme rows; the clip bound per term is checked by default in test_per_example.py
+@pytest.mark.slow(reason="extreme and non-finite rows on the ghost path; test_per_example checks "
+                         "them on the vmap path")
 def test_extreme_rows_bounded_and_norms_match():
   """Huge (1e30), tiny, zero, NaN and inf rows: each term ≤ C, non-finite rows give 0, and the
   ghost norms equal ``global_norms`` of the per-example gradients (|g|² overflows float32)."""
@@ -147,7 +153,8 @@ def test_uncovered_leaves_get_exact_per_example_gradients():
   np.testing.assert_array_equal(np.asarray(out["spare"]), 0.0)
 
 
-@pytest.mark.slow    # the ghost path inside the Poisson loop; the equality tests run by default
+@pytest.mark.slow(reason="the ghost path inside the Poisson loop; the equality tests run by "
+                         "default")
 def test_inside_poisson_clipped_sum_under_jit():
   apply_fn = _mlp(2)
   params = _params(11, [5, 6, 3])

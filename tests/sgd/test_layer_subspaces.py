@@ -70,7 +70,8 @@ def test_projected_leaves_lie_in_their_span_and_others_get_full_noise():
   assert isinstance(state, ls.LayerSubspaceNoiseState)
 
 
-@pytest.mark.slow    # the noise's span is checked by default (test_projected_leaves_lie_in_...)
+@pytest.mark.slow(reason="the noise energy per projected leaf (r·b coordinates); the default run "
+                         "checks its span")
 def test_noise_energy_is_r_times_b_coordinates_per_projected_leaf():
   params, bases = _params(), _bases(r=2)
   zero = jax.tree_util.tree_map(jnp.zeros_like, params)
@@ -208,7 +209,8 @@ def _model():
   return params, loss, batch
 
 
-@pytest.mark.slow            # test_identity_bases_give_plain_dp_sgd runs the same reduction by default
+@pytest.mark.slow(reason="embedding+residual on identity bases is DP-SGD; the default run checks "
+                         "it for layer noise")
 def test_embedding_residual_with_identity_bases_is_plain_dp_sgd():
   from dpjax.sgd import per_example
   params, loss, batch = _model()
@@ -229,7 +231,8 @@ def test_embedding_residual_with_identity_bases_is_plain_dp_sgd():
                          a, b)
 
 
-@pytest.mark.slow    # the residual channel's audit runs by default
+@pytest.mark.slow(reason="without noise or clipping nothing is dropped; the residual channel's "
+                         "audit runs by default")
 def test_without_noise_or_clipping_the_residual_channel_drops_nothing():
   params, loss, batch = _model()
   bases = {"w": _orthonormal(jax.random.key(4), 6, 2), "b": None}
@@ -246,7 +249,10 @@ def test_without_noise_or_clipping_the_residual_channel_drops_nothing():
 
 
 @pytest.mark.parametrize("joint", [True, False])
-@pytest.mark.parametrize("stretch", [pytest.param(1.0, marks=pytest.mark.slow), 3.0])  # 1: plain
+@pytest.mark.parametrize("stretch", [  # 1: plain
+    pytest.param(1.0, marks=pytest.mark.slow(reason="an orthonormal basis; the default run checks "
+                                                    "a stretching one")),
+    3.0])
 def test_removing_one_example_moves_the_scaled_sums_by_at_most_the_bound(stretch, joint):
   """The sensitivity of the (embedding, residual) release is Δ (1 joint, √2 per part) in the
   scaled units for every example — huge, zero, non-finite — and any basis (even one that

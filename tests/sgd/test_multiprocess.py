@@ -74,7 +74,8 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow     # two fresh JAX processes; the 4-device tests cover the sharded code
+@pytest.mark.slow(reason="two JAX processes (gloo); the default run audits the sharded step on "
+                         "4 devices in one")
 def test_two_processes_give_the_single_process_step():
   code = _WORKER.format(N=N, D=D, SIGMA=SIGMA, C=C, L=L)
   address = f"127.0.0.1:{_free_port()}"

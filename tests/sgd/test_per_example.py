@@ -55,7 +55,8 @@ def test_vectorised_per_example_grads_equal_a_loop_of_single_example_grads():
                                                 atol=1e-5), batched, single)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="global_norms against flattened rows; the default clip tests rely on "
+                         "it")
 def test_global_norms_span_the_whole_pytree():
   params, batch = _mlp_params(jax.random.key(2)), _batch(jax.random.key(3))
   grads = pe.per_example_grads(_loss)(params, batch)

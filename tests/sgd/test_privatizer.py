@@ -26,7 +26,8 @@ def loss_fn(w, example):
   return (x @ w - y) ** 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a README-style loop learns within budget; test_docs runs the README's "
+                         "own loop by default")
 def test_the_readme_loop_learns_within_its_budget():
   """The README's example: four DP-specific lines added to a plain optax loop."""
   params, steps = jnp.zeros(D), 150
@@ -66,9 +67,12 @@ def test_clipped_sum_covers_every_sampled_example_once():
   np.testing.assert_allclose(np.asarray(padded), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("q,microbatch", [pytest.param(50 / N, 7, marks=pytest.mark.slow),
-                                          pytest.param(0.9, 400, marks=pytest.mark.slow),
-                                          (0.9, 16)])
+@pytest.mark.parametrize("q,microbatch", [
+    pytest.param(50 / N, 7, marks=pytest.mark.slow(reason="many micro-batches (B = 7); the default "
+                                                          "run checks q = 0.9, B = 16")),
+    pytest.param(0.9, 400, marks=pytest.mark.slow(reason="one micro-batch (B = N); the default run "
+                                                         "checks q = 0.9, B = 16")),
+    (0.9, 16)])
 def test_poisson_clipped_sum_in_the_trace_covers_the_whole_sample(q, microbatch):
   """The traceable core draws the host helper's sample and sums every micro-batch of it (many
   micro-batches, one, and a sample far above B: never truncated), under jit and vmap."""
@@ -163,7 +167,8 @@ def test_a_function_without_a_sensitivity_is_refused():
                                 steps=5, key=jax.random.key(0))
 
 
-@pytest.mark.slow    # an interop check; the privatizer's own tests run by default
+@pytest.mark.slow(reason="interop with jax_privacy's clipped_grad; the privatizer's own tests "
+                         "run by default")
 def test_interoperates_with_jax_privacy_clipped_grad():
   """jax_privacy's clipped_grad drives dpjax's privatizer (C read from its l2_norm_bound, padding
   passed as is_padding_example), and its clipped sum equals dpjax's on the same batch."""

@@ -41,7 +41,8 @@ def _run(route, data, keys, lrs=None, **kw):
 # Slow: dp_sgd runs stacked over keys in test_dp_sgd_route_learns, GEP's trajectory bases in
 # test_trajectory_bases_read_only_released_updates, the denoising and public-subspace transforms
 # have their own tests (test_denoise, test_subspace_sources). --run-slow runs them all.
-@pytest.mark.slow             # test_dp_sgd_route_learns runs stacked keys by default
+@pytest.mark.slow(reason="every route stacked per key; by default only dp_sgd, GEP and the input "
+                         "subspace train")
 @pytest.mark.parametrize("route", sgd.ROUTES)
 def test_each_route_runs_stacked_deterministic_per_key(route, data):
   """Params stacked over the runs, equal for equal keys, σ from the accountant for the route's
@@ -80,7 +81,8 @@ def test_train_route_defaults_to_the_pld_accountant():
   assert inspect.signature(sgd.train_route).parameters["accountant"].default == "pld"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="σ by the PLD accountant meets (ε, δ) in a run; the default run checks "
+                         "PLD is the default")
 def test_noise_multiplier_meets_the_budget_by_the_pld_accountant(data):
   """σ meets (ε, δ) for q = L/N and T under add/remove-one, and not by much more; train_route
   uses it by default."""
@@ -91,7 +93,8 @@ def test_noise_multiplier_meets_the_budget_by_the_pld_accountant(data):
   assert run.noise_multiplier == sigma          # train_route's default accountant is PLD
 
 
-@pytest.mark.slow    # a training run; the routes' privacy-relevant tests run by default
+@pytest.mark.slow(reason="dp_sgd learns above the majority class; the routes' privacy tests run "
+                         "by default")
 def test_dp_sgd_route_learns(data):
   """Above the majority class (0.53) at ε = 2 (measured mean 0.64 over these keys)."""
   keys = jnp.stack([jax.random.key(i) for i in range(4)])
@@ -134,7 +137,8 @@ def test_trajectory_bases_read_only_released_updates(data):
   np.testing.assert_allclose(np.abs(first), np.abs(expected), atol=1e-5)
 
 
-@pytest.mark.slow        # trajectory_bases' rule is tested in test_layer_subspaces by default
+@pytest.mark.slow(reason="the rank rule at both extremes in the GEP route; test_layer_subspaces "
+                         "tests it by default")
 def test_gep_rank_rule_drops_directions_below_the_public_noise_edge(data):
   """RouteSettings.gep_edge_scale: the bases are partial isometries (columns of norm 0 or 1),
   all kept at a tiny edge, none at a huge one."""

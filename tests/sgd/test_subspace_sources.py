@@ -36,7 +36,8 @@ def _logistic(n, d=20, k=3, seed=0):
   return X, y, B
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="flat gradients vs vmap, chunks of 8 and 256; the public subspace test "
+                         "uses them by default")
 def test_flat_per_example_grads_match_vmap_and_do_not_depend_on_chunking():
   X, y, _ = _logistic(37)
   params = {"w": normal(1, (20,)) * 0.1, "b": jnp.ones(())}
@@ -59,7 +60,8 @@ def test_public_subspace_captures_an_exactly_low_rank_gradient_space():
   assert float(metrics.projection_distance(res.basis, B)) < 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="private_gradient_subspace finds span(B); by default only its argument "
+                         "checks run")
 def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_remove():
   X, y, B = _logistic(8_000)
   res = ss.private_gradient_subspace(jax.random.key(5), _loss, jnp.zeros(20), (X, y), k=3,
@@ -69,7 +71,8 @@ def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_rem
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="private_gradient_subspace's ⊥ on isotropic gradients; by default only "
+                         "argument checks run")
 def test_private_subspace_is_bottom_on_isotropic_gradients_and_still_pays():
   X = normal(6, (8_000, 20))
   y = (X[:, 0] > 0).astype(jnp.float32)
@@ -79,7 +82,8 @@ def test_private_subspace_is_bottom_on_isotropic_gradients_and_still_pays():
   assert float(jnp.abs(res.basis).max()) == 0.0            # ⊥ carries no information
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="non-finite and clipped gradient rows; by default only the argument "
+                         "checks run")
 def test_private_subspace_survives_non_finite_gradients_and_clips_rows():
   X, y, B = _logistic(8_000)
   X = X.at[:3].set(jnp.inf)                                   # a few poisoned rows
@@ -90,7 +94,8 @@ def test_private_subspace_survives_non_finite_gradients_and_clips_rows():
   np.testing.assert_allclose(np.asarray(G), [[0.6, 0.8], [0.0, 0.0], [0.3, 0.4]], rtol=1e-6)
 
 
-@pytest.mark.slow        # the streaming path itself runs in every private_gradient_subspace test
+@pytest.mark.slow(reason="the streamed release equals DPASE on the stacked matrix; by default "
+                         "only argument checks run")
 def test_private_subspace_streams_the_same_dpase_as_the_materialised_gradient_matrix():
   """The gradients are made subset by subset (dpase_gathered), never as an (N, p) matrix; the
   release equals DPASE with random labels on the stacked, sanitised matrix (same key)."""

@@ -54,7 +54,10 @@ def _train(key, train_data, **kwargs):
   return sgd.train_dp_sgd(jax.random.key(key), _loss, jnp.zeros(D), train_data, OPT, **args)
 
 
-@pytest.mark.parametrize("subspace", ["none", pytest.param("public", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("subspace", [
+    "none",
+    pytest.param("public", marks=pytest.mark.slow(reason="training in a public subspace; the "
+                                                         "default run trains without one"))])
 def test_training_decreases_the_loss_within_budget(subspace):
   (X, y), public, B = _low_rank()
   out = _train(1, (X, y), steps=30, subspace=subspace, k=K, public_data=public,
@@ -71,7 +74,8 @@ def test_training_decreases_the_loss_within_budget(subspace):
     assert float(jnp.linalg.norm(residual)) < 1e-3 * float(jnp.linalg.norm(out.params))
 
 
-@pytest.mark.slow    # a training run; test_training_decreases_the_loss_within_budget is default
+@pytest.mark.slow(reason="normalised clipping and weight averaging; the default run trains with "
+                         "plain clipping")
 def test_normalised_clipping_and_weight_averaging():
   """The strong-baseline options: automatic clipping trains; the EMA of the iterates is returned
   and evaluated, starts at the initial params and lags the last iterate."""
@@ -90,7 +94,8 @@ def test_normalised_clipping_and_weight_averaging():
   assert _train(11, (X, y), steps=1).averaged_params is None
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="train_dp_sgd is deterministic per key; the default run trains once per "
+                         "key")
 def test_training_is_deterministic_for_a_fixed_key():
   train, _, _ = _low_rank()
   first = _train(2, train, steps=5).params
@@ -98,7 +103,8 @@ def test_training_is_deterministic_for_a_fixed_key():
   assert not jnp.array_equal(first, _train(3, train, steps=5).params)
 
 
-@pytest.mark.slow   # poisson_clipped_sum's micro-batch coverage is tested by default
+@pytest.mark.slow(reason="micro-batches leave the step unchanged; poisson_clipped_sum's coverage "
+                         "is tested by default")
 def test_microbatching_does_not_change_the_step():
   """Same key → same Poisson samples; splitting them into micro-batches only re-associates sums."""
   train, _, _ = _low_rank()
@@ -107,7 +113,8 @@ def test_microbatching_does_not_change_the_step():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-@pytest.mark.slow            # the DPASE ⊥ path of the same loop runs by default
+@pytest.mark.slow(reason="training in the DPASE subspace when it answers; no private-subspace "
+                         "training runs by default")
 def test_private_subspace_is_used_when_dpase_answers():
   train, _, B = _low_rank()
   out = _train(8, train, subspace="private", k=K, **PRIVATE)
@@ -121,7 +128,8 @@ def test_private_subspace_is_used_when_dpase_answers():
   assert float(jnp.linalg.norm(residual)) < 0.1 * float(jnp.linalg.norm(out.params))
 
 
-@pytest.mark.slow    # a training run with DPASE; the ⊥ path's accounting is in the full suite
+@pytest.mark.slow(reason="DPASE ⊥ falls back to DP-SGD and pays; no private-subspace training "
+                         "runs by default")
 def test_private_subspace_bottom_falls_back_to_plain_dp_sgd_and_pays():
   """Isotropic gradients: DPASE says ⊥, training continues privately, the budget is spent."""
   with warnings.catch_warnings(record=True) as caught:

@@ -127,7 +127,8 @@ def _stretched_basis(p, k, stretch, seed=0):
   return q @ (np.eye(k) + c * np.ones((k, k)) / k), q
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a stretched basis at k = 1000: refused, or noise scaled; the default "
+                         "run checks the bound")
 def test_a_basis_that_stretches_gradients_is_refused_or_paid_for_at_large_k():
   """Regression (issue 10 §2): at k = 1000 a basis with max |VᵀV − I| ≤ 1e-3 but ‖V‖₂ ≈ 1.41
   was accepted and the released coefficients moved by 1.41·C against noise for C. Now the check

@@ -134,7 +134,7 @@ def test_laplace_noise_option_is_refused():
                       noise="laplace")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="DPASE in float64; the default run checks float32")
 def test_float64():
   with jax.enable_x64(True):
     X, model = data.approximate_subspace_data(jax.random.key(15), N, D, K, gamma=GAMMA,
@@ -144,7 +144,8 @@ def test_float64():
     assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="calibrate_cell_length picks the best grid point; no default test calls "
+                         "it")
 def test_calibrate_cell_length_picks_the_best_grid_point():
   cal = tuning.calibrate_cell_length(jax.random.key(17), n=3_000, d=10, k=1, gamma=1e-3,
                                           epsilon=EPS, delta=DELTA, trials=3,
@@ -185,7 +186,8 @@ def test_top_k_solver_rule():
     approximate.top_k_solver("lanczos", 10, 5, 1)
 
 
-@pytest.mark.slow             # two compilations of a vmapped DPASE; the audits run both solvers
+@pytest.mark.slow(reason="subspace iteration releases what exact does, per partition; by default "
+                         "each runs alone")
 @pytest.mark.parametrize("partition", approximate.PARTITIONS)
 def test_subspace_iteration_releases_what_exact_does(partition):
   """The solver moves a subset's basis by ~1e-6, far below a cell: the same key gives the same

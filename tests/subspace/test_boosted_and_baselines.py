@@ -20,7 +20,8 @@ def test_num_blocks_rule():
     num_blocks_for(0.0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="DPASEB recovers the subspace (12 blocks); the default run audits its "
+                         "privacy")
 def test_dpaseb_succeeds_where_single_dpase_does():
   # Per block (n/T rows): the configuration of tests/subspace/test_approximate.py, where a
   # single DPASE succeeds with probability ≥ 0.7 (measured: 50/50).
@@ -32,7 +33,7 @@ def test_dpaseb_succeeds_where_single_dpase_does():
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(2), atol=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="DPASEB's ⊥ when its runs disagree; the default run audits its privacy")
 def test_dpaseb_bottom_when_blocks_disagree():
   """Isotropic data and huge cells: every run answers, each with a random subspace: ⊥."""
   X = normal(2, (12 * 1_000, 20))
@@ -42,7 +43,8 @@ def test_dpaseb_bottom_when_blocks_disagree():
   assert not bool(res.ok) and bool(jnp.all(res.basis == 0))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="DPASEB passes top_k_method to its runs; the default run checks a bad "
+                         "value is refused")
 def test_dpaseb_passes_the_top_k_method_to_its_runs():
   X, _ = data.approximate_subspace_data(jax.random.key(0), 2 * 1_200, 10, 2, gamma=1e-6)
   kw = dict(epsilon=2.0, delta=1e-6, k=2, alpha=0.3, num_blocks=2, gamma=1e-6)

@@ -23,7 +23,8 @@ def _one_device_mesh(*axes):
   return jax.sharding.Mesh(devices, axes)
 
 
-@pytest.mark.slow             # compiles DPASE three times (each input sharding anew): ~20 s
+@pytest.mark.slow(reason="DPASE on 1-device meshes (one and two axes) equals plain; by default "
+                         "only mesh checks run")
 def test_a_one_device_mesh_changes_nothing():
   X, _ = data.approximate_subspace_data(jax.random.key(0), N, D, K, gamma=GAMMA)
   key = jax.random.key(3)
@@ -136,12 +137,14 @@ def _on_four_devices(partitions, full):
   return out
 
 
-@pytest.mark.slow    # a subprocess: ~20 s
+@pytest.mark.slow(reason="DPASE on 4 devices equals 1 device (a subprocess); by default only mesh "
+                         "checks run")
 def test_four_devices_give_the_one_device_output():
   _on_four_devices(("random_labels",), False)
 
 
-@pytest.mark.slow             # five more DPASE compilations in the subprocess
+@pytest.mark.slow(reason="all partitions, dpase_gathered, two axes and jit on 4 devices; by "
+                         "default only mesh checks")
 def test_four_devices_give_the_one_device_output_for_every_variant():
   out = _on_four_devices(approximate.PARTITIONS, True)
   assert set(out) == {*approximate.PARTITIONS, "gathered", "two_axes", "jit", "bases"}

@@ -54,10 +54,11 @@ def memmap(tmp_path, model):
   yield np.memmap(path, dtype=np.float32, mode="r", shape=X.shape)
 
 
-# The default run streams the memmap in test_streaming_from_a_generator_and_from_a_whole_array.
-@pytest.mark.parametrize("size", [pytest.param(777, marks=pytest.mark.slow),
-                                  pytest.param(1_000, marks=pytest.mark.slow),
-                                  pytest.param(N, marks=pytest.mark.slow)])
+_MEMMAP = "memmap chunks of {} rows; the default run streams the memmap whole, arrays in chunks"
+
+
+@pytest.mark.parametrize("size", [pytest.param(n, marks=pytest.mark.slow(reason=_MEMMAP.format(n)))
+                                  for n in (777, 1_000, N)])
 def test_streaming_from_a_memmap_equals_in_memory_random_labels(memmap, model, size):
   _, truth, reference = model
   result = dpjax.dpase_streaming(KEY, _chunks(memmap, size), N, D, block_rows=BLOCK, **KW)
@@ -87,7 +88,8 @@ def test_streaming_from_a_generator_and_from_a_whole_array(model, memmap):
   _assert_same(dpjax.dpase_streaming(KEY, memmap, N, D, **KW), reference)   # default blocks
 
 
-@pytest.mark.slow    # the uneven generator case covers the same loop by default
+@pytest.mark.slow(reason="blocks of 40 rows force extra passes; the default run streams blocks "
+                         "of 1536")
 def test_a_subset_with_more_rows_in_a_block_than_its_share_runs_extra_passes(model):
   """Blocks of 40 rows over t = 38 subsets: the per-block width is 12 rows, and the blocks that
   put more rows into one subset add them in further passes; nothing is lost."""
@@ -106,7 +108,10 @@ def test_no_gap_gives_bottom_in_both():
   assert jnp.all(result.basis == 0)
 
 
-@pytest.mark.parametrize("scale", [1e30, pytest.param(1e-30, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scale", [
+    1e30,
+    pytest.param(1e-30, marks=pytest.mark.slow(reason="underflow (1e-30); the default run checks "
+                                                      "overflow (1e30)"))])
 def test_extreme_scales_give_the_unscaled_answer(model, scale):
   """float32 rows × 1e±30: their squares over- (1e60) or underflow (1e-60) float32; float64
   and the per-subset power-of-two scale keep the answer."""

@@ -48,7 +48,8 @@ def test_shapes_cube_size_metadata_and_determinism_per_key():
   assert not jnp.array_equal(a.synthetic, c.synthetic)
 
 
-@pytest.mark.slow                 # four pipeline compilations; the default runs pmm and dim choice
+@pytest.mark.slow(reason="psmm, auto, the tight scale, a chosen d' and a split; the default run "
+                         "uses pmm at d' = 2")
 def test_every_documented_option_runs():
   X, _ = _cube_data(400, 4, 3)
   for kwargs in (dict(dim=3, method="psmm", lattice_side=0.8), dict(dim=3, method="auto"),
@@ -62,7 +63,8 @@ def test_every_documented_option_runs():
                     lattice_side=0.8).info["method"] == "psmm"
 
 
-@pytest.mark.slow                 # its own PMM shape; the next test checks utility by default
+@pytest.mark.slow(reason="W1 within 2× of the sampling floor (ε = 200, n = 8000); the default run "
+                         "checks shapes")
 def test_utility_approaches_the_sampling_floor_at_large_epsilon_n():
   """At ε = 200, n = 8000 the pipeline's W1 is within 2× of two independent samples' W1."""
   XX, U = _cube_data(16_000, 8, 2)
@@ -75,7 +77,8 @@ def test_utility_approaches_the_sampling_floor_at_large_epsilon_n():
   assert w1 < 2.0 * floor, (w1, floor)
 
 
-@pytest.mark.slow    # a utility comparison; the shape/determinism tests run by default
+@pytest.mark.slow(reason="the projection beats full-dimensional PMM in W1; the shape tests run by "
+                         "default")
 def test_the_private_projection_beats_full_dimensional_pmm():
   """The curse removed: on data near a line in d = 8, PMM in all 8 coordinates is far worse."""
   X, _ = _cube_data(N, 8, 1, seed=5)
@@ -86,8 +89,10 @@ def test_the_private_projection_beats_full_dimensional_pmm():
   assert ours < 0.5 * theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize("dim", [pytest.param(1, marks=pytest.mark.slow),
-                                 pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("dim", [
+    *(pytest.param(d, marks=pytest.mark.slow(reason=f"true dimension {d}; the default run finds 3"))
+      for d in (1, 2)),
+    3])
 def test_the_private_choice_finds_the_true_dimension_at_large_epsilon_n(dim):
   X, _ = _cube_data(20_000, 10, dim)
   eps_c, n, d = 100.0, 20_000, 10
@@ -100,7 +105,8 @@ def test_the_private_choice_finds_the_true_dimension_at_large_epsilon_n(dim):
   assert chosen == dim
 
 
-@pytest.mark.slow                 # its own compilation; choose_dim runs by default above
+@pytest.mark.slow(reason="the private choice of d' inside the pipeline; choose_dim runs by "
+                         "default above")
 def test_the_private_choice_runs_inside_the_pipeline():
   X, _ = _cube_data(N, 6, 2)
   res = synthesize(jax.random.key(9), X, epsilon=400.0, depth=DEPTH)
@@ -138,9 +144,12 @@ def test_bad_key_and_dtype():
     synthesize(jax.random.key(0), np.full((10, 3), True), epsilon=1.0, dim=1)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, marks=pytest.mark.slow),
-                                   pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
-                                   jnp.float32])
+@pytest.mark.parametrize("dtype", [
+    pytest.param(jnp.float16, marks=pytest.mark.slow(reason="float16 rows; the default run checks "
+                                                            "float32")),
+    pytest.param(jnp.bfloat16, marks=pytest.mark.slow(reason="bfloat16 rows; the default run "
+                                                             "checks float32")),
+    jnp.float32])
 def test_low_precision_rows_are_accepted_and_extreme_rows_stay_in_the_cube(dtype):
   X = np.zeros((N, 4))
   X[::2] = 1.0                                        # all mass on two opposite corners
@@ -179,7 +188,8 @@ def test_consistency_gives_non_negative_children_that_sum_to_their_parents():
   assert np.asarray(P.consistent_counts(zero, 9)).sum() == 9
 
 
-@pytest.mark.slow                 # the pipeline test covers PMM's size, range, determinism
+@pytest.mark.slow(reason="pmm alone and its depth check; the pipeline test covers PMM's size, "
+                         "range, determinism")
 def test_pmm_output_size_range_and_key_determinism():
   Y = jnp.asarray(np.random.default_rng(3).beta(2, 5, size=(N, 2)), jnp.float32)
   a = P.pmm(jax.random.key(0), Y, epsilon=1.0, depth=DEPTH)
@@ -189,7 +199,8 @@ def test_pmm_output_size_range_and_key_determinism():
     P.pmm(jax.random.key(0), Y, epsilon=1.0, depth=P.MAX_DEPTH + 1)
 
 
-@pytest.mark.slow            # test_traceable's pmm_core case runs jit and vmap by default
+@pytest.mark.slow(reason="pmm_core vmapped over keys; the default run jits it for one key in the "
+                         "pipeline")
 def test_pmm_core_is_jittable_and_vmappable_over_keys():
   Y = jnp.asarray(np.random.default_rng(4).uniform(size=(64, 1)), jnp.float32)
   params = P.pmm_parameters(64, 1, epsilon=1.0, depth=4)
@@ -260,7 +271,8 @@ def test_psmm_lattice_refuses_a_lattice_too_large_and_rounds_counts_to_n():
   assert counts.sum() == 10 and counts.min() >= 3
 
 
-@pytest.mark.slow                 # PSMM's counts run by default in the audits and test_traceable
+@pytest.mark.slow(reason="psmm's output on the lattice with n rows; PSMM's counts run by default "
+                         "in the audits")
 def test_psmm_output_lies_on_the_lattice_and_has_n_rows():
   A = jnp.asarray(np.random.default_rng(8).normal(size=(500, 3)) * 0.2, jnp.float32)
   points, released = psmm.psmm(jax.random.key(0), A, epsilon=2.0, radius=1.0, side=0.5)
@@ -290,7 +302,8 @@ def test_covariance_sensitivity_bound_holds_under_an_adversarial_search():
       n, d, "paper")
 
 
-@pytest.mark.slow                 # the choice-of-d' tests use the same release by default
+@pytest.mark.slow(reason="the private covariance and mean's accuracy; the choice-of-d' test uses "
+                         "them by default")
 def test_private_covariance_is_symmetric_and_accurate_at_large_epsilon_n():
   X, _ = _cube_data(5000, 4, 2)
   M_hat = projection.private_centered_covariance(jax.random.key(1), X, epsilon=500.0)
