@@ -6,6 +6,7 @@ fresh key, runs DPASE with the default (PROPOSED) parameters, and records ‖Π�
     python benchmarks/dpase_success.py                 # d = 20 and 200, 50 trials each
     python benchmarks/dpase_success.py --quick         # 15 trials
     python benchmarks/dpase_success.py --json out.json
+    python benchmarks/dpase_success.py --configs "6000,20,2,1e-5;20000,200,3,1e-6"
 """
 
 from __future__ import annotations
@@ -39,16 +40,30 @@ def run_point(n, d, k, gamma, epsilon, delta, alpha, trials, seed=0):
           "trials": trials}
 
 
+CONFIGS = ((6_000, 20, 2, 1e-5), (6_000, 20, 2, 1e-4), (20_000, 200, 3, 1e-6),
+           (6_000, 20, 2, 1e-2))
+
+
+def _configs(text: str):
+  points = []
+  for item in text.split(";"):
+    n, d, k, gamma = item.split(",")
+    points.append((int(n), int(d), int(k), float(gamma)))
+  return tuple(points)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--trials", type=int, default=None)
   parser.add_argument("--json", type=str, default=None)
+  parser.add_argument("--configs", type=_configs, default=CONFIGS,
+                      help="semicolon-separated n,d,k,gamma points (default "
+                           + ";".join(",".join(f"{v:g}" for v in c) for c in CONFIGS) + ")")
   args = parser.parse_args(argv)
   trials = args.trials or (15 if args.quick else 50)
-  configs = [(6_000, 20, 2, 1e-5), (6_000, 20, 2, 1e-4), (20_000, 200, 3, 1e-6),
-             (6_000, 20, 2, 1e-2)]
+  configs = args.configs
   points = [run_point(n, d, k, g, 1.0, 1e-6, 0.1, trials) for n, d, k, g in configs]
   print(f"DPASE on model data, ε=1, δ=1e-6, α=0.1, {trials} trials per row")
   print(f"{'n':>7}{'d':>6}{'k':>3}{'gamma':>8}{'P[err<=α]':>11}{'95% CI':>17}{'⊥ rate':>8}"

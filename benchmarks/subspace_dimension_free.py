@@ -78,6 +78,10 @@ def feasible(method, n, d, k, epsilon, delta):
   return True, ""
 
 
+def _ints(text: str) -> tuple[int, ...]:
+  return tuple(int(v) for v in text.split(","))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,10 +92,15 @@ def main(argv=None):
   parser.add_argument("--json", type=str, default=None)
   parser.add_argument("--plot-prefix", type=str, default=None,
                       help="write PREFIX_error_vs_n.png and PREFIX_n_vs_d.png")
+  parser.add_argument("--dims", type=_ints, default=None,
+                      help="comma-separated d (default 100,1000,10000; 100,1000 with --quick)")
+  parser.add_argument("--grid", type=_ints, default=(1_000, 3_000, 10_000, 30_000),
+                      help="comma-separated n (default 1000,3000,10000,30000)")
+  parser.add_argument("--k", type=int, default=5, help="subspace dimension (default 5)")
   args = parser.parse_args(argv)
-  k, epsilon, delta = 5, 1.0, 1e-6
-  dims = (100, 1_000) if args.quick else (100, 1_000, 10_000)
-  grid = (1_000, 3_000, 10_000, 30_000)
+  k, epsilon, delta = args.k, 1.0, 1e-6
+  dims = args.dims or ((100, 1_000) if args.quick else (100, 1_000, 10_000))
+  grid = args.grid
   trials = args.trials or (3 if args.quick else 5)
   points, skipped = [], []
   start = time.perf_counter()

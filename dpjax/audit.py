@@ -73,17 +73,29 @@ class AuditReport(NamedTuple):
 
 
 def sample_outputs(key: jax.Array, mechanism: Callable, data, trials: int, *,
-                   featurize: Callable | None = None, vectorized: bool = True) -> np.ndarray:
+                   featurize: Callable | None = None, vectorized: bool = True,
+                   batch_size: int = 16_384) -> np.ndarray:
   """Runs ``mechanism(key_i, data)`` for ``trials`` independent keys; returns ``(trials,)`` features.
 
-  ``vectorized=True`` maps the mechanism over keys with ``jax.vmap`` (it must then be traceable:
-  call the jittable core, not a wrapper that validates on the host); otherwise a Python loop.
+  ``vectorized=True`` maps the mechanism over the keys with ``jax.vmap``, ``batch_size`` keys at
+  a time (the last batch padded with repeated keys, so every batch has one shape and reuses the
+  compiled operations; memory is bounded by the batch; outputs per key do not depend on the
+  batch size). The mechanism must then be traceable: call the jittable core, not a wrapper that
+  validates on the host. ``vectorized=False`` loops in Python.
+
+  Raises:
+    ValueError: ``trials`` or ``batch_size`` below 1; a feature that is not a scalar per run.
   """
+  trials = v.check_int(trials, "trials", low=1)
+  batch_size = v.check_int(batch_size, "batch_size", low=1)
   keys = jax.random.split(key, trials)
   feat = featurize or (lambda out: out)
   if vectorized:
-    out = jax.vmap(lambda k: feat(mechanism(k, data)))(keys)
-    values = np.asarray(out)
+    size = min(batch_size, trials)
+    padded = keys[np.arange(-(-trials // size) * size) % trials]
+    run = jax.vmap(lambda k: feat(mechanism(k, data)))
+    values = np.concatenate([np.asarray(run(padded[i:i + size]))
+                             for i in range(0, padded.shape[0], size)])[:trials]
   else:
     values = np.asarray([np.asarray(feat(mechanism(k, data))) for k in keys])
   if values.shape != (trials,):
@@ -123,7 +135,7 @@ def epsilon_lower_bound(samples: np.ndarray, samples_prime: np.ndarray, *, delta
 def audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any, *, delta: float,
           epsilon_claimed: float | None = None, trials: int = 10_000,
           featurize: Callable | None = None, vectorized: bool = True, num_buckets: int = 10,
-          confidence: float = 0.95) -> AuditReport:
+          confidence: float = 0.95, batch_size: int = 16_384) -> AuditReport:
   """Audits ``mechanism`` on the neighbouring pair ``(X, X_prime)``.
 
   Args:
@@ -134,9 +146,12 @@ def audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any, *, delta: f
     epsilon_claimed: the claim's ε (sets ``passed``).
     trials: runs per dataset.
     featurize: ``output -> scalar`` (default: the output itself).
-    vectorized: ``vmap`` over keys (True) or loop (False).
+    vectorized: ``jax.vmap`` over the keys in batches (True; the mechanism must be traceable)
+      or a Python loop (False); see :func:`sample_outputs`.
     num_buckets: number of threshold/bucket events for continuous outputs.
     confidence: joint confidence of the lower bound.
+    batch_size: runs vectorised at a time when ``vectorized`` (bounds memory; outputs per key
+      do not depend on it).
 
   Returns:
     :class:`AuditReport`.
@@ -144,8 +159,8 @@ def audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any, *, delta: f
   v.check_key(key)
   trials = v.check_int(trials, "trials", low=20)
   k1, k2 = jax.random.split(key)
-  a = sample_outputs(k1, mechanism, X, trials, featurize=featurize, vectorized=vectorized)
-  b = sample_outputs(k2, mechanism, X_prime, trials, featurize=featurize, vectorized=vectorized)
+  a, b = (sample_outputs(k, mechanism, data, trials, featurize=featurize, vectorized=vectorized,
+                         batch_size=batch_size) for k, data in ((k1, X), (k2, X_prime)))
   eps, event, direction, counts = epsilon_lower_bound(a, b, delta=delta, num_buckets=num_buckets,
                                                       confidence=confidence)
   passed = None if epsilon_claimed is None else bool(eps <= epsilon_claimed)
@@ -330,7 +345,8 @@ def exact_output_audit(noise: np.ndarray, release: Callable, value, value_prime,
 def grid_output_audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any, *,
                       grid_step: float, delta: float, epsilon_claimed: float | None = None,
                       trials: int = 10_000, featurize: Callable | None = None,
-                      vectorized: bool = False, confidence: float = 0.95) -> AuditReport:
+                      vectorized: bool = False, confidence: float = 0.95,
+                      batch_size: int = 16_384) -> AuditReport:
   """Sampled float-leak detector for mechanisms that release values on a public grid.
 
   Runs the mechanism ``trials`` times on each input, checks that every (featurized) output is an
@@ -347,8 +363,10 @@ def grid_output_audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any,
     epsilon_claimed: the claim's ε.
     trials: runs per dataset.
     featurize: ``output -> scalar`` (default the output itself).
-    vectorized: ``vmap`` over keys (host-side mechanisms need the default False).
+    vectorized: ``jax.vmap`` over the keys in batches (the mechanism must be traceable: dpjax's
+      host releases are, through ``jax.pure_callback``) or, by default, a Python loop.
     confidence: joint confidence of the lower bound.
+    batch_size: runs vectorised at a time when ``vectorized``.
 
   Returns:
     :class:`AuditReport` over the grid indices.
@@ -362,8 +380,8 @@ def grid_output_audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any,
   k1, k2 = jax.random.split(key)
   indices = []
   for k, data in ((k1, X), (k2, X_prime)):
-    out = sample_outputs(k, mechanism, data, trials, featurize=featurize,
-                         vectorized=vectorized).astype(np.float64)
+    out = sample_outputs(k, mechanism, data, trials, featurize=featurize, vectorized=vectorized,
+                         batch_size=batch_size).astype(np.float64)
     index = np.round(out / step)
     off = out != index * step
     if np.any(off):

@@ -12,7 +12,8 @@
   cuts it by about a fifth. The program (HLO) is the same; only the generated machine code, hence
   float rounding at the last bits (fused multiply-adds, reduction order), differs, so the tests
   hold at both levels (checked: one that did not exposed an inaccurate small-angle
-  ``projection_distance``, since fixed). ``--run-slow`` (CI) and ``--xla-default-opt`` keep XLA's
+  ``projection_distance``, since fixed). ``--run-slow``, ``--audit-full`` (whose full-count
+  audits spend their time running, ~3x faster optimised) and ``--xla-default-opt`` keep XLA's
   default level, what users run; a level already set in ``XLA_FLAGS`` is left alone.
 * A worker frees JAX's compiled programs (``jax.clear_caches()``) when its memory mappings pass
   half of Linux's ``vm.max_map_count``: XLA:CPU holds each compiled executable in three
@@ -46,7 +47,8 @@ def pytest_configure(config):
   # Before any test module starts JAX's backend (XLA_FLAGS is read then); xdist workers run this
   # too, and subprocess tests inherit the environment (helpers.run_on_devices appends to it).
   flags = os.environ.get("XLA_FLAGS", "")
-  if (config.getoption("--run-slow") or config.getoption("--xla-default-opt")
+  # Full-count audits are run time, not compile time: the optimised code is ~3x faster there.
+  if (_full(config) or config.getoption("--xla-default-opt")
       or "xla_backend_optimization_level" in flags):
     return
   os.environ["XLA_FLAGS"] = f"{flags} {_FAST_COMPILE}".strip()

@@ -54,11 +54,12 @@ def _check_block_independence(batch, fn, name, shape, dtype):
   first four blocks' outputs bit for bit when run on those four alone."""
   with jax.enable_x64(dtype == jnp.float64):
     rng = np.random.default_rng(0)      # NumPy data: no random-number program to compile per shape
-    blocks = jnp.asarray(rng.standard_normal((8, *shape)), dtype)
-    other = jnp.asarray(1e3 * rng.standard_normal(shape), dtype)        # a very different block
+    blocks = rng.standard_normal((8, *shape))
+    changed = blocks.copy()
+    changed[3] = 1e3 * rng.standard_normal(shape)                       # a very different block
     batched = jax.jit(lambda b: batch(fn, b))
-    before, after = batched(blocks), batched(blocks.at[3].set(other))
-    half = batched(blocks[:4])
+    before, after = batched(jnp.asarray(blocks, dtype)), batched(jnp.asarray(changed, dtype))
+    half = batched(jnp.asarray(blocks[:4], dtype))
     for i in range(8):
       for x, y in zip(_leaves(before), _leaves(after)):
         if i != 3:

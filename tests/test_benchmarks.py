@@ -295,3 +295,38 @@ def test_learn_gaussian_at_its_minimum_n_on_the_model_data_answers_accurately():
   assert max(cell["covariance_errors"]) < 0.1           # learn_covariance's refine_accuracy
   assert max(cell["mahalanobis_errors"]) < 0.05
   assert max(cell["orthogonal_mean_errors"]) < 1.0
+
+
+@pytest.mark.slow(reason="the DPASE success-rate benchmark's options")
+def test_dpase_success_options(tmp_path):
+  path = tmp_path / "out.json"
+  out = _load("dpase_success").main(["--quick", "--trials", "2", "--configs",
+                                     "1500,6,1,1e-4;1500,6,1,1e-1", "--json", str(path)])
+  saved = json.loads(path.read_text())
+  assert saved["points"] == json.loads(json.dumps(out))
+  assert [(p["n"], p["d"], p["k"], p["gamma"], p["trials"]) for p in out] == [
+      (1500, 6, 1, 1e-4, 2), (1500, 6, 1, 1e-1, 2)]
+  for p in out:
+    assert 0 <= p["success_rate"] <= 1 and 0 <= p["bottom_rate"] <= 1
+    assert p["ci95"][0] <= p["success_rate"] <= p["ci95"][1]
+
+
+@pytest.mark.slow(reason="the dimension-free reproduction benchmark's options")
+def test_subspace_dimension_free_options(tmp_path):
+  pytest.importorskip("matplotlib")
+  path, prefix = tmp_path / "out.json", tmp_path / "fig"
+  bench = _load("subspace_dimension_free")
+  out = bench.main(["--quick", "--trials", "1", "--dims", "8", "--grid", "1500,3000", "--k", "1",
+                    "--gamma", "1e-4", "--json", str(path), "--plot-prefix", str(prefix)])
+  saved = json.loads(path.read_text())
+  assert saved["summary"] == json.loads(json.dumps(out["summary"]))
+  assert saved["config"]["dims"] == [8] and saved["config"]["grid"] == [1500, 3000]
+  assert saved["config"]["gamma"] == 1e-4 and saved["config"]["k"] == 1
+  assert {p["method"] for p in out["points"]} | {s["method"] for s in out["skipped"]} == set(
+      bench.METHODS)
+  assert set(out["summary"]["n_at_alpha"]) == set(bench.METHODS)
+  for name in ("fig_error_vs_n.png", "fig_n_vs_d.png"):
+    assert (tmp_path / name).stat().st_size > 0
+  scaled = bench.main(["--trials", "1", "--dims", "8", "--grid", "1500", "--k", "1",
+                       "--gamma-scale", "1e-3"])
+  assert scaled["config"]["gamma_scale"] == 1e-3 and scaled["config"]["gamma"] is None

@@ -21,9 +21,11 @@ def test_approximate_subspace_data_has_the_stated_covariance():
 
 
 def test_generators_are_deterministic_and_validate():
-  a, _ = data.approximate_subspace_data(jax.random.key(1), 5, 4, 2, gamma=0.1)
-  b, _ = data.approximate_subspace_data(jax.random.key(1), 5, 4, 2, gamma=0.1)
-  assert jnp.array_equal(a, b)
+  # The shape of the test above: its (eagerly compiled) operations are reused.
+  a, _ = data.approximate_subspace_data(jax.random.key(1), 40_000, 12, 2, gamma=0.1)
+  b, _ = data.approximate_subspace_data(jax.random.key(1), 40_000, 12, 2, gamma=0.1)
+  c, _ = data.approximate_subspace_data(jax.random.key(2), 40_000, 12, 2, gamma=0.1)
+  assert jnp.array_equal(a, b) and not jnp.array_equal(a, c)
   with pytest.raises(ValueError, match="gamma"):
     data.approximate_subspace_data(jax.random.key(1), 5, 4, 2, gamma=1.5)
   with pytest.raises(ValueError, match="k"):

@@ -24,49 +24,50 @@ def test_top_k_matches_numpy_svd(m, d):
   X = normal(0, (m, d)) * jnp.linspace(3.0, 0.1, d)
   V = linalg.top_k_right_singular_vectors(X, 3)
   assert V.shape == (d, 3) and V.dtype == X.dtype
-  np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(3), atol=1e-5)
+  V = np.asarray(V)                             # checked in NumPy: no JAX program per check
+  np.testing.assert_allclose(V.T @ V, np.eye(3), atol=1e-5)
   assert _span_distance(V, _numpy_top_k(X, 3)) < 1e-3
 
 
 def test_zero_padding_rows_do_not_change_the_subspace():
-  X = normal(1, (10, 50))
-  padded = jnp.concatenate([X, jnp.zeros((5, 50))])
-  a = linalg.top_k_right_singular_vectors(X, 2)
-  b = linalg.top_k_right_singular_vectors(padded, 2)
+  X = normal(1, (5, 30))
+  padded = jnp.asarray(np.concatenate([X, np.zeros((3, 30), np.float32)]))   # (8, 30): shared
+  a = linalg.top_k_right_singular_vectors(X, 3)
+  b = linalg.top_k_right_singular_vectors(padded, 3)
   assert _span_distance(a, b) < 1e-4
 
 
 def test_batched_equals_loop():
-  blocks = normal(2, (6, 7, 20))
-  batched = linalg.batched_top_k_subspaces(blocks, 2)
-  assert batched.shape == (6, 20, 2)
+  blocks = np.asarray(normal(2, (6, 8, 30)))        # blocks of the (8, 30) shape used above
+  batched = linalg.batched_top_k_subspaces(blocks, 3)
+  assert batched.shape == (6, 30, 3)
   for j in range(6):
-    single = linalg.top_k_right_singular_vectors(blocks[j], 2)
+    single = linalg.top_k_right_singular_vectors(blocks[j], 3)
     np.testing.assert_allclose(np.asarray(batched[j]), np.asarray(single), atol=1e-5)
 
 
 def test_rank_deficient_block_still_orthonormal():
-  X = jnp.outer(jnp.arange(1.0, 6.0), jnp.ones(9))   # rank 1, ask for 3
-  V = linalg.top_k_right_singular_vectors(X, 3)
-  np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(3), atol=1e-5)
-  assert abs(float(jnp.abs(V[:, 0] @ jnp.ones(9))) - 3.0) < 1e-4   # leading direction is 1/3
+  X = np.outer(np.arange(1.0, 9.0), np.ones(30)).astype(np.float32)   # rank 1, ask for 3
+  V = np.asarray(linalg.top_k_right_singular_vectors(X, 3))
+  np.testing.assert_allclose(V.T @ V, np.eye(3), atol=1e-5)
+  assert abs(abs(V[:, 0] @ np.ones(30)) - np.sqrt(30)) < 1e-4   # leading direction is 1/√30
 
 
 def test_project_points_is_projection():
-  key_b, key_p = jax.random.split(jax.random.key(3))
-  bases = jax.vmap(lambda kk: linalg.orthonormal_basis(kk, 15, 3))(jax.random.split(key_b, 4))
-  P = normal(key_p, (5, 15))
+  rng = np.random.default_rng(3)                  # test data in NumPy: no JAX programs
+  bases = np.stack([np.linalg.qr(rng.standard_normal((15, 3)))[0] for _ in range(4)])
+  bases, P = bases.astype(np.float32), rng.standard_normal((5, 15)).astype(np.float32)
   out = linalg.project_points(P, bases)
   assert out.shape == (4, 5, 15)
-  expected = jnp.einsum("tdk,tek,qe->tqd", bases, bases, P)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5)
+  expected = np.einsum("tdk,tek,qe->tqd", bases, bases, P)
+  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
 
 
 def test_principal_angles_known_case():
-  e = jnp.eye(4)
+  e = np.eye(4, dtype=np.float32)                 # NumPy: no JAX program per operation
   theta = 0.3
   V1 = e[:, :2]
-  V2 = jnp.stack([e[:, 0], jnp.cos(theta) * e[:, 1] + jnp.sin(theta) * e[:, 2]], axis=1)
+  V2 = np.stack([e[:, 0], np.cos(theta) * e[:, 1] + np.sin(theta) * e[:, 2]], axis=1)
   np.testing.assert_allclose(np.asarray(linalg.principal_angles(V1, V2)), [0.0, theta],
                              atol=1e-3)
 
@@ -75,7 +76,8 @@ def test_orthonormal_basis_float64():
   with jax.enable_x64(True):
     V = linalg.orthonormal_basis(jax.random.key(0), 30, 4, jnp.float64)
     assert V.dtype == jnp.float64
-    np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(4), atol=1e-12)
+    V = np.asarray(V)
+    np.testing.assert_allclose(V.T @ V, np.eye(4), atol=1e-12)
 
 
 # Scale safety (issue 10 §6): the block is divided by a power of two of its largest entry first.
@@ -98,8 +100,10 @@ def test_top_k_float32_rows_whose_gram_overflows_or_underflows(m, d, scale):
   # (1e25)² and (1e-25)² are outside float32's range: the plain Gram route gave NaN or zeros.
   X = np.asarray(normal(5, (m, d))) * np.linspace(3.0, 0.1, d)
   V = linalg.top_k_right_singular_vectors(jnp.asarray(X * scale, jnp.float32), 3)
-  assert V.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(V)))
-  np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(3), atol=1e-5)
+  assert V.dtype == jnp.float32
+  V = np.asarray(V)
+  assert np.all(np.isfinite(V))
+  np.testing.assert_allclose(V.T @ V, np.eye(3), atol=1e-5)
   assert _span_distance(V, _numpy_top_k(X, 3)) < 1e-3
 
 
@@ -108,15 +112,15 @@ def test_top_k_float64_rows_whose_gram_overflows_or_underflows(scale):
   X = np.random.default_rng(6).standard_normal((8, 30)) * np.linspace(3.0, 0.1, 30)
   with jax.enable_x64(True):
     V = linalg.top_k_right_singular_vectors(jnp.asarray(X * scale, jnp.float64), 3)
-    assert V.dtype == jnp.float64 and bool(jnp.all(jnp.isfinite(V)))
+    assert V.dtype == jnp.float64 and np.all(np.isfinite(np.asarray(V)))
     assert _span_distance(V, _numpy_top_k(X, 3)) < 1e-9
 
 
-@pytest.mark.parametrize("m,d", [(5, 8), (8, 5)])
+@pytest.mark.parametrize("m,d", [(8, 30), (40, 12)])  # Gram route and eigh route (shapes above)
 def test_zero_block_gives_a_finite_orthonormal_basis(m, d):
-  V = linalg.top_k_right_singular_vectors(jnp.zeros((m, d)), 2)
-  assert bool(jnp.all(jnp.isfinite(V)))
-  np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(2), atol=1e-6)
+  V = np.asarray(linalg.top_k_right_singular_vectors(np.zeros((m, d), np.float32), 3))
+  assert np.all(np.isfinite(V))
+  np.testing.assert_allclose(V.T @ V, np.eye(3), atol=1e-6)
 
 
 def test_times_power_of_two_is_exact_and_saturates():
@@ -140,7 +144,7 @@ def test_symmetrize_is_exactly_symmetric_on_computed_arrays():
 
   for seed in range(10):
     X = normal(jax.random.key(seed), (200, 9))
-    w = jax.random.uniform(jax.random.key(100 + seed), (200,))
+    w = jnp.asarray(np.random.default_rng(100 + seed).uniform(size=200), jnp.float32)
     raw = second_moment(X, w)
     S = np.asarray(linalg.symmetrize(raw))
     np.testing.assert_array_equal(S, S.T)
@@ -152,11 +156,12 @@ def test_symmetrize_is_exactly_symmetric_on_computed_arrays():
 # ------------------------------------------------------- top-k by subspace iteration
 
 
-def _spiked(key, m, d, k, noise, dtype=jnp.float32):
-  kb, kz, ke = jax.random.split(key, 3)
-  B = jnp.linalg.qr(normal(kb, (d, k), dtype))[0]
-  Z = normal(kz, (m, k), dtype) * jnp.arange(k, 0, -1).astype(dtype)
-  return Z @ B.T + noise * normal(ke, (m, d), dtype), B
+def _spiked(seed, m, d, k, noise, dtype=jnp.float32):
+  """A rank-k spike plus noise, drawn by NumPy (no JAX programs for test data)."""
+  rng = np.random.default_rng(seed)
+  B = np.linalg.qr(rng.standard_normal((d, k)))[0]
+  Z = rng.standard_normal((m, k)) * np.arange(k, 0, -1)
+  return jnp.asarray(Z @ B.T + noise * rng.standard_normal((m, d)), dtype), B
 
 
 @pytest.mark.parametrize("m,d", [
@@ -169,33 +174,35 @@ def _spiked(key, m, d, k, noise, dtype=jnp.float32):
                                                             "float32"))])
 def test_subspace_iteration_agrees_with_the_exact_top_k(m, d, dtype):
   with jax.enable_x64(dtype == jnp.float64):
-    X, _ = _spiked(jax.random.key(m + d), m, d, 4, 0.05, dtype)
+    X, _ = _spiked(m + d, m, d, 4, 0.05, dtype)
     exact = linalg.top_k_right_singular_vectors(X, 4)
     fast = linalg.top_k_right_singular_vectors(X, 4, method="subspace_iteration")
     assert fast.shape == (d, 4) and fast.dtype == dtype
     tol = 1e-3 if dtype == jnp.float32 else 1e-6
     assert float(linalg.principal_angles(exact, fast).max()) < tol
-    np.testing.assert_allclose(np.asarray(fast.T @ fast), np.eye(4), atol=10 * tol)
+    np.testing.assert_allclose(np.asarray(fast).T @ np.asarray(fast), np.eye(4), atol=10 * tol)
     # Scale safety: X·2^j gives the same bits; determinism.
     again = linalg.top_k_right_singular_vectors(X * 2.0**40, 4, method="subspace_iteration")
     np.testing.assert_array_equal(np.asarray(fast), np.asarray(again))
 
 
 def test_subspace_iteration_edge_cases():
-  zero = linalg.top_k_right_singular_vectors(jnp.zeros((20, 10)), 3, method="subspace_iteration")
-  assert bool(jnp.all(jnp.isfinite(zero)))
-  np.testing.assert_allclose(np.asarray(zero.T @ zero), np.eye(3), atol=1e-5)
-  rank_one = jnp.outer(jnp.arange(1.0, 21.0), jnp.ones(10))
-  V = linalg.top_k_right_singular_vectors(rank_one, 3, method="subspace_iteration")
-  np.testing.assert_allclose(np.asarray(V.T @ V), np.eye(3), atol=1e-5)
-  assert abs(float(V[:, 0] @ jnp.ones(10))) / np.sqrt(10) > 1 - 1e-5
+  def iterate(X, k, **kw):       # (300, 80), k = 4: the program of the test above
+    return np.asarray(linalg.top_k_right_singular_vectors(X, k, method="subspace_iteration",
+                                                           **kw))
+
+  zero = iterate(np.zeros((300, 80), np.float32), 4)
+  assert np.all(np.isfinite(zero))
+  np.testing.assert_allclose(zero.T @ zero, np.eye(4), atol=1e-5)
+  V = iterate(np.outer(np.arange(1.0, 301.0), np.ones(80)).astype(np.float32), 4)   # rank one
+  np.testing.assert_allclose(V.T @ V, np.eye(4), atol=1e-5)
+  assert abs(V[:, 0] @ np.ones(80)) / np.sqrt(80) > 1 - 1e-5
   # k = d, and an iteration cap that is hit: still an orthonormal finite basis.
-  X, _ = _spiked(jax.random.key(5), 30, 6, 2, 1.0)
-  full = linalg.top_k_right_singular_vectors(X, 6, method="subspace_iteration")
-  np.testing.assert_allclose(np.asarray(full.T @ full), np.eye(6), atol=1e-5)
-  capped = linalg.top_k_right_singular_vectors(X, 2, method="subspace_iteration",
-                                               max_iterations=1)
-  np.testing.assert_allclose(np.asarray(capped.T @ capped), np.eye(2), atol=1e-5)
+  X, _ = _spiked(5, 30, 6, 2, 1.0)
+  full = iterate(X, 6)
+  np.testing.assert_allclose(full.T @ full, np.eye(6), atol=1e-5)
+  capped = iterate(X, 2, max_iterations=1)
+  np.testing.assert_allclose(capped.T @ capped, np.eye(2), atol=1e-5)
   with pytest.raises(ValueError, match="method"):
     linalg.top_k_right_singular_vectors(X, 2, method="lanczos")
 

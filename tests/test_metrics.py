@@ -31,16 +31,18 @@ def test_projection_distance_is_accurate_at_small_angles_in_float32(theta):
   """sin θ to working precision, not only above √(2·eps) ≈ 3·10⁻⁴ (where √(1 − cos²θ) stops; the
   float32 basis itself is orthonormal to ~10⁻⁷):
   two float32 planes in R⁶ at principal angles (θ/3, θ), and a zero basis (a ⊥ result) at 1."""
-  Q = linalg.orthonormal_basis(jax.random.key(1), 6, 6)
+  # Built in NumPy (float32 throughout): no JAX program per operation and angle.
+  Q = np.linalg.qr(np.random.default_rng(1).standard_normal((6, 6)))[0].astype(np.float32)
   V = Q[:, :2]
-  W = jnp.stack([jnp.cos(theta / 3) * Q[:, 0] + jnp.sin(theta / 3) * Q[:, 2],
-                 jnp.cos(theta) * Q[:, 1] + jnp.sin(theta) * Q[:, 3]], axis=1)
-  assert V.dtype == W.dtype == jnp.float32
+  c, s = np.float32([np.cos(theta / 3), np.cos(theta)]), np.float32([np.sin(theta / 3),
+                                                                      np.sin(theta)])
+  W = np.stack([c[0] * Q[:, 0] + s[0] * Q[:, 2], c[1] * Q[:, 1] + s[1] * Q[:, 3]], axis=1)
+  assert V.dtype == W.dtype == np.float32
   np.testing.assert_allclose(float(metrics.projection_distance(V, W)), np.sin(theta), rtol=2e-2,
                              atol=3e-7)
   np.testing.assert_allclose(np.asarray(linalg.principal_angles(W, V)), [theta / 3, theta],
                              rtol=2e-2, atol=3e-7)
-  assert float(metrics.projection_distance(jnp.zeros_like(V), W)) == 1.0
+  assert float(metrics.projection_distance(np.zeros_like(V), W)) == 1.0
 
 
 def test_captured_energy():

@@ -151,13 +151,16 @@ TRACED = {
 }
 # Full suite only (issue 11 §8: the default run under 5 minutes). Each of these functions' modules
 # keeps its own default tests; the default audits run most of them (or their wrappers) under
-# jit(vmap) over trials (tests/audit), and mod_sulq keeps its entry here.
+# jit(vmap) over trials (tests/audit). Issue 33: mod_sulq runs under jit(vmap) over keys in
+# tests/classic/test_pca.py, gap_max under vmap in the audits and tests/mechanisms/test_gap_max.py,
+# l2_laplace_noise under vmap over keys and β in tests/classic/test_erm.py.
 SLOW = {"al_covariance", "learn_covariance", "robust_covariance", "dpaseb",
         "private_gradient_subspace", "dpase", "approximate_subspace_data",
         "low_dimensional_cube_data", "ppca(k=2)", "output_perturbation", "one_vs_rest",
         "robust_mean", "coinpress_covariance", "dpese", "ppca", "pmm_core", "al_subspace",
         "dpase_core", "objective_perturbation", "ppme_mean", "stable_histogram",
-        "discrete_laplace_mechanism", "gap_max_core", "coinpress_mean", "psmm_noisy_counts"}
+        "discrete_laplace_mechanism", "gap_max_core", "coinpress_mean", "psmm_noisy_counts",
+        "mod_sulq", "gap_max", "l2_laplace_noise"}
 
 # Float64 learners (dpjax._host.float64): traceable with JAX's x64 mode on only (a float32 trace
 # raises TypeError, tested in their modules), so traced here inside `jax.enable_x64(True)`.

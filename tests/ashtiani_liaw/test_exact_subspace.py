@@ -139,10 +139,16 @@ def test_threshold_edge():
   assert params.majority == 31 and params.group_size == 1
   assert params.sure_pass_count == 31 + math.floor(2 * params.tlap_bound) + 1
 
+  # The trials of a layout in one traced call (al_subspace is traceable with x64 on, with the
+  # eager call's result per key: test_tracing): one compile instead of 600 eager calls.
+  batched = jax.jit(jax.vmap(lambda key, X: al_subspace(key, X, epsilon=EPS, delta=DELTA,
+                                                        num_groups=k), in_axes=(0, None)))
+  keys = jnp.stack([jax.random.key(s) for s in range(trials)])
+
   def runs(agree):
-    X = _line_data(agree, k)
-    return [al_subspace(jax.random.key(s), X, epsilon=EPS, delta=DELTA, num_groups=k)
-            for s in range(trials)]
+    with jax.enable_x64(True):
+      out = jax.tree.map(np.asarray, batched(keys, jnp.asarray(_line_data(agree, k))))
+    return [jax.tree.map(lambda a: a[i], out) for i in range(trials)]
 
   for agree in (0, 1, params.majority, params.majority + 1):
     out = runs(agree)

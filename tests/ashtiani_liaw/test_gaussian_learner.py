@@ -27,6 +27,18 @@ def _rows(rng, n, U, ev, mu):
 
 
 @pytest.fixture(scope="module")
+def d3_calibration():
+  """The AL step's calibration at d = 3 (EPS, DELTA): its group-size simulation is most of the
+  cost of the tests that plan or run learn_covariance there, so they share it."""
+  return covariance_calibration(3, EPS, DELTA, eta_accuracy=None)
+
+
+@pytest.fixture(scope="module")
+def d3_required_n():
+  return learn_covariance_required_n(3, EPS, DELTA)
+
+
+@pytest.fixture(scope="module")
 def singular_gaussian():
   rng = np.random.default_rng(0)
   d, r = 4, 2
@@ -116,16 +128,16 @@ def test_learn_covariance_refinement_beats_the_preconditioner():
   assert np.linalg.eigvalsh(fine.estimate)[0] > 0
 
 
-def test_learn_covariance_default_split_gives_the_al_step_its_required_rows():
-  d, n = 3, 10**7
-  cal = covariance_calibration(d, EPS, DELTA, eta_accuracy=None)
+def test_learn_covariance_default_split_gives_the_al_step_its_required_rows(d3_calibration,
+                                                                          d3_required_n):
+  d, n, cal = 3, 10**7, d3_calibration
   plan = learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA)
   assert plan.coarse_rows == cal.required_n and plan.refine_rows == n - cal.required_n
   assert plan.al.calibration == cal._replace(required_n=cal.required_n)
   K = plan.preconditioner_factor
   assert plan.refine_min_rows == covariance_required_n(d, kappa=K * K, epsilon=EPS, delta=DELTA,
                                                        accuracy=REFINE_ACCURACY)
-  total = learn_covariance_required_n(d, EPS, DELTA)
+  total = d3_required_n
   assert total == cal.required_n + plan.refine_min_rows
   assert learn_covariance_required_n(d, EPS, DELTA, unknown_mean=True) == (
       2 * cal.required_n + 2 * plan.refine_min_rows)
@@ -134,12 +146,11 @@ def test_learn_covariance_default_split_gives_the_al_step_its_required_rows():
   # The user's split instead: a fixed number or a share of the rows for the AL step.
   assert learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA,
                                coarse_rows=2 * cal.required_n).coarse_rows == 2 * cal.required_n
-  assert learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA,
-                               coarse_fraction=0.5).coarse_rows == n // 2
+  wide = learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA, coarse_fraction=0.5)
+  assert wide.coarse_rows == n // 2
   no_refine = learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA, refine=False)
   assert (no_refine.coarse_rows, no_refine.refine_rows) == (n, 0)
   # K = (1 + c)(1 + α) at the AL step's actual group size: more rows per group, smaller K.
-  wide = learn_covariance_plan(n, d, epsilon=EPS, delta=DELTA, coarse_fraction=0.5)
   assert 1.0 + cal.mask_accuracy < wide.preconditioner_factor < K
 
 
@@ -154,10 +165,9 @@ def test_learn_covariance_plan_rejects_bad_splits(bad, match):
     learn_covariance_plan(10**7, 3, epsilon=EPS, delta=DELTA, **bad)
 
 
-def test_learn_covariance_raises_with_the_required_n():
+def test_learn_covariance_raises_with_the_required_n(d3_calibration, d3_required_n):
   """Rows enough for the AL step but not for the refinement: the message gives the total."""
-  total = learn_covariance_required_n(3, EPS, DELTA)
-  coarse = covariance_calibration(3, EPS, DELTA, eta_accuracy=None).required_n
+  total, coarse = d3_required_n, d3_calibration.required_n
   X = np.random.default_rng(8).normal(size=(coarse + 10, 3))
   with pytest.raises(ValueError, match=rf"learn_covariance needs n >= {total} rows for d=3.*"
                                        rf"{coarse} for its AL step.*got n={coarse + 10} "
@@ -201,17 +211,16 @@ def test_learn_gaussian_on_all_zero_rows():
     assert res.failed_step_name in ("subspace", "orthogonal_mean")
 
 
-def test_learn_gaussian_mean_far_out_along_a_thin_direction():
+def test_learn_gaussian_mean_far_out_along_a_thin_direction(d3_required_n):
   """‖μ‖ = 1e9 along an eigenvalue of 1e-6: a whitened mean of 1e12. Step 3's PPME clamped its
   float-safe release at ≈ 2^40·γ and answered ok=True with a Mahalanobis error of 8·10¹¹ until
   its grid was sized by the released scale of the rows."""
-  d = 2
-  need = learn_covariance_required_n(d, EPS, DELTA)
+  d, need = 3, d3_required_n                  # d = 3: the calibration the other tests use
   n = next(m for m in range(3 * need, 10**9, 1000)
            if gaussian_batch_sizes(m, d, epsilon=EPS, delta=DELTA)[1] // 2 >= need)
   rng = np.random.default_rng(0)
   U, _ = np.linalg.qr(rng.standard_normal((d, d)))
-  ev = np.array([1e-6, 1.0])
+  ev = np.array([1e-6, 1.0, 1.0])
   mu = 1e9 * U[:, 0]
   res = learn_gaussian(jax.random.key(1), _rows(rng, n, U, ev, mu), epsilon=EPS, delta=DELTA)
   assert res.ok
@@ -226,5 +235,7 @@ def test_preconditioner_factor_is_finite_at_groups_of_a_few_rows():
   cal = plan.al.calibration
   assert cal.candidate_accuracy == np.inf
   assert 1.0 + cal.mask_accuracy < plan.preconditioner_factor < 1e3
-  # Where the Gaussian bound is finite, the simulated worst case lies below it.
-  assert simulated_candidate_accuracy(5, 261, 1494) < _candidate_accuracy(5, 261, 1494, 0.05)
+  # Where the Gaussian bound is finite (200 rows), the simulated worst case lies below it (same
+  # d and k as above: the simulation's program is compiled once).
+  k = cal.num_groups
+  assert simulated_candidate_accuracy(3, 200, k) < _candidate_accuracy(3, 200, k, cal.beta)

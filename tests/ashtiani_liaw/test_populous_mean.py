@@ -7,6 +7,7 @@ traceable core on designed candidates, pass-and-average / ⊥ behaviour of both 
 planning functions and input validation. Compile time dominates, so shapes are reused.
 """
 
+import functools
 import math
 
 import jax
@@ -227,6 +228,7 @@ def test_min_groups_for_test_is_minimal(thresholds):
 # ------------------------------------------------------------------ generic traceable core
 
 
+@functools.cache                 # tests of one configuration share its program
 def _core(k, d, eps1, delta1, radius, *, mask=None):
   """Jitted populous_mean on pre-built candidates ``(k, d)`` (estimator = the group's one row),
   as ``run(key, candidates)``; one compile per configuration."""
@@ -427,6 +429,19 @@ def test_split_groups_is_a_partition():
 D_COV, EPS_COV, DELTA_COV = 3, 10.0, 1e-5
 
 
+@pytest.fixture(scope="module")
+def calibration():
+  """The default calibration at (D_COV, EPS_COV, DELTA_COV), shared: every call repeats its
+  searches over k (a mask calibration per k), about a second even with the simulation cached."""
+  return cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV)
+
+
+@pytest.fixture(scope="module")
+def paired_calibration():
+  """The same with ``unknown_mean`` (paired rows)."""
+  return cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, unknown_mean=True)
+
+
 def _candidate_bound(cal):
   """dist(group covariance, Σ) for every group w.p. ≥ 1 − β at the calibration's m: the singular
   values of an m×d Gaussian matrix lie in √m(1 ± (√(d/m) + √(2 ln(2k/β)/m))) (Davidson–Szarek);
@@ -443,7 +458,8 @@ def _candidate_bound(cal):
                  marks=pytest.mark.slow(reason="the known-mean calibration's accuracy; the "
                                                "default run checks unknown_mean=True")),
     (1, True)])
-def test_al_covariance_ill_conditioned_passes_and_is_accurate(seed, unknown_mean):
+def test_al_covariance_ill_conditioned_passes_and_is_accurate(seed, unknown_mean, calibration,
+                                                             paired_calibration):
   """Σ with condition number 1e10 (and, for unknown_mean, ‖μ‖ = 1e6): the default calibration
   passes and dist(Σ̃, Σ) is within the utility bound.
 
@@ -456,7 +472,7 @@ def test_al_covariance_ill_conditioned_passes_and_is_accurate(seed, unknown_mean
   """
   rng = np.random.default_rng(seed)
   Sigma = _rand_cov(rng, D_COV, 1e10)
-  cal = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, unknown_mean=unknown_mean)
+  cal = paired_calibration if unknown_mean else calibration
   mu = rng.normal(size=D_COV) * 1e6 / math.sqrt(D_COV) if unknown_mean else 0.0
   X = mu + rng.normal(size=(cal.required_n, D_COV)) @ np.linalg.cholesky(Sigma).T
   res = cv.al_covariance(jax.random.key(seed), X, epsilon=EPS_COV, delta=DELTA_COV,
@@ -470,24 +486,24 @@ def test_al_covariance_ill_conditioned_passes_and_is_accurate(seed, unknown_mean
   assert dist <= (1 + _candidate_bound(cal)) * (1 + alpha) - 1
   assert dist <= (1 + 0.5) * (1 + alpha) - 1
   assert res.info["num_groups"] == cal.num_groups and res.info["eta"] == cal.eta
-  # (Determinism for a fixed key is checked on ppme_mean: every al_covariance call recompiles,
-  # ~4 s at this k, so it is not repeated here.)
+  # (Determinism for a fixed key is checked on ppme_mean.)
 
 
-def test_al_covariance_bottom_on_wildly_scaled_rows():
-  """Each row scaled by 10^U(−4, 4): every group's covariance is dominated by its largest row, the
-  candidates scatter, ⊥ (zeros). User overrides of k and m keep the data small."""
+def test_al_covariance_bottom_on_wildly_scaled_rows(paired_calibration):
+  """Each row scaled by 10^U(−4, 4): every group's covariance is dominated by its largest rows,
+  the candidates scatter, ⊥ (zeros). The accuracy test's call (default calibration, unknown
+  mean, as many rows): its compiled program serves both."""
   rng = np.random.default_rng(3)
-  k, m = 300, 20
-  X = rng.normal(size=(k * m, D_COV)) * 10.0 ** rng.uniform(-4, 4, size=(k * m, 1))
-  res = cv.al_covariance(jax.random.key(0), X, epsilon=EPS_COV, delta=DELTA_COV, num_groups=k,
-                         min_group_size=m)
+  n = paired_calibration.required_n
+  X = rng.normal(size=(n, D_COV)) * 10.0 ** rng.uniform(-4, 4, size=(n, 1))
+  res = cv.al_covariance(jax.random.key(0), X, epsilon=EPS_COV, delta=DELTA_COV,
+                         unknown_mean=True)
   assert not bool(res.ok)
   np.testing.assert_array_equal(np.asarray(res.estimate), np.zeros((D_COV, D_COV)))
 
 
-def test_al_covariance_reports_the_required_n():
-  cal = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV)
+def test_al_covariance_reports_the_required_n(calibration, paired_calibration):
+  cal = calibration
   k0 = cal.smallest_num_groups                  # the fail-fast bound is k0·(d + 1)
   assert k0 <= cal.num_groups
   # Above the cheap bound k0·(d + 1), below required_n: the exact figure (after the simulation).
@@ -508,25 +524,25 @@ def test_al_covariance_reports_the_required_n():
   assert n < bound <= 2 * k0 * (D_COV + 1) and bound % (2 * (D_COV + 1)) == 0
   assert cv.required_n(D_COV, EPS_COV, DELTA_COV) == cal.required_n
   assert cal.required_n == cal.num_groups * cal.min_group_size
-  paired = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, unknown_mean=True)
-  assert paired.required_n == 2 * cal.required_n
+  assert paired_calibration.required_n == 2 * cal.required_n
 
 
 def test_required_n_grows_as_epsilon_shrinks_and_d_grows():
   ns = [cv.required_n(D_COV, eps, DELTA_COV) for eps in (20.0, 10.0, 5.0, 2.0)]
   assert all(a < b for a, b in zip(ns, ns[1:])), ns
   # k does not shrink as d grows (fixed m isolates the number of groups; at small d the test's
-  # own minimum k binds, not the mask) and grows once the mask binds ...
-  ks = [cv.required_n(d, EPS_COV, DELTA_COV, min_group_size=50) for d in range(1, 9)]
+  # own minimum k binds, not the mask) and grows once the mask binds (at d = 4) ... (d ≤ 4: the
+  # mask's η is simulated per d, 20,000 SVDs per bisection step, seconds each at d ≥ 5)
+  ks = [cv.required_n(d, EPS_COV, DELTA_COV, min_group_size=50) for d in range(1, 5)]
   assert all(a <= b for a, b in zip(ks, ks[1:])) and ks[0] < ks[-1], ks
   # ... and so does the concentration rule's m.
   ns = [cv.required_n(d, EPS_COV, DELTA_COV, group_size_rule="concentration")
-        for d in range(1, 7)]
+        for d in range(1, 5)]
   assert all(a < b for a, b in zip(ns, ns[1:])), ns
 
 
-def test_concentration_rule_asks_for_larger_groups_than_simulation():
-  sim = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV)
+def test_concentration_rule_asks_for_larger_groups_than_simulation(calibration):
+  sim = calibration
   conc = cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, group_size_rule="concentration")
   assert conc.min_group_size > sim.min_group_size
   # The concentration rule keeps the smallest admissible k (with the sure-pass floor); the

@@ -7,6 +7,8 @@
 * ``learn_gaussian`` is orchestrated on the host (``eager_only``): tracing raises ``TypeError``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,19 +17,24 @@ import pytest
 from dpjax import ashtiani_liaw as AL
 from dpjax.ashtiani_liaw.exact_subspace import nearest_projection_basis
 
+# The eager references compile per shape and static argument (seconds each); these are the
+# shapes and arguments of eager calls in test_exact_subspace (al_subspace), test_gaussian_learner
+# (learn_covariance's AL step at d = 3) and test_populous_mean (ppme_mean), whose programs a
+# process running those tests too reuses.
 KEYS = jax.random.split(jax.random.key(3), 2)
 _rng = np.random.default_rng(0)
-LOW_RANK = _rng.normal(size=(600, 2)) @ _rng.normal(size=(2, 4))          # rank 2 in R^4
-ROWS = _rng.normal(size=(17700, 2)) * np.array([1.0, 3.0])
-COV = dict(epsilon=20., delta=1e-6, num_groups=111, min_group_size=159)  # the default calibration
-MEAN_ROWS = 1e3 + _rng.normal(size=(1000, 3))
+LOW_RANK = _rng.normal(size=(2000, 2)) @ _rng.normal(size=(2, 10))        # rank 2 in R^10
+ROWS = _rng.normal(size=(20364, 3)) * np.array([1.0, 3.0, 10.0])
+COV = dict(epsilon=20., delta=1e-6, num_groups=111, min_group_size=183)  # learn_covariance's AL
+COV_ROWS = ROWS[:111 * 183]                                              # step calibration
+MEAN_ROWS = 1e3 + _rng.normal(size=(230 * 50, 5))
 
 LEARNERS = {
-    "al_subspace": (lambda k, x: AL.al_subspace(k, x, epsilon=4., delta=1e-5), LOW_RANK),
-    "al_covariance": (lambda k, x: AL.al_covariance(k, x, **COV), ROWS),
+    "al_subspace": (lambda k, x: AL.al_subspace(k, x, epsilon=1., delta=1e-6), LOW_RANK),
+    "al_covariance": (lambda k, x: AL.al_covariance(k, x, **COV), COV_ROWS),
     "learn_covariance": (lambda k, x: AL.learn_covariance(k, x, refine_accuracy=None, **COV),
                          ROWS),
-    "ppme_mean": (lambda k, x: AL.ppme_mean(k, x, epsilon=4., delta=1e-5, num_groups=500,
+    "ppme_mean": (lambda k, x: AL.ppme_mean(k, x, epsilon=10., delta=1e-5, num_groups=230,
                                             radius=10.), MEAN_ROWS),
 }
 SLOW = {"learn_covariance"}
@@ -48,36 +55,42 @@ def test_a_float32_trace_raises_type_error(name):
     jax.vmap(lambda k: f(k, x))(KEYS)                       # traced key, concrete data
 
 
+@functools.cache
+def _traced(name):
+  """``jit(vmap(learner))`` over keys, the data traced too: one program per learner (seconds to
+  compile), shared by the two tests below."""
+  return jax.jit(jax.vmap(LEARNERS[name][0], in_axes=(0, None)))
+
+
 @pytest.mark.parametrize("name", _params(LEARNERS))
 def test_traced_with_x64_matches_the_eager_call_per_key(name):
   f, x = LEARNERS[name]
   with jax.enable_x64(True):
-    jitted = jax.jit(f)(KEYS[0], jnp.asarray(x))
-    batched = jax.jit(jax.vmap(lambda k: f(k, x)))(KEYS)
-  eager = f(KEYS[0], x)                                     # x64 off: float64 NumPy outputs
-  assert bool(eager.ok) and bool(jitted.ok) and bool(batched.ok[0])
-  if name == "al_subspace":
-    assert int(jitted.released["rank"]) == int(eager.released["rank"]) == 2
-    got = np.asarray(jitted.basis)
-    np.testing.assert_allclose(got, np.asarray(eager.basis, got.dtype), atol=1e-10)
-    return
-  assert jitted.estimate.dtype == jnp.float64
-  # The unmasked statistic may differ by rounding (XLA fuses the traced program differently);
-  # the released noise is the same per key. PPME's release is on its grid: at most one step.
-  atol = eager.info["grid"] if name == "ppme_mean" else 0.0
-  np.testing.assert_allclose(np.asarray(jitted.estimate), eager.estimate, rtol=1e-8, atol=atol)
-  np.testing.assert_allclose(np.asarray(batched.estimate[0]), np.asarray(jitted.estimate),
-                             rtol=1e-8, atol=atol)
+    batched = jax.tree.map(np.asarray, _traced(name)(KEYS, jnp.asarray(x)))
+  for i, key in enumerate(KEYS):
+    traced = jax.tree.map(lambda a: a[i], batched)
+    eager = f(key, x)                                       # x64 off: float64 NumPy outputs
+    assert bool(eager.ok) and bool(traced.ok)
+    if name == "al_subspace":
+      assert int(traced.released["rank"]) == int(eager.released["rank"]) == 2
+      np.testing.assert_allclose(traced.basis, np.asarray(eager.basis, traced.basis.dtype),
+                                 atol=1e-10)
+      continue
+    assert traced.estimate.dtype == np.float64
+    # The unmasked statistic may differ by rounding (XLA fuses the traced program differently);
+    # the released noise is the same per key. PPME's release is on its grid: at most one step.
+    atol = eager.info["grid"] if name == "ppme_mean" else 0.0
+    np.testing.assert_allclose(traced.estimate, eager.estimate, rtol=1e-8, atol=atol)
 
 
 @pytest.mark.parametrize("name", _params(LEARNERS))
 def test_a_non_finite_traced_dataset_gives_bottom(name):
-  f, x = LEARNERS[name]
+  _, x = LEARNERS[name]
   bad = np.array(x)
   bad[3, 1] = np.nan
   with jax.enable_x64(True):
-    res = jax.jit(f)(KEYS[0], jnp.asarray(bad))
-  assert not bool(res.ok)
+    res = _traced(name)(KEYS, jnp.asarray(bad))
+  assert not np.any(np.asarray(res.ok))
   outputs = (res.basis, res.released["rank"]) if name == "al_subspace" else (res.estimate,)
   for out in outputs:
     assert not np.any(np.asarray(out))

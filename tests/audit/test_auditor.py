@@ -22,7 +22,7 @@ def _laplace(scale):
 
 
 def test_flags_laplace_with_half_the_noise(audit_trials):
-  trials = audit_trials(8_000, 100_000)
+  trials = audit_trials(5_000, 100_000)
   broken = audit.audit(jax.random.key(0), _laplace(0.5), 0.0, 1.0, delta=0.0,
                        epsilon_claimed=1.0, trials=trials)
   assert not broken.passed and broken.epsilon_lower_bound > 1.0, broken
@@ -56,7 +56,7 @@ def _broken_flagged_correct_passes(make_mechanism, X, X_prime, trials, seed):
 def test_flags_a_histogram_without_threshold(audit_trials):
   X = jnp.array([[0]] * 30 + [[9]], jnp.int32)
   X_prime = jnp.array([[0]] * 31, jnp.int32)
-  _broken_flagged_correct_passes(_histogram_released, X, X_prime, audit_trials(2_000, 20_000), 2)
+  _broken_flagged_correct_passes(_histogram_released, X, X_prime, audit_trials(200, 10_000), 2)
 
 
 def _gap_max(threshold_on: bool):
@@ -73,7 +73,7 @@ def _gap_max(threshold_on: bool):
 def test_flags_gap_max_without_threshold(audit_trials):
   X = jnp.array([50.0, 50.0, 3.0])          # tied top candidates
   X_prime = jnp.array([49.0, 50.0, 3.0])    # one score moved by its sensitivity
-  _broken_flagged_correct_passes(_gap_max, X, X_prime, audit_trials(2_000, 20_000), 4)
+  _broken_flagged_correct_passes(_gap_max, X, X_prime, audit_trials(500, 20_000), 4)
 
 
 def test_lower_bound_arithmetic_on_known_counts():
@@ -93,3 +93,19 @@ def test_bad_arguments():
                 trials=50)
   with pytest.raises(TypeError, match="key"):
     audit.audit(0, _laplace(1.0), 0.0, 1.0, delta=0.0)
+  with pytest.raises(ValueError, match="batch_size"):
+    audit.audit(jax.random.key(0), _laplace(1.0), 0.0, 1.0, delta=0.0, trials=50, batch_size=0)
+
+
+def test_sample_outputs_per_key_whatever_the_batching():
+  """The compiled batched path (any batch size, a remainder batch included) and the Python loop
+  give each key the same output."""
+  key, mechanism = jax.random.key(4), _laplace(1.0)
+  loop = audit.sample_outputs(key, mechanism, 0.5, 23, vectorized=False)
+  assert loop.shape == (23,) and len(np.unique(loop)) == 23
+  for batch_size in (5, 23, 16_384):
+    np.testing.assert_allclose(audit.sample_outputs(key, mechanism, 0.5, 23,
+                                                    batch_size=batch_size), loop, rtol=1e-6)
+  report = audit.audit(key, mechanism, 0.0, 1.0, delta=0.0, trials=40, batch_size=7,
+                       epsilon_claimed=1.0)
+  assert report.trials == 40

@@ -90,7 +90,7 @@ def test_the_exhaustive_detector_passes_integer_noise_and_has_the_exact_epsilon(
 def test_every_histogram_noise_option_is_float_safe(audit_trials, noise):
   """Regression of issue 10 §1: each offered noise option releases counts on the integer grid
   (the float32 Laplace option failed here: its counts are off any grid)."""
-  n = audit_trials(3_000, 30_000)
+  n = audit_trials(500, 30_000)
   X = jnp.array([[0]] * 12 + [[1]] * 3, jnp.int32)
   X_prime = jnp.array([[0]] * 13 + [[1]] * 2, jnp.int32)
 
@@ -108,29 +108,44 @@ def test_grid_detector_catches_off_grid_outputs():
   with pytest.raises(AssertionError, match="grid"):
     audit.grid_output_audit(jax.random.key(2),
                             lambda k, c: c + 2.0 * jax.random.laplace(k, ()), 12.0, 13.0,
-                            grid_step=1.0, delta=1e-6, trials=200, vectorized=True)
+                            grid_step=1.0, delta=1e-6, trials=200, vectorized=True,
+                            batch_size=64)
 
 
 def test_snapped_laplace_is_float_safe(audit_trials):
-  n = audit_trials(300, 30_000)
+  n = audit_trials(100, 30_000)
   _, grid, _ = M.snapping_parameters(1.0, 1.0)
-  report = audit.grid_output_audit(
+  _grid_audit_eager_and_traced(
       jax.random.key(3), lambda k, c: M.laplace_mechanism(k, np.array([c]), sensitivity=1.0,
                                                           epsilon=1.0)[0],
-      0.3, 1.3, grid_step=grid, delta=0.0, epsilon_claimed=1.0, trials=n)
-  assert report.passed, report
+      0.3, 1.3, n, x64=False, grid_step=grid, delta=0.0, epsilon_claimed=1.0)
 
 
 def test_secure_gaussian_is_float_safe(audit_trials):
   """The default Gaussian release: on its public grid Λ for any input; exact values audited.
   (A large ε keeps the grid indices concentrated, so exact-value events have power.)"""
-  n = audit_trials(500, 30_000)
+  n = audit_trials(100, 30_000)
   eps, delta = 8.0, 1e-3
   grid = M.discretization(1.0, 1).grid
-  report = audit.grid_output_audit(
+  _grid_audit_eager_and_traced(
       jax.random.key(4), lambda k, c: M.gaussian_mechanism(k, np.array([c]), sensitivity=1.0,
                                                            epsilon=eps, delta=delta)[0],
-      0.1234, 1.1234, grid_step=grid, delta=delta, epsilon_claimed=eps, trials=n)
+      0.1234, 1.1234, n, x64=False, grid_step=grid, delta=delta, epsilon_claimed=eps)
+
+
+def _grid_audit_eager_and_traced(key, release, X, X_prime, trials, x64=True, **kwargs):
+  """:func:`audit.grid_output_audit` of a host release on both of its paths: eager (a Python
+  loop, so a few runs) and traced (vmapped over ``trials`` keys; with x64 on for
+  the float64 learners, which stage in JAX only then)."""
+  eager_key, traced_key = jax.random.split(key)
+  report = audit.grid_output_audit(eager_key, release, X, X_prime, trials=min(trials, 20),
+                                   **kwargs)
+  assert report.passed, report
+  if trials <= 100:                  # reduced counts (the default run): the eager path only
+    return
+  with jax.enable_x64(x64):
+    report = audit.grid_output_audit(traced_key, release, X, X_prime, trials=trials,
+                                     vectorized=True, **kwargs)
   assert report.passed, report
 
 
@@ -138,7 +153,7 @@ def test_ppme_mean_release_is_float_safe(audit_trials):
   """PPME's default mask is the discretized Gaussian: the released mean is on the public grid
   (``info["grid"]``) for any data; X' replaces one row by a far outlier."""
   from dpjax.ashtiani_liaw import ppme_mean
-  n = audit_trials(150, 10_000)
+  n = audit_trials(100, 10_000)
   eps, delta, k, m = 8.0, 1e-3, 176, 4
   rng = np.random.default_rng(0)
   X = 5.0 + 0.1 * rng.standard_normal((k * m, 2))
@@ -146,10 +161,9 @@ def test_ppme_mean_release_is_float_safe(audit_trials):
   X_prime[0] = [1e4, -1e4]
   kw = dict(epsilon=eps, delta=delta, num_groups=k, radius=1.0)
   grid = ppme_mean(jax.random.key(0), X, **kw).info["grid"]
-  report = audit.grid_output_audit(
-      jax.random.key(5), lambda key, data: ppme_mean(key, data, **kw).estimate[0], X, X_prime,
-      grid_step=grid, delta=delta, epsilon_claimed=eps, trials=n)
-  assert report.passed, report
+  release = lambda key, data: ppme_mean(key, data, **kw).estimate[0]   # noqa: E731
+  _grid_audit_eager_and_traced(jax.random.key(5), release, X, X_prime, n, grid_step=grid,
+                               delta=delta, epsilon_claimed=eps)
 
 
 def test_coinpress_releases_are_float_safe(audit_trials):
@@ -157,17 +171,16 @@ def test_coinpress_releases_are_float_safe(audit_trials):
   covariance (each released noisy second moment on its grid in isometric coordinates):
   one row moved from −10⁶ to +10⁶."""
   from dpjax.coinpress import coinpress_covariance, coinpress_mean
-  n = audit_trials(120, 10_000)
+  n = audit_trials(100, 10_000)
   X = np.zeros((40, 1))
   X[0, 0] = -1e6
   X_prime = X.copy()
   X_prime[0, 0] = 1e6
   kw = dict(epsilon=1.0, delta=1e-5, center=np.zeros(1), radius=10.0)
   grid = coinpress_mean(jax.random.key(0), X, **kw).info["grids"][-1]
-  report = audit.grid_output_audit(
+  _grid_audit_eager_and_traced(
       jax.random.key(6), lambda key, data: coinpress_mean(key, data, **kw).estimate[0], X,
-      X_prime, grid_step=grid, delta=1e-5, epsilon_claimed=1.0, trials=n)
-  assert report.passed, report
+      X_prime, n, grid_step=grid, delta=1e-5, epsilon_claimed=1.0)
   Xc = np.zeros((40, 2))
   Xc[1:] = np.eye(2)[np.arange(39) % 2]
   Xc[0] = [1e6, 0.0]
@@ -175,24 +188,21 @@ def test_coinpress_releases_are_float_safe(audit_trials):
   Xc_prime[0] = [0.0, 1e6]
   kc = dict(epsilon=1.0, delta=0.02, kappa=1.0, steps=1)
   grid = coinpress_covariance(jax.random.key(0), Xc, **kc).info["grids"][0]
-  report = audit.grid_output_audit(
+  _grid_audit_eager_and_traced(
       jax.random.key(7), lambda key, data: coinpress_covariance(key, data, **kc).released[
-          "releases"][0][0, 0], Xc, Xc_prime, grid_step=grid, delta=0.02, epsilon_claimed=1.0,
-      trials=n)
-  assert report.passed, report
+          "releases"][0][0, 0], Xc, Xc_prime, n, grid_step=grid, delta=0.02, epsilon_claimed=1.0)
 
 
 def test_secure_truncated_laplace_is_float_safe(audit_trials):
   """The default truncated Laplace release: on its public ℓ1 grid; the shift by Δ at the edge of
   the support (δ large so the edge is visible)."""
-  n = audit_trials(1_000, 30_000)
+  n = audit_trials(100, 30_000)
   eps, delta = 1.0, 0.02
   grid = M.discretization(1.0, 1, norm=1).grid
-  report = audit.grid_output_audit(
+  _grid_audit_eager_and_traced(
       jax.random.key(8), lambda k, c: M.truncated_laplace_mechanism(
           k, np.array([c]), sensitivity=1.0, epsilon=eps, delta=delta)[0],
-      0.25, 1.25, grid_step=grid, delta=delta, epsilon_claimed=eps, trials=n)
-  assert report.passed, report
+      0.25, 1.25, n, x64=False, grid_step=grid, delta=delta, epsilon_claimed=eps)
 
 
 def test_analyze_gauss_release_is_float_safe(audit_trials):
@@ -202,9 +212,11 @@ def test_analyze_gauss_release_is_float_safe(audit_trials):
   from dpjax._host import host_rng
   from dpjax.subspace.baselines import _secure_noisy_moment, _unit_second_moment
   z = rdp_gaussian_sigma(1.0, 1e-5)
-  n = audit_trials(500, 10_000)
-  X = jnp.zeros((10, 3)).at[:, 1].set(1.0)
-  X_prime = X.at[0].set(jnp.array([1.0, 0.0, 0.0]))
+  n = audit_trials(100, 10_000)
+  X = np.zeros((10, 3), np.float32)
+  X[:, 1] = 1.0
+  X_prime = X.copy()
+  X_prime[0] = [1.0, 0.0, 0.0]
   grid = M.discretization(2.0, 6).grid
   report = audit.grid_output_audit(
       jax.random.key(9), lambda k, rows: _secure_noisy_moment(

@@ -80,7 +80,7 @@ def test_truncated_laplace_at_the_edge_of_the_support(audit_trials):
 
 
 def test_discrete_laplace(audit_trials):
-  n = audit_trials(20_000, 400_000)
+  n = audit_trials(5_000, 400_000)
   a, b = _pair_of_samples(jax.random.key(3), lambda k, v: M.discrete_laplace_mechanism(
       k, jnp.full(n, v, jnp.int32), sensitivity=1, epsilon=1.0), 0, 1)
   _check("discrete laplace", 1.0, audit.epsilon_lower_bound(a, b, delta=0.0)[0], n)
@@ -89,7 +89,7 @@ def test_discrete_laplace(audit_trials):
 @pytest.mark.parametrize("noise", M.histogram.NOISES)
 def test_stability_histogram_singleton_bin(audit_trials, noise):
   """X holds a bin with a single item; X' replaces that item by one of the popular bin."""
-  n = audit_trials(3_000, 50_000)
+  n = audit_trials(500, 50_000)
   delta = 0.02
   X = jnp.array([[0]] * 12 + [[1]] * 3 + [[9]], jnp.int32)
   X_prime = jnp.array([[0]] * 13 + [[1]] * 3, jnp.int32)
@@ -140,6 +140,14 @@ def test_exponential_mechanism(audit_trials):
   _check("exponential mechanism", 1.0, rep.epsilon_lower_bound, n)
 
 
+def _line_data(seed, n, d):
+  """``n`` float32 rows on a random line through 0 in R^d (exact k = 1 subspace data, drawn by
+  NumPy: no JAX programs to compile for the data)."""
+  rng = np.random.default_rng(seed)
+  direction = rng.standard_normal(d)
+  return np.float32(rng.standard_normal((n, 1)) * (direction / np.linalg.norm(direction)))
+
+
 @pytest.mark.parametrize("top_k_method", [
     pytest.param("exact", marks=pytest.mark.slow(reason="the exact per-subset solver; the "
                                                         "default run audits subspace iteration")),
@@ -151,18 +159,19 @@ def test_dpase_replaced_row_breaks_a_subset(audit_trials, top_k_method):
   decided; the feature is the ok flag together with the released basis' first entry. Run with
   both per-subset solvers.
   """
-  n = audit_trials(1_000, 30_000)
+  n = audit_trials(200, 15_000)
   eps, delta = 1.0, 0.02
   t = approximate.num_subsets_for(eps, delta)
-  m, d, k = 12, 6, 1
-  X, B = data.exact_subspace_data(jax.random.key(6), t * m, d, k)
-  outliers = normal(7, (t, d)) * 1e3
+  m, d = 12, 6
+  X = _line_data(6, t * m, d)
+  outliers = np.asarray(normal(7, (t, d))) * 1e3
   num_bad = t // 2 - 2
-  X = X.at[:num_bad].set(outliers[:num_bad])
-  X_prime = X.at[num_bad].set(outliers[num_bad])
+  X[:num_bad] = outliers[:num_bad]
+  X_prime = X.copy()
+  X_prime[num_bad] = outliers[num_bad]
 
   def run(key, rows):
-    res = approximate.dpase(key, rows, epsilon=eps, delta=delta, k=k, cell_length=0.05,
+    res = approximate.dpase(key, rows, epsilon=eps, delta=delta, k=1, cell_length=0.05,
                             top_k_method=top_k_method)
     return jnp.where(res.ok, jnp.round(jnp.abs(res.basis[0, 0]), 2), -1.0)
 
@@ -198,7 +207,7 @@ def _dpase_at_the_half_rule(histogram_epsilon_factor):
 def test_dpase_audit_catches_too_little_histogram_noise(audit_trials):
   """Negative control (not in EXPECTED): DPASE passes at the t/2 edge; with its histogram noise
   ten times too small (scale 0.2 instead of 2) the same audit flags it."""
-  n = audit_trials(3_000, 50_000)
+  n = audit_trials(3_000, 10_000)
   for factor, seed, private in ((1.0, 21, True), (10.0, 22, False)):
     run, X, X_prime, eps, delta = _dpase_at_the_half_rule(factor)
     rep = audit.audit(jax.random.key(seed), jax.jit(run), X, X_prime, delta=delta,
@@ -208,15 +217,16 @@ def test_dpase_audit_catches_too_little_histogram_noise(audit_trials):
 
 def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
   """One block's DPASE is pushed to ⊥ by huge outliers; X' adds one more in that region."""
-  n = audit_trials(500, 20_000)
+  n = audit_trials(100, 10_000)
   eps, delta, T = 1.0, 0.02, 3
   t = approximate.num_subsets_for(eps, delta)
   block = t * 12
-  X, _ = data.exact_subspace_data(jax.random.key(11), T * block, 6, 1)
-  outliers = normal(12, (T * block, 6)) * 1e3
+  X = _line_data(11, T * block, 6)
+  outliers = np.asarray(normal(12, (T * block, 6))) * 1e3
   num_bad = T * t // 2
-  X = X.at[:num_bad].set(outliers[:num_bad])
-  X_prime = X.at[num_bad].set(outliers[num_bad])
+  X[:num_bad] = outliers[:num_bad]
+  X_prime = X.copy()
+  X_prime[num_bad] = outliers[num_bad]
 
   def run(key, rows):
     res = dpjax_dpaseb(key, rows, epsilon=eps, delta=delta, k=1, alpha=0.3, num_blocks=T,
@@ -231,11 +241,11 @@ def test_dpaseb_replaced_row_breaks_one_block(audit_trials):
 def test_dpese_two_competing_planes(audit_trials):
   """docs/algorithms.md §2.1's counterexample: two planes with equal support; X' replaces the last
   row by a generic point. The thresholded DPESE must stay within (ε, δ)."""
-  n = audit_trials(30, 1_000)
+  n = audit_trials(20, 1_000)
   rng = np.random.default_rng(0)
-  X = np.zeros((24, 6))                 # 12 rows per plane: the host enumeration is O(n^k) a run
-  X[:12, :2] = rng.standard_normal((12, 2))
-  X[12:, 2:4] = rng.standard_normal((12, 2))
+  X = np.zeros((12, 6))                 # 6 rows per plane: the host enumeration is O(n^k) a run
+  X[:6, :2] = rng.standard_normal((6, 2))
+  X[6:, 2:4] = rng.standard_normal((6, 2))
   X_prime = X.copy()
   X_prime[-1] = rng.standard_normal(6)
 
@@ -254,7 +264,7 @@ def test_al_subspace(audit_trials):
   the δ edge (c* = ⌊k/2⌋ + 2 vs + 1: ok with probability δ/1.1 vs never) and where the TLap
   test's privacy profile is tightest (ε part, both directions). Feature: ⊥, or the released axis.
   """
-  n = audit_trials(20_000, 200_000)
+  n = audit_trials(3_000, 200_000)
   eps, delta, k, d = 1.0, 0.02, 15, 3
   with pytest.warns(UserWarning, match="num_groups=15"):     # deliberately below min_groups
     params = al_subspace_parameters(k, d, epsilon=eps, delta=delta, num_groups=k)
@@ -283,8 +293,10 @@ def test_al_subspace(audit_trials):
 def test_analyze_gauss_replaced_row(audit_trials):
   """Rows along e1; X' replaces one by a row of norm C along e0 (the change of XᵀX is 2C²)."""
   n = audit_trials(3_000, 50_000)
-  X = jnp.zeros((10, 3)).at[:, 1].set(1.0)
-  X_prime = X.at[0].set(jnp.array([1.0, 0.0, 0.0]))
+  X = np.zeros((10, 3), np.float32)
+  X[:, 1] = 1.0
+  X_prime = X.copy()
+  X_prime[0] = [1.0, 0.0, 0.0]
 
   def run(key, rows):
     res = dpjax_analyze_gauss(key, rows, epsilon=1.0, delta=1e-5, k=1, clip_norm=1.0,
@@ -296,11 +308,20 @@ def test_analyze_gauss_replaced_row(audit_trials):
   _check("Analyze Gauss", 1.0, rep.epsilon_lower_bound, n)
 
 
+def _canary_masks():
+  """Membership masks of the canary steps' six rows: with the canary (row 0), and without it
+  (add/remove-one neighbours). NumPy, as the steps' data: no eager JAX op to compile."""
+  with_canary = np.ones(6, np.float32)
+  without = with_canary.copy()
+  without[0] = 0.0
+  return with_canary, without
+
+
 def _canary_step(basis=None, sigma=1.0, tol=1e-3, unscaled=False):
   """One full-batch DP-SGD step on a linear model; the canary's gradient is e_0 (norm C).
   ``unscaled``: the subspace noise WITHOUT the spectral-norm scaling (a negative control)."""
   d, C = 8, 1.0
-  X = jnp.concatenate([jnp.eye(d)[None, 0] * 5.0, 0.1 * jnp.ones((5, d))])
+  X = np.float32(np.concatenate([np.eye(d)[None, 0] * 5.0, 0.1 * np.ones((5, d))]))
   loss = lambda w, x: jnp.dot(w, x)                  # gradient = x
   grad_sum = sgd.clipped_grad_sum(loss, clip_norm=C)
 
@@ -316,8 +337,7 @@ def _canary_step(basis=None, sigma=1.0, tol=1e-3, unscaled=False):
                                           expected_batch_size=1.0, key=key, tol=tol)
     out, _ = tx.update(summed, tx.init(jnp.zeros(d)))
     return out[0]                                    # the canary's coordinate
-  with_canary = jnp.ones(6)
-  without = with_canary.at[0].set(0.0)               # add/remove-one neighbour
+  with_canary, without = _canary_masks()
   claimed = accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5)
   return step, without, with_canary, claimed
 
@@ -325,7 +345,8 @@ def _canary_step(basis=None, sigma=1.0, tol=1e-3, unscaled=False):
 @pytest.mark.parametrize("subspace", [False, True])
 def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
   n = audit_trials(5_000, 100_000)
-  basis = jnp.eye(8)[:, :3] if subspace else None   # the canary lies in the subspace
+  # The canary lies in the subspace (e0, e1, e2).
+  basis = jnp.asarray(np.eye(8, 3, dtype=np.float32)) if subspace else None
   step, without, with_canary, claimed = _canary_step(basis)
   rep = audit.audit(jax.random.key(9), jax.jit(step), without, with_canary, delta=1e-5,
                     epsilon_claimed=claimed, trials=n)
@@ -335,7 +356,9 @@ def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
 
 def _stretching_basis(stretch):
   """``[stretch·e0, e1, e2]``: not orthonormal, ``‖Vᵀe0‖ = stretch`` (the canary's direction)."""
-  return jnp.eye(8)[:, :3].at[0, 0].set(stretch)
+  basis = np.eye(8, 3, dtype=np.float32)
+  basis[0, 0] = stretch
+  return jnp.asarray(basis)                        # concrete: validated when the step traces
 
 
 def test_subspace_dp_sgd_step_with_a_stretching_basis(audit_trials):
@@ -359,6 +382,14 @@ def test_stretching_basis_audit_catches_unscaled_noise(audit_trials):
   assert rep.epsilon_lower_bound > claimed, rep
 
 
+def _layer_canary_rows():
+  """Six (4, 2) gradients: the canary's 5·E₀₀, then five of 0.1 everywhere."""
+  X = np.full((6, 4, 2), 0.1, np.float32)
+  X[0] = 0.0
+  X[0, 0, 0] = 5.0
+  return X
+
+
 def _layer_canary_step(stretch, sigma, unscaled=False, right_stretch=None):
   """One full-batch step with per-layer bases: params {"w": (4, 2), "b": (2,)}, the canary's
   gradient is 5·E₀₀ (clipped to E₀₀, norm C = 1), the basis of "w" is ``[stretch·e0, e1]``
@@ -368,14 +399,17 @@ def _layer_canary_step(stretch, sigma, unscaled=False, right_stretch=None):
   left factor's norm only."""
   from dpjax.sgd import layer_subspaces
   C = 1.0
-  X = jnp.concatenate([jnp.zeros((1, 4, 2)).at[0, 0, 0].set(5.0), 0.1 * jnp.ones((5, 4, 2))])
+  X = _layer_canary_rows()
   loss = lambda p, x: jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["b"])   # gradient of w = x
   grad_sum = sgd.clipped_grad_sum(loss, clip_norm=C)
-  params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
-  left = jnp.eye(4)[:, :2].at[0, 0].set(stretch)
-  bases = {"w": left, "b": None}
+  params = {"w": np.zeros((4, 2), np.float32), "b": np.zeros(2, np.float32)}
+  left = np.eye(4, 2, dtype=np.float32)
+  left[0, 0] = stretch
+  bases = {"w": jnp.asarray(left), "b": None}         # concrete: validated when the step traces
   if right_stretch is not None:
-    bases["w"] = layer_subspaces.TwoSidedBasis(left, jnp.eye(2).at[0, 0].set(right_stretch))
+    right = np.eye(2, dtype=np.float32)
+    right[0, 0] = right_stretch
+    bases["w"] = layer_subspaces.TwoSidedBasis(jnp.asarray(left), jnp.asarray(right))
 
   def step(key, mask):
     summed = grad_sum(params, X, mask)
@@ -387,8 +421,7 @@ def _layer_canary_step(stretch, sigma, unscaled=False, right_stretch=None):
                                                          else stretch))
     out, _ = tx.update(summed, state)
     return out["w"][0, 0]                            # the canary's coordinate
-  with_canary = jnp.ones(6)
-  without = with_canary.at[0].set(0.0)               # add/remove-one neighbour
+  with_canary, without = _canary_masks()
   return step, without, with_canary, accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5)
 
 
@@ -437,10 +470,10 @@ def _residual_canary_step(sigma):
   the basis of "w" is e1 (the canary's gradient 5·E₀₀ lies in the RESIDUAL, and its clipped
   scaled norm is 1), C_e = 1, C_ρ = 0.5; the feature is the canary's coordinate."""
   from dpjax.sgd import layer_subspaces
-  X = jnp.concatenate([jnp.zeros((1, 4, 2)).at[0, 0, 0].set(5.0), 0.1 * jnp.ones((5, 4, 2))])
+  X = _layer_canary_rows()
   loss = lambda p, x: jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["b"])   # gradient of w = x
-  params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
-  bases = {"w": jnp.eye(4)[:, 1:2], "b": None}
+  params = {"w": np.zeros((4, 2), np.float32), "b": np.zeros(2, np.float32)}
+  bases = {"w": jnp.asarray(np.eye(4, 1, -1, dtype=np.float32)), "b": None}   # e1
   grad_sum = layer_subspaces.embedding_residual_grad_sum(loss, embedding_clip=1.0,
                                                          residual_clip=0.5)
 
@@ -450,8 +483,8 @@ def _residual_canary_step(sigma):
         expected_batch_size=1.0, key=key)
     out, _ = tx.update(grad_sum(params, X, mask, bases), tx.init(params))
     return out["w"][0, 0]
-  with_canary = jnp.ones(6)
-  return step, with_canary.at[0].set(0.0), with_canary
+  with_canary, without = _canary_masks()
+  return step, without, with_canary
 
 
 def test_embedding_residual_dp_sgd_step_with_a_canary(audit_trials):
@@ -488,9 +521,10 @@ def _ppme_counts(n_a, n_b, n_c, k):
 def _ppme_samples(key, run, data, data_prime, trials):
   """(ok, released) for ``trials`` keys on each dataset; the data are not batched, so the
   candidates and their neighbour counts are computed once and only the noise is vmapped."""
+  runs = jax.jit(jax.vmap(run, in_axes=(0, None)))         # one program for both datasets
   out = []
   for k, x in zip(jax.random.split(key), (data, data_prime)):
-    ok, est = jax.jit(jax.vmap(run, in_axes=(0, None)))(jax.random.split(k, trials), x)
+    ok, est = runs(jax.random.split(k, trials), x)
     out.append((np.asarray(ok), np.asarray(est)))
   return out
 
@@ -537,9 +571,10 @@ def _ppme_euclidean_pair(key, trials, test_noise_factor=1.0):
         calibration=cal, thresholds=ppme_lib.PopulousThresholds(),
         placeholder=jnp.zeros(d, cand.dtype))
 
+  count = jax.jit(lambda Y: semimetric.euclidean_neighbour_counts(Y, r))   # one program
   with jax.enable_x64(True):
     for cand, q in ((X, Q), (X_prime, Q_prime)):          # the layout is what the predicate sees
-      counts = semimetric.euclidean_neighbour_counts(jnp.asarray(cand), r)
+      counts = count(cand)
       assert np.mean(np.asarray(counts)) / k == pytest.approx(q, rel=1e-12)
     whole, bit, rates = _ppme_audit(key, run, jnp.asarray(X), jnp.asarray(X_prime), trials,
                                     lambda est: est[:, 0], (delta, delta1))
@@ -576,16 +611,17 @@ def _masking_pair(key, d, gamma, eps, delta, trials, eta_factor=1.0):
   eta = cov_masking.calibrate_masking(d, gamma, eps, delta).eta / eta_factor
   lam = np.ones(d)
   lam[0], lam[1] = 1 + gamma, 1 / (1 + gamma)
+  I, Lam = np.eye(d), np.diag(lam)                 # NumPy: no eager JAX op to compile
 
   def feature(k, S):
     M = cov_masking.mask_covariance(k, S, eta)
     return jnp.log(M[0, 0] / M[1, 1])
 
   with jax.enable_x64(True):
-    assert float(semimetric.psd_distance(jnp.eye(d), jnp.diag(jnp.asarray(lam)))) == \
-        pytest.approx(gamma, rel=1e-9)
-    rep = audit.audit(key, jax.jit(feature), jnp.eye(d), jnp.diag(jnp.asarray(lam)), delta=delta,
-                      epsilon_claimed=eps, trials=trials)
+    # Under jit: one program, not one per eager operation of the distance.
+    assert float(jax.jit(semimetric.psd_distance)(I, Lam)) == pytest.approx(gamma, rel=1e-9)
+    rep = audit.audit(key, jax.jit(feature), I, Lam, delta=delta, epsilon_claimed=eps,
+                      trials=trials)
   return rep.epsilon_lower_bound
 
 
@@ -597,7 +633,7 @@ MASKING_CONFIGS = [(2, 0.002, 2.0, 1e-3), (3, 0.05, 2.0, 1e-2)]
 
 def test_covariance_masking_at_distance_gamma(audit_trials):
   """Two covariances at semimetric distance exactly γ, η = calibrate_masking(d, γ, ε, δ).eta."""
-  n = audit_trials(50_000, 1_000_000)
+  n = audit_trials(20_000, 1_000_000)
   lbs = [_masking_pair(jax.random.key(30 + i), *cfg, n) for i, cfg in enumerate(MASKING_CONFIGS)]
   _check("covariance masking", 2.0, max(lbs), n)
 
@@ -645,13 +681,17 @@ def test_al_covariance_ppme_row_replaced_by_a_huge_row(audit_trials):
         calibration=ppme, thresholds=cal.thresholds,
         placeholder=jnp.eye(d, dtype=g.dtype))
 
+  @jax.jit
+  def moments_and_counts(g):                     # one program for both layouts
+    Y = jax.vmap(cov_lib.second_moment)(g)
+    return Y, semimetric.neighbour_counts(Y, cal.radius)
+
   with jax.enable_x64(True):
-    Y = jax.vmap(cov_lib.second_moment)(jnp.asarray(groups))
-    np.testing.assert_allclose(np.asarray(Y), scale[:, None, None] * np.eye(d), rtol=1e-12)
     for g, q in ((groups, Q), (groups_prime, Q_prime)):
-      counts = semimetric.neighbour_counts(jax.vmap(cov_lib.second_moment)(jnp.asarray(g)),
-                                           cal.radius)
+      Y, counts = moments_and_counts(g)
       assert np.mean(np.asarray(counts)) / k == pytest.approx(q, rel=1e-12)
+      if g is groups:
+        np.testing.assert_allclose(np.asarray(Y), scale[:, None, None] * np.eye(d), rtol=1e-12)
     log_m00 = lambda est: np.log(np.where(est[:, 0, 0] > 0, est[:, 0, 0], 1.0))   # noqa: E731
     whole, bit, rates = _ppme_audit(jax.random.key(50), run, jnp.asarray(groups),
                                     jnp.asarray(groups_prime), n, log_m00,
@@ -659,6 +699,20 @@ def test_al_covariance_ppme_row_replaced_by_a_huge_row(audit_trials):
   assert 0.1 < min(rates) and max(rates) < 0.9
   _check("AL covariance test bit", cal.epsilon_test, bit, n)
   _check("AL covariance", eps, whole, n)
+
+
+def _public_info(estimator, X, **kwargs):
+  """``estimator(key, X, **kwargs).info``: its calibration is host arithmetic on public
+  arguments, so an abstract trace yields it without compiling or running the release."""
+  infos = []
+
+  def traced(key):
+    result = estimator(key, X, **kwargs)
+    infos.append(result.info)
+    return result.ok
+  with jax.enable_x64(True):
+    jax.eval_shape(traced, jax.random.key(0))
+  return infos[0]
 
 
 def test_coinpress_mean(audit_trials):
@@ -672,8 +726,8 @@ def test_coinpress_mean(audit_trials):
   X[0, 0] = -1e6
   X_prime = X.copy()
   X_prime[0, 0] = 1e6
-  info = coinpress.coinpress_mean(jax.random.key(0), X, epsilon=1.0, delta=1e-5,
-                                  center=np.zeros(1), radius=10.0, secure=False).info
+  info = _public_info(coinpress.coinpress_mean, X, epsilon=1.0, delta=1e-5, center=np.zeros(1),
+                      radius=10.0, secure=False)
   with jax.enable_x64(True):
     radii = jnp.asarray(info["clip_radii"], jnp.float64)
     sigmas = jnp.asarray(info["sigmas"], jnp.float64)
@@ -696,9 +750,8 @@ def _coinpress_covariance_lower_bound(key, trials, sigma_factor=1.0):
   from dpjax import coinpress
   from dpjax.coinpress import covariance as cp_covariance
   rows, eps, delta = 40, 1.0, 0.02
-  info = coinpress.coinpress_covariance(jax.random.key(0), np.eye(2).repeat(rows // 2, 0),
-                                        epsilon=eps, delta=delta, kappa=1.0, steps=1,
-                                        secure=False).info
+  info = _public_info(coinpress.coinpress_covariance, np.eye(2).repeat(rows // 2, 0),
+                      epsilon=eps, delta=delta, kappa=1.0, steps=1, secure=False)
   gamma = info["clip_radii"][0]
   X = np.zeros((rows, 2))
   X[1:, 0] = np.where(np.arange(1, rows) % 2 == 0, 0.99 * gamma, 0.0)
@@ -761,7 +814,7 @@ def test_hvz_centred_covariance(audit_trials):
 def test_hvz_covariance_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of ε = 30 under the claim ε = 1 (the true
   loss of this pair is then 30·(1/4)/(3/2) = 5)."""
-  n = audit_trials(800, 100_000)
+  n = audit_trials(800, 20_000)   # a control needs power only
   lb = _hvz_covariance_lower_bound(jax.random.key(51), n, 30.0)
   assert lb > 1.0, f"the audit missed 30× too little noise: empirical ε ≥ {lb:.3f}"
 
@@ -781,7 +834,7 @@ def _pmm_deepest_level_lower_bound(key, trials, epsilon_noise):
 
 
 def test_hvz_pmm_level_counts(audit_trials):
-  n = audit_trials(3_000, 400_000)
+  n = audit_trials(1_000, 200_000)
   _check("HVZ PMM level counts", 1.0,
          _pmm_deepest_level_lower_bound(jax.random.key(52), n, 1.0), n)
 
@@ -791,7 +844,7 @@ def test_hvz_pmm_level_counts(audit_trials):
 def test_hvz_pmm_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): PMM's noise for ε = 8 under the claim ε = 1 (loss 4 on
   this feature)."""
-  n = audit_trials(3_000, 400_000)
+  n = audit_trials(3_000, 50_000)   # a control needs power only
   lb = _pmm_deepest_level_lower_bound(jax.random.key(53), n, 8.0)
   assert lb > 1.0, f"the audit missed 8× too little noise: empirical ε ≥ {lb:.3f}"
 
@@ -815,7 +868,7 @@ def _psmm_lower_bound(key, trials, epsilon_noise):
 
 
 def test_hvz_psmm_counts(audit_trials):
-  n = audit_trials(3_000, 400_000)
+  n = audit_trials(500, 200_000)
   _check("HVZ PSMM counts", 1.0, _psmm_lower_bound(jax.random.key(54), n, 1.0), n)
 
 
@@ -823,7 +876,7 @@ def test_hvz_psmm_counts(audit_trials):
                          "auditor's power")
 def test_hvz_psmm_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of ε = 2 under the claim ε = 1."""
-  n = audit_trials(3_000, 400_000)
+  n = audit_trials(3_000, 100_000)   # a control needs power only
   lb = _psmm_lower_bound(jax.random.key(55), n, 2.0)
   assert lb > 1.0, f"the audit missed 2× too little noise: empirical ε ≥ {lb:.3f}"
 

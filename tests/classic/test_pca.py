@@ -5,6 +5,7 @@ Compilation dominates the cost: the default tests share one batched sampler prog
 (d = 5, k = 2, ``SWEEPS``), and reuse a few data shapes.
 """
 
+import contextlib
 import math
 
 import jax
@@ -24,6 +25,15 @@ KEYS = jax.random.split(jax.random.key(0), 2000)
 _draws = jax.jit(jax.vmap(pca._bingham_draw, in_axes=(0, None, None)), static_argnums=2)
 _ppca_k1 = jax.jit(jax.vmap(lambda key, S: pca.ppca_core(key, S, 2.0, k=1)[:, 0],
                             in_axes=(0, None)))
+
+
+@contextlib.contextmanager
+def _as_in_the_wrappers():
+  """x64 and compile-time evaluation: the context the wrappers run their float64 stage in
+  (``dpjax._host.float64``). It is part of jit's cache key, so eager core calls made in it reuse
+  the wrappers' compiled sampler programs instead of compiling their own."""
+  with jax.enable_x64(True), jax.ensure_compile_time_eval():
+    yield
 
 
 def _draw_many(C, keys=KEYS):
@@ -135,9 +145,10 @@ def test_bingham_determinism_and_vmap():
   the same draw."""
   with jax.enable_x64(True):
     S = jnp.asarray(np.diag([5.0, 1.0]))
+    batched = np.asarray(_ppca_k1(KEYS, S))
+  with _as_in_the_wrappers():
     eager = [np.asarray(pca.ppca_core(k, S, 2.0, k=1))[:, 0] for k in KEYS[:3]]
     again = np.asarray(pca.ppca_core(KEYS[0], S, 2.0, k=1))[:, 0]
-    batched = np.asarray(_ppca_k1(KEYS, S))
   np.testing.assert_array_equal(eager[0], again)
   for i in range(3):
     np.testing.assert_allclose(batched[i], eager[i], rtol=1e-12, atol=1e-15)
@@ -150,7 +161,7 @@ def test_gibbs_orthonormal_recovers_spike_and_is_deterministic():
   """k = 2 on a spiked second moment (λ2 − λ3 ≈ 0.25, nε/2 = 4000): the top-2 subspace."""
   S = pca.second_moment(_unit_rows(3, 400, [3.0, 2.5, 1.0, 1.0, 1.0]))
   top = np.linalg.eigh(S)[1][:, ::-1][:, :2]
-  with jax.enable_x64(True):
+  with _as_in_the_wrappers():
     S = jnp.asarray(S)
     V, again, other = (np.asarray(pca.ppca_core(key, S, 20.0, k=2, num_sweeps=SWEEPS))
                        for key in (KEYS[4], KEYS[4], KEYS[5]))
@@ -186,7 +197,7 @@ def test_gibbs_law_d3_k2_against_the_normal_vector():
 def test_ppca_k1_wrapper_equals_core_and_recovers_top_direction():
   res = pca.ppca(jax.random.key(6), X_PLANE, epsilon=2.0, k=1)
   S = pca.second_moment(X_PLANE)
-  with jax.enable_x64(True):
+  with _as_in_the_wrappers():
     core = np.asarray(pca.ppca_core(jax.random.key(6), jnp.asarray(S), 2.0, k=1))
   np.testing.assert_allclose(np.asarray(res.basis), core, rtol=1e-6, atol=1e-7)
   assert res.epsilon == 2.0 and res.delta == 0.0 and bool(res.ok)
@@ -207,17 +218,26 @@ def test_ppca_k2_wrapper_and_determinism():
   assert not res.info["exact"] and res.info["num_sweeps"] == SWEEPS
 
 
+# jit(vmap) over keys with the data a traced argument: one program per function, run on the
+# clean data (below) and on a NaN dataset (test_traced_nan_dataset_gives_bottom).
+_TRACED = {
+    "ppca": (lambda k, X: pca.ppca(k, X, epsilon=1.0, k=1), X_PLANE),
+    "mod_sulq": (lambda k, X: pca.mod_sulq(k, X, epsilon=1.0, delta=1e-5, k=2), X_SPIKED),
+    "mod_sulq(secure=False)": (lambda k, X: pca.mod_sulq(k, X, epsilon=1.0, delta=1e-5, k=2,
+                                                         secure=False), X_SPIKED),
+}
+_BATCHED = {name: jax.jit(jax.vmap(fn, in_axes=(0, None))) for name, (fn, _) in _TRACED.items()}
+
+
 def test_ppca_and_mod_sulq_under_jit_of_vmap_over_keys():
   """With x64 on the float64 work is staged inline (the secure release a NumPy callback):
   ``jit(vmap(f))`` gives each key's eager basis (float64 both ways, up to fusion)."""
   with jax.enable_x64(True):
-    for fn in (lambda k: pca.ppca(k, X_PLANE, epsilon=1.0, k=1).basis,
-               lambda k: pca.mod_sulq(k, X_SPIKED, epsilon=1.0, delta=1e-5, k=2).basis,
-               lambda k: pca.mod_sulq(k, X_SPIKED, epsilon=1.0, delta=1e-5, k=2,
-                                      secure=False).basis):
-      batched = np.asarray(jax.jit(jax.vmap(fn))(KEYS[:2]))
+    for name, (fn, X) in _TRACED.items():
+      batched = np.asarray(_BATCHED[name](KEYS[:2], X).basis)
       for i in range(2):
-        np.testing.assert_allclose(batched[i], np.asarray(fn(KEYS[i])), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(batched[i], np.asarray(fn(KEYS[i], X).basis), rtol=1e-6,
+                                   atol=1e-9, err_msg=name)
 
 
 @pytest.mark.parametrize("fn", ["mod_sulq", "mod_sulq(secure=False)", "ppca"])
@@ -235,13 +255,12 @@ def test_a_float32_trace_is_refused_with_the_x64_hint(fn):
 
 
 def test_traced_nan_dataset_gives_bottom():
-  X = jnp.asarray(X_SPIKED[:50], jnp.float32).at[3, 1].set(jnp.nan)
   with jax.enable_x64(True):
-    for fn in (lambda X: pca.ppca(KEYS[0], X, epsilon=1.0, k=1),
-               lambda X: pca.mod_sulq(KEYS[0], X, epsilon=1.0, delta=1e-5, k=1),
-               lambda X: pca.mod_sulq(KEYS[0], X, epsilon=1.0, delta=1e-5, k=1, secure=False)):
-      res = jax.jit(fn)(X)
-      assert not bool(res.ok) and np.all(np.asarray(res.basis) == 0)
+    for name, (_, X) in _TRACED.items():
+      X = X.copy()
+      X[3, 1] = np.nan
+      res = _BATCHED[name](KEYS[:2], X)
+      assert not np.any(np.asarray(res.ok)) and np.all(np.asarray(res.basis) == 0), name
 
 
 # --- MOD-SuLQ -------------------------------------------------------------------------------------

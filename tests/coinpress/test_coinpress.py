@@ -1,5 +1,6 @@
 """Tests for dpjax.coinpress: CoinPress private mean and covariance refinement."""
 
+import functools
 import math
 
 import dp_accounting
@@ -152,10 +153,10 @@ def test_secure_releases_lie_on_their_public_grids():
   for c, grid in zip(res.released["centers"], res.info["grids"]):
     assert np.all(c == np.round(c / grid) * grid)
   assert np.array_equal(res.estimate, res.released["centers"][-1])
-  Xc, _ = _cov_problem(4, 5_000, 4)
+  Xc, _ = _cov_problem(4, 5_000, 5)                # the shape of the privacy tests: one compile
   cov = cp.coinpress_covariance(jax.random.key(3), Xc, epsilon=EPS, delta=DELTA, kappa=10.0,
                                 steps=2)
-  rows, cols = np.triu_indices(4)
+  rows, cols = np.triu_indices(5)
   for Z, grid in zip(cov.released["releases"], cov.info["grids"]):
     coords = Z[rows, cols] * np.where(rows == cols, 1.0, math.sqrt(2.0))
     assert np.array_equal(Z, Z.T)
@@ -511,13 +512,23 @@ def test_bad_key_and_bad_data_type():
 
 
 def _traced_problems():
-  X, _, center = _mean_problem(6, n=2_000, d=3)
-  Xc, _ = _cov_problem(6, 5_000, 3)
+  # The eager tests' shapes: the eager references below reuse their compiled programs.
+  X, _, center = _mean_problem(6, n=2_000)
+  Xc, _ = _cov_problem(6, 5_000, 5)
   mean = lambda secure: lambda k, X, c: cp.coinpress_mean(            # noqa: E731
       k, X, epsilon=EPS, delta=DELTA, center=c, radius=100.0, secure=secure)
   cov = lambda secure: lambda k, X: cp.coinpress_covariance(          # noqa: E731
       k, X, epsilon=EPS, delta=DELTA, kappa=10.0, steps=2, secure=secure)
   return X, center, Xc, mean, cov
+
+
+@functools.cache
+def _batched(secure):
+  """``jit(vmap)`` of both learners over keys, the data traced: one program each (seconds to
+  compile), shared by the tracing tests below."""
+  _, _, _, mean, cov = _traced_problems()
+  return (jax.jit(jax.vmap(mean(secure), in_axes=(0, None, None))),
+          jax.jit(jax.vmap(cov(secure), in_axes=(0, None))))
 
 
 @pytest.mark.parametrize("secure", [True, False])
@@ -527,9 +538,9 @@ def test_jit_of_vmap_with_x64_gives_each_keys_eager_result(secure):
   gets its eager result, float64, up to the fusion of the float64 arithmetic."""
   X, center, Xc, mean, cov = _traced_problems()
   keys = jax.random.split(jax.random.key(8), 2)
+  run_mean, run_cov = _batched(secure)
   with jax.enable_x64(True):
-    m = jax.jit(jax.vmap(mean(secure), in_axes=(0, None, None)))(keys, X, center)
-    c = jax.jit(jax.vmap(cov(secure), in_axes=(0, None)))(keys, Xc)
+    m, c = run_mean(keys, X, center), run_cov(keys, Xc)
   assert m.estimate.dtype == jnp.float64 and c.estimate.dtype == jnp.float64
   assert bool(jnp.all(m.ok)) and bool(jnp.all(c.ok))
   for i, key in enumerate(keys):
@@ -565,18 +576,19 @@ def test_a_float32_trace_is_refused_with_the_x64_hint(name):
 def test_traced_non_finite_input_gives_bottom(secure):
   """A traced X (or mean centre) with NaN/inf lies outside the domain: ``ok=False`` and zero
   outputs (a concrete one is rejected by the validation, above)."""
-  X, center, Xc, mean, cov = _traced_problems()
-  key = jax.random.key(0)
+  X, center, Xc, _, _ = _traced_problems()
+  keys = jax.random.split(jax.random.key(0), 2)
   bad_center = center.copy()
   bad_center[1] = np.inf
+  run_mean, run_cov = _batched(secure)        # the programs of the test above
   with jax.enable_x64(True):
-    run_mean, run_cov = jax.jit(mean(secure)), jax.jit(cov(secure))
-    for res in (run_mean(key, _with_nan(X), center),
-                run_mean(key, X, bad_center), run_cov(key, _with_nan(Xc))):
-      assert not bool(res.ok)
+    for res in (run_mean(keys, _with_nan(X), center),
+                run_mean(keys, X, bad_center), run_cov(keys, _with_nan(Xc))):
+      assert not np.any(np.asarray(res.ok))
       for leaf in jax.tree_util.tree_leaves((res.estimate, res.released)):
         assert np.all(np.asarray(leaf) == 0)
-    assert bool(run_mean(key, X, center).ok) and bool(run_cov(key, Xc).ok)
+    assert np.all(np.asarray(run_mean(keys, X, center).ok))
+    assert np.all(np.asarray(run_cov(keys, Xc).ok))
 
 
 def _with_nan(X):

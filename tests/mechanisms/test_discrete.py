@@ -12,7 +12,7 @@ from scipy import stats
 from dpjax import mechanisms as M
 from dpjax.mechanisms import discrete
 
-N = 20_000
+N = 10_000         # the wrong-scale p-values stay below 1e-200, the variance within 4.5 SE
 
 
 def _chi2_p(z, scale):
@@ -81,7 +81,7 @@ def test_tiny_and_huge_scales():
   for exact in (True, False):
     z = M.discrete_laplace(jax.random.key(2), (1_000,), scale=1e-3, exact=exact)
     assert bool(jnp.all(z == 0))
-  z = M.discrete_laplace(jax.random.key(3), (2_000,), scale=1e5, exact=False)
+  z = M.discrete_laplace(jax.random.key(3), (1_000,), scale=1e5, exact=False)   # one shape
   assert z.dtype == jnp.int32 and float(jnp.std(z.astype(jnp.float32))) > 1e4
   with pytest.raises(ValueError, match="scale"):
     M.discrete_laplace(jax.random.key(3), (2,), scale=1e6)

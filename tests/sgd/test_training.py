@@ -29,7 +29,9 @@ def _low_rank():
 
   Returns ``(X, y)`` private rows, ``(X_pub, y_pub)`` disjoint public rows, and ``B``.
   """
-  X, B = data.exact_subspace_data(jax.random.key(0), N + 200, D, K)
+  # Jitted: the same values as op by op, with less compilation.
+  X, B = jax.jit(data.exact_subspace_data, static_argnums=(1, 2, 3))(
+      jax.random.key(0), N + 200, D, K)
   y = (X @ B[:, 0] > 0).astype(jnp.float32)
   return (X[:N], y[:N]), (X[N:], y[N:]), B
 
@@ -60,9 +62,10 @@ def _train(key, train_data, **kwargs):
                                                          "default run trains without one"))])
 def test_training_decreases_the_loss_within_budget(subspace):
   (X, y), public, B = _low_rank()
-  out = _train(1, (X, y), steps=30, subspace=subspace, k=K, public_data=public,
+  # ε = 2: σ's RDP calibration takes ~0.9 s (~1.5 s at ε = 4); the loss still falls to ~0.34×.
+  out = _train(1, (X, y), epsilon=2.0, steps=30, subspace=subspace, k=K, public_data=public,
                eval_fn=lambda w: {"loss": _full_loss(w, X, y)}, eval_every=15)
-  assert out.budget.epsilon <= 4.0 + 1e-9 and out.budget.delta <= 1e-5 * (1 + 1e-12)
+  assert out.budget.epsilon <= 2.0 + 1e-9 and out.budget.delta <= 1e-5 * (1 + 1e-12)
   assert out.budget.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE and out.budget.steps == 30
   assert out.budget.sampling_prob == pytest.approx(200 / N)
   assert _full_loss(out.params, X, y) < 0.8 * _full_loss(jnp.zeros(D), X, y)

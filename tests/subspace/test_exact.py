@@ -28,8 +28,12 @@ def test_exact_recovery_in_general_position_with_adversarial_rows():
 
 
 def test_scores_follow_the_definition():
-  X, _ = data.exact_subspace_data(jax.random.key(3), 30, 6, 2, num_outliers=2)
-  c = enumerate_candidates(np.asarray(X, np.float64), 2, tol=1e-4)
+  # data.exact_subspace_data's law (28 rows in a plane, 2 outliers) drawn by NumPy: eagerly the
+  # generator compiled each of its JAX operations.
+  rng = np.random.default_rng(3)
+  B = np.linalg.qr(rng.standard_normal((6, 2)))[0]
+  X = np.concatenate([rng.standard_normal((28, 2)) @ B.T, rng.standard_normal((2, 6))])
+  c = enumerate_candidates(np.float32(X).astype(np.float64), 2, tol=1e-4)
   # s* holds 28 rows and its best line holds 1 (general position): score 27; every other
   # plane is spanned by ≤ 2 rows: score ≤ 2 − 1.
   assert sorted(c.scores.tolist())[-1] == 27 and sorted(c.scores.tolist())[-2] <= 1

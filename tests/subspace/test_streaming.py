@@ -22,7 +22,9 @@ KEY = jax.random.key(12)
 
 @pytest.fixture(scope="module")
 def model():
-  X, model = data.approximate_subspace_data(jax.random.key(11), N, D, K, gamma=GAMMA)
+  # Jitted: one program (eagerly, each of the generator's ~20 operations compiled apart).
+  X, model = jax.jit(data.approximate_subspace_data, static_argnums=(1, 2, 3),
+                     static_argnames=("gamma",))(jax.random.key(11), N, D, K, gamma=GAMMA)
   reference = approximate.dpase(KEY, X, partition="random_labels", **KW)
   assert bool(reference.ok)
   return np.asarray(X), model, reference

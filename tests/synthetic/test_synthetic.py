@@ -20,10 +20,12 @@ from dpjax.synthetic import low_dimensional_synthetic_data as synthesize
 
 
 N, DEPTH = 2000, 8               # shared by most tests: PMM compiles once per (n, d', depth)
+# One program per data shape (eagerly, each of the generator's operations compiled apart).
+_cube_jit = jax.jit(data.low_dimensional_cube_data, static_argnums=(1, 2, 3))
 
 
 def _cube_data(n, d, dim, seed=0):
-  X, U = data.low_dimensional_cube_data(jax.random.key(seed), n, d, dim)
+  X, U = _cube_jit(jax.random.key(seed), n, d, dim)
   return X, U
 
 
@@ -151,9 +153,9 @@ def test_bad_key_and_dtype():
                                                              "checks float32")),
     jnp.float32])
 def test_low_precision_rows_are_accepted_and_extreme_rows_stay_in_the_cube(dtype):
-  X = np.zeros((N, 4))
+  X = np.zeros((N, 5))                  # the shapes of the pipeline test above: its programs
   X[::2] = 1.0                                        # all mass on two opposite corners
-  res = synthesize(jax.random.key(10), jnp.asarray(X, dtype), epsilon=1.0, dim=1, depth=DEPTH)
+  res = synthesize(jax.random.key(10), jnp.asarray(X, dtype), epsilon=1.0, dim=2, depth=DEPTH)
   assert res.synthetic.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(res.synthetic)))
   assert bool(jnp.all((res.synthetic >= 0) & (res.synthetic <= 1)))
 
@@ -171,21 +173,29 @@ def test_pmm_scales_spend_exactly_the_budget():
 
 def test_leaf_index_and_leaf_cells_agree():
   Y = jnp.asarray(np.random.default_rng(1).uniform(size=(2000, 3)), jnp.float32)
-  for depth in (1, 4, 7):
-    leaf = P.leaf_index(Y, depth)
-    lower, side = P.leaf_cells(depth, 3)
-    inside = (Y >= lower[leaf]) & (Y < lower[leaf] + side)
-    assert bool(jnp.all(inside))
-    assert int(leaf.max()) < 2**depth
+
+  @jax.jit                      # one program (eagerly, each small operation compiled apart)
+  def check(Y):
+    out = {}
+    for depth in (1, 4, 7):
+      leaf = P.leaf_index(Y, depth)
+      lower, side = P.leaf_cells(depth, 3)
+      out[depth] = (jnp.all((Y >= lower[leaf]) & (Y < lower[leaf] + side)), leaf.max())
+    return out
+
+  for depth, (inside, top) in check(Y).items():
+    assert bool(inside), depth
+    assert int(top) < 2**depth, depth
 
 
 def test_consistency_gives_non_negative_children_that_sum_to_their_parents():
   rng = np.random.default_rng(2)
   levels = [jnp.asarray(rng.integers(-20, 40, size=2**j), jnp.int32) for j in range(1, 7)]
-  final = np.asarray(jax.jit(P.consistent_counts, static_argnums=1)(levels, 123))
+  consistent = jax.jit(P.consistent_counts)       # eagerly, each small operation compiles apart
+  final = np.asarray(consistent(levels, 123))
   assert final.sum() == 123 and final.min() >= 0
   zero = [jnp.full(2**j, -5, jnp.int32) for j in range(1, 4)]   # all noisy counts negative
-  assert np.asarray(P.consistent_counts(zero, 9)).sum() == 9
+  assert np.asarray(consistent(zero, 9)).sum() == 9
 
 
 @pytest.mark.slow(reason="pmm alone and its depth check; the pipeline test covers PMM's size, "
