@@ -159,6 +159,9 @@ def test_gep_rank_rule_drops_directions_below_the_public_noise_edge(data):
   np.testing.assert_array_equal(norms[1e6], 0.0)
 
 
+@pytest.mark.slow(reason="the NOT private oracle route trained at full and low rank; by default "
+                         "test_oracle_projection_is_the_top_left_right_projector checks its "
+                         "projection")
 def test_oracle_at_full_rank_is_dp_sgd_and_at_low_rank_is_not(data):
   """The NOT private oracle diagnostic: with r at least every side of every matrix the projection
   is the identity, so the run is dp_sgd's (same keys, float tolerance); at r = 1 it differs, and
@@ -207,6 +210,8 @@ def test_oracle_projection_is_the_top_left_right_projector():
   np.testing.assert_allclose(again[0]["w"], out[0]["w"], atol=1e-5)
 
 
+@pytest.mark.slow(reason="GEP's two-sided option trained; by default the two-sided per-layer "
+                         "step is audited and test_layer_subspaces checks two-sided bases")
 def test_gep_two_sided_bases_are_orthonormal_factor_pairs(data):
   """RouteSettings.gep_two_sided: the first layer's trajectory bases are TwoSidedBasis pairs
   ((K, D, r) left, (K, 8, r) right, orthonormal columns), the run finite and paired by key."""
