@@ -2,9 +2,10 @@
 
 * Default (``python -m pytest``): the fast suite. Tests marked ``slow`` are deselected and the
   privacy audits run at reduced trial counts; every module and every audit still runs.
-* ``--run-slow``: the full suite (what CI runs): the slow tests too, and the audits at full
-  trial counts.
-* ``--audit-full``: full audit trial counts only (e.g. ``pytest -m audit --audit-full``).
+* ``--run-slow``: the full suite (run before resolving an issue the slow tests cover): the slow
+  tests too, and the audits at full trial counts.
+* ``--audit-full``: full audit trial counts only (e.g. ``pytest -m audit --audit-full``, which
+  CI runs after the default run).
 * An explicit ``-m`` expression (e.g. ``-m slow``) selects by marker as usual and is not
   overridden.
 * The fast suite compiles with XLA's backend optimisation off
