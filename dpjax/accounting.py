@@ -170,6 +170,7 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
   or twice below it if that still meets the target — so the slow PLD accountant, whose memory
   grows without bound as σ → 0, never runs far below the answer. The returned σ always meets the
   target: ``calibrate_dp_mechanism`` re-evaluates its root and guarantees a non-positive ε-gap.
+  Results are cached per ``(target_ε, target_δ, q, T, accountant)``.
 
   Edge cases: σ is searched in ``[0.1, 1e4]``. If σ = 0.1 already meets the target (a very
   loose ε), 0.1 is returned — a valid σ that is not the smallest one, since smaller σ offer no
@@ -198,15 +199,22 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
   target_delta = v.check_delta(target_delta, "target_delta")
   sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
+  return _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
+                                     accountant)
 
+
+# A pure function of its arguments, and PLD's search takes seconds to minutes at small σ (each ε
+# evaluation builds a PLD of up to ~10⁷ points): a run that trains several routes or seeds on one
+# budget calibrates once.
+@functools.lru_cache(maxsize=256)
+def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps, accountant):
   def eps_at(sigma: float) -> float:
     return dpsgd_epsilon(sigma, sampling_prob, steps, target_delta, accountant=accountant)
 
   if accountant == "pld":
     # RDP's ε is the looser bound, so PLD's σ lies below RDP's (2–15% below, where measured).
     # The PLD accountant's memory grows without bound as σ → 0: never search below half of it.
-    guess = calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
-                                       accountant="rdp")
+    guess = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps, "rdp")
     lower_ends = sorted({max(guess / 1.25, _SIGMA_FLOOR), max(guess / 2.0, _SIGMA_FLOOR)},
                         reverse=True)
   else:

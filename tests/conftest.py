@@ -8,14 +8,22 @@
   CI runs after the default run).
 * An explicit ``-m`` expression (e.g. ``-m slow``) selects by marker as usual and is not
   overridden.
-* The fast suite compiles with XLA's backend optimisation off
-  (``--xla_backend_optimization_level=0``): compiling, not running, is most of its time, and this
-  cuts it by about a fifth. The program (HLO) is the same; only the generated machine code, hence
-  float rounding at the last bits (fused multiply-adds, reduction order), differs, so the tests
-  hold at both levels (checked: one that did not exposed an inaccurate small-angle
-  ``projection_distance``, since fixed). ``--run-slow``, ``--audit-full`` (whose full-count
-  audits spend their time running, ~3x faster optimised) and ``--xla-default-opt`` keep XLA's
-  default level, what users run; a level already set in ``XLA_FLAGS`` is left alone.
+* Most of the fast suite's time is XLA compiling many small programs, so it compiles fast:
+  JAX's ``jax_disable_most_optimizations`` (XLA's backend optimisation level 0, no expensive
+  LLVM passes) and ``XLA_FLAGS=--xla_cpu_use_fusion_emitters=false`` (XLA:CPU's older
+  elemental code generator for fusions, which compiles a small program in about half the time;
+  no run-time difference measured). On 2 cores the fast suite took 360 s with the first alone,
+  266 s with both (2026-11-28; 381 s at XLA's level 0 alone). The program
+  (HLO) is the same; only the generated machine code, hence float rounding at the last bits
+  (fused multiply-adds, reduction order), differs, so the tests hold both ways (checked: one that
+  did not exposed an inaccurate small-angle ``projection_distance``, since fixed). The
+  environment carries both to subprocess tests. ``--run-slow`` keeps them for every test but
+  the audits, which run at full trial counts optimised (``jax_disable_most_optimizations`` off:
+  run time, not compile time, ~3x faster optimised; JAX's caches are cleared when a worker
+  switches, since the option is not part of JAX's cache key; XLA_FLAGS cannot change within a
+  process, so their fusions use the older emitters there). ``--audit-full`` and
+  ``--xla-default-opt`` compile everything at XLA's defaults, what users run. Values already set
+  in ``JAX_DISABLE_MOST_OPTIMIZATIONS`` or for the emitters in ``XLA_FLAGS`` are left alone.
 * A worker frees JAX's compiled programs (``jax.clear_caches()``) when its memory mappings pass
   half of Linux's ``vm.max_map_count``: XLA:CPU holds each compiled executable in three
   mappings, JAX's caches keep up to ~16k executables alive, and at the limit (65,530 by default,
@@ -30,7 +38,8 @@ import sys
 
 import pytest
 
-_FAST_COMPILE = "--xla_backend_optimization_level=0"
+_FAST_COMPILE = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 
 def pytest_addoption(parser):
@@ -40,19 +49,40 @@ def pytest_addoption(parser):
   parser.addoption("--audit-full", action="store_true", default=False,
                    help="run the privacy audits (tests/audit) with full trial counts")
   parser.addoption("--xla-default-opt", action="store_true", default=False,
-                   help="compile at XLA's default optimisation level in the fast suite too "
-                        "(the full suite always does)")
+                   help="compile every test at XLA's default optimisation level (the audits of "
+                        "--run-slow and --audit-full always do)")
+
+
+_FAST = pytest.StashKey[bool]()
 
 
 def pytest_configure(config):
-  # Before any test module starts JAX's backend (XLA_FLAGS is read then); xdist workers run this
-  # too, and subprocess tests inherit the environment (helpers.run_on_devices appends to it).
-  flags = os.environ.get("XLA_FLAGS", "")
-  # Full-count audits are run time, not compile time: the optimised code is ~3x faster there.
-  if (_full(config) or config.getoption("--xla-default-opt")
-      or "xla_backend_optimization_level" in flags):
+  # Before any test module imports JAX (the flag's default is read from the environment then);
+  # xdist workers run this too, and subprocess tests inherit the environment.
+  if (config.getoption("--audit-full") or config.getoption("--xla-default-opt")
+      or os.environ.get(_FAST_COMPILE, "1") != "1"):
     return
-  os.environ["XLA_FLAGS"] = f"{flags} {_FAST_COMPILE}".strip()
+  os.environ[_FAST_COMPILE] = "1"
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_use_fusion_emitters" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {_LEGACY_EMITTERS}".strip()
+  config.stash[_FAST] = True
+
+
+@pytest.fixture(autouse=True)
+def _full_count_audits_compile_optimised(request):
+  """Under --run-slow, the audits (full trial counts) compile at XLA's defaults, the rest fast."""
+  config = request.config
+  if not (config.getoption("--run-slow") and config.stash.get(_FAST, False)):
+    yield
+    return
+  import jax
+  optimise = request.node.get_closest_marker("audit") is not None
+  if jax.config.read("jax_disable_most_optimizations") == optimise:   # a switch: drop the other's programs
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", not optimise)
+  os.environ[_FAST_COMPILE] = "0" if optimise else "1"
+  yield
 
 
 def _full(config) -> bool:
@@ -80,8 +110,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
   if config.getoption("--run-slow"):
     return "dpjax: full suite (slow tests included, audits at full trial counts)"
-  return ("dpjax: fast suite (slow tests deselected, audits at reduced trial counts, XLA_FLAGS="
-          f"{os.environ.get('XLA_FLAGS', '')!r}; --run-slow for the full suite)")
+  return ("dpjax: fast suite (slow tests deselected, audits at reduced trial counts, "
+          f"{_FAST_COMPILE}={os.environ.get(_FAST_COMPILE, '')!r}; --run-slow for the full suite)")
 
 
 def _map_limit() -> int | None:

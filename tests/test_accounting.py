@@ -48,7 +48,9 @@ def test_rdp_calibration_is_tight_far_from_its_guess(eps, q, steps):
 
 
 def _record_pld_sigmas(monkeypatch) -> list:
-  """Every σ the PLD accountant is run at (the event is Self(Poisson(Gaussian(σ))))."""
+  """Every σ the PLD accountant is run at (the event is Self(Poisson(Gaussian(σ)))); the
+  calibration cache is emptied first so that the search runs."""
+  accounting._calibrate_noise_multiplier.cache_clear()
   seen = []
   compose = dp_accounting.pld.PLDAccountant.compose
 
@@ -77,22 +79,34 @@ def test_pld_calibration_when_the_rdp_start_is_far_above(monkeypatch, inflate):
   # Were PLD's σ more than 1.25× below RDP's, the search goes down to half the RDP σ, no lower:
   # it finds σ there (1.8×), or returns that valid σ (3×). One Gaussian step: PLD is exact.
   exact = analytic_gaussian_sigma(1.0, 1e-5)
-  calibrate = accounting.calibrate_noise_multiplier
+  cached = accounting._calibrate_noise_multiplier
 
-  def inflated_rdp(*args, accountant="rdp"):
-    sigma = calibrate(*args, accountant=accountant)
-    return inflate * sigma if accountant == "rdp" else sigma
+  def inflated_rdp(*args):                   # the PLD search's start, as the cache returns it
+    sigma = cached.__wrapped__(*args)
+    return inflate * sigma if args[-1] == "rdp" else sigma
 
-  monkeypatch.setattr(accounting, "calibrate_noise_multiplier", inflated_rdp)
-  start = inflated_rdp(1.0, 1e-5, 1.0, 1)
   seen = _record_pld_sigmas(monkeypatch)
-  sigma = calibrate(1.0, 1e-5, 1.0, 1, accountant="pld")
+  monkeypatch.setattr(accounting, "_calibrate_noise_multiplier", inflated_rdp)
+  start = inflated_rdp(1.0, 1e-5, 1.0, 1, "rdp")
+  sigma = accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1, accountant="pld")
   assert min(seen) >= start / 2 * (1 - 1e-12)
   assert accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5, accountant="pld") <= 1.0
   if start / 2 < exact:
     assert sigma == pytest.approx(exact, rel=1e-4)
   else:
     assert sigma == start / 2
+
+
+def test_calibration_is_cached_per_arguments(monkeypatch):
+  seen = _record_pld_sigmas(monkeypatch)
+  first = accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1, accountant="pld")
+  searched = len(seen)
+  assert searched > 0
+  assert accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1, accountant="pld") == first
+  assert len(seen) == searched                               # the second call ran no accountant
+  misses = accounting._calibrate_noise_multiplier.cache_info().misses
+  accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 2)
+  assert accounting._calibrate_noise_multiplier.cache_info().misses == misses + 1   # a new search
 
 
 def test_calibration_edges_loose_and_impossible_targets():

@@ -120,7 +120,7 @@ def test_gradient_subspace_options(tmp_path):
   bench = _load("gradient_subspace")
   out = bench.main(
       ["--quick", "--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.05", "0.1",
-       "--epsilons", "1", "2", "--datasets", "digits", "generated", "--rows", "300",
+       "--epsilons", "1", "2", "--datasets", "digits", "generated", "--rows", "600",
        "--models", "softmax", "--steps", "3", "--json", str(path), "--plot", str(plot)])
   saved = json.loads(path.read_text())
   assert saved["summary"] == json.loads(json.dumps(out["summary"]))
@@ -246,18 +246,20 @@ def test_scaling_options(tmp_path):
           "--steps", "2", "--n-dpase", "6000", "--d-dpase", "12", "--n-stream", "6000", "--d", "12",
           "--k", "2", "--worker-timeout", "600",
           "--gap", "1e-6", "--chunk", "700", "--repeats", "1"]
-  out = _load("scaling").main(["--quick", "--devices", "1,2,4", "--json", str(path), *tiny])
+  out = _load("scaling").main(["--quick", "--devices", "1,2,4", "--n-in-memory", "3000",
+                                "--json", str(path), *tiny])
   saved = json.loads(path.read_text())
-  assert out["more"]["in_memory"]["n"] == 6000          # min(n-stream, 10^6): the whole file
+  assert out["more"]["in_memory"]["n"] == 3000          # the file's first rows
   assert set(saved["summary"]["dpsgd_examples_per_s"]) == {"1", "2", "4"}
   assert set(saved["summary"]["dpase_seconds"]) == {"1", "4"}
   assert set(saved["summary"]["streaming"]) == {"n", "d", "seconds", "peak_rss_bytes"}
   assert saved["summary"]["streaming"]["n"] == 6000
-  assert out["more"]["streaming"]["ok"] == out["more"]["in_memory"]["ok"]
+  assert out["more"]["in_memory"]["seconds"] > 0 and out["more"]["streaming"]["seconds"] > 0
   assert all(r["ok"] for r in out["more"]["dpase"].values())
-  _load("scaling").main(["--devices", "1", "--skip-in-memory", "--clipped-sum", "vmap", *tiny])
-  part = _load("scaling").main(["--devices", "1", "--n-in-memory", "3000", *tiny])
-  assert part["more"]["in_memory"]["n"] == 3000          # the file's first rows
+  rest = _load("scaling").main(["--devices", "1", "--skip-in-memory", "--clipped-sum", "vmap",
+                                *tiny])
+  assert rest["more"]["in_memory"] is None and rest["more"]["dpsgd"][1]["clipped_sum"] == "vmap"
+  assert rest["config"]["n_in_memory"] == 6000           # min(n-stream, 10^6): the whole file
   if any(d.platform == "gpu" for d in jax.devices()):
     _load("scaling").main(["--gpu", "--devices", "1", "--skip-in-memory", *tiny])
 

@@ -111,35 +111,14 @@ def test_demo_epsilon_1_finishes_and_writes_json_and_plot(tmp_path):
   assert "not_runnable" in printed if private["status"] == "not_runnable" else True
 
 
-@pytest.mark.slow(reason="every other CLI option end to end; by default only planning and option "
-                         "checks run")
-def test_demo_runs_every_other_option(user_data, tmp_path):
-  # --data, --delta, --k, --steps, --batch-size, --clip-norm, --learning-rates, --hidden,
-  # --public-fraction, --gamma, --subspace-epsilon-fraction, --refresh-every, --json, and
-  # progress bars on (no --no-progress); --seeds and --plot are in the next test.
-  report, _ = _run_cli(["--data", str(user_data), "--epsilon", "4", "--delta", "1e-6", "--k", "3",
-                        "--steps", "3", "--batch-size", "32", "--clip-norm", "0.5",
-                        "--learning-rates", "0.05", "0.1", "--hidden", "8",
-                        "--public-fraction", "0.2", "--gamma", "1e-4",
-                        "--subspace-epsilon-fraction", "0.5", "--refresh-every", "2"],
-                       tmp_path / "r.json")
-  assert report["n_train"] == 360 and report["n_public"] == 72 and report["k"] == 3
-  assert report["learning_rates"] == [0.05, 0.1]
-  assert report["steps"] == 3 and report["delta"] == 1e-6
-  assert report["subspace_epsilon_fraction"] == 0.5
-  _check_schema(report, epsilon=4.0, delta=1e-6)
-  assert [r["seed"] for r in report["results"]] == [0] * len(demo.METHODS)
-  # DPASE fits at this share (n = 360 rows, t subsets of k + 1 = 4 rows): every run is real.
-  assert subspace.dpase_parameters(360, demo.num_params((10, 8, 3)), 3, epsilon=2.0,
-                                   delta=1e-7, gamma=1e-4).subset_size >= 4
-  assert all(r["status"] == "ok" for r in report["results"])
-  assert demo.exit_status(report) == 0
-
-
-@pytest.mark.slow(reason="a failing route is recorded and the rest written; by default no demo "
-                         "run happens")
-def test_a_failing_run_is_recorded_and_the_others_are_written(user_data, tmp_path,
-                                                               monkeypatch, capsys):
+@pytest.mark.slow(reason="every other CLI option end to end, a failing route recorded and the "
+                         "rest written; by default only planning and option checks run")
+def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp_path,
+                                                                  monkeypatch, capsys):
+  # --data, --delta, --k, --seeds, --steps, --batch-size, --clip-norm, --learning-rates, --hidden,
+  # --public-fraction, --gamma, --subspace-epsilon-fraction, --refresh-every, --json, --plot and
+  # progress bars on (the ε = 1 run passes --no-progress). In process: the monkeypatched
+  # failure needs the same interpreter.
   real = training.train_dp_sgd
 
   def flaky(*args, **kwargs):
@@ -149,19 +128,25 @@ def test_a_failing_run_is_recorded_and_the_others_are_written(user_data, tmp_pat
 
   monkeypatch.setattr(training, "train_dp_sgd", flaky)
   out, plot = tmp_path / "r.json", tmp_path / "acc.png"
-  # Small shapes, two seeds, in process: the monkeypatched failure needs the same interpreter.
   report = demo.main(["--data", str(user_data), "--epsilon", "4", "--delta", "1e-6", "--k", "3",
-                      "--seeds", "2", "--steps", "2", "--batch-size", "32", "--hidden", "8",
-                      "--clip-norm", "0.5", "--learning-rates", "0.05", "0.1",
-                      "--public-fraction", "0.2",
-                      "--gamma", "1e-4",
-                      "--subspace-epsilon-fraction", "0.5", "--no-progress", "--json", str(out),
-                      "--plot", str(plot)])
+                      "--seeds", "2", "--steps", "3", "--batch-size", "32", "--clip-norm", "0.5",
+                      "--learning-rates", "0.05", "0.1", "--hidden", "8",
+                      "--public-fraction", "0.2", "--gamma", "1e-4",
+                      "--subspace-epsilon-fraction", "0.5", "--refresh-every", "2",
+                      "--json", str(out), "--plot", str(plot)])
   written = json.loads(out.read_text(encoding="utf-8"))
   assert written == json.loads(json.dumps(report))
+  assert written["n_train"] == 360 and written["n_public"] == 72 and written["k"] == 3
+  assert written["learning_rates"] == [0.05, 0.1]
+  assert written["steps"] == 3 and written["delta"] == 1e-6
+  assert written["subspace_epsilon_fraction"] == 0.5
   _check_schema(written, epsilon=4.0, delta=1e-6)
   assert [(r["seed"], r["method"]) for r in written["results"]] == [
       (seed, method) for method, _ in demo.METHODS for seed in (0, 1)]
+  # DPASE fits at this share (n = 360 rows, t subsets of k + 1 = 4 rows): the private route is
+  # planned to run, and fails only by the injected error.
+  assert subspace.dpase_parameters(360, demo.num_params((10, 8, 3)), 3, epsilon=2.0,
+                                   delta=1e-7, gamma=1e-4).subset_size >= 4
   for r in written["results"]:
     if r["method"] == "subspace_dp_sgd_private":
       assert r["status"] == "failed" and r["note"] == "RuntimeError: boom in the private route"
