@@ -110,6 +110,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
   if config.getoption("--run-slow"):
     return "dpjax: full suite (slow tests included, audits at full trial counts)"
+  if not config.stash.get(_FAST, False):
+    return ("dpjax: XLA's default compilation" + (", audits at full trial counts"
+                                                   if _full(config) else ""))
   return ("dpjax: fast suite (slow tests deselected, audits at reduced trial counts, "
           f"{_FAST_COMPILE}={os.environ.get(_FAST_COMPILE, '')!r}; --run-slow for the full suite)")
 
