@@ -78,8 +78,8 @@ def _full_count_audits_compile_optimised(request):
     return
   import jax
   optimise = request.node.get_closest_marker("audit") is not None
-  if jax.config.read("jax_disable_most_optimizations") == optimise:   # a switch: drop the other's programs
-    jax.clear_caches()
+  if jax.config.read("jax_disable_most_optimizations") == optimise:   # a switch: drop the
+    jax.clear_caches()                                               # other mode's programs
     jax.config.update("jax_disable_most_optimizations", not optimise)
   os.environ[_FAST_COMPILE] = "0" if optimise else "1"
   yield
