@@ -126,11 +126,12 @@ def dpsgd_event(noise_multiplier: float, sampling_prob: float,
 
 @quiet_rdp_logs()
 def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, delta: float, *,
-                  accountant: str = "rdp") -> float:
+                  accountant: str = "rdp", tuning: HyperparameterTuning | None = None) -> float:
   """ε of T steps of Poisson-sampled DP-SGD at ``delta``, under add/remove-one.
 
   The figure is exactly ``dp_accounting``'s: the RDP accountant (fast; an upper bound through the
-  [BBGHS20] conversion) or the PLD accountant (tighter, slower, memory grows as σ shrinks).
+  [BBGHS20] conversion) or the PLD accountant (tighter, slower, memory grows as σ shrinks). With
+  ``tuning``, ε of the best of a random number of such runs (:func:`tuning_event`; RDP only).
 
   Args:
     noise_multiplier: σ > 0.
@@ -138,28 +139,171 @@ def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, del
     steps: T ≥ 1.
     delta: δ ∈ (0, 1).
     accountant: "rdp" or "pld".
+    tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"``).
 
   Returns:
-    ε ≥ 0 (nats) as a Python float; the run is (ε, δ)-DP under add/remove-one.
+    ε ≥ 0 (nats) as a Python float; the run (with ``tuning``: the tuning's selected run) is
+    (ε, δ)-DP under add/remove-one.
 
   Raises:
-    ValueError: σ ≤ 0, q ∉ (0, 1], T < 1, δ ∉ (0, 1), unknown accountant.
-    TypeError: non-numeric arguments, non-integer ``steps``.
+    ValueError: σ ≤ 0, q ∉ (0, 1], T < 1, δ ∉ (0, 1), unknown accountant, ``tuning`` with
+      ``accountant="pld"`` or with a bad mean or shape.
+    TypeError: non-numeric arguments, non-integer ``steps``, ``tuning`` of another type.
 
   References:
     Mironov, Talwar & Zhang 2019 (RDP of the sampled Gaussian mechanism); Balle et al.,
     "Hypothesis Testing Interpretations and Rényi DP", AISTATS 2020 (conversion);
-    Doroshenko et al., PETS 2022 (PLD).
+    Doroshenko et al., PETS 2022 (PLD); Papernot & Steinke, ICLR 2022 (tuning).
   """
   delta = v.check_delta(delta)
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
+  tuning = _check_tuning_accountant(tuning, accountant)
   event = dpsgd_event(noise_multiplier, sampling_prob, steps)
+  if tuning is not None:
+    event = tuning_event(event, tuning)
   return float(_accountant(accountant).compose(event).get_epsilon(delta))
+
+
+# --------------------------------------------------------------------------------------------
+# Private hyperparameter tuning (Papernot & Steinke 2022): repeat a random number of times,
+# release the best run.
+# --------------------------------------------------------------------------------------------
+
+
+class HyperparameterTuning(NamedTuple):
+  """Papernot–Steinke random stopping: how many runs a private tuning makes.
+
+  The tuning draws ``K`` from the distribution below (:func:`tuning_repetitions`), makes ``K``
+  independent runs of one DP mechanism on the same data — each with hyperparameters drawn
+  afresh from a PUBLIC distribution (e.g. uniform over a grid of learning rates) and scored by a
+  function of the run's own output and of data the guarantee does not cover (or of a DP score
+  the run releases) — and releases only the best run. ``K`` must be drawn, not chosen: a fixed
+  number of runs with selection is not covered. The whole tuning is then as private as
+  :func:`tuning_event` says: with the RDP accountant, about 2–3 times one run's ε for a mean of
+  a few runs, far less than composing the runs.
+
+  Attributes:
+    mean: E[K] ≥ 1, the mean number of runs.
+    shape: η ≥ 0, the law of K: 0 logarithmic (the default: ``P(K = k) ∝ (1 − γ)^k/k``,
+      k ≥ 1), 1 geometric (k ≥ 1), ``math.inf`` Poisson (``K = 0`` has probability
+      ``e^{−mean}``: nothing is released, ⊥), any other η > 0 the truncated negative binomial
+      ``P(K = k) ∝ C(k + η − 1, k)(1 − γ)^k``, k ≥ 1. γ ∈ (0, 1) is set by the mean.
+  """
+  mean: float
+  shape: float = 0.0
+
+
+def check_tuning(tuning) -> HyperparameterTuning:
+  """Validates a :class:`HyperparameterTuning` (mean finite and ≥ 1; shape ≥ 0 or inf)."""
+  if not isinstance(tuning, HyperparameterTuning):
+    raise TypeError(f"tuning must be a dpjax.accounting.HyperparameterTuning, got "
+                    f"{type(tuning).__name__}.")
+  mean = v.check_positive(tuning.mean, "tuning.mean")
+  if mean < 1.0:
+    raise ValueError(f"tuning.mean must be >= 1 (runs), got {tuning.mean!r}.")
+  shape = float(tuning.shape)
+  if math.isnan(shape) or shape < 0.0:
+    raise ValueError(f"tuning.shape must be >= 0 (0 logarithmic, 1 geometric, inf Poisson), "
+                     f"got {tuning.shape!r}.")
+  if not math.isinf(shape) and mean == 1.0:
+    raise ValueError("tuning.mean must exceed 1 for a truncated negative binomial (K ≥ 1 with "
+                     "mean 1 is one run: no tuning).")
+  return HyperparameterTuning(mean, shape)
+
+
+def tuning_event(event: dp_accounting.DpEvent,
+                 tuning: HyperparameterTuning) -> dp_accounting.DpEvent:
+  """The event of a private tuning of ``event``: ``RepeatAndSelectDpEvent(event, mean, η)``.
+
+  Papernot & Steinke (2022), Theorems 2 and 6: if one run is (λ, ε(λ))-RDP, the best of K runs
+  with K drawn from :class:`HyperparameterTuning`'s law is RDP with the curve
+  ``dp_accounting``'s RDP accountant computes for this event (it is the only accountant that
+  supports it). The neighbouring relation is the run's.
+
+  Raises:
+    TypeError / ValueError: as :func:`check_tuning`; ``event`` not a ``DpEvent``.
+
+  References:
+    Papernot & Steinke, "Hyperparameter tuning with Rényi differential privacy", ICLR 2022.
+  """
+  if not isinstance(event, dp_accounting.DpEvent):
+    raise TypeError(f"event must be a dp_accounting.DpEvent, got {type(event).__name__}.")
+  tuning = check_tuning(tuning)
+  return dp_accounting.dp_event.RepeatAndSelectDpEvent(event, tuning.mean, tuning.shape)
+
+
+def tuning_gamma(tuning: HyperparameterTuning) -> float | None:
+  """γ ∈ (0, 1) of the truncated negative binomial with the tuning's mean (None for Poisson).
+
+  The mean of ``P(K = k) ∝ C(k + η − 1, k)(1 − γ)^k`` on k ≥ 1 is ``η(1 − γ)/(γ(1 − γ^η))``
+  for η > 0 and ``(1 − γ)/(γ ln(1/γ))`` for η = 0; both fall from ∞ to 1 as γ rises from 0 to 1,
+  so the root is found by bisection on ``ln γ`` (host, float64).
+  """
+  tuning = check_tuning(tuning)
+  eta = tuning.shape
+  if math.isinf(eta):
+    return None
+
+  def mean_at(log_gamma: float) -> float:
+    gamma = math.exp(log_gamma)
+    if eta == 0.0:
+      return -math.expm1(log_gamma) / (gamma * -log_gamma)
+    return eta * -math.expm1(log_gamma) / (gamma * -math.expm1(eta * log_gamma))
+
+  lo, hi = -700.0, -1e-12                      # mean_at(lo) is huge, mean_at(hi) is ~1
+  for _ in range(200):
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if mean_at(mid) > tuning.mean else (lo, mid)
+  return math.exp(0.5 * (lo + hi))
+
+
+def tuning_repetitions(key, tuning: HyperparameterTuning) -> int:
+  """Draws the number of runs K of a private tuning (host, NumPy seeded from ``key``).
+
+  Poisson: ``Generator.poisson(mean)`` (0 possible: release ⊥). Logarithmic (η = 0):
+  ``Generator.logseries(1 − γ)``. Truncated negative binomial (η > 0, geometric at η = 1):
+  ``Generator.negative_binomial(η, γ)`` (``P(k) = C(k + η − 1, k) γ^η (1 − γ)^k``) redrawn
+  while 0 — exactly the law conditioned on K ≥ 1. γ from :func:`tuning_gamma`.
+
+  Args:
+    key: a concrete PRNG key, owned by this draw (derive it by one split from the tuning's key).
+    tuning: the :class:`HyperparameterTuning`.
+
+  Returns:
+    K as a Python int (≥ 1 unless Poisson).
+
+  Raises:
+    TypeError / ValueError: a bad key or tuning.
+  """
+  from dpjax._host import host_rng        # pylint: disable=import-outside-toplevel
+  v.check_key(key)
+  tuning = check_tuning(tuning)
+  rng = host_rng(key)
+  if math.isinf(tuning.shape):
+    return int(rng.poisson(tuning.mean))
+  gamma = tuning_gamma(tuning)
+  if tuning.shape == 0.0:
+    return int(rng.logseries(1.0 - gamma))
+  while True:
+    k = int(rng.negative_binomial(tuning.shape, gamma))
+    if k >= 1:
+      return k
+
+
+def _check_tuning_accountant(tuning, accountant: str) -> HyperparameterTuning | None:
+  if tuning is None:
+    return None
+  tuning = check_tuning(tuning)
+  if accountant != "rdp":
+    raise ValueError("tuning needs accountant='rdp': only dp_accounting's RDP accountant "
+                     f"composes a RepeatAndSelectDpEvent, got accountant={accountant!r}.")
+  return tuning
 
 
 @quiet_rdp_logs()
 def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampling_prob: float,
-                               steps: int, *, accountant: str = "rdp") -> float:
+                               steps: int, *, accountant: str = "rdp",
+                               tuning: HyperparameterTuning | None = None) -> float:
   """The smallest noise multiplier σ whose DP-SGD run is (target_ε, target_δ)-DP (add/remove-one).
 
   ``dp_accounting.calibrate_dp_mechanism`` searches on the host, from a lower end where ε is
@@ -170,7 +314,9 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
   or twice below it if that still meets the target — so the slow PLD accountant, whose memory
   grows without bound as σ → 0, never runs far below the answer. The returned σ always meets the
   target: ``calibrate_dp_mechanism`` re-evaluates its root and guarantees a non-positive ε-gap.
-  Results are cached per ``(target_ε, target_δ, q, T, accountant)``.
+  Results are cached per ``(target_ε, target_δ, q, T, accountant, tuning)``. With ``tuning``
+  the target is met by the best of the tuning's random number of runs (:func:`tuning_event`),
+  each run at the returned σ.
 
   Edge cases: σ is searched in ``[0.1, 1e4]``. If σ = 0.1 already meets the target (a very
   loose ε), 0.1 is returned — a valid σ that is not the smallest one, since smaller σ offer no
@@ -184,12 +330,15 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     sampling_prob: q ∈ (0, 1].
     steps: T ≥ 1.
     accountant: "rdp" or "pld".
+    tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"``).
 
   Returns:
-    σ as a Python float, with ``dpsgd_epsilon(σ, q, T, δ, accountant=...) ≤ target_epsilon``.
+    σ as a Python float, with ``dpsgd_epsilon(σ, q, T, δ, accountant=..., tuning=...) ≤
+    target_epsilon``.
 
   Raises:
-    ValueError: bad targets, q, T or accountant, or no σ ≤ 1e4 reaches the target.
+    ValueError: bad targets, q, T, accountant or tuning (or tuning with "pld"), or no σ ≤ 1e4
+      reaches the target.
     TypeError: non-numeric arguments, non-integer ``steps``.
 
   References:
@@ -199,17 +348,24 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
   target_delta = v.check_delta(target_delta, "target_delta")
   sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
+  tuning = _check_tuning_accountant(tuning, accountant)
   return _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
-                                     accountant)
+                                     accountant, tuning)
 
 
 # A pure function of its arguments, and PLD's search takes seconds to minutes at small σ (each ε
 # evaluation builds a PLD of up to ~10⁷ points): a run that trains several routes or seeds on one
 # budget calibrates once.
 @functools.lru_cache(maxsize=256)
-def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps, accountant):
+def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps, accountant,
+                                tuning=None):
+  def event_at(sigma: float) -> dp_accounting.DpEvent:
+    event = dpsgd_event(sigma, sampling_prob, steps)
+    return event if tuning is None else tuning_event(event, tuning)
+
   def eps_at(sigma: float) -> float:
-    return dpsgd_epsilon(sigma, sampling_prob, steps, target_delta, accountant=accountant)
+    return dpsgd_epsilon(sigma, sampling_prob, steps, target_delta, accountant=accountant,
+                         tuning=tuning)
 
   if accountant == "pld":
     # RDP's ε is the looser bound, so PLD's σ lies below RDP's (2–15% below, where measured).
@@ -234,8 +390,7 @@ def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, ste
   # discretisation can put it there), then runs Brent's method.
   return float(dp_accounting.calibrate_dp_mechanism(
       lambda: _accountant(accountant),
-      lambda s: dpsgd_event(s, sampling_prob, steps),
-      target_epsilon, target_delta,
+      event_at, target_epsilon, target_delta,
       bracket_interval=dp_accounting.LowerEndpointAndGuess(low, max(upper, 1.25 * low)),
       tol=1e-5 * low))
 
@@ -313,6 +468,7 @@ class DPSGDBudget(NamedTuple):
     sgd_epsilon, sgd_delta: (ε_sgd, δ_sgd) of the T steps from the accountant.
     epsilon, delta: the composed totals ``(ε_s + ε_sgd, δ_s + δ_sgd)``.
     neighbouring: the relation of every figure above (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
+    tuning: the :class:`HyperparameterTuning` σ was calibrated for (None: one run).
   """
   noise_multiplier: float
   sampling_prob: float
@@ -324,12 +480,14 @@ class DPSGDBudget(NamedTuple):
   epsilon: float
   delta: float
   neighbouring: NeighboringRelation
+  tuning: HyperparameterTuning | None = None
 
 
 @quiet_rdp_logs()
 def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, steps: int,
                       subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
-                      accountant: str = "rdp") -> DPSGDBudget:
+                      accountant: str = "rdp",
+                      tuning: HyperparameterTuning | None = None) -> DPSGDBudget:
   """Calibrates DP-SGD to what is left of ``(epsilon, delta)`` after a private subspace.
 
   The subspace step (approximate DP, e.g. DPASE with random labels) spends ``(ε_s, δ_s)``; the
@@ -337,7 +495,9 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
   ``ε_sgd(δ_sgd) ≤ ε − ε_s`` by the accountant. The subspace is learned from the same rows and
   used adaptively, so the total is ``(ε_s + ε_sgd, δ_s + δ_sgd) ≤ (ε, δ)`` by basic
   composition, under add/remove-one (docs/algorithms.md §6.2 route (c)). With ``ε_s = δ_s = 0`` this
-  is plain DP-SGD calibration.
+  is plain DP-SGD calibration. With ``tuning`` (and no subspace share), σ is calibrated so that
+  the best of the tuning's random number of runs is (ε, δ)-DP (:func:`tuning_event`, RDP):
+  ``sgd_epsilon`` is then the tuning's ε, not one run's.
 
   Args:
     epsilon: total ε > 0.
@@ -347,6 +507,8 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
     subspace_epsilon: ε_s ∈ [0, ε).
     subspace_delta: δ_s ∈ [0, δ).
     accountant: "rdp" or "pld".
+    tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"`` and no subspace
+      share: an (ε_s, δ_s) release has no RDP curve to repeat).
 
   Returns:
     :class:`DPSGDBudget`; ``budget.epsilon ≤ epsilon`` and ``budget.delta == delta`` (up to
@@ -354,7 +516,7 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
 
   Raises:
     ValueError: ε ≤ 0, δ ∉ (0, 1), ``ε_s ∉ [0, ε)``, ``δ_s ∉ [0, δ)``, bad q, T or accountant,
-      or no σ ≤ 1e4 meets the SGD share.
+      ``tuning`` with "pld" or with a subspace share, or no σ ≤ 1e4 meets the SGD share.
     TypeError: non-numeric arguments, non-integer ``steps``.
 
   References:
@@ -373,15 +535,20 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
     raise ValueError(f"subspace_delta must lie in [0, delta={delta}), got "
                      f"subspace_delta={subspace_delta}.")
   sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
+  tuning = _check_tuning_accountant(tuning, accountant)
+  if tuning is not None and (subspace_epsilon > 0 or subspace_delta > 0):
+    raise ValueError("tuning cannot repeat a subspace release composed by basic composition "
+                     "(an (ε_s, δ_s) guarantee has no RDP curve); tune without it.")
   sgd_delta = delta - subspace_delta
   sigma = calibrate_noise_multiplier(epsilon - subspace_epsilon, sgd_delta, sampling_prob, steps,
-                                     accountant=accountant)
-  sgd_epsilon = dpsgd_epsilon(sigma, sampling_prob, steps, sgd_delta, accountant=accountant)
+                                     accountant=accountant, tuning=tuning)
+  sgd_epsilon = dpsgd_epsilon(sigma, sampling_prob, steps, sgd_delta, accountant=accountant,
+                              tuning=tuning)
   add_remove = NeighboringRelation.ADD_OR_REMOVE_ONE
   total = compose_basic(PrivacySpend(subspace_epsilon, subspace_delta, add_remove),
                         PrivacySpend(sgd_epsilon, sgd_delta, add_remove))
   return DPSGDBudget(sigma, sampling_prob, steps, subspace_epsilon, subspace_delta,
-                     sgd_epsilon, sgd_delta, total.epsilon, total.delta, add_remove)
+                     sgd_epsilon, sgd_delta, total.epsilon, total.delta, add_remove, tuning)
 
 
 # --------------------------------------------------------------------------------------------

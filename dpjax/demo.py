@@ -4,12 +4,12 @@
     python -m dpjax.demo --json results.json --plot accuracy.png
     python -m dpjax.demo --data my.npz         # arrays X (n, d) and integer y (n,)
 
-Methods (every DP one at the same total (ε, δ) under add/remove-one, by the PLD accountant,
-every release accounted, the private subspace's cost included). Routes that use public data have
+Methods (every DP one at the same total (ε, δ) under add/remove-one, every release accounted:
+the private subspace's cost and the learning-rate tuning included). Routes that use public data have
 ``public`` in their name.
 
 * ``non_private``: the same model, optimiser and weight averaging without clipping or noise.
-* ``dp_sgd``: tuned DP-SGD — Poisson sampling, normalised per-example clipping, Gaussian noise
+* ``dp_sgd``: privately tuned DP-SGD — Poisson sampling, normalised per-example clipping, Gaussian noise
   in all p parameters, Adam, an EMA of the iterates (``dpjax.sgd.train_route``).
 * ``dp_sgd_denoise``: ``dp_sgd`` then low-rank denoising of each layer's noisy update
   (post-processing; docs/algorithms.md §6.3).
@@ -25,15 +25,25 @@ every release accounted, the private subspace's cost included). Routes that use 
   split's inputs (``--public-fraction`` of the rows, left out of this route's private rows).
 * ``subspace_dp_sgd_public``: a rank-k subspace of the flattened gradients of that public split.
 
-Tuning: 10% of the training rows are held back as a tuning split for every method alike; each
-method's Adam learning rate is the best on it over ``--learning-rates`` (one tuning run per rate).
-The tuning split is not trained on and the choice is not privacy-accounted (as in the papers
-compared with); the evaluation runs then use ``--seeds`` seeds, paired across methods.
+Tuning, accounted: 10% of the rows are held back as a tuning split, never trained on, that
+scores runs; it is public by this experiment's construction (its rows get no protection). The
+Adam learning rate is chosen from ``--learning-rates`` by Papernot & Steinke's private tuning
+(``dpjax.accounting.HyperparameterTuning``): for each seed, K runs with K drawn from the
+logarithmic distribution with mean the number of rates, each at a rate drawn uniformly from the
+grid, and only the run with the best tuning-split accuracy is released and tested. σ is
+calibrated (RDP accountant) so that this whole tuning is (ε, δ)-DP: the ε reported covers it.
+Methods with a private subspace release composed by basic composition
+(``private_input_subspace``, ``subspace_dp_sgd_private``: an (ε_s, δ_s) guarantee has no RDP
+curve to repeat) are not tuned: they run once per seed at the grid's median rate, a public
+choice, by the PLD accountant. ``non_private`` takes the best rate on the tuning split. With a
+single rate in the grid nothing is tuned. Each result row records its ``tuning``, its number of
+runs and its ``accountant``.
 
 Who the (ε, δ) protects: the training rows each method trains on; the public routes train on the
 other rows only, and their public split is public only because this experiment marks it so (a
-seeded sample of the same data set): its rows get no protection. Each result row records the
-number of rows its guarantee covers (``n_private``); the report says this in ``privacy_note``.
+seeded sample of the same data set): its rows get no protection, and neither do the tuning
+split's. Each result row records the number of rows its guarantee covers (``n_private``); the
+report says this in ``privacy_note``.
 
 The methods are planned before any training, from public quantities only (row counts, p, d, k,
 ε, δ, γ): a method that cannot run at these settings (for example DPASE needing more rows than
@@ -42,8 +52,8 @@ still run; the experiment is never changed silently. A method whose run raises i
 failed with its error, and the table, the JSON and the plot are still written. Each result row
 has a ``status`` ("ok", "not_runnable" or "failed") and a ``note``.
 
-The table states the accountant, the neighbouring relation, each method's subspace rank, σ and
-learning rate, and which method won (the highest mean test accuracy over the seeds; one or a few
+The table states the neighbouring relation, each method's subspace rank, σ, released learning
+rate and number of tuning runs, and which method won (the highest mean test accuracy over the seeds; one or a few
 seeds are an illustration — ``benchmarks/gradient_subspace.py`` gives paired intervals).
 
 Exit status: 0 when every run finished or was reported not runnable; 1 when a run failed.
@@ -69,9 +79,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dpjax import accounting
 from dpjax import data as data_lib
 from dpjax import sgd
 from dpjax import subspace as subspace_lib
+from dpjax._host import host_rng
 from dpjax.sgd import training
 
 # The methods, in run order: (name, source). Source "route": dpjax.sgd.train_route (the name is
@@ -83,9 +95,14 @@ METHODS = (("non_private", "route"), ("dp_sgd", "route"), ("dp_sgd_denoise", "ro
 PUBLIC_METHODS = ("public_subspace", "subspace_dp_sgd_public")
 # The share of δ spent on the private subspace (train_dp_sgd's subspace_delta_fraction).
 SUBSPACE_DELTA_FRACTION = 0.1
-TUNING_FRACTION = 0.1      # share of the training rows held back to choose learning rates
-ACCOUNTANT = "pld"
-TUNING_SEED = 10_000
+TUNING_FRACTION = 0.1      # share of the training rows held back to score the tuning's runs
+ACCOUNTANT = "pld"         # the methods run once per seed (not tuned)
+TUNING_ACCOUNTANT = "rdp"  # the privately tuned methods (only RDP repeats an event)
+TUNING_SEED = 10_000       # non_private's tuning runs
+# Methods tuned privately (their runs are T sampled Gaussian steps, an RDP curve to repeat); the
+# other DP methods spend an (ε_s, δ_s) subspace share by basic composition and run untuned.
+TUNED_PRIVATELY = ("dp_sgd", "dp_sgd_denoise", "gep_trajectory", "public_subspace",
+                   "subspace_dp_sgd_public")
 
 
 def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
@@ -263,26 +280,30 @@ def run(args) -> dict:
                                input_epsilon_fraction=args.subspace_epsilon_fraction,
                                input_delta_fraction=SUBSPACE_DELTA_FRACTION)
   grid = [float(lr) for lr in args.learning_rates]
+  tuning = tuning_plan(grid)
+  fixed_lr = sorted(grid)[len(grid) // 2]           # the untuned methods' rate: public
   seed_keys = [jax.random.key(seed) for seed in range(args.seeds)]
   progress = not args.no_progress
 
   def accuracies(params_list, split):
     return [float(accuracy(p, *map(jnp.asarray, splits[split]))) for p in params_list]
 
-  def train(route, keys, lrs):
-    """Runs of one method: ``(params list, σ, rank, [(ε, δ, subspace_ok, notes)] per run)``."""
+  def train(route, keys, lrs, tuned=None):
+    """Runs of one method: ``(params list, σ, rank, [(ε, δ, subspace_ok, notes)] per run)``;
+    ``tuned``: the HyperparameterTuning each run belongs to (None: a run released alone)."""
     public = route.method in PUBLIC_METHODS
     rows = priv if public else fit
     data = (X[rows], y[rows])
+    accountant = ACCOUNTANT if tuned is None else TUNING_ACCOUNTANT
     if route.subspace == "route":
       out = sgd.train_route(route.method, jnp.stack(keys), lrs, data,
                             init_fn=_init_fn(sizes), loss_fn=example_loss,
                             epsilon=args.epsilon, delta=args.delta, steps=args.steps,
                             expected_batch_size=args.batch_size,
                             public_inputs=X[pub] if public else None, settings=settings,
-                            accountant=ACCOUNTANT)
+                            accountant=accountant, tuning=tuned)
       params = [jax.tree_util.tree_map(lambda x, i=i: x[i], out.params) for i in range(len(keys))]
-      budget = (None, None) if route.method == "non_private" else (args.epsilon, args.delta)
+      budget = (None, None) if route.method == "non_private" else (out.epsilon, out.delta)
       return params, out.noise_multiplier, out.rank, [(*budget, None, [])] * len(keys)
     params, info, sigma = [], [], None
     for key, lr in zip(keys, lrs):
@@ -296,33 +317,51 @@ def run(args) -> dict:
             subspace=route.subspace, k=args.k, public_data=(X[pub], y[pub]) if public else None,
             gamma=args.gamma, refresh_every=args.refresh_every if public else None,
             subspace_epsilon_fraction=args.subspace_epsilon_fraction,
-            subspace_delta_fraction=SUBSPACE_DELTA_FRACTION, accountant=ACCOUNTANT,
+            subspace_delta_fraction=SUBSPACE_DELTA_FRACTION, accountant=accountant,
             clipping=settings.clipping, stability=settings.stability,
-            weight_ema=settings.weight_ema, progress=progress)
+            weight_ema=settings.weight_ema, progress=progress, tuning=tuned)
       params.append(res.averaged_params)
       sigma = res.budget.noise_multiplier
       info.append((res.budget.epsilon, res.budget.delta, res.subspace_ok,
                    [str(w.message) for w in caught]))
     return params, sigma, args.k, info
 
+  def seed_runs(route):
+    """``(kind, [(params, lr, runs, σ, rank, info)] per seed)``: the released run of each seed."""
+    if route.method == "non_private":
+      tuned, *_ = train(route, [jax.random.key(TUNING_SEED)] * len(grid), grid)
+      lr = grid[int(np.argmax(accuracies(tuned, "tune")))]
+      params, sigma, rank, info = train(route, seed_keys, [lr] * args.seeds)
+      return "non_private", [(p, lr, len(grid), sigma, rank, i) for p, i in zip(params, info)]
+    if tuning is None or route.method not in TUNED_PRIVATELY:
+      params, sigma, rank, info = train(route, seed_keys, [fixed_lr] * args.seeds)
+      return "fixed", [(p, fixed_lr, 1, sigma, rank, i) for p, i in zip(params, info)]
+    released = []
+    for key in seed_keys:   # Papernot–Steinke: K drawn, rates drawn, only the best released
+      keys, lrs = tuning_runs(key, tuning, grid)
+      runs = [train(route, [k], [lr], tuning) for k, lr in zip(keys, lrs)]
+      scores = accuracies([r[0][0] for r in runs], "tune")
+      best = int(np.argmax(scores))
+      params, sigma, rank, info = runs[best]
+      released.append((params[0], lrs[best], len(keys), sigma, rank, info[0]))
+    return "private", released
+
   results, summary = [], {}
   for route in routes:
     base = {"method": route.method, "epsilon": None, "delta": None, "test_accuracy": None,
             "subspace_ok": None, "status": "ok", "note": None, "n_private": route.n_private,
-            "rank": None, "noise_multiplier": None, "learning_rate": None}
+            "rank": None, "noise_multiplier": None, "learning_rate": None, "tuning": None,
+            "runs": None, "accountant": None}
     if route.note is not None:
       print(f"{route.method}: not runnable: {route.note}", file=sys.stderr)
       results += [{**base, "seed": s, "status": "not_runnable", "note": route.note}
                   for s in range(args.seeds)]
       continue
     if progress:
-      print(f"{route.method}: tuning over {grid}, then {args.seeds} seed(s)", file=sys.stderr)
+      print(f"{route.method}: {args.seeds} seed(s)", file=sys.stderr)
     try:
-      tuned, *_ = train(route, [jax.random.key(TUNING_SEED)] * len(grid), grid)
-      tuning = accuracies(tuned, "tune")
-      lr = grid[int(np.argmax(tuning))]
-      params, sigma, rank, info = train(route, seed_keys, [lr] * args.seeds)
-      accs = accuracies(params, "test")
+      kind, released = seed_runs(route)
+      accs = accuracies([r[0] for r in released], "test")
     except Exception as exc:  # pylint: disable=broad-except  # isolate methods; record the error
       traceback.print_exc()
       note = f"{type(exc).__name__}: {exc}"
@@ -330,21 +369,25 @@ def run(args) -> dict:
       results += [{**base, "seed": s, "status": "failed", "note": note}
                   for s in range(args.seeds)]
       continue
-    summary[route.method] = {"mean_test_accuracy": float(np.mean(accs)), "learning_rate": lr,
-                             "tuning_accuracy": dict(zip(map(str, grid), tuning))}
-    for seed, (acc, (eps, delta, ok, notes)) in enumerate(zip(accs, info)):
+    accountant = {"non_private": None, "fixed": ACCOUNTANT, "private": TUNING_ACCOUNTANT}[kind]
+    summary[route.method] = {"mean_test_accuracy": float(np.mean(accs)), "tuning": kind,
+                             "accountant": accountant}
+    for seed, (acc, (_, lr, runs, sigma, rank, (eps, delta, ok, notes))) in enumerate(
+        zip(accs, released)):
       for note in notes:
         print(f"  note: {note}", file=sys.stderr)
       results.append({**base, "seed": seed, "epsilon": eps, "delta": delta,
                       "test_accuracy": acc, "subspace_ok": ok, "note": " ".join(notes) or None,
-                      "rank": rank, "noise_multiplier": sigma, "learning_rate": lr})
+                      "rank": rank, "noise_multiplier": sigma, "learning_rate": lr,
+                      "tuning": kind, "runs": runs, "accountant": accountant})
 
   report = {"dataset": ds.name, "n_train": int(n_train), "n_tune": int(n_tune),
             "n_test": int(ds.X_test.shape[0]), "n_public": int(n_public), "k": args.k,
-            "steps": args.steps, "neighbouring": "ADD_OR_REMOVE_ONE", "accountant": ACCOUNTANT,
+            "steps": args.steps, "neighbouring": "ADD_OR_REMOVE_ONE",
             "epsilon": args.epsilon, "delta": args.delta,
             "subspace_epsilon_fraction": args.subspace_epsilon_fraction,
-            "learning_rates": grid, "winner": _winner(summary),
+            "learning_rates": grid, "tuning": _tuning_report(tuning, fixed_lr),
+            "winner": _winner(summary),
             "privacy_note": _privacy_note(int(n_train), int(n_public), int(n_tune),
                                           args.epsilon, args.delta),
             "summary": summary, "results": results}
@@ -361,6 +404,32 @@ def run(args) -> dict:
     print(f"{len(failed)} run(s) failed (status 'failed' above); the other runs are reported "
           "as usual.", file=sys.stderr)
   return report
+
+
+def tuning_plan(grid) -> accounting.HyperparameterTuning | None:
+  """The private tuning of a learning-rate grid: K logarithmic with mean ``len(grid)`` (None
+  for a single rate: nothing to tune)."""
+  return accounting.HyperparameterTuning(float(len(grid)), 0.0) if len(grid) > 1 else None
+
+
+def tuning_runs(key: jax.Array, tuning: accounting.HyperparameterTuning,
+                grid) -> tuple[list[jax.Array], list[float]]:
+  """One private tuning's runs: ``(keys, learning rates)``, K of each. One split of ``key``
+  into the draw of K, the draw of the rates (uniform over ``grid``, a public distribution) and
+  the runs' keys."""
+  k_count, k_rates, k_runs = jax.random.split(key, 3)
+  count = accounting.tuning_repetitions(k_count, tuning)
+  picks = host_rng(k_rates).integers(len(grid), size=count)
+  return list(jax.random.split(k_runs, count)), [float(grid[i]) for i in picks]
+
+
+def _tuning_report(tuning, fixed_lr: float) -> dict:
+  if tuning is None:
+    return {"method": "none (a single learning rate)", "fixed_learning_rate": fixed_lr}
+  return {"method": "Papernot & Steinke (2022) random stopping, RDP accountant",
+          "mean_runs": tuning.mean, "shape": tuning.shape, "distribution": "logarithmic",
+          "tuned_methods": list(TUNED_PRIVATELY), "fixed_learning_rate": fixed_lr,
+          "score": "accuracy on the tuning split (public by this experiment's construction)"}
 
 
 def _winner(summary: dict) -> dict | None:
@@ -387,17 +456,26 @@ def _privacy_note(n_train: int, n_public: int, n_tune: int, epsilon: float,
           f"rows: all {n_train} training rows for the methods without public data; for "
           f"{public} the other {n_train - n_public} ({1 - share:.0%}), while their public split "
           f"of {n_public} rows ({share:.0%}) is public only because this experiment marks it so "
-          f"and gets no protection. The {n_tune} tuning rows choose the learning rates, a choice "
-          "not privacy-accounted.")
+          f"and gets no protection. The {n_tune} tuning rows score the tuning's runs and are "
+          "public by the same construction; the tuning's cost to the training rows is in the "
+          "(ε, δ) (Papernot–Steinke, RDP).")
 
 
 def _print_table(report: dict) -> None:
   print(f"\n{report['dataset']}: n_train={report['n_train']} (public split "
         f"{report['n_public']}), n_tune={report['n_tune']}, n_test={report['n_test']}, "
         f"steps={report['steps']}; total (ε, δ) = ({report['epsilon']:g}, "
-        f"{report['delta']:g}), add/remove-one, {report['accountant'].upper()} accountant")
+        f"{report['delta']:g}), add/remove-one, tuning included")
   print(textwrap.fill("privacy: " + report["privacy_note"], width=100, break_on_hyphens=False))
-  header = (f"{'method':<25}{'rank':>5}{'sigma':>7}{'lr':>7}{'seed':>5}{'epsilon':>9}"
+  tuning = report["tuning"]
+  if "mean_runs" in tuning:
+    print(textwrap.fill(
+        f"tuning: {', '.join(tuning['tuned_methods'])} are tuned privately ({tuning['method']}; "
+        f"K ~ logarithmic with mean {tuning['mean_runs']:g} runs, rates drawn from the grid, the "
+        f"best on the tuning split released); the other DP methods run once at lr "
+        f"{tuning['fixed_learning_rate']:g} (PLD accountant).", width=100,
+        break_on_hyphens=False))
+  header = (f"{'method':<25}{'rank':>5}{'sigma':>7}{'lr':>7}{'runs':>5}{'seed':>5}{'epsilon':>9}"
             f"{'delta':>9}{'test acc':>9}  {'subspace':<9}status")
   print(header)
   print("-" * len(header))
@@ -410,7 +488,8 @@ def _print_table(report: dict) -> None:
     delta = "-" if r["delta"] is None else f"{r['delta']:.1e}"
     acc = "-" if r["test_accuracy"] is None else f"{r['test_accuracy']:.4f}"
     ok = {None: "-", True: "ok", False: "⊥"}[r["subspace_ok"]]
-    print(f"{r['method']:<25}{rank:>5}{sigma:>7}{lr:>7}{r['seed']:>5}{eps:>9}{delta:>9}"
+    runs = "-" if r["runs"] is None else str(r["runs"])
+    print(f"{r['method']:<25}{rank:>5}{sigma:>7}{lr:>7}{runs:>5}{r['seed']:>5}{eps:>9}{delta:>9}"
           f"{acc:>9}  {ok:<9}{r['status']}")
     if r["note"] is not None:
       notes.setdefault((r["method"], r["status"], r["note"]), []).append(str(r["seed"]))

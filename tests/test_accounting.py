@@ -187,3 +187,93 @@ def test_rdp_order_warnings_are_silenced_at_the_source(caplog):
       logging.getLogger("absl").warning("other absl records pass")
   messages = [r.getMessage() for r in caplog.records]
   assert messages == ["other absl records pass"]
+
+
+# ----------------------------------------------------------------- private hyperparameter tuning
+
+TUNING = accounting.HyperparameterTuning(3.0, 0.0)
+
+
+def test_tuning_event_and_epsilon_are_dp_accountings_repeat_and_select():
+  base = accounting.dpsgd_event(1.2, 0.05, 100)
+  event = accounting.tuning_event(base, TUNING)
+  assert event == dp_accounting.dp_event.RepeatAndSelectDpEvent(base, 3.0, 0.0)
+  expected = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+  assert accounting.dpsgd_epsilon(1.2, 0.05, 100, 1e-5, tuning=TUNING) == expected
+  # Tuning costs more than one run, far less than composing the mean number of runs.
+  one = accounting.dpsgd_epsilon(1.2, 0.05, 100, 1e-5)
+  three = dp_accounting.rdp.RdpAccountant().compose(base, 3).get_epsilon(1e-5)
+  assert one < expected < three
+
+
+def test_tuned_calibration_meets_the_target_for_the_whole_tuning():
+  sigma = accounting.calibrate_noise_multiplier(2.0, 1e-5, 0.05, 100, tuning=TUNING)
+  assert accounting.dpsgd_epsilon(sigma, 0.05, 100, 1e-5, tuning=TUNING) <= 2.0
+  assert accounting.dpsgd_epsilon(0.99 * sigma, 0.05, 100, 1e-5, tuning=TUNING) > 2.0
+  assert sigma > accounting.calibrate_noise_multiplier(2.0, 1e-5, 0.05, 100)
+  budget = accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=0.05, steps=100,
+                                        tuning=TUNING)
+  assert budget.noise_multiplier == sigma and budget.tuning == TUNING
+  assert budget.epsilon <= 2.0 and budget.sgd_epsilon == budget.epsilon
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: accounting.dpsgd_epsilon(1.0, 0.1, 10, 1e-5, accountant="pld", tuning=TUNING),
+     ValueError, "accountant='rdp'"),
+    (lambda: accounting.calibrate_noise_multiplier(1.0, 1e-5, 0.1, 10, accountant="pld",
+                                                   tuning=TUNING), ValueError, "rdp"),
+    (lambda: accounting.plan_dpsgd_budget(1.0, 1e-5, sampling_prob=0.1, steps=10,
+                                          subspace_epsilon=0.1, tuning=TUNING),
+     ValueError, "subspace release"),
+    (lambda: accounting.check_tuning(accounting.HyperparameterTuning(0.5)), ValueError,
+     "mean must be >= 1"),
+    (lambda: accounting.check_tuning(accounting.HyperparameterTuning(1.0, 0.0)), ValueError,
+     "mean must exceed 1"),
+    (lambda: accounting.check_tuning(accounting.HyperparameterTuning(3.0, -1.0)), ValueError,
+     "shape"),
+    (lambda: accounting.check_tuning(accounting.HyperparameterTuning(math.nan)), ValueError,
+     "mean"),
+    (lambda: accounting.check_tuning((3.0, 0.0)), TypeError, "HyperparameterTuning"),
+    (lambda: accounting.tuning_event("event", TUNING), TypeError, "DpEvent"),
+])
+def test_tuning_bad_inputs(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def _tnb_pmf(k, eta, gamma):
+  """Papernot & Steinke's truncated negative binomial (η > 0), logarithmic (η = 0)."""
+  if eta == 0.0:
+    return (1 - gamma) ** k / (k * math.log(1 / gamma))
+  coef = math.exp(math.lgamma(k + eta) - math.lgamma(eta) - math.lgamma(k + 1))
+  return coef * (1 - gamma) ** k / (gamma ** -eta - 1)
+
+
+@pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, math.inf])
+def test_tuning_repetitions_follow_the_law_the_accountant_assumes(shape):
+  """K's law, by a χ²-style check of the first counts against Papernot & Steinke's pmf
+  (Poisson: e^{−μ}μ^k/k!), 4,000 draws; γ gives the requested mean exactly."""
+  import jax
+  import numpy as np
+  from scipy import stats
+  tuning = accounting.HyperparameterTuning(3.0, shape)
+  if math.isinf(shape):
+    assert accounting.tuning_gamma(tuning) is None
+    pmf = lambda k: stats.poisson.pmf(k, 3.0)  # noqa: E731
+    support = range(0, 8)
+  else:
+    gamma = accounting.tuning_gamma(tuning)
+    assert sum(k * _tnb_pmf(k, shape, gamma) for k in range(1, 3000)) == pytest.approx(3.0,
+                                                                                       rel=1e-6)
+    pmf = lambda k: _tnb_pmf(k, shape, gamma)  # noqa: E731
+    support = range(1, 8)
+  draws = np.array([accounting.tuning_repetitions(k, tuning)
+                    for k in jax.random.split(jax.random.key(7), 4000)])
+  if not math.isinf(shape):
+    assert draws.min() >= 1
+  observed = np.array([np.sum(draws == k) for k in support] + [np.sum(draws > max(support))])
+  probs = np.array([pmf(k) for k in support])
+  expected = 4000 * np.append(probs, 1 - probs.sum())
+  assert stats.chisquare(observed, expected).pvalue > 1e-3
+  again = accounting.tuning_repetitions(jax.random.key(3), tuning)
+  assert again == accounting.tuning_repetitions(jax.random.key(3), tuning)

@@ -8,19 +8,23 @@ import json
 import subprocess
 import sys
 
+import dp_accounting
+import dp_accounting.rdp
+import jax
 import numpy as np
 import pytest
 
-from dpjax import demo
+from dpjax import accounting, demo
 from dpjax import subspace
 from dpjax.sgd import training
 
 METHODS = {"non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private_input_subspace",
            "subspace_dp_sgd_private", "public_subspace", "subspace_dp_sgd_public"}
 ROW_KEYS = {"method", "epsilon", "delta", "test_accuracy", "subspace_ok", "seed", "status", "note",
-            "n_private", "rank", "noise_multiplier", "learning_rate"}
+            "n_private", "rank", "noise_multiplier", "learning_rate", "tuning", "runs",
+            "accountant"}
 REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "steps", "neighbouring",
-               "accountant", "epsilon", "delta", "subspace_epsilon_fraction", "learning_rates",
+               "epsilon", "delta", "subspace_epsilon_fraction", "learning_rates", "tuning",
                "winner", "privacy_note", "summary", "results"}
 RANKS = {"gep_trajectory": 8, "private_input_subspace": "k", "subspace_dp_sgd_private": "k",
          "public_subspace": "k",
@@ -49,11 +53,34 @@ def _run_cli(args, json_path, *, expect_exit=0):
   return json.loads(json_path.read_text(encoding="utf-8")), proc.stdout
 
 
+def _check_tuned_sigma(report, row):
+  """σ of a privately tuned row: the repeat-and-select event of its T sampled Gaussian steps
+  (logarithmic K with the grid's size as mean) is (ε, δ)-DP by dp_accounting's RDP accountant,
+  and 1% less noise is not."""
+  n = row["n_private"]
+  L = next(v for k, v in BATCH.items() if report["n_train"] in k)
+
+  def eps(sigma):
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        L / n, dp_accounting.GaussianDpEvent(sigma)), report["steps"])
+    event = dp_accounting.dp_event.RepeatAndSelectDpEvent(
+        event, float(len(report["learning_rates"])), 0.0)
+    return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(report["delta"])
+
+  assert eps(row["noise_multiplier"]) <= report["epsilon"] * (1 + 1e-6)
+  assert eps(0.99 * row["noise_multiplier"]) > report["epsilon"]
+
+
+# Expected batch size by the runs' n_train (digits at the defaults, the user data below).
+BATCH = {(1294,): 128, (360,): 32}
+
+
 def _check_schema(report, *, epsilon, delta):
   assert set(report) == REPORT_KEYS
   assert {r["method"] for r in report["results"]} == METHODS == {m for m, _ in demo.METHODS}
-  assert report["accountant"] == "pld" and report["neighbouring"] == "ADD_OR_REMOVE_ONE"
+  assert report["neighbouring"] == "ADD_OR_REMOVE_ONE"
   assert sorted(m for m in METHODS if "public" in m) == sorted(demo.PUBLIC_METHODS)
+  tuned = len(report["learning_rates"]) > 1
   for r in report["results"]:
     assert set(r) == ROW_KEYS
     assert r["status"] in ("ok", "not_runnable", "failed")
@@ -63,6 +90,17 @@ def _check_schema(report, *, epsilon, delta):
       rank = RANKS.get(r["method"])
       assert r["rank"] == (report["k"] if rank == "k" else rank)
       assert (r["noise_multiplier"] == 0) == (r["method"] == "non_private")
+      # Every DP method's (ε, δ) covers its learning-rate choice: tuned privately (RDP,
+      # Papernot–Steinke: σ meets (ε, δ) for the repeat-and-select event, recomputed here by
+      # dp_accounting itself), or not tuned at all (one run at the public fixed rate, PLD).
+      if r["method"] == "non_private":
+        assert r["tuning"] == "non_private" and r["accountant"] is None
+      elif tuned and r["method"] in demo.TUNED_PRIVATELY:
+        assert r["tuning"] == "private" and r["accountant"] == "rdp" and r["runs"] >= 1
+        _check_tuned_sigma(report, r)
+      else:
+        assert r["tuning"] == "fixed" and r["accountant"] == "pld" and r["runs"] == 1
+        assert r["learning_rate"] == report["tuning"]["fixed_learning_rate"]
     else:
       assert r["note"], r
       assert r["test_accuracy"] is None and r["epsilon"] is None and r["delta"] is None
@@ -107,7 +145,8 @@ def test_demo_epsilon_1_finishes_and_writes_json_and_plot(tmp_path):
   assert demo.exit_status(report) == 0
   assert plot.stat().st_size > 1000
   assert "status" in printed and "public only because this experiment" in printed
-  assert "PLD accountant" in printed and "add/remove-one" in printed and "won: " in printed
+  assert "tuning included" in printed and "add/remove-one" in printed and "won: " in printed
+  assert "tuned privately" in printed
   assert "not_runnable" in printed if private["status"] == "not_runnable" else True
 
 
@@ -242,3 +281,30 @@ def test_demo_at_default_settings_learns_privately(tmp_path):
     assert rows[m]["epsilon"] <= 2.0 + 1e-9 and rows[m]["delta"] <= 1e-5 * (1 + 1e-9)
   assert report["winner"]["method"] in METHODS - {"non_private"}
   assert demo.exit_status(report) == 0
+
+
+def test_private_tuning_draws_its_runs_from_one_split_of_the_seed_key():
+  """A seed's tuning: K from the logarithmic law with the grid's size as mean (the draw
+  accounting.tuning_repetitions makes from the first stream), the rates uniform over the grid,
+  K distinct run keys; deterministic per key. One rate: nothing to tune."""
+  grid = [0.01, 0.03, 0.1]
+  plan = demo.tuning_plan(grid)
+  assert plan == accounting.HyperparameterTuning(3.0, 0.0)
+  assert demo.tuning_plan([0.1]) is None
+  counts, picks = [], []
+  for seed in range(300):
+    key = jax.random.key(seed)
+    keys, lrs = demo.tuning_runs(key, plan, grid)
+    assert len(keys) == len(lrs) == accounting.tuning_repetitions(jax.random.split(key, 3)[0],
+                                                                  plan) >= 1
+    assert set(lrs) <= set(grid)
+    data = {tuple(np.asarray(jax.random.key_data(k))) for k in keys}
+    assert len(data) == len(keys)
+    again = demo.tuning_runs(key, plan, grid)
+    assert again[1] == lrs
+    counts.append(len(keys))
+    picks += lrs
+  # Mean 3 (the logarithmic law's sd is ~3.8 here: 300 draws put the mean within ±0.7 at 3 sd).
+  assert abs(np.mean(counts) - 3.0) < 0.7
+  shares = [picks.count(lr) / len(picks) for lr in grid]
+  assert all(abs(s - 1 / 3) < 0.06 for s in shares), shares

@@ -496,13 +496,15 @@ def embedding_residual_noise(bases, *, embedding_clip: float, residual_clip: flo
 
   def update_fn(updates, state, params=None):
     del params
-    next_key, noise_key = jax.random.split(state.key)
+    # One split into named streams (issue 34 §2): the next state's key, the embedding's and the
+    # residual's noise. With JAX's partitionable threefry (the default) split(k, 3)[:2] is
+    # split(k, 2), so the embedding draws are dp_gaussian_noise's (identity bases: the same).
+    next_key, noise_key, residual_key = jax.random.split(state.key, 3)
     emb, treedef = jax.tree_util.tree_flatten(updates["embedding"])
     res = treedef.flatten_up_to(updates["residual"])
     Us = treedef.flatten_up_to(state.bases)
-    # The embedding draws use dp_gaussian_noise's key layout (identity bases: the same draws).
     keys = jax.random.split(noise_key, len(emb))
-    residual_keys = jax.random.split(jax.random.fold_in(noise_key, 1), len(emb))
+    residual_keys = jax.random.split(residual_key, len(emb))
     out = []
     for e, r, U, k, k_r in zip(emb, res, Us, keys, residual_keys):
       dtype = jnp.promote_types(e.dtype, jnp.float32)

@@ -24,9 +24,9 @@ multiplier σ and are accounted as DP-SGD (``dpjax.accounting.plan_dpsgd_budget`
   ``input_rank`` eigenvectors of Analyze Gauss's noisy second moment of the private rows' inputs
   (:func:`dpjax.subspace.analyze_gauss`, rows clipped to the public ``input_clip_norm``, at
   ``(ε_s, δ_s) = (input_epsilon_fraction·ε, input_delta_fraction·δ)``; one release per run, from
-  the run's own key), used after clipping as ``public_subspace`` uses its basis (the noise scaled
-  by the released basis's norm bound); DP-SGD gets the rest of the budget
-  (:func:`dpjax.accounting.plan_dpsgd_budget`, basic composition). docs/algorithms.md §6.5.
+  its own stream of the run's key, :func:`run_keys`), used after clipping as ``public_subspace``
+  uses its basis (the noise scaled by the released basis's norm bound); DP-SGD gets the rest of
+  the budget (:func:`dpjax.accounting.plan_dpsgd_budget`, basic composition). §6.5.
 * ``public_subspace`` (public data): the first layer's noise lives in the top principal
   directions of the public rows' inputs (:func:`layer_subspace_noise`, after clipping; the basis
   is public, so its norm bound is a public fact). The public rows must not be among ``data``.
@@ -136,11 +136,23 @@ class RouteRun(NamedTuple):
       :class:`dpjax.sgd.TwoSidedBasis` of stacked factors), the public basis for
       ``public_subspace``, the released Analyze Gauss bases ``(K, d, rank)`` for
       ``private_input_subspace``, else None.
+    epsilon, delta: the guarantee of ONE run (add/remove-one; None for ``non_private``) — or,
+      with ``tuning``, of the tuning's one released run (the best of a drawn number of runs).
+    num_runs: K, the runs trained (one per key) on the same rows.
+    all_runs_epsilon, all_runs_delta: what releasing all K runs costs, ``(K·ε_1, K·δ)`` by
+      basic composition with ε_1 one run's ε at δ (an accountant may give less); None for
+      ``non_private``. The K runs are K releases of the same rows: compare them only on data
+      the guarantee does not cover, and publish one (or account for all).
   """
   params: Any
   noise_multiplier: float
   rank: int | None
   bases: Any = None
+  epsilon: float | None = None
+  delta: float | None = None
+  num_runs: int = 1
+  all_runs_epsilon: float | None = None
+  all_runs_delta: float | None = None
 
 
 def route_rank(route: str, settings: RouteSettings = RouteSettings()) -> int | None:
@@ -183,13 +195,34 @@ def public_input_basis(public_inputs: np.ndarray, rank: int) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def noise_multiplier(epsilon: float, delta: float, sampling_prob: float, steps: int,
                      accountant: str = "pld", subspace_epsilon: float = 0.0,
-                     subspace_delta: float = 0.0) -> float:
+                     subspace_delta: float = 0.0,
+                     tuning: accounting.HyperparameterTuning | None = None) -> float:
   """σ of ``steps`` Poisson-sampled Gaussian releases at what ``(ε, δ)`` leaves after a
-  subspace release of ``(ε_s, δ_s)`` (basic composition), add/remove-one."""
+  subspace release of ``(ε_s, δ_s)`` (basic composition), add/remove-one; with ``tuning``, σ
+  of each run of a Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP)."""
   return accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=sampling_prob, steps=steps,
                                       subspace_epsilon=subspace_epsilon,
-                                      subspace_delta=subspace_delta,
-                                      accountant=accountant).noise_multiplier
+                                      subspace_delta=subspace_delta, accountant=accountant,
+                                      tuning=tuning).noise_multiplier
+
+
+class RunKeys(NamedTuple):
+  """The disjoint streams of one run: one ``split`` of the run's key into named purposes.
+
+  ``subspace`` seeds ``private_input_subspace``'s Analyze Gauss release, a release of its own:
+  it must not share randomness with the SGD noise (``noise``), the Poisson samples (``sample``)
+  or the initialisation (``init``). Never derive another stream from the run's key by
+  ``fold_in``: with JAX's partitionable threefry ``fold_in(key, i)`` is ``split(key, n)[i]``.
+  """
+  init: jax.Array
+  noise: jax.Array
+  sample: jax.Array
+  subspace: jax.Array
+
+
+def run_keys(key: jax.Array) -> RunKeys:
+  """:class:`RunKeys` of a run's key (traceable)."""
+  return RunKeys(*jax.random.split(key, 4))
 
 
 def _with_key(state, key):
@@ -282,7 +315,7 @@ def _train(keys, lrs, X, y, states, edge_std, run_bases, run_stds, *, txs, route
   ema = settings.weight_ema
 
   def one(key, lr, run_basis, run_std):
-    k_init, k_noise, k_sample = jax.random.split(key, 3)
+    k_init, k_noise, k_sample, _ = run_keys(key)
     params = init_fn(k_init)
     noise_states = [_with_key(st, k) for st, k in
                     zip(states, jax.random.split(k_noise, max(1, len(states))))]
@@ -371,13 +404,13 @@ def _shapes(params) -> tuple:
 
 
 def _private_input_bases(keys, X, state, template, eps_s, delta_s, settings):
-  """One Analyze Gauss release per run (its key folded from the run's key), the basis
+  """One Analyze Gauss release per run (the run's ``subspace`` stream), the basis
   ``(K, d, r)`` and the noise std ``(K,)`` that :func:`update_layer_bases` computes for it
   (σC times the released basis's norm bound, on the host)."""
   bases, stds = [], []
   for key in keys:
     basis = np.asarray(subspace_lib.analyze_gauss(
-        jax.random.fold_in(key, 1), X, epsilon=eps_s, delta=delta_s, k=settings.input_rank,
+        run_keys(key).subspace, X, epsilon=eps_s, delta=delta_s, k=settings.input_rank,
         clip_norm=settings.input_clip_norm).basis, np.float32)
     swapped = layer_subspaces.update_layer_bases(state, first_layer_bases(template, basis))
     bases.append(basis)
@@ -389,7 +422,8 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
                 loss_fn: Callable, epsilon: float | None, delta: float | None, steps: int,
                 expected_batch_size: int, public_inputs=None,
                 settings: RouteSettings = RouteSettings(),
-                accountant: str = "pld") -> RouteRun:
+                accountant: str = "pld",
+                tuning: accounting.HyperparameterTuning | None = None) -> RouteRun:
   """Trains one route (see the module docstring) once per (key, learning rate) pair.
 
   Each run: ``params = init_fn(k_init)``; ``steps`` steps of Poisson sampling (rate ``L/N``)
@@ -404,8 +438,17 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   for the replace-one sensitivity 2C_x², so also ``(ε_s, δ_s)``-DP under add/remove-one, whose
   sensitivity is C_x² — and the SGD steps are calibrated to ``(ε − ε_s, δ − δ_s)``: the total
   is ``(ε, δ)`` by basic (adaptive) composition). ``oracle_subspace``
-  (:data:`DIAGNOSTIC_ROUTES`) is NOT private: its bases read all of ``data``. The learning rates
-  are public inputs: choosing them on private rows is a cost this function does not account.
+  (:data:`DIAGNOSTIC_ROUTES`) is NOT private: its bases read all of ``data``.
+
+  The guarantee is per run. The K runs are K releases of the same rows: releasing all of them,
+  or choosing among them by anything computed from ``data``, costs more — up to ``K·ε`` by basic
+  composition (``RouteRun.all_runs_epsilon``). The learning rates are public inputs: choosing
+  them on private rows is a cost this function does not account, except through ``tuning``:
+  then σ is calibrated (RDP) so that Papernot & Steinke's random-stopping tuning — draw K by
+  :func:`dpjax.accounting.tuning_repetitions`, train K runs with learning rates drawn from a
+  public distribution, release only the best by a score on rows the guarantee does not cover —
+  is (ε, δ)-DP as a whole (:func:`dpjax.accounting.tuning_event`). The caller draws K and the
+  rates; this function trains whatever runs it is given.
 
   Args:
     route: one of :data:`ROUTES` or :data:`DIAGNOSTIC_ROUTES`.
@@ -421,9 +464,13 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     public_inputs: ``(n_pub, d)`` public rows for ``public_subspace`` (disjoint from ``data``).
     settings: the routes' hyperparameters.
     accountant: ``"pld"`` or ``"rdp"``.
+    tuning: optional :class:`dpjax.accounting.HyperparameterTuning` (above; needs
+      ``accountant="rdp"``; not for ``private_input_subspace``, whose subspace release is
+      composed by basic composition and has no RDP curve to repeat).
 
   Returns:
-    :class:`RouteRun` (params stacked over the K runs, σ, the subspace rank).
+    :class:`RouteRun` (params stacked over the K runs, σ, the subspace rank, one run's
+    guarantee and what all K cost together).
 
   Raises:
     ValueError: an unknown route, mismatched keys and learning rates, a public route without
@@ -431,8 +478,9 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
       bad sizes, ``settings.gep_edge_scale`` not None and not > 0, ``settings.oracle_rank`` or
       ``settings.oracle_refresh`` < 1; for ``private_input_subspace`` ``settings.input_rank``
       outside ``[1, d]``, a fraction outside (0, 1) or ``input_clip_norm`` not > 0.
+      With ``tuning``: a bad mean or shape, ``accountant="pld"``, or ``private_input_subspace``.
     TypeError: ``settings.oracle_rank``, ``settings.oracle_refresh`` or ``settings.input_rank``
-      not an integer.
+      not an integer; ``tuning`` not a :class:`dpjax.accounting.HyperparameterTuning`.
   """
   if route not in ROUTES + DIAGNOSTIC_ROUTES:
     raise ValueError(f"route must be one of {ROUTES + DIAGNOSTIC_ROUTES}, got {route!r}.")
@@ -477,8 +525,12 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   # The basis's (ε_s, δ_s) (private_input_subspace only), composed with the SGD steps.
   eps_s = settings.input_epsilon_fraction * float(epsilon) if private_input else 0.0
   delta_s = settings.input_delta_fraction * float(delta) if private_input else 0.0
+  if tuning is not None:
+    tuning = accounting.check_tuning(tuning)
+    if route == "non_private":
+      tuning = None                       # nothing private to tune: the argument is ignored
   sigma = 0.0 if route == "non_private" else noise_multiplier(
-      float(epsilon), float(delta), batch / n, steps, accountant, eps_s, delta_s)
+      float(epsilon), float(delta), batch / n, steps, accountant, eps_s, delta_s, tuning)
   microbatch = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
   # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
   edge_std = jnp.float32((1.0 if scale is None else scale)
@@ -499,4 +551,19 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     bases = jnp.asarray(basis)
   elif private_input:
     bases = jnp.asarray(run_bases)
-  return RouteRun(params, float(sigma), route_rank(route, settings), bases)
+  guarantee = {} if route == "non_private" else _run_guarantee(
+      float(epsilon), float(delta), len(lrs), sigma, batch / n, steps, accountant, tuning,
+      private=route in ROUTES)
+  return RouteRun(params, float(sigma), route_rank(route, settings), bases, num_runs=len(lrs),
+                  **guarantee)
+
+
+def _run_guarantee(epsilon, delta, runs, sigma, q, steps, accountant, tuning, *, private):
+  """``RouteRun``'s guarantee fields: one run's (or the tuning's) (ε, δ) and all runs' cost by
+  basic composition (one run alone: ε_1 at σ and δ; with a subspace share, the target ε)."""
+  if not private:                            # oracle_subspace: no guarantee at all
+    return {}
+  one = epsilon if tuning is None else accounting.dpsgd_epsilon(sigma, q, steps, delta,
+                                                                accountant=accountant)
+  return dict(epsilon=epsilon, delta=delta, all_runs_epsilon=runs * one,
+              all_runs_delta=min(1.0, runs * delta))

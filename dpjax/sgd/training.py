@@ -50,7 +50,8 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                  accountant: str = "rdp", ledger=None, clipping: str = "clip",
                  stability: float = per_example.DEFAULT_STABILITY,
                  weight_ema: float | None = None, mesh: jax.sharding.Mesh | None = None,
-                 data_axis: str = distributed.DATA_AXIS) -> TrainResult:
+                 data_axis: str = distributed.DATA_AXIS,
+                 tuning: accounting.HyperparameterTuning | None = None) -> TrainResult:
   """Trains ``params`` with DP-SGD at a total (ε, δ), the subspace's cost included.
 
   Each step is one jitted program: Poisson sampling with rate ``q = L/N`` drawn on the device and
@@ -119,6 +120,13 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     mesh: optional ``jax.sharding.Mesh`` (e.g. :func:`dpjax.sgd.data_mesh`) to shard the
       examples over (data parallelism; above). The privacy unit is still one example.
     data_axis: the mesh axis the examples are sharded over (default "data").
+    tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ is calibrated (RDP) for
+      one run of a Papernot–Steinke private tuning, so that the best of a drawn number K of
+      runs (:func:`dpjax.accounting.tuning_repetitions`; hyperparameters drawn from a public
+      distribution, the best chosen on rows the guarantee does not cover) is
+      ``(budget.epsilon, budget.delta)``-DP as a whole. Call this function once per run; this
+      run alone then costs less than ε. Needs ``accountant="rdp"``, ``subspace != "private"``
+      and no ``ledger`` (record :func:`dpjax.accounting.tuning_event` once for the tuning).
 
   Returns:
     :class:`TrainResult`.
@@ -130,7 +138,8 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     ValueError: ``data_axis`` not an axis of ``mesh``; NaN/inf in ``data`` or ``public_data``;
       ε ≤ 0, δ ∉ (0, 1); ``L > N``; C ≤ 0; an unknown ``clipping`` or γ ≤ 0; ``weight_ema ∉ (0, 1)``;
       ``k ∉ [1, p]``; fractions ∉ (0, 1); missing ``k`` / ``public_data`` / ``gamma``; an
-      unknown ``subspace``; ``refresh_every`` without a public subspace; no σ meets the budget.
+      unknown ``subspace``; ``refresh_every`` without a public subspace; no σ meets the budget;
+      ``tuning`` with ``accountant="pld"``, a private subspace or a ledger.
     dpjax.ledger.BudgetExceededError: the plan does not fit ``ledger`` (nothing has run).
 
   References:
@@ -187,10 +196,14 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
   eval_every = v.check_int(eval_every or steps, "eval_every", low=1)
   q = batch / n
+  if tuning is not None and ledger is not None:
+    raise ValueError("tuning with a ledger: one call is one run of the tuning, whose cost is "
+                     "the whole tuning's; record accounting.tuning_event(...) in the ledger once "
+                     "instead of passing it here.")
 
   budget = accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=q, steps=steps,
                                         subspace_epsilon=sub_eps, subspace_delta=sub_delta,
-                                        accountant=accountant)
+                                        accountant=accountant, tuning=tuning)
   k_subspace, k_noise, k_sample = jax.random.split(key, 3)
 
   if ledger is not None:

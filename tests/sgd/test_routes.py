@@ -231,7 +231,7 @@ def test_gep_two_sided_bases_are_orthonormal_factor_pairs(data):
 def test_private_input_subspace_pays_its_share_and_releases_one_basis_per_run(data):
   """private_input_subspace: σ is DP-SGD's at (ε − ε_s, δ − δ_s) (basic composition with the
   Analyze Gauss release at (ε_s, δ_s), total ≤ (ε, δ)); each run's basis is Analyze Gauss on
-  the rows' inputs with a key folded from the run's key (orthonormal, equal for equal keys,
+  the rows' inputs with the run's own subspace stream (routes.run_keys; orthonormal, equal for equal keys,
   different otherwise); its noise std is σC times that basis's norm bound. At ε = 0.5:
   (ε_s, δ_s) = (0.1, 0.3e-5)."""
   settings = sgd.RouteSettings(input_rank=3, input_epsilon_fraction=0.2,
@@ -244,7 +244,7 @@ def test_private_input_subspace_pays_its_share_and_releases_one_basis_per_run(da
   eps_sgd = accounting.dpsgd_epsilon(run.noise_multiplier, 32 / N, 4, 1e-5 - 0.3e-5,
                                      accountant="rdp")
   assert 0.399 < eps_sgd <= 0.4 + 1e-9 and 0.1 + eps_sgd <= 0.5 + 1e-9
-  expected = subspace.analyze_gauss(jax.random.fold_in(keys[1], 1), data[0], epsilon=0.1,
+  expected = subspace.analyze_gauss(routes.run_keys(keys[1]).subspace, data[0], epsilon=0.1,
                                     delta=0.3e-5, k=3, clip_norm=2.0).basis
   np.testing.assert_allclose(run.bases[1], expected, atol=1e-6)
   assert not np.allclose(np.abs(run.bases[0]), np.abs(run.bases[1]), atol=1e-2)
@@ -300,6 +300,12 @@ def test_oracle_settings_must_be_integers(data):
     ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=2, input_clip_norm=0.0)},
      "input_clip_norm"),
     ("oracle_subspace", {"settings": sgd.RouteSettings(oracle_refresh=0)}, "oracle_refresh"),
+    ("dp_sgd", {"tuning": accounting.HyperparameterTuning(3.0)}, "accountant='rdp'"),
+    ("dp_sgd", {"tuning": accounting.HyperparameterTuning(0.5), "accountant": "rdp"},
+     "tuning.mean"),
+    ("private_input_subspace", {"tuning": accounting.HyperparameterTuning(3.0),
+                                "accountant": "rdp",
+                                "settings": sgd.RouteSettings(input_rank=2)}, "subspace release"),
 ])
 def test_bad_arguments_raise_clear_errors(route, kwargs, match, data):
   args = {"learning_rates": [0.1], "init_fn": INIT, "expected_batch_size": 32,
@@ -309,4 +315,24 @@ def test_bad_arguments_raise_clear_errors(route, kwargs, match, data):
                     init_fn=args["init_fn"], loss_fn=demo.example_loss, epsilon=1.0,
                     delta=1e-5, steps=4, expected_batch_size=args["expected_batch_size"],
                     public_inputs=args["public_inputs"],
-                    settings=args.get("settings", sgd.RouteSettings()))
+                    settings=args.get("settings", sgd.RouteSettings()),
+                    accountant=args.get("accountant", "pld"), tuning=args.get("tuning"))
+
+
+def test_route_runs_state_one_runs_guarantee_and_what_all_runs_cost(data):
+  """K runs on the same rows: each is (ε, δ)-DP, all K together cost K·ε by basic composition
+  (issue 34 §5). With a Papernot–Steinke tuning, σ is the tuning's (RDP) and the stated (ε, δ)
+  covers the released best run; all runs cost K times one run's ε at that σ."""
+  keys = jnp.stack([jax.random.key(0), jax.random.key(1), jax.random.key(2)])
+  run = _run("dp_sgd", data, keys, init=LINEAR, epsilon=0.5, steps=2)
+  assert (run.epsilon, run.delta, run.num_runs) == (0.5, 1e-5, 3)
+  assert run.all_runs_epsilon == pytest.approx(1.5) and run.all_runs_delta == pytest.approx(3e-5)
+  tuning = accounting.HyperparameterTuning(3.0)
+  tuned = _run("dp_sgd", data, keys[:2], init=LINEAR, epsilon=0.5, steps=2, tuning=tuning)
+  assert tuned.noise_multiplier == accounting.calibrate_noise_multiplier(
+      0.5, 1e-5, 32 / N, 2, tuning=tuning) > run.noise_multiplier
+  assert (tuned.epsilon, tuned.num_runs) == (0.5, 2)
+  one = accounting.dpsgd_epsilon(tuned.noise_multiplier, 32 / N, 2, 1e-5)
+  assert one < 0.5 and tuned.all_runs_epsilon == pytest.approx(2 * one)
+  free = _run("non_private", data, keys[:1], init=LINEAR, steps=2, tuning=tuning)
+  assert free.epsilon is None and free.all_runs_epsilon is None and free.noise_multiplier == 0

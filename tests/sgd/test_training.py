@@ -15,6 +15,7 @@ import pytest
 from dp_accounting import NeighboringRelation
 
 from dpjax import accounting, data, sgd
+from dpjax.ledger import PrivacyLedger
 from helpers import normal
 
 N, D, K = 8_000, 20, 3
@@ -170,6 +171,11 @@ def test_private_subspace_bottom_falls_back_to_plain_dp_sgd_and_pays():
     (dict(clipping="flat"), "clipping"),
     (dict(clipping="normalize", stability=-1.0), "stability"),
     (dict(weight_ema=1.0), "weight_ema"),
+    (dict(tuning=accounting.HyperparameterTuning(3.0), accountant="pld"), "accountant='rdp'"),
+    (dict(tuning=accounting.HyperparameterTuning(3.0), accountant="rdp", subspace="private",
+          k=2, gamma=0.1), "subspace release"),
+    (dict(tuning=accounting.HyperparameterTuning(3.0), accountant="rdp",
+          ledger=PrivacyLedger(1.0, 1e-5)), "tuning_event"),
 ])
 def test_bad_arguments(kwargs, match):
   X, y = _low_rank()[0]
@@ -177,6 +183,18 @@ def test_bad_arguments(kwargs, match):
   key, optimizer = args.pop("key", jax.random.key(0)), args.pop("optimizer", OPT)
   with pytest.raises((ValueError, TypeError), match=match):
     sgd.train_dp_sgd(key, _loss, jnp.zeros(D), (X, y), optimizer, **args)
+
+
+def test_a_tuning_run_is_calibrated_for_the_whole_tuning():
+  """With ``tuning``, σ is the one that makes the best of the drawn runs (ε, δ)-DP (RDP), and
+  the budget says so: a single run at that σ costs less than ε."""
+  tuning = accounting.HyperparameterTuning(3.0)
+  res = _train(0, _low_rank()[0], accountant="rdp", tuning=tuning)
+  q = 200 / N
+  assert res.budget.tuning == tuning and res.budget.epsilon <= 4.0
+  assert res.budget.noise_multiplier == accounting.calibrate_noise_multiplier(
+      4.0, 1e-5, q, 2, tuning=tuning)
+  assert accounting.dpsgd_epsilon(res.budget.noise_multiplier, q, 2, 1e-5) < 4.0
 
 
 def test_non_finite_data_is_refused_before_anything_runs():
