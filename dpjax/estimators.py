@@ -161,7 +161,9 @@ class PrivateLogisticRegression(ClassifierMixin, BaseEstimator):
   Guarantee: (ε, 0)-DP under replace-one neighbours for rows of norm ≤ ``data_norm`` and the
   label set ``classes``, both public, and up to the approximate-minimiser caveat of
   :mod:`dpjax.classic.erm`. No intercept (``intercept_`` is zero): append a public constant
-  column, with ``data_norm`` covering it, to fit one.
+  column, with ``data_norm`` covering it, to fit one. ``coef_`` is released on a public
+  power-of-two grid by default (``release="grid"``: float-safe for output perturbation, a
+  post-processing rounding for objective perturbation; see :mod:`dpjax.classic.erm`).
 
   Args:
     epsilon: ε > 0.
@@ -172,6 +174,9 @@ class PrivateLogisticRegression(ClassifierMixin, BaseEstimator):
     classes: the public label set (None: read off the data, with a PrivacyLeakWarning).
     random_state: see the module docstring.
     tol, max_iter: the optimiser's gradient-norm target and iteration cap.
+    release: ``"grid"`` (default) or ``"raw"`` (the float64 coefficients themselves, ε-DP in
+      real arithmetic only), passed to :mod:`dpjax.classic.erm` (validated there: a
+      ``ValueError`` naming ``release`` otherwise).
 
   Attributes:
     coef_: ``(1, d)`` for two classes (positive class ``classes_[1]``), else ``(K, d)``.
@@ -184,7 +189,7 @@ class PrivateLogisticRegression(ClassifierMixin, BaseEstimator):
   def __init__(self, *, epsilon: float = 1.0, method: str = "objective",
                regularization: float | None = None, data_norm: float | None = None,
                classes=None, random_state=None, tol: float = erm.DEFAULT_TOL,
-               max_iter: int = erm.DEFAULT_MAX_ITERATIONS):
+               max_iter: int = erm.DEFAULT_MAX_ITERATIONS, release: str = "grid"):
     self.epsilon = epsilon
     self.method = method
     self.regularization = regularization
@@ -193,6 +198,7 @@ class PrivateLogisticRegression(ClassifierMixin, BaseEstimator):
     self.random_state = random_state
     self.tol = tol
     self.max_iter = max_iter
+    self.release = release
 
   def fit(self, X, y):
     """Fits on ``X (n, d)`` and labels ``y (n,)``. Returns self."""
@@ -217,7 +223,7 @@ class PrivateLogisticRegression(ClassifierMixin, BaseEstimator):
     norm = self.data_norm_ = _data_norm(X, self.data_norm)
     key = _key(self.random_state)
     common = dict(epsilon=self.epsilon, regularization=self.regularization, data_norm=norm,
-                  clip=True, tol=self.tol, max_iterations=self.max_iter)
+                  clip=True, tol=self.tol, max_iterations=self.max_iter, release=self.release)
     index = np.searchsorted(classes, y)
     if classes.size == 2:
       fit = (erm.objective_perturbation if self.method == "objective"

@@ -51,7 +51,9 @@ def test_fit_private_pca(method):
   np.testing.assert_array_equal(X, X_copy)                      # the caller's array untouched
   assert est.components_.shape == (2, 8) and Z.shape == (300, 2) and est.ok_
   np.testing.assert_allclose(est.components_ @ est.components_.T, np.eye(2), atol=1e-5)
-  assert abs(est.components_[0, 0]) > 0.9        # the top direction e1 at a large ε
+  # The top direction e1 lies in the private subspace at a large ε (a statement about the
+  # subspace: ppca's basis is Haar within it, its columns in no order).
+  assert np.linalg.norm(est.components_[:, 0]) > 0.9
   assert est.result_.epsilon == 50.0
   again = PrivatePCA(n_components=2, epsilon=50.0, method=method, data_norm=1.0,
                      random_state=3).fit(X)
@@ -112,3 +114,24 @@ def test_rows_above_the_public_bound_are_clipped_not_rescaled():
   a = PrivatePCA(n_components=1, data_norm=1.0, random_state=0).fit(big)
   b = PrivatePCA(n_components=1, data_norm=1.0, random_state=0).fit(clipped)
   np.testing.assert_allclose(a.components_, b.components_, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["output", "objective"])
+def test_logistic_regression_passes_the_release_through(method):
+  """``release`` reaches the learner: the default coefficients lie on the public grid (integer
+  multiples of ``info["grid"]/data_norm``; data_norm = 1 here, so exactly), ``"raw"`` gives the
+  float64 value of the same key, close to it (the exact bound is tested in
+  tests/classic/test_erm.py), and a bad value raises naming the argument."""
+  X, y = _digits_like(n=200)
+  grid = PrivateLogisticRegression(epsilon=5.0, method=method, data_norm=1.0, classes=[0, 1],
+                                   random_state=2).fit(X, y)
+  raw = PrivateLogisticRegression(epsilon=5.0, method=method, data_norm=1.0, classes=[0, 1],
+                                  random_state=2, release="raw").fit(X, y)
+  assert grid.result_.info["release"] == "grid" and raw.result_.info["release"] == "raw"
+  step = grid.result_.info["grid"]
+  scaled = grid.coef_ / step
+  np.testing.assert_array_equal(scaled, np.round(scaled))
+  assert not np.array_equal(raw.coef_ / step, np.round(raw.coef_ / step))
+  np.testing.assert_allclose(grid.coef_, raw.coef_, atol=0.01)
+  with pytest.raises(ValueError, match="release"):
+    PrivateLogisticRegression(data_norm=1.0, classes=[0, 1], release="bits").fit(X, y)

@@ -54,9 +54,51 @@ Three caveats, stated once for every function here:
 Under ``vmap`` (e.g. over keys) the solves run one after another inside the compiled program
 (``lax.map``), not batched; see ``_solver``.
 
-Floating point: the noise is continuous ℓ2-Laplace noise and the minimiser a float64
-computation, so the release is ε-DP in real arithmetic only; see
-:func:`dpjax.mechanisms.l2_laplace_mechanism` ("not float-safe, and why").
+Floating point (``release``, docs/algorithms.md §5.1, §1.10). A float64 value plus continuous
+noise is not safe to publish bit for bit: the set of floats ``f̂ + b`` can take depends on f̂
+(Mironov 2012). On neighbours that attain the sensitivity (Huber loss, one label flipped,
+``nΛ = 3``, ε = 4) the sign and the mantissa's parity of the raw release give an empirical
+ε ≥ 4.81 (100,000 runs a side; :func:`dpjax.audit.low_bits`, tests/audit/
+test_classic_erm_audits.py); an independent audit read ε ≥ 6.9 against a claim of 2 from the
+exact bits. Two releases, one compiled program:
+
+* ``"grid"`` (default), output perturbation. (1) Clamp each coordinate of the unit-scale f̂ to
+  the public ``[−R, R]``, ``R = sqrt(2ℓ(0)/Λ) + tol/Λ`` (``J(f*) ≤ J(0) = ℓ(0)`` and
+  ``J(f) ≥ (Λ/2)‖f‖²`` bound ``‖f*‖``; ``‖f̂ − f*‖ ≤ tol/Λ``): on valid data it never binds, and
+  a projection onto a convex set is 1-Lipschitz in ℓ2, so the sensitivity stays Δ₂. (2) Divide
+  by the public power-of-two step Λ_g of ``dpjax.mechanisms.discretization(Δ₂, d, R)`` (exact)
+  and round: the index ``i(X) ∈ ℤ^d`` moves by at most ``Δ_Λ = Δ₂/Λ_g + √d ≤ (1 + 2^-10)Δ₂/Λ_g``
+  between neighbours (each coordinate rounds by ≤ ½). (3) Draw b, ℓ2-Laplace with rate
+  ``β_g = ε/Δ_Λ`` per grid step, in float64, round it to the nearest integer vector k, and
+  release ``Λ_g(i(X) + k)/B``: integer-valued float64 below 2^51, so the sum and the product by
+  the power of two are exact; the division by B is post-processing (the coefficients are
+  ``fl(Λ_g·m/B)`` for an integer m, exact multiples of Λ_g/B when B is a power of two).
+  Privacy: the output is a function of the integer vector ``m = i(X) + k`` alone, so its set of
+  values is the same public lattice whatever the data. The law of k is the discretised
+  ℓ2-Laplace ``P(k) = ∫_cell(k) p(b) db`` (``cell(k) = k + [−½, ½)^d``, ``p ∝ e^{−β_g‖b‖}``), and
+  for any lattice shift s with ``‖s‖ ≤ Δ_Λ``, ``P(k)/P(k + s) ≤ e^{β_g‖s‖} ≤ e^ε``: the pointwise
+  ratio ``p(b)/p(b + s) ≤ e^{β_g‖s‖}`` integrated over the cell. So ``m`` is ε-DP under
+  replace-one for the ideal P. Residual, stated exactly: b is sampled in float64 (a Gamma norm
+  times a normalised Gaussian) and then rounded, so the implemented law of k only approximates P
+  — at cell boundaries, where the sample's relative rounding (about 2^-52 of ‖b‖, at most 2^-6
+  of a step anywhere the sampler reaches: ``erm_parameters`` keeps the mean noise within 2^40
+  steps) decides the cell, and in the far tail, which the sampler truncates (each exponential is
+  at most 52 ln 2). It is a sampler approximation of a data-independent law, not a
+  data-dependent output set: the floating-point attack has nothing to read.
+* ``"grid"``, objective perturbation: the released minimiser is rounded to the public
+  power-of-two step of ``discretization(2/(n(Λ + Δ)), d)`` (≤ 2^-11/√d of the non-private
+  minimiser's sensitivity per coordinate, far below the noise), not clamped (the perturbed
+  minimiser is not confined to the box above, and rounding to a power of two is exact at any
+  magnitude). This is post-processing of a release whose proof is in real arithmetic ([CMS11]
+  Theorem 9): it zeroes the low-order bits, but it is not a proof of float safety. (The
+  low-bits audit found no excess in the raw release either: 2.36 against a claim of 4 at
+  100,000 runs a side; the rounded one 2.29.)
+* ``"raw"``: the float64 value itself, today's release bit for bit: ε-DP in real arithmetic
+  only (the leak above; :func:`dpjax.mechanisms.l2_laplace_mechanism`, "not float-safe").
+
+``"grid"`` refuses (``ValueError``) scales float64 cannot hold as a lattice: R beyond 2^50
+steps, a mean noise norm ``d·Δ_Λ/ε`` beyond 2^40 steps (ε below about ``d^{3/2}·2^-29``), or
+``Λ_g/B`` outside float64's normal range (an extreme ``data_norm``).
 """
 
 from __future__ import annotations
@@ -75,11 +117,15 @@ from optax import tree_utils as otu
 from dpjax import _validation as v
 from dpjax import linalg
 from dpjax._host import float64
+from dpjax.mechanisms.grid import discretization
 from dpjax.mechanisms.l2_laplace import _noise
 from dpjax.results import ERMResult
 
 LOSSES = ("logistic", "huber")
 METHODS = ("output", "objective")
+# "grid" (default): the release lies on a public power-of-two lattice (module docstring,
+# "Floating point"); "raw": the float64 value itself, ε-DP in real arithmetic only.
+RELEASES = ("grid", "raw")
 DEFAULT_TOL = 1e-10
 DEFAULT_MAX_ITERATIONS = 1000
 # Λ = κ · sqrt(d/(n ε)) (see default_regularization); κ measured on digits and synthetic data.
@@ -87,6 +133,11 @@ REGULARIZATION_FACTORS = {"output": 0.3, "objective": 0.1}
 # Rows within a relative 1e-6 of the bound pass the check (float32 rounding of rows normalised to
 # norm B); the core clips them to the bound exactly, so the slack costs no privacy.
 _NORM_SLACK = 1e-6
+# The grid release of output perturbation keeps the mean noise norm at most 2^40 grid steps: the
+# float64 sampler's largest draw (a sum of d exponentials, each at most 52 ln 2 ≈ 36.04) is then
+# below 2^46 steps, the float64 noise resolves every cell it can reach to 2^-6 of a step or finer,
+# and the lattice index stays far below 2^53 (every output exact in float64).
+_MAX_MEAN_NOISE_STEPS = 2.0**40
 
 
 class ObjectivePerturbationBudget(NamedTuple):
@@ -114,10 +165,17 @@ class ERMParameters(NamedTuple):
     huber_width: h (used by ``"huber"`` only).
     regularization: Λ.
     extra_regularization: Δ (objective perturbation; 0 for output perturbation).
-    beta: the ℓ2-Laplace rate β of the noise b (density ∝ exp(−β‖b‖)).
+    beta: the ℓ2-Laplace rate β of the noise b (density ∝ exp(−β‖b‖)) in the units b is drawn
+      in: per unit-scale coefficient, except for the output method's ``"grid"`` release, where b
+      is drawn in grid steps (``β = ε/Δ_Λ``).
     data_norm: B, the public row-norm bound.
     tol: the gradient-norm target of the optimiser.
     max_iterations: the L-BFGS iteration cap.
+    release: ``"grid"`` or ``"raw"`` (module docstring, "Floating point").
+    grid: the public power-of-two step Λ_g of the ``"grid"`` release, in unit-scale
+      coefficients (1.0, unused, for ``"raw"``).
+    grid_bound: the public clamp R of the output method's ``"grid"`` release (``inf``
+      otherwise: objective perturbation's release is rounded, not clamped).
   """
   method: str
   loss: str
@@ -128,6 +186,9 @@ class ERMParameters(NamedTuple):
   data_norm: float
   tol: float
   max_iterations: int
+  release: str
+  grid: float
+  grid_bound: float
 
 
 def loss_curvature(loss: str, huber_width: float = 0.5) -> float:
@@ -197,26 +258,34 @@ def objective_perturbation_budget(n: int, epsilon: float, regularization: float,
 def erm_parameters(n: int, d: int, *, epsilon: float, method: str,
                    regularization: float | None = None, loss: str = "logistic",
                    huber_width: float = 0.5, data_norm: float = 1.0, tol: float = DEFAULT_TOL,
-                   max_iterations: int = DEFAULT_MAX_ITERATIONS) -> tuple[ERMParameters, dict]:
+                   max_iterations: int = DEFAULT_MAX_ITERATIONS,
+                   release: str = "grid") -> tuple[ERMParameters, dict]:
   """Validated public parameters of :func:`erm_core` and the public ``info`` that describes them.
 
   Output perturbation: ``β = ε/Δ₂`` with ``Δ₂ = 2/(nΛ) + 2·tol/Λ`` (module docstring, caveat 1;
-  ``nΛε/2`` up to the factor ``1/(1 + n·tol)``). Objective perturbation:
-  :func:`objective_perturbation_budget` with ``c = loss_curvature(loss, huber_width)``.
+  ``nΛε/2`` up to the factor ``1/(1 + n·tol)``); with ``release="grid"`` the grid
+  ``discretization(Δ₂, d, R)`` (step Λ_g, grid sensitivity Δ_Λ) and the rate ``ε/Δ_Λ`` per grid
+  step (module docstring, "Floating point"). Objective perturbation:
+  :func:`objective_perturbation_budget` with ``c = loss_curvature(loss, huber_width)``, and with
+  ``release="grid"`` the step of ``discretization(2/(n(Λ + Δ)), d)``.
 
   Returns:
     ``(params, info)``: :class:`ERMParameters` and a dict of public values (n, d, method, loss,
-    c, Λ, its rule, β, and ε', Δ and the branch for objective perturbation, or the sensitivity
-    for output perturbation).
+    c, Λ, its rule, β per unit-scale coefficient, the release mode, and ε', Δ and the branch for
+    objective perturbation, or the sensitivity for output perturbation; with ``"grid"`` the step
+    ``grid``, and for output perturbation ``grid_sensitivity`` Δ_Λ, ``grid_beta`` (the rate per
+    grid step) and ``grid_bound`` R).
 
   Raises:
-    ValueError / TypeError: any argument out of range (named in the message).
+    ValueError / TypeError: any argument out of range (named in the message); with
+      ``release="grid"``, scales whose lattice float64 cannot hold exactly (module docstring).
   """
   n = v.check_int(n, "n", low=1)
   d = v.check_int(d, "d", low=1)
   epsilon = v.check_epsilon(epsilon)
   v.check_choice(method, "method", METHODS)
   v.check_choice(loss, "loss", LOSSES)
+  v.check_choice(release, "release", RELEASES)
   huber_width = v.check_positive(huber_width, "huber_width")
   c = loss_curvature(loss, huber_width)
   data_norm = v.check_positive(data_norm, "data_norm")
@@ -228,21 +297,77 @@ def erm_parameters(n: int, d: int, *, epsilon: float, method: str,
     lam, rule = v.check_positive(regularization, "regularization"), "given"
   info = dict(method=method, loss=loss, c=c, regularization=lam, regularization_rule=rule,
               n=n, d=d, data_norm=data_norm, tol=tol, max_iterations=max_iterations,
-              noise="l2-laplace")
+              noise="l2-laplace", release=release)
   if loss == "huber":
     info["huber_width"] = huber_width
+  grid, bound = 1.0, math.inf
   if method == "output":
     sensitivity = 2.0 / (n * lam) + 2.0 * tol / lam
     beta, extra = epsilon / sensitivity, 0.0
     info.update(sensitivity=sensitivity, beta=beta)
+    if release == "grid":
+      lattice = _output_lattice(sensitivity, d, lam, tol, loss, huber_width, epsilon)
+      grid, bound = lattice.grid, lattice.bound
+      beta = epsilon / lattice.grid_sensitivity        # per grid step
+      info.update(beta=beta / grid, grid=grid, grid_sensitivity=lattice.grid_sensitivity,
+                  grid_beta=beta, grid_bound=bound, noise="discretised l2-laplace")
   else:
     budget = objective_perturbation_budget(n, epsilon, lam, c)
     beta, extra = budget.beta, budget.extra_regularization
     info.update(epsilon_prime=budget.epsilon_prime, extra_regularization=extra,
                 branch=budget.branch, beta=beta)
+    if release == "grid":
+      grid = discretization(2.0 / (n * (lam + extra)), d).grid
+      info.update(grid=grid)
+  if release == "grid":
+    _check_output_scale(grid, data_norm)
   params = ERMParameters(method, loss, huber_width, lam, extra, beta, data_norm, tol,
-                         max_iterations)
+                         max_iterations, release, grid, bound)
   return params, info
+
+
+def _coefficient_bound(loss: str, regularization: float, huber_width: float = 0.5,
+                       tol: float = DEFAULT_TOL) -> float:
+  """A public bound R on every coordinate of the unit-scale minimiser f̂ (host; private).
+
+  ``J(f*) ≤ J(0) = ℓ(0)`` and ``J(f) ≥ (Λ/2)‖f‖²`` (ℓ ≥ 0) give ``‖f*‖ ≤ sqrt(2ℓ(0)/Λ)``, and a
+  point with gradient norm ≤ tol lies within ``tol/Λ`` of f* (Λ-strong convexity), so
+  ``R = sqrt(2ℓ(0)/Λ) + tol/Λ`` with ``ℓ(0) = ln 2`` (logistic) or the Huber loss at 0 (1 for
+  h < 1, ``(1 + h)²/(4h)`` for h ≥ 1). Arguments validated by the caller."""
+  lam, h = regularization, huber_width
+  at_zero = math.log(2.0) if loss == "logistic" else (1.0 if h < 1.0 else (1 + h) ** 2 / (4 * h))
+  return math.sqrt(2.0 * at_zero / lam) + tol / lam
+
+
+def _output_lattice(sensitivity, d, lam, tol, loss, huber_width, epsilon):
+  """The output method's public grid: ``discretization(Δ₂, d, R)``, R from
+  :func:`_coefficient_bound` (at least one step; at most 2^50 steps, else ValueError), with the
+  noise's mean norm ``d/β_g = d·Δ_Λ/ε`` at most 2^40 steps (else ValueError)."""
+  step = discretization(sensitivity, d).grid
+  bound = max(_coefficient_bound(loss, lam, huber_width, tol), step)
+  if bound > 2.0**50 * step:
+    raise ValueError(
+        f"release='grid' needs the public coefficient bound R = {bound:.6g} within 2^50 grid "
+        f"steps of {step:.6g} (the sensitivity {sensitivity:.6g} is too small against "
+        f"regularization={lam!r}); use release='raw' (ε-DP in real arithmetic only).")
+  lattice = discretization(sensitivity, d, bound)
+  if d * lattice.grid_sensitivity / epsilon > _MAX_MEAN_NOISE_STEPS:
+    raise ValueError(
+        f"epsilon={epsilon!r} is too small for release='grid' with d={d}: the noise would span "
+        f"about {d * lattice.grid_sensitivity / epsilon:.3g} grid steps, beyond the 2^40 that "
+        "float64 samples resolve cell by cell; use a larger epsilon or release='raw'.")
+  return lattice
+
+
+def _check_output_scale(grid, data_norm):
+  """The released coefficients ``Λ_g·m/B`` must be normal float64 numbers: ``Λ_g/B`` not below
+  the smallest normal, and ``2^51·Λ_g/B`` (output perturbation: |m| < 2^51) finite."""
+  step = grid / data_norm
+  if step < np.finfo(np.float64).tiny or 2.0**51 * step > np.finfo(np.float64).max:
+    raise ValueError(
+        f"data_norm={data_norm!r} puts the grid release's step Λ_g/B = {grid:.6g}/{data_norm:g}"
+        " outside float64's normal range; rescale the data by a public constant or use "
+        "release='raw'.")
 
 
 # ------------------------------------------------------------------------ the traceable core
@@ -258,27 +383,42 @@ def erm_core(key: jax.Array, X: jax.Array, y: jax.Array,
   (``u ↦ u/max(1, ‖u‖)``), and labels mapped to ``+1`` if ``y > 0`` else ``−1``. On valid data
   (``‖x_i‖ ≤ B``, ``y_i = ±1``) these maps change nothing.
 
-  * ``params.method == "output"`` ([CMS11] Algorithm 1): ``f̂ = argmin J`` then ``f̂ + b``.
-  * ``"objective"`` (Algorithm 2): ``f̂ = argmin J(f) + (1/n) bᵀf + (Δ/2)‖f‖²``.
+  * ``params.method == "output"`` ([CMS11] Algorithm 1): ``f̂ = argmin J`` then ``f̂ + b``
+    (``"raw"``), or with ``params.release == "grid"`` the lattice point
+    ``Λ_g(round(clamp(f̂, ±R)/Λ_g) + round(b))``, b drawn in grid steps.
+  * ``"objective"`` (Algorithm 2): ``f̂ = argmin J(f) + (1/n) bᵀf + (Δ/2)‖f‖²``, rounded to
+    the grid ``Λ_g·round(f̂/Λ_g)`` with ``"grid"`` (post-processing).
 
   ``b`` is ℓ2-Laplace with rate ``params.beta`` (:func:`dpjax.mechanisms.l2_laplace_noise`).
-  Both methods and both losses run one compiled program per shape (the method and the loss
-  enter as public flags), so sweeps over them and over ε or Λ do not recompile.
+  Both methods, both losses and both releases run one compiled program per shape (they enter
+  as public flags), so sweeps over them and over ε or Λ do not recompile.
 
   Guarantee: ε-DP under replace-one (n public) for the ε ``params`` were made for
-  (:func:`erm_parameters`), subject to the module docstring's caveats (exact minimiser, real
-  arithmetic). The second output, the gradient norm ``‖∇J̃(f̂)‖`` the optimiser reached, is NOT
-  private: a diagnostic, keep it out of any publication.
+  (:func:`erm_parameters`), subject to the module docstring's caveats (exact minimiser; the
+  ``"grid"`` release's sampler approximation, or real arithmetic only for ``"raw"``). The second
+  output, the gradient norm ``‖∇J̃(f̂)‖`` the optimiser reached, is NOT private: a diagnostic,
+  keep it out of any publication.
 
   Returns:
     ``(coefficients (d,) for the original rows (divided by B), gradient norm ())`` in X's float
     dtype.
+
+  Raises:
+    ValueError: ``params.release`` not in ``RELEASES``.
+    TypeError: the output method's ``"grid"`` release in a dtype other than float64 (its
+      lattice arithmetic needs integers up to 2^51 exactly: enable x64).
   """
   dtype = X.dtype if jnp.issubdtype(X.dtype, jnp.floating) else jnp.result_type(float)
   objective = params.method == "objective"
+  on_grid = v.check_choice(params.release, "release", RELEASES) == "grid"
+  if on_grid and not objective and jnp.dtype(dtype) != jnp.float64:
+    raise TypeError(f"erm_core's grid release of output perturbation needs float64, got X of "
+                    f"dtype {jnp.dtype(dtype)}: enable JAX's x64 mode (`with "
+                    f"jax.enable_x64(True):`) or use release='raw'.")
   scalars = jnp.asarray([params.regularization + params.extra_regularization, params.beta,
                          params.huber_width, params.data_norm, params.tol, float(objective),
-                         float(params.loss == "huber")], dtype)
+                         float(params.loss == "huber"), float(on_grid), params.grid,
+                         params.grid_bound], dtype)
   return _solver(params.max_iterations)(key, jnp.asarray(X, dtype), jnp.asarray(y, dtype),
                                         scalars)
 
@@ -320,8 +460,9 @@ def _map_solves(args, *, batched, max_iterations):
 @functools.partial(jax.jit, static_argnames=("max_iterations",))
 def _erm(key, X, y, scalars, *, max_iterations):
   """:func:`erm_core` with the public scalars traced: ``[Λ + Δ, β, h, B, tol, objective (0/1),
-  huber (0/1)]`` (one program per shape and iteration cap)."""
-  strength, beta, width, data_norm, tol, objective, huber = (scalars[i] for i in range(7))
+  huber (0/1), grid release (0/1), Λ_g, R]`` (one program per shape and iteration cap)."""
+  (strength, beta, width, data_norm, tol, objective, huber, on_grid, grid,
+   bound) = (scalars[i] for i in range(10))
   n, d = X.shape
   dtype = X.dtype
   U = _unit_rows(X, data_norm)
@@ -335,8 +476,13 @@ def _erm(key, X, y, scalars, *, max_iterations):
     return jnp.mean(losses) + 0.5 * strength * jnp.sum(f * f) + jnp.sum(linear * f)
 
   f, grad_norm = minimise(perturbed_objective, jnp.zeros(d, dtype), tol, max_iterations)
-  f = f + (1.0 - objective) * b              # output perturbation's noise; 0 otherwise
-  return f / data_norm, grad_norm
+  noise = (1.0 - objective) * b              # output perturbation's noise; 0 otherwise
+  raw = f + noise
+  # The grid release: integer-valued float64 throughout (|index| ≤ 2^50, |round(noise)| < 2^46
+  # by erm_parameters' checks), so the sum is exact and the product by the power of two Λ_g too.
+  index = jnp.round(jnp.clip(f, -bound, bound) / grid)
+  lattice = (index + jnp.round(noise)) * grid
+  return jnp.where(on_grid > 0, lattice, raw) / data_norm, grad_norm
 
 
 def _unit_rows(X, data_norm):
@@ -384,7 +530,8 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
                         regularization: float | None = None, loss: str = "logistic",
                         huber_width: float = 0.5, data_norm: float = 1.0, clip: bool = False,
                         tol: float = DEFAULT_TOL,
-                        max_iterations: int = DEFAULT_MAX_ITERATIONS) -> ERMResult:
+                        max_iterations: int = DEFAULT_MAX_ITERATIONS,
+                        release: str = "grid") -> ERMResult:
   """Private linear classifier by output perturbation ([CMS11] Algorithm 1; §5.1).
 
   ``f_priv = argmin J + b``, ``b`` ℓ2-Laplace with ``β = ε/Δ₂``, ``Δ₂ = 2/(nΛ) + 2·tol/Λ``: the
@@ -396,7 +543,13 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
 
   Privacy guarantee: (ε, 0)-DP under replace-one (one row ``(x_i, y_i)`` replaced; n public),
   for any loss in ``LOSSES`` (differentiable, convex, ``|ℓ'| ≤ 1``), whenever the optimiser
-  reaches tol; in real arithmetic (module docstring: caveats and floating point).
+  reaches tol. With ``release="grid"`` (default) the release is a function of an integer vector
+  ``i(X) + k`` on a public lattice: ``i(X)`` the clamped minimiser rounded to the public
+  power-of-two step Λ_g (ℓ2-sensitivity ``Δ_Λ = Δ₂/Λ_g + √d`` in steps), k the discretised
+  ℓ2-Laplace at rate ``ε/Δ_Λ`` per step, ε-DP for the ideal discretised law; the float64
+  sampler approximates that law (module docstring, "Floating point", for the proof and the
+  residual). With ``release="raw"``: in real arithmetic only (its low bits leak; module
+  docstring).
 
   Args:
     key: PRNG key.
@@ -411,13 +564,20 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
       norm B (clipping to a public bound is a fixed map of each row: DP-safe).
     tol: gradient-norm target (default 1e-10).
     max_iterations: L-BFGS iteration cap (default 1000).
+    release: ``"grid"`` (default: the public lattice, float-safe up to the sampler
+      approximation) or ``"raw"`` (the float64 ``f̂ + b``, ε-DP in real arithmetic only); one of
+      ``RELEASES``.
 
   Returns:
     :class:`~dpjax.results.ERMResult` (``ok`` True, ``epsilon``, ``delta = 0``, neighbouring
     ``REPLACE_ONE``): ``coefficients (d,)`` (float64 NumPy eagerly), predicting
-    ``sign(x·f)``; ``nonprivate_gradient_norm`` — NOT private, a diagnostic only; ``info``
-    (public): method, loss, c, Λ and its rule, sensitivity, β, n, d, data_norm, clip, tol,
-    max_iterations. Eagerly the float64 program runs on the CPU (under
+    ``sign(x·f)``; with ``"grid"`` every coefficient is ``fl(Λ_g·m/B)`` for an integer m
+    (times ``B/Λ_g`` an integer exactly when B is a power of two); ``nonprivate_gradient_norm``
+    — NOT private, a diagnostic only; ``info`` (public): method, loss, c, Λ and its rule,
+    sensitivity Δ₂, ``beta`` (the noise rate per unit-scale coefficient), ``noise``,
+    ``release``, n, d, data_norm, clip, tol, max_iterations, and with ``"grid"``: ``grid`` (Λ_g,
+    unit-scale), ``grid_sensitivity`` (Δ_Λ), ``grid_beta`` (``ε/Δ_Λ``, per step) and
+    ``grid_bound`` (R). Eagerly the float64 program runs on the CPU (under
     ``jax.enable_x64(True)``, whatever the flag). Traceable in ``key``, ``X`` and ``y`` with
     JAX's x64 mode on: the float64 program is staged inline (on the caller's device); under a
     float32 trace (x64 off) it raises ``TypeError``. Under tracing a dataset outside the domain
@@ -428,7 +588,8 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
     TypeError: bad key, non-numeric X or y; traced with JAX's x64 mode off.
     ValueError: NaN/inf in X or y, labels not in {−1, +1}, a row above ``data_norm`` without
       ``clip`` (the message gives the number of rows), shapes, or a bad ε, Λ, loss, h, B, tol,
-      max_iterations.
+      max_iterations, release; with ``"grid"``, scales float64 cannot hold as a lattice (ε
+      below about ``d^{3/2}·2^-29``, an extreme B or nΛ; module docstring).
 
   References:
     [CMS11] Chaudhuri, Monteleoni & Sarwate, "Differentially private empirical risk
@@ -437,14 +598,15 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
   """
   return _fit(key, X, y, "output", epsilon=epsilon, regularization=regularization, loss=loss,
               huber_width=huber_width, data_norm=data_norm, clip=clip, tol=tol,
-              max_iterations=max_iterations)
+              max_iterations=max_iterations, release=release)
 
 
 def objective_perturbation(key: jax.Array, X, y, *, epsilon: float,
                            regularization: float | None = None, loss: str = "logistic",
                            huber_width: float = 0.5, data_norm: float = 1.0, clip: bool = False,
                            tol: float = DEFAULT_TOL,
-                           max_iterations: int = DEFAULT_MAX_ITERATIONS) -> ERMResult:
+                           max_iterations: int = DEFAULT_MAX_ITERATIONS,
+                           release: str = "grid") -> ERMResult:
   """Private linear classifier by objective perturbation ([CMS11] Algorithm 2; §5.2).
 
   With ``c = sup ℓ''`` (logistic 1/4, Huber 1/(2h)):
@@ -466,12 +628,18 @@ def objective_perturbation(key: jax.Array, X, y, *, epsilon: float,
   of hyperplanes, a null set), so the change of variables behind Theorem 9 holds almost
   everywhere with ``ℓ'' ∈ {0, c}``, and so does its density-ratio bound.
 
+  Floating point: ``release="grid"`` (default) rounds the minimiser to the public power-of-two
+  step of ``discretization(2/(n(Λ + Δ)), d)`` (``info["grid"]``; no clamp): post-processing of
+  the real-arithmetic release above, which zeroes its low-order bits but is not a proof of
+  float safety (module docstring). ``release="raw"`` returns the float64 minimiser itself.
+
   Args and Raises: as :func:`output_perturbation`.
 
   Returns:
     :class:`~dpjax.results.ERMResult` as :func:`output_perturbation`, with ``info`` holding
     ``epsilon_prime``, ``extra_regularization`` (Δ), ``branch`` (``"Delta=0"`` or
-    ``"Delta>0"``) and ``beta``; ``nonprivate_gradient_norm`` is NOT private (diagnostic).
+    ``"Delta>0"``), ``beta``, ``release`` and with ``"grid"`` the step ``grid``;
+    ``nonprivate_gradient_norm`` is NOT private (diagnostic).
 
   References:
     [CMS11] Algorithm 2, Theorem 9 and its Huber-SVM application; Iyengar et al. (2019),
@@ -479,7 +647,7 @@ def objective_perturbation(key: jax.Array, X, y, *, epsilon: float,
   """
   return _fit(key, X, y, "objective", epsilon=epsilon, regularization=regularization, loss=loss,
               huber_width=huber_width, data_norm=data_norm, clip=clip, tol=tol,
-              max_iterations=max_iterations)
+              max_iterations=max_iterations, release=release)
 
 
 def _fit(key, X, y, method, *, epsilon, clip, **kwargs) -> ERMResult:
@@ -507,7 +675,7 @@ def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: f
                 method: str = "objective", regularization: float | None = None,
                 loss: str = "logistic", huber_width: float = 0.5, data_norm: float = 1.0,
                 clip: bool = False, tol: float = DEFAULT_TOL,
-                max_iterations: int = DEFAULT_MAX_ITERATIONS) -> ERMResult:
+                max_iterations: int = DEFAULT_MAX_ITERATIONS, release: str = "grid") -> ERMResult:
   """Private multiclass linear classifier: one binary problem per class, ε split equally.
 
   For each public class ``k`` (in the order of ``classes``), labels ``+1`` where
@@ -527,8 +695,9 @@ def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: f
     classes: the public class labels, K ≥ 2 distinct integers.
     epsilon: the total ε > 0.
     method: ``"objective"`` (default) or ``"output"``.
-    regularization, loss, huber_width, data_norm, clip, tol, max_iterations: as
-      :func:`output_perturbation` (shared by all classes).
+    regularization, loss, huber_width, data_norm, clip, tol, max_iterations, release: as
+      :func:`output_perturbation` / :func:`objective_perturbation` (shared by all classes; the
+      ``"grid"`` lattice is that of one binary problem at ε/K).
 
   Returns:
     :class:`~dpjax.results.ERMResult` with ``coefficients (K, d)`` (predict
@@ -553,7 +722,7 @@ def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: f
   params, info = erm_parameters(n, d, epsilon=epsilon / K, method=method,
                                 regularization=regularization, loss=loss,
                                 huber_width=huber_width, data_norm=data_norm, tol=tol,
-                                max_iterations=max_iterations)
+                                max_iterations=max_iterations, release=release)
   clip = bool(clip)
   if not v.is_traced(X):
     _check_norms(X, params.data_norm, clip)

@@ -91,12 +91,16 @@ def l2_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: 
   the Gaussian direction, the Gamma norm and their product are rounded), so the set of floats
   that ``f(X) + b`` can take depends on ``f(X)``, and Mironov's (2012) attack on floating-point
   Laplace noise applies in principle: an observer of the exact output bits may learn more than
-  ε allows. The guarantee holds in real arithmetic only. No snapping-style fix with a proof is
-  known for the multivariate ℓ2-Laplace (snapping and the discretised samplers of
-  docs/algorithms.md §1.10 are per-coordinate); where the low-order bits of a release could be
-  observed, round the output to a coarse public grid before publishing (post-processing, which
-  blunts but does not provably remove the leak), or use a float-safe mechanism such as
-  :func:`dpjax.mechanisms.snapping_l1_mechanism`.
+  ε allows. The guarantee holds in real arithmetic only. Rounding the output to a coarse public
+  grid before publishing blunts the leak (post-processing) but does not provably remove it.
+  What does, up to a sampler approximation: round the clamped value to the public
+  power-of-two grid of :func:`dpjax.mechanisms.discretization` (``norm=2``, the rounding slack
+  in the grid sensitivity Δ_Λ), and add the ℓ2-Laplace noise of rate ``ε/Δ_Λ`` per grid step
+  rounded to the lattice, so that every output is a lattice point whatever the value — the
+  default ``release="grid"`` of :func:`dpjax.classic.output_perturbation` (proof and residual
+  in :mod:`dpjax.classic.erm`). Per-coordinate alternatives:
+  :func:`dpjax.mechanisms.snapping_l1_mechanism` and the discretised samplers of
+  docs/algorithms.md §1.10.
 
   Numerics: the noise is sampled and added in float64 on the host (NumPy). NaN/inf entries of
   ``value`` are replaced by 0 first (a fixed map: raising would branch on private data).

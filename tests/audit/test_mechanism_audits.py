@@ -895,6 +895,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             # test_classic_erm_audits.py, test_classic_pca_audits.py
             "l2-laplace mechanism", "ERM output perturbation",
             "ERM objective perturbation (Delta=0)", "ERM objective perturbation (Delta>0)",
+            "ERM output perturbation (low bits)", "ERM objective perturbation (low bits)",
             "MOD-SuLQ", "PPCA (k = 1)",
             # test_distributed_audits.py
             "DP-SGD step on 4 devices"}

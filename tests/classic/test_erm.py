@@ -37,10 +37,11 @@ def _data(seed, n=N, d=D, noise=0.3):
 
 
 def _minimiser(X, y, lam, loss="logistic", huber_width=0.5):
-  """The non-private minimiser of J by the library's own program: output perturbation with an
-  astronomically large β (‖b‖ ~ d·1e-290)."""
+  """The non-private minimiser of J by the library's own program: output perturbation's raw
+  release with an astronomically large β (‖b‖ ~ d·1e-290)."""
   params, _ = erm.erm_parameters(X.shape[0], X.shape[1], epsilon=1.0, method="output",
-                                 regularization=lam, loss=loss, huber_width=huber_width)
+                                 regularization=lam, loss=loss, huber_width=huber_width,
+                                 release="raw")
   # The wrappers' context (float64 on the CPU, the key committed to it, compile-time evaluation
   # as in dpjax._host.float64: all part of jit's cache key), so that the compiled program is
   # shared with them.
@@ -182,7 +183,9 @@ def test_objective_perturbation_budget_matches_hand_computed_values():
 
 
 def test_erm_parameters_and_the_default_regularization():
-  params, info = erm.erm_parameters(N, D, epsilon=2.0, method="output", regularization=0.1)
+  params, info = erm.erm_parameters(N, D, epsilon=2.0, method="output", regularization=0.1,
+                                    release="raw")
+  assert info["release"] == params.release == "raw" and "grid" not in info
   sensitivity = 2.0 / (N * 0.1) + 2.0 * 1e-10 / 0.1
   assert info["sensitivity"] == pytest.approx(sensitivity, rel=1e-15)
   assert params.beta == pytest.approx(2.0 / sensitivity, rel=1e-15)
@@ -206,19 +209,21 @@ def test_minimiser_matches_scipy_and_reaches_tol(loss):
 
 
 def test_objective_perturbation_minimises_the_perturbed_objective():
-  """The release is argmin J + (1/n) bᵀf + (Δ/2)‖f‖², b the ℓ2-Laplace draw of the same key,
-  in both branches (Δ = 0 at Λ = 0.05; Δ > 0 at Λ = 1e-3, ε = 0.5)."""
+  """The raw release is argmin J + (1/n) bᵀf + (Δ/2)‖f‖², b the ℓ2-Laplace draw of the same
+  key, in both branches (Δ = 0 at Λ = 0.05; Δ > 0 at Λ = 1e-3, ε = 0.5); the raw output
+  release is f̂ + b."""
   X, y = _data(4)
   key = jax.random.key(5)
   for lam, epsilon, branch in ((0.05, 1.0, "Delta=0"), (1e-3, 0.5, "Delta>0")):
-    res = erm.objective_perturbation(key, X, y, epsilon=epsilon, regularization=lam)
+    res = erm.objective_perturbation(key, X, y, epsilon=epsilon, regularization=lam,
+                                     release="raw")
     assert res.info["branch"] == branch and res.nonprivate_gradient_norm <= 1e-10
     extra = res.info["extra_regularization"]
     with jax.enable_x64(True):
       b = np.asarray(M.l2_laplace_noise(key, D, res.info["beta"], jnp.float64))
     expected = _scipy_minimiser(X, y, lam + extra, linear=b / N)
     np.testing.assert_allclose(res.coefficients, expected, atol=1e-8)
-  out = erm.output_perturbation(key, X, y, epsilon=1.0, regularization=0.05)
+  out = erm.output_perturbation(key, X, y, epsilon=1.0, regularization=0.05, release="raw")
   with jax.enable_x64(True):
     b = np.asarray(M.l2_laplace_noise(key, D, out.info["beta"], jnp.float64))
   np.testing.assert_allclose(out.coefficients - b, _scipy_minimiser(X, y, 0.05), atol=1e-8)
@@ -428,3 +433,204 @@ def test_the_gradient_norm_diagnostic_reports_an_unfinished_solve():
   assert float(capped.nonprivate_gradient_norm) > 1e-6
   assert float(full.nonprivate_gradient_norm) <= 1e-10
   assert "nonprivate_gradient_norm" not in full.released
+
+
+# ------------------------------------------------------------- the grid release (float-safe)
+
+
+def _lattice_index(coefficients, grid, data_norm):
+  """``m`` with ``coefficients == fl(grid·m/B)`` bit for bit (asserted): the release is a
+  function of an integer vector. For B a power of two ``coefficients·B/grid`` is m exactly."""
+  coefficients = np.asarray(coefficients)
+  m = np.round(coefficients * data_norm / grid)
+  np.testing.assert_array_equal((m * grid) / data_norm, coefficients)
+  return m
+
+
+def test_grid_output_release_is_on_the_public_lattice():
+  """The default release: every coordinate times B/Λ_g is an integer exactly (B = 1 and 4),
+  for output perturbation and one-vs-rest; B = 3 releases fl(Λ_g·m/B) for an integer m."""
+  X, y = _data(40)
+  sensitivity = 2.0 / (N * 0.1) + 2.0 * 1e-10 / 0.1
+  grid = M.discretization(sensitivity, D).grid             # 2^-12 here
+  for data_norm in (1.0, 4.0, 3.0):
+    res = erm.output_perturbation(KEY, data_norm * X, y, epsilon=1.0, regularization=0.1,
+                                  data_norm=data_norm)
+    m = _lattice_index(res.coefficients, grid, data_norm)
+    assert res.info["release"] == "grid" and res.info["grid"] == grid
+    if data_norm != 3.0:
+      scaled = np.asarray(res.coefficients) * data_norm / grid
+      np.testing.assert_array_equal(scaled, np.round(scaled))
+    assert np.all(np.abs(m) < 2.0**51)
+  labels = np.argmax(X, axis=1)
+  multi = erm.one_vs_rest(KEY, X, labels, classes=range(D), epsilon=3.0, method="output",
+                          regularization=0.1)
+  assert multi.coefficients.shape == (D, D)
+  _lattice_index(multi.coefficients, multi.info["grid"], 1.0)
+  scaled = np.asarray(multi.coefficients) / multi.info["grid"]
+  np.testing.assert_array_equal(scaled, np.round(scaled))
+
+
+def test_grid_release_is_on_the_lattice_under_jit_and_vmap():
+  """With x64 on, jit and vmap over keys stage the same float64 program: lattice outputs equal
+  to the eager ones, for output perturbation and one-vs-rest."""
+  X, y = _data(41)
+  labels = np.argmax(X, axis=1)
+  keys = jax.random.split(jax.random.key(3), 3)
+  fit = lambda k, X: erm.output_perturbation(k, X, y, epsilon=1.0, regularization=0.1)
+  multi = lambda k, X: erm.one_vs_rest(k, X, labels, classes=range(D), epsilon=3.0,
+                                       method="output", regularization=0.1)
+  with jax.enable_x64(True):
+    single = jax.jit(jax.vmap(fit, in_axes=(0, None)))(keys, jnp.asarray(X))
+    several = jax.vmap(multi, in_axes=(0, None))(keys, jnp.asarray(X))
+  for batch, fn in ((single, fit), (several, multi)):
+    assert bool(np.all(batch.ok)) and batch.coefficients.dtype == jnp.float64
+    for k, row in zip(keys, np.asarray(batch.coefficients)):
+      _lattice_index(row, batch.info["grid"], 1.0)
+      np.testing.assert_array_equal(row, fn(k, X).coefficients)
+
+
+def test_raw_release_is_the_float_value_and_grid_the_same_draw_rounded():
+  """``release="raw"`` is f̂ + b (b the ℓ2-Laplace draw of the key at β = ε/Δ₂); the grid
+  release of the same key is ``Λ_g(round(f̂/Λ_g) + round(b_g))``, b_g the same draw at the rate
+  ε/Δ_Λ per grid step, hence per coordinate
+  ``|B·grid − B·raw| ≤ Λ_g/2 + Λ_g/2 + |b_j|(Λ_g Δ_Λ/Δ₂ − 1)`` (the two roundings, and the
+  rate's factor ``Δ₂/(Λ_g Δ_Λ) ∈ [1/(1 + 2^-10), 1]``)."""
+  X, y = _data(42)
+  lam = 0.1
+  f_hat = _minimiser(X, y, lam, "huber")[0]
+  for s in range(3):
+    key = jax.random.key(100 + s)
+    raw = erm.output_perturbation(key, X, y, epsilon=1.0, regularization=lam, loss="huber",
+                                  release="raw")
+    grid = erm.output_perturbation(key, X, y, epsilon=1.0, regularization=lam, loss="huber")
+    assert raw.info["release"] == "raw" and grid.info["release"] == "grid"
+    step = grid.info["grid"]
+    with jax.enable_x64(True):
+      b = np.asarray(M.l2_laplace_noise(key, D, raw.info["beta"], jnp.float64))
+      b_grid = np.asarray(M.l2_laplace_noise(key, D, grid.info["grid_beta"], jnp.float64))
+    np.testing.assert_allclose(raw.coefficients, f_hat + b, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(_lattice_index(grid.coefficients, step, 1.0),
+                                  np.round(f_hat / step) + np.round(b_grid))
+    factor = step * grid.info["grid_sensitivity"] / grid.info["sensitivity"] - 1.0
+    assert 0.0 < factor <= 2.0**-10 * (1 + 1e-9)
+    gap = np.abs(np.asarray(grid.coefficients) - np.asarray(raw.coefficients))
+    assert np.all(gap <= step + np.abs(b) * factor + 1e-12), (gap, step)
+
+
+def test_grid_noise_is_calibrated_to_the_grid_sensitivity():
+  """info holds the grid of ``discretization(Δ₂, d, R)``, the rate ``β_g = ε/Δ_Λ`` per grid step
+  (the program's β) and its unit-scale equivalent ``β_g/Λ_g``; the recovered noise
+  ``k = m − round(f̂/Λ_g)`` of 2,000 keys has norm ``≈ Gamma(d, 1/β_g)`` (the KS test rejects a
+  rate 10% off at this size)."""
+  X, y = _data(43)
+  lam, epsilon = 0.1, 2.0
+  params, info = erm.erm_parameters(N, D, epsilon=epsilon, method="output", regularization=lam)
+  sensitivity = 2.0 / (N * lam) + 2.0 * 1e-10 / lam
+  bound = math.sqrt(2.0 * math.log(2.0) / lam) + 1e-10 / lam
+  lattice = M.discretization(sensitivity, D, bound)
+  assert info["sensitivity"] == pytest.approx(sensitivity, rel=1e-15)
+  assert (info["grid"], info["grid_sensitivity"], info["grid_bound"]) == tuple(lattice)
+  assert info["grid_sensitivity"] <= (1 + 2.0**-10) * sensitivity / info["grid"]
+  assert params.beta == info["grid_beta"] == epsilon / info["grid_sensitivity"]
+  assert info["beta"] == pytest.approx(info["grid_beta"] / info["grid"], rel=1e-15)
+  assert info["noise"] == "discretised l2-laplace" and params.release == "grid"
+  assert (params.grid, params.grid_bound) == (info["grid"], info["grid_bound"])
+  trials = 2_000
+  keys = jax.random.split(jax.random.key(9), trials)
+  with jax.enable_x64(True):
+    coef = np.asarray(jax.vmap(lambda k: erm.output_perturbation(
+        k, jnp.asarray(X), y, epsilon=epsilon, regularization=lam).coefficients)(keys))
+  f_hat = _minimiser(X, y, lam)[0]
+  k = _lattice_index(coef, info["grid"], 1.0) - np.round(f_hat / info["grid"])
+  norms = np.linalg.norm(k, axis=1)          # rounding moves each norm by ≤ √d/2 of ~10^4
+  beta = info["grid_beta"]
+  assert stats.kstest(norms, stats.gamma(D, scale=1.0 / beta).cdf).pvalue > 1e-3
+  assert stats.kstest(norms, stats.gamma(D, scale=1.1 / beta).cdf).pvalue < 1e-6
+  assert stats.kstest(norms, stats.gamma(D, scale=0.9 / beta).cdf).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("loss,lam", [("logistic", 1e-3), ("logistic", 0.1), ("huber", 1e-3),
+                                      ("huber", 1.0)])
+def test_the_public_clamp_never_binds_on_valid_data(loss, lam):
+  """R = sqrt(2ℓ(0)/Λ) + tol/Λ bounds the minimiser (J(f*) ≤ J(0)) on random data and on data
+  built to push it far (every row e₀ with label +1, where only the regulariser holds f back),
+  so the clamp changes nothing on valid data."""
+  _, info = erm.erm_parameters(N, D, epsilon=1.0, method="output", regularization=lam, loss=loss)
+  at_zero = math.log(2.0) if loss == "logistic" else 1.0        # Huber h = 0.5 < 1
+  assert info["grid_bound"] == pytest.approx(math.sqrt(2 * at_zero / lam) + 1e-10 / lam)
+  aligned = np.zeros((N, D))
+  aligned[:, 0] = 1.0
+  for X, y in [_data(44), _data(45, noise=0.0), (aligned, np.ones(N))]:
+    f_hat = _minimiser(X, y, lam, loss)[0]
+    assert np.linalg.norm(f_hat) <= info["grid_bound"]
+  if lam >= 0.1:                          # not vacuous (at small Λ, ‖f*‖ ~ ln(1/Λ) ≪ R)
+    assert np.linalg.norm(f_hat) >= 0.3 * info["grid_bound"]
+
+
+def test_objective_grid_release_rounds_the_raw_release():
+  """Objective perturbation's grid release is post-processing: the raw release of the same key
+  rounded to the public step of ``discretization(2/(n(Λ + Δ)), d)``, in both branches."""
+  X, y = _data(46)
+  for lam, epsilon in ((0.05, 1.0), (1e-3, 0.5)):
+    raw = erm.objective_perturbation(KEY, X, y, epsilon=epsilon, regularization=lam,
+                                     release="raw")
+    grid = erm.objective_perturbation(KEY, X, y, epsilon=epsilon, regularization=lam)
+    step = grid.info["grid"]
+    extra = grid.info["extra_regularization"]
+    assert step == M.discretization(2.0 / (N * (lam + extra)), D).grid
+    assert "grid_bound" not in grid.info and grid.info["release"] == "grid"
+    np.testing.assert_array_equal(grid.coefficients,
+                                  np.round(np.asarray(raw.coefficients) / step) * step)
+
+
+@pytest.mark.parametrize("name", ["output_perturbation", "objective_perturbation", "one_vs_rest",
+                                  "erm_parameters"])
+def test_a_bad_release_is_refused(name):
+  X, y = _data(47)
+  call = {
+      "output_perturbation": lambda r: erm.output_perturbation(KEY, X, y, epsilon=1.0, release=r),
+      "objective_perturbation": lambda r: erm.objective_perturbation(KEY, X, y, epsilon=1.0,
+                                                                     release=r),
+      "one_vs_rest": lambda r: erm.one_vs_rest(KEY, X, np.where(y > 0, 1, 0), classes=[0, 1],
+                                               epsilon=1.0, release=r),
+      "erm_parameters": lambda r: erm.erm_parameters(N, D, epsilon=1.0, method="output",
+                                                     release=r),
+  }[name]
+  for bad in ("bits", "Grid", None):
+    with pytest.raises(ValueError, match="release must be one of"):
+      call(bad)
+
+
+def test_extreme_scales_give_a_clear_error_or_a_lattice_output():
+  """Huge or tiny data_norm and tiny ε: either a ValueError naming the argument, or a finite
+  lattice output with ok=True (never NaN)."""
+  X, y = _data(48)
+  for data_norm, epsilon in ((1e290, 1.0), (1e-280, 1.0), (1.0, 1e-6), (2.0**-900, 1e-3)):
+    for fit in (erm.output_perturbation, erm.objective_perturbation):
+      res = fit(KEY, data_norm * X, y, epsilon=epsilon, regularization=0.1, data_norm=data_norm)
+      assert bool(res.ok) and np.all(np.isfinite(res.coefficients)), (fit, data_norm, epsilon)
+      _lattice_index(res.coefficients, res.info["grid"], data_norm)
+  with pytest.raises(ValueError, match="data_norm"):
+    erm.output_perturbation(KEY, X * 1e305, y, epsilon=1.0, data_norm=1e305)
+  with pytest.raises(ValueError, match="data_norm"):
+    erm.output_perturbation(KEY, X * 1e-300, y, epsilon=1.0, data_norm=1e-300)
+  with pytest.raises(ValueError, match="epsilon=1e-12 is too small"):
+    erm.output_perturbation(KEY, X, y, epsilon=1e-12)
+  with pytest.raises(ValueError, match="2\\^50 grid steps"):
+    erm.erm_parameters(2**45, 1, epsilon=1.0, method="output", regularization=1.0, tol=1e-30)
+  # The raw release keeps today's behaviour at those scales.
+  raw = erm.output_perturbation(KEY, X, y, epsilon=1e-12, release="raw")
+  assert np.all(np.isfinite(raw.coefficients))
+
+
+def test_erm_core_grid_output_release_needs_float64():
+  """The lattice arithmetic needs integers to 2^51 exactly: a float32 core refuses the output
+  method's grid release (the raw release and objective perturbation's rounding run)."""
+  X, y = _data(49)
+  params, _ = erm.erm_parameters(N, D, epsilon=1.0, method="output", regularization=0.1)
+  X32, y32 = jnp.asarray(X, jnp.float32), jnp.asarray(y, jnp.float32)
+  with pytest.raises(TypeError, match="needs float64"):
+    erm.erm_core(KEY, X32, y32, params)
+  with pytest.raises(ValueError, match="release must be one of"):
+    erm.erm_core(KEY, X32, y32, params._replace(release="bits"))
