@@ -8,9 +8,18 @@ mean first, e.g. :func:`dpjax.coinpress.coinpress_mean`, and pass the centred ro
 * :func:`mod_sulq` — input perturbation: top-k eigenvectors of ``A + N``, N a symmetric Gaussian
   matrix with the paper's std β; (ε, δ)-DP.
 * :func:`ppca` — the exponential mechanism with score ``n tr(VᵀAV)``: V from the matrix Bingham
-  density ``∝ exp((nε/2) tr(VᵀAV))`` on the Stiefel manifold; ε-DP. For k = 1 an exact rejection
-  sampler (Kent, Ganeiber & Mardia 2018); for k > 1 the Gibbs sampler of Hoff (2009), whose
-  output is only approximately from the target (the guarantee holds in the mixing limit).
+  density ``∝ exp((nε/2) tr(VᵀAV))`` on the Stiefel manifold; ε-DP for an exact draw. The score
+  sees only the subspace, so the released basis is the sampler's times a fresh Haar-random
+  ``(k, k)`` orthogonal matrix: a Haar basis of the sampled subspace, as under the exact law.
+  For k = 1 an exact rejection sampler (Kent, Ganeiber & Mardia 2018; ``info["guarantee"]``
+  ``"exact"``); for k > 1 the Gibbs sampler of Hoff (2009), whose subspace is only
+  approximately from the target: the (ε, 0) claim holds in the sampler's limit, which the
+  result states in ``info["guarantee"] == "exact sampler limit"``.
+
+Keys: each sampler call splits its key once into three named streams (the Gibbs chain's start,
+its sweeps — only ever folded in, per column update and per rejection round — and the Haar
+rotation); no key is both split and folded in (under ``jax_threefry_partitionable``,
+``fold_in(key, i)`` equals ``split(key, n)[i]``).
 
 The cores work on ``S = Σ u_i u_iᵀ = n A`` with ``u_i = x_i / data_norm`` (rows in the unit ball):
 ``tr(VᵀSV) = Σ ‖Vᵀu_i‖²`` is the exponential mechanism's score, of sensitivity 1, and ``S``'s
@@ -46,6 +55,11 @@ from dpjax.subspace.baselines import _noisy_top_k, _secure_top_k, _unit_second_m
 SECOND_MOMENT_SENSITIVITY = math.sqrt(2.0)
 DEFAULT_BATCH_SIZE = 16          # proposals per rejection round (PROPOSED; see bingham_sample)
 DEFAULT_NUM_SWEEPS = 100         # Gibbs sweeps for k > 1 (PROPOSED)
+# ``info["guarantee"]`` of a PPCA result: what its (ε, δ = 0) is a statement about.
+GUARANTEE_EXACT = "exact"                        # the released output (k = 1: exact sampler)
+GUARANTEE_SAMPLER_LIMIT = "exact sampler limit"  # the exact Bingham law, the limit of the Gibbs
+                                                 # sampler (num_sweeps → ∞); not proved for the
+                                                 # finite-sweep output (k > 1)
 MAX_CONCENTRATION = 2.0**500     # ε n / 2 above this is refused (float64 eigh/sampler range)
 _BISECTION_STEPS = 64            # b ∈ [1, p] to ~(p − 1)·2^-64: any b ∈ (0, p] is exact anyway
 
@@ -368,33 +382,59 @@ def bingham_sample(key: jax.Array, C: jax.Array, *,
     batch_size: proposals per round (static; efficiency only).
 
   Returns:
-    ``(p,)`` unit vector in C's dtype (its sign is uniformly random, as the law is symmetric).
+    ``(p,)`` unit vector in C's dtype. Its sign is uniformly random, as the law is symmetric:
+    the draw is multiplied by an independent uniform sign (the k = 1 case of the Haar rotation
+    of :func:`matrix_bingham_sample`; the law is unchanged).
   """
   return _scaled_matrix_bingham(key, C, 1.0, 1, 0, batch_size)[:, 0]
 
 
-def _gibbs(key, C, k, num_sweeps, batch_size):
+def _gibbs(start_key, sweeps_key, C, k, num_sweeps, batch_size):
   """Hoff's (2009) Gibbs sampler for ``∝ exp(tr(VᵀCV))`` on the Stiefel manifold ``V (d, k)``.
 
   Column j given the others lies on the unit sphere of their orthogonal complement (dimension
   ``d − k + 1``, orthonormal basis N from a complete QR); there its density is
   ``∝ exp(wᵀ NᵀCN w)``, a vector Bingham drawn exactly by :func:`_bingham_draw`. Any basis N
   gives the same conditional law. Systematic scan, ``num_sweeps · k`` column updates, from a
-  Haar-random frame drawn from the key alone (never from the data).
+  Haar-random frame drawn from ``start_key`` alone (never from the data); update t draws with
+  ``fold_in(sweeps_key, t)`` (``sweeps_key`` is only ever folded, never split).
   """
   d = C.shape[0]
-  k_start, k_run = jax.random.split(key)
-  V0 = linalg.orthonormal_basis(k_start, d, k, C.dtype)
+  V0 = linalg.orthonormal_basis(start_key, d, k, C.dtype)
 
   def update(t, V):
     j = t % k
     others = jnp.roll(V, -(j + 1), axis=1)[:, :k - 1]           # every column but j
     N = jnp.linalg.qr(others, mode="complete")[0][:, k - 1:]     # (d, d − k + 1)
-    w, _ = _bingham_draw(jax.random.fold_in(k_run, t), linalg.matmul(N.T, linalg.matmul(C, N)),
-                         batch_size)
+    w, _ = _bingham_draw(jax.random.fold_in(sweeps_key, t),
+                         linalg.matmul(N.T, linalg.matmul(C, N)), batch_size)
     return V.at[:, j].set(jnp.matmul(N, w, precision=linalg.HIGHEST))
 
   return jax.lax.fori_loop(0, num_sweeps * k, update, V0)
+
+
+def _haar_orthogonal(key, k, dtype):
+  """A Haar-random ``(k, k)`` orthogonal matrix: the QR factor Q of a standard Gaussian matrix
+  with its column signs fixed by ``diag(sign(R))`` (Mezzadri 2007; without the fix Q is not
+  Haar). Both determinants ±1 occur, each with probability 1/2; for k = 1 a uniform sign."""
+  return linalg.orthonormal_basis(key, k, k, dtype)
+
+
+def _matrix_bingham_parts(key, C, k, num_sweeps, batch_size):
+  """``(frame (d, k), rotation (k, k))``: the sampler's frame and the Haar rotation that
+  :func:`_scaled_matrix_bingham` releases it with (``frame @ rotation``).
+
+  The key is split once, into three named streams: ``start`` (the Gibbs chain's Haar-random
+  initial frame; unused for k = 1), ``sweeps`` (the rejection rounds for k = 1, the column
+  updates for k > 1; only folded in, never split) and ``rotation`` (one Gaussian draw for the
+  Haar rotation). No key is both split and folded, or both consumed and split.
+  """
+  start, sweeps, rotation = jax.random.split(key, 3)
+  if k == 1:
+    frame = _bingham_draw(sweeps, C, batch_size)[0][:, None]
+  else:
+    frame = _gibbs(start, sweeps, C, k, num_sweeps, batch_size)
+  return frame, _haar_orthogonal(rotation, k, C.dtype)
 
 
 def matrix_bingham_sample(key: jax.Array, C: jax.Array, k: int, *,
@@ -409,6 +449,14 @@ def matrix_bingham_sample(key: jax.Array, C: jax.Array, k: int, *,
   an exact vector Bingham draw in the orthogonal complement of the other columns (dimension
   ``d − k + 1``). Traceable; running time is data-dependent (see :func:`bingham_sample`).
 
+  The density depends on V only through its span (``tr((VR)ᵀC(VR)) = tr(VᵀCV)`` for every
+  orthogonal R), so under the exact law the basis is Haar-distributed within the subspace. The
+  chain's in-plane rotation does not mix at high concentration (it stays tied to the start), so
+  the draw returned is the chain's frame times a fresh Haar-random ``(k, k)`` orthogonal matrix
+  R (QR of a Gaussian, signs fixed; its own key): a Haar basis of the chain's subspace. This
+  Markov step leaves the target invariant, so the output is no farther from the target in total
+  variation than the chain, and differs from it only through the law of the subspace.
+
   Returns:
     ``(d, k)`` with orthonormal columns, in C's dtype.
   """
@@ -420,10 +468,8 @@ def matrix_bingham_sample(key: jax.Array, C: jax.Array, k: int, *,
 # same cache entry. ``scale·C`` with scale = 1 is exact.
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _scaled_matrix_bingham(key, C, scale, k, num_sweeps, batch_size):
-  C = scale * C
-  if k == 1:
-    return _bingham_draw(key, C, batch_size)[0][:, None]
-  return _gibbs(key, C, k, num_sweeps, batch_size)
+  frame, rotation = _matrix_bingham_parts(key, scale * C, k, num_sweeps, batch_size)
+  return linalg.matmul(frame, rotation)
 
 
 # --------------------------------------------------------------------------------------------
@@ -441,14 +487,35 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
   Privacy guarantee: ε-DP (δ = 0) under replace-one for an EXACT sample. Replacing one row
   changes one term ``‖Vᵀu_i‖² ∈ [0, 1]`` of the score, so its sensitivity is 1 and the density
   ``∝ exp(ε u(V)/2)`` is the exponential mechanism (McSherry & Talwar 2007). n is not used, so
-  the same holds under add/remove-one.
+  the same holds under add/remove-one. The score depends on V only through its span
+  (``u(VR) = u(V)`` for orthogonal R), so the mechanism's output is the subspace and, under the
+  exact law, the basis is Haar within it. The released basis is exactly that: the sampler's
+  frame times a fresh Haar-random ``(k, k)`` orthogonal matrix drawn from its own key
+  (post-processing of the subspace; no budget). ``info["guarantee"]`` says what the result's
+  ``(epsilon, delta) = (ε, 0)`` is a statement about:
 
-  * k = 1: exact (:func:`bingham_sample`, the rejection sampler of Kent, Ganeiber & Mardia 2018).
-  * k > 1: Hoff's Gibbs sampler (:func:`matrix_bingham_sample`) for ``num_sweeps`` sweeps from a
-    data-independent Haar-random frame. MCMC gives only approximate samples: the ε-DP guarantee
-    holds only in the mixing limit (``num_sweeps → ∞``); with finitely many sweeps the output's
-    law is not the exponential mechanism's and no guarantee is proved for it. Within the
-    subspace the columns' rotation mixes slowly at high concentration (the score ignores it).
+  * k = 1: :data:`GUARANTEE_EXACT` (``"exact"``): the released output. The sampler is exact
+    (:func:`bingham_sample`, the rejection sampler of Kent, Ganeiber & Mardia 2018).
+  * k > 1: :data:`GUARANTEE_SAMPLER_LIMIT` (``"exact sampler limit"``): the exact Bingham law,
+    the limit ``num_sweeps → ∞`` of Hoff's Gibbs sampler (:func:`matrix_bingham_sample`, run
+    for ``num_sweeps`` sweeps from a data-independent Haar-random frame). For the finite-sweep
+    output NO guarantee is proved: MCMC gives only approximate samples, and we know no bound
+    on the chain's distance from the target that is useful at practical nε (generic
+    minorisation constants are exponentially small in nε). Were the released subspace within
+    total variation η of the Bingham subspace law on every dataset, the output would be
+    ``(ε, (1 + e^ε) η)``-DP. What is known: the final Haar rotation leaves the target invariant,
+    so the output's law differs from it only through the subspace's law, and is no farther from
+    it than the chain; an independent audit (issue 34) found the subspace's law consistent with
+    the exact law (KS p ≥ 0.33; the slow test ``test_gibbs_law_d3_k2_against_the_normal_vector``
+    checks d = 3, k = 2), while the chain's in-plane rotation — which the score ignores and the
+    Haar rotation now replaces — stayed tied to its start at high concentration (KS against Haar
+    p = 4·10⁻²¹⁷ at ε = 40). The subspace, too, mixes slowly when C's top eigenvalue dominates
+    (both columns can share the top direction with a low-eigenvalue one, a slow-mixing state when
+    ``c_1/2 > c_2``): measured with C's eigenvalues (1e6, 1e4, 0, 0), k = 2, after the default
+    100 sweeps 22 of 400 chains' subspaces lay farther than ``sin θ_max = 0.1`` from the top
+    plane, where the exact law puts next to no mass: a total-variation gap of at least 3.5%
+    (Clopper–Pearson, 95%). Account for k > 1 results accordingly (``delta`` is that of the
+    limit law, not a bound for the finite chain), and prefer more sweeps at large nε.
 
   Running time depends on the data (the rejection sampler's acceptance rate; the loop is never
   capped, since a fallback after N tries would break the law): timing is not protected. The
@@ -471,10 +538,13 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
   Returns:
     :class:`~dpjax.results.SubspaceResult` (``ok`` True; ``epsilon`` ε, ``delta`` 0,
     neighbouring ``REPLACE_ONE``), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats:
-    float32); ``info``: ``exact`` (k = 1), ``num_sweeps`` (0 for k = 1), ``batch_size``,
-    ``data_norm``, ``clip``. Traceable in ``key`` and ``X`` with JAX's x64 mode on (the float64
-    sampler staged inline; a NaN in a traced X gives ⊥); under a float32 trace (x64 off) it
-    raises ``TypeError``; eagerly it runs under ``jax.enable_x64(True)`` whatever the flag.
+    float32), a Haar-random basis of the sampled subspace (its columns are in no particular
+    order: use ``projection`` or captured variance, not column 0, as the estimate); ``info``:
+    ``guarantee`` (see above), ``exact`` (k = 1: the sampler is exact), ``num_sweeps`` (0 for
+    k = 1), ``batch_size``, ``data_norm``, ``clip``. Traceable in ``key`` and ``X`` with JAX's
+    x64 mode on (the float64 sampler staged inline; a NaN in a traced X gives ⊥); under a
+    float32 trace (x64 off) it raises ``TypeError``; eagerly it runs under
+    ``jax.enable_x64(True)`` whatever the flag.
 
   Raises:
     TypeError: bad key, X not a real array, non-integer k / num_sweeps / batch_size, clip not a
@@ -504,8 +574,9 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
   ok = jnp.asarray(True)
   if v.is_traced(X64):
     ok, basis = v.domain_bottom(X64, ok, basis)
-  info = {"exact": k == 1, "num_sweeps": sweeps, "batch_size": batch_size,
-          "data_norm": float(data_norm), "clip": bool(clip)}
+  info = {"guarantee": GUARANTEE_EXACT if k == 1 else GUARANTEE_SAMPLER_LIMIT, "exact": k == 1,
+          "num_sweeps": sweeps, "batch_size": batch_size, "data_norm": float(data_norm),
+          "clip": bool(clip)}
   return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=0.0,
                         neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
 
@@ -516,8 +587,9 @@ def ppca_core(key: jax.Array, S: jax.Array, epsilon, *, k: int,
   """Traceable PPCA: :func:`matrix_bingham_sample` with ``C = (ε/2)·S``.
 
   ``S = second_moment(X)`` (= nA, rows in the unit ball; ``tr(VᵀSV)`` is the score of
-  sensitivity 1). ε-DP under replace-one for k = 1; for k > 1 only in the mixing limit (see
-  :func:`ppca`). Runs in S's dtype: call it under ``jax.enable_x64(True)`` with float64 S, as
+  sensitivity 1). ε-DP under replace-one for k = 1; for k > 1 only in the sampler's limit
+  (``num_sweeps → ∞``; see :func:`ppca`). The basis is Haar-random within the sampled
+  subspace. Runs in S's dtype: call it under ``jax.enable_x64(True)`` with float64 S, as
   :func:`ppca` does. No validation: ``jax.jit`` / ``jax.vmap`` it over keys (and ε).
 
   Returns:

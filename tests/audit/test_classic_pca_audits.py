@@ -38,7 +38,9 @@ def _features(key, run, S, trials):
 
 
 def _lower_bound(key, run, X, X_prime, trials, delta):
-  """The auditor's bound from ``trials`` runs on each side (feature: |⟨v̂, e0⟩| to 0.1)."""
+  """The auditor's bound from ``trials`` runs on each side (feature: |⟨v̂, e0⟩| to 0.1, i.e.
+  √Π₀₀ of the released projector Π = v̂v̂ᵀ: a function of the subspace, which is what the
+  mechanisms release — PPCA's basis carries a uniform random sign, its k = 1 Haar rotation)."""
   k1, k2 = jax.random.split(key)
   a = _features(k1, run, pca.second_moment(X), trials)
   b = _features(k2, run, pca.second_moment(X_prime), trials)

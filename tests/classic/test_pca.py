@@ -1,11 +1,13 @@
 """Classic private PCA (docs/algorithms.md §5.3): MOD-SuLQ, PPCA and the Bingham samplers.
 
 Compilation dominates the cost: the default tests share one batched sampler program
-(``_ppca_k1``, d = 2 over ``KEYS``), one eager k = 1 program (d = 2) and one Gibbs program
-(d = 5, k = 2, ``SWEEPS``), and reuse a few data shapes.
+(``_ppca_k1``, d = 2 over ``KEYS``), one eager k = 1 program (d = 2), one Gibbs program
+(d = 5, k = 2, ``SWEEPS``) and one batched Gibbs program (``_haar_draws``, d = 4, k = 2), and
+reuse a few data shapes.
 """
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -192,6 +194,74 @@ def test_gibbs_law_d3_k2_against_the_normal_vector():
   assert stats.kstest(normal[:, 0], _cdf_from_density(t, log_marginal)).pvalue > 1e-3
 
 
+# --- the released basis (k > 1): Haar within the sampled subspace (issue 34 §4) --------------
+
+# A sharp plane span(e0, e1) in d = 4 (C's eigenvalues 1e4, 6e3, 0, 0): within SWEEPS the
+# chain's subspace sits within 0.03 of it, while its in-plane rotation, which the density
+# ignores, stays where the first sweep put it: near the eigenbasis (the first column updated
+# finds e0, which d ≥ k + 2 leaves it room to), far from Haar. (With 1e3 for 6e3, c0/2 > c1,
+# 120 of these 400 chains' subspaces are still farther than sin θ_max = 0.1 from the plane
+# after 5 sweeps: both columns can share e0 with a null direction, a slow-mixing state; the
+# rotation test holds there too.)
+C_SHARP = np.diag([1e4, 6e3, 0.0, 0.0])
+HAAR_KEYS = KEYS[:400]
+
+
+@functools.cache
+def _haar_draws():
+  """``(frame, rotation, basis)`` over ``HAAR_KEYS`` at ``C_SHARP``, float64, in one program:
+  the Gibbs chain's frame and the Haar rotation (``pca._matrix_bingham_parts``) and the
+  released basis (:func:`pca.matrix_bingham_sample`, the program ``ppca`` runs) per key."""
+  with jax.enable_x64(True):
+    C = jnp.asarray(C_SHARP)
+    run = jax.jit(jax.vmap(lambda key: (
+        *pca._matrix_bingham_parts(key, C, 2, SWEEPS, pca.DEFAULT_BATCH_SIZE),
+        pca.matrix_bingham_sample(key, C, 2, num_sweeps=SWEEPS))))
+    return tuple(np.asarray(a) for a in run(HAAR_KEYS))
+
+
+def _in_plane_rotation(V, E):
+  """The rotation of bases ``V (m, d, 2)`` within their subspaces relative to the reference
+  ``E (d, 2)``: ``(θ, a, det)`` with θ ∈ (−π, π] the angle of the polar factor R of ``EᵀV``
+  (in O(2)), ``a = min(|θ|, π − |θ|) ∈ [0, π/2]`` its distance to the reference axes, and
+  ``det R``. ``polar(EᵀVQ) = polar(EᵀV)Q``: a Haar basis of any subspace gives θ uniform on the
+  circle, a uniform on [0, π/2] and each determinant with probability 1/2."""
+  U, _, Wt = np.linalg.svd(np.einsum("di,mdj->mij", E, V))
+  R = U @ Wt
+  theta = np.arctan2(R[:, 1, 0], R[:, 0, 0])
+  return theta, np.minimum(np.abs(theta), np.pi - np.abs(theta)), np.linalg.det(R)
+
+
+def test_ppca_k2_basis_is_haar_within_the_subspace():
+  """The released basis's rotation within its plane is Haar: KS of θ against the uniform law on
+  the circle and of the folded angle a against uniform on [0, π/2] (which has power against
+  the axis-bound rotation KS on θ sees poorly), the determinant's sign a fair coin (400 draws,
+  ±4 sd). Negative control: the chain's own frame at the same keys (the basis released before
+  issue 34) fails the folded test by far."""
+  frame, _, V = _haar_draws()
+  E = np.eye(4)[:, :2]
+  theta, folded, det = _in_plane_rotation(V, E)
+  assert stats.kstest(theta, stats.uniform(-np.pi, 2 * np.pi).cdf).pvalue > 1e-3
+  assert stats.kstest(folded, stats.uniform(0.0, np.pi / 2).cdf).pvalue > 1e-3
+  assert 0.4 < np.mean(det > 0) < 0.6
+  chain = _in_plane_rotation(frame, E)[1]
+  assert stats.kstest(chain, stats.uniform(0.0, np.pi / 2).cdf).pvalue < 1e-10
+
+
+def test_ppca_k2_haar_rotation_keeps_the_subspace():
+  """The rotation acts within the subspace: the released basis is the chain's frame times an
+  orthogonal (k, k) matrix, and its projector V Vᵀ is the frame's (same sampler key), which
+  here is the sharp plane."""
+  frame, R, V = _haar_draws()
+  np.testing.assert_allclose(np.einsum("mij,mkj->mik", R, R), np.broadcast_to(np.eye(2), R.shape),
+                             atol=1e-12)
+  np.testing.assert_allclose(V, frame @ R, atol=1e-12)
+  P = np.einsum("mik,mjk->mij", V, V)
+  np.testing.assert_allclose(P, np.einsum("mik,mjk->mij", frame, frame), atol=1e-12)
+  assert np.max(np.abs(P - np.diag([1.0, 1.0, 0.0, 0.0]))) < 0.05
+  assert np.min(np.max(np.abs(V - frame), axis=(1, 2))) > 1e-6         # never the identity
+
+
 # --- PPCA wrapper -------------------------------------------------------------------------------
 
 def test_ppca_k1_wrapper_equals_core_and_recovers_top_direction():
@@ -203,6 +273,7 @@ def test_ppca_k1_wrapper_equals_core_and_recovers_top_direction():
   assert res.epsilon == 2.0 and res.delta == 0.0 and bool(res.ok)
   assert res.neighbouring == NeighboringRelation.REPLACE_ONE
   assert res.info["exact"] and res.info["num_sweeps"] == 0
+  assert res.info["guarantee"] == pca.GUARANTEE_EXACT == "exact"     # (ε, 0) for the output
   assert res.basis.shape == (2, 1) and res.basis.dtype == jnp.float32
   assert abs(float(res.basis[0, 0])) > 0.99                  # nε/2 = 400, gap ≈ 0.5
   # ε → 0: nε/2 = 4e-4, nearly uniform on the circle: E|cos θ| = 2/π.
@@ -210,12 +281,19 @@ def test_ppca_k1_wrapper_equals_core_and_recovers_top_direction():
   assert np.mean(tiny) < 0.8
 
 
-def test_ppca_k2_wrapper_and_determinism():
+def test_ppca_k2_wrapper_guarantee_label_and_determinism():
+  """k > 1: the result states that its (ε, 0) holds in the sampler's limit (the exact Bingham
+  law), not for the finite-sweep output; equal keys give equal bases, different keys different
+  ones."""
   res = pca.ppca(jax.random.key(7), X_SPIKED, epsilon=2.0, k=2, num_sweeps=SWEEPS)
   again = pca.ppca(jax.random.key(7), X_SPIKED, epsilon=2.0, k=2, num_sweeps=SWEEPS)
+  other = pca.ppca(jax.random.key(8), X_SPIKED, epsilon=2.0, k=2, num_sweeps=SWEEPS)
   np.testing.assert_array_equal(np.asarray(res.basis), np.asarray(again.basis))
+  assert not np.allclose(np.asarray(res.basis), np.asarray(other.basis), atol=1e-3)
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(2), atol=1e-6)
   assert not res.info["exact"] and res.info["num_sweeps"] == SWEEPS
+  assert res.info["guarantee"] == pca.GUARANTEE_SAMPLER_LIMIT == "exact sampler limit"
+  assert res.epsilon == 2.0 and res.delta == 0.0
 
 
 # jit(vmap) over keys with the data a traced argument: one program per function, run on the
