@@ -15,23 +15,27 @@ so no global state is needed: the user's own training calls it with :func:`dense
 to each layer's output (the gradient w.r.t. ``τ_i`` is ``δ_i``) and keeps the layer's input.
 
 The clipping is the same map as :mod:`dpjax.sgd.per_example` (its edge-case table), applied to the
-same global norm over all parameters of one example:
+same global norm over all parameters of one example, with the same clip factor
+(:func:`dpjax.sgd.per_example.clip_factor`: C' = C(1 − ρ), the factor rounded down):
 
 =========================================  ==================================================
 one example's gradient ``g`` (never formed)  contribution to the sum
 =========================================  ==================================================
-``‖g‖ ≤ C`` (``"clip"``)                    ``g``
-``‖g‖ > C`` (finite)                        ``g · C/‖g‖``; no overflow or underflow: every
+``‖g‖ ≤ C'`` (``"clip"``)                   ``g``
+``‖g‖ > C'`` (finite)                       ``g · C'/‖g‖``; no overflow or underflow: every
                                             layer's ``x_i`` and ``δ_i`` are scaled by exact
                                             powers of two before any product, the exponents
                                             are kept as integers
 ``g = 0``                                   ``0`` (no 0/0)
 ``‖g‖`` not finite (a NaN or ±inf in any    ``0`` for the whole example, as with the vmap
 ``x_i``, ``δ_i`` or gradient, or a norm     path (``‖g‖`` beyond the float range is inf
-beyond the float range)                     there too)
+beyond the float32 / float64 range)         there too)
 =========================================  ==================================================
 
-``"normalize"`` gives ``C·g/(‖g‖ + γ)``, as :func:`dpjax.sgd.clip_per_example`.
+``"normalize"`` gives ``C'·g/(‖g‖ + γ)``, as :func:`dpjax.sgd.clip_per_example`. Norms, factors
+and the book-keeping matmuls run in float32 (float64 for float64 models) whatever the model's
+dtype, and each summed leaf is converted back rounding towards zero
+(:func:`ghost_clipped_grad_sum`, "Floating point").
 """
 
 from __future__ import annotations
@@ -150,7 +154,7 @@ def _plan(apply_fn, example_loss, leaves, treedef, inputs, targets) -> _Plan:
 
   records = []
 
-  def traced(leaves, inputs_i, targets_i):
+  def traced(leaves, inputs_i, targets_i, taps=None):
     index = {id(x): i for i, x in enumerate(leaves)}
 
     def recording(params, x):
@@ -161,30 +165,55 @@ def _plan(apply_fn, example_loss, leaves, treedef, inputs, targets) -> _Plan:
       if b is not None:
         layer["b"] = b if ib is None else jnp.zeros(jnp.shape(b), jnp.result_type(b))
       out = dense(layer, x)
+      j = len(records)
       records.append((iw, ib, spec(out)))
+      if taps is not None:
+        if j >= len(taps) or spec(out) != spec(taps[j]):
+          raise RuntimeError("apply_fn must call dense on the same layers in the same order "
+                             "every time it is traced.")
+        out = out + taps[j]
       return out
 
     return example_loss(apply_fn(jax.tree_util.tree_unflatten(treedef, leaves), inputs_i,
                                  dense=recording), targets_i)
 
-  closed = jax.make_jaxpr(traced)([spec(x) for x in leaves],
-                                  jax.tree_util.tree_map(lambda x: spec(x, 1), inputs),
-                                  jax.tree_util.tree_map(lambda x: spec(x, 1), targets))
+  args = ([spec(x) for x in leaves], jax.tree_util.tree_map(lambda x: spec(x, 1), inputs),
+          jax.tree_util.tree_map(lambda x: spec(x, 1), targets))
+  closed = jax.make_jaxpr(traced)(*args)
   out = closed.out_avals[0]
   if len(closed.out_avals) != 1 or out.shape != () or not jnp.issubdtype(out.dtype,
                                                                         jnp.floating):
     raise TypeError("example_loss(apply_fn(params, x), y) must return a real scalar for one "
                     f"example, got {closed.out_avals}.")
+  # Second trace with a zero "tap" added to each dense output, passed in as an argument: a call
+  # made at apply_fn's top level adds its tap there (an `add` of the output's shape in the
+  # outer jaxpr); one made inside a lax.scan / cond / while body, jax.checkpoint, a nested jit
+  # or an inner vmap hands it to that construct instead. Only top-level calls can be tapped
+  # and have their (x, δ) kept; the others' leaves fall back to vmap(grad).
+  taps = [s for _, _, s in records]
+  first, records[:] = list(records), []
+  if taps:
+    closed = jax.make_jaxpr(traced)(*args, taps)
+    if [r[:2] for r in records] != [r[:2] for r in first]:
+      raise RuntimeError("apply_fn must call dense on the same layers in the same order "
+                         "every time it is traced.")
   jaxpr = closed.jaxpr
+  tap_vars = jaxpr.invars[len(jaxpr.invars) - len(taps):] if taps else []
+  top_level = [any(eqn.primitive.name == "add" and any(v is var for v in eqn.invars)
+                   and eqn.outvars[0].aval.shape == spec_.shape for eqn in jaxpr.eqns)
+               for var, spec_ in zip(tap_vars, taps)]
   read = {id(var) for eqn in jaxpr.eqns for var in eqn.invars} | {id(var) for var in
                                                                    jaxpr.outvars}
-  counts = [0] * len(leaves)
-  for iw, ib, _ in records:
+  counts, nested = [0] * len(leaves), set()
+  for (iw, ib, _), top in zip(records, top_level):
     for i in (iw, ib):
       if i is not None:
         counts[i] += 1
+        if not top:
+          nested.add(i)
   leaf_vars = jaxpr.invars[:len(leaves)]
-  covered = {i for i, var in enumerate(leaf_vars) if counts[i] == 1 and id(var) not in read}
+  covered = {i for i, var in enumerate(leaf_vars)
+             if counts[i] == 1 and i not in nested and id(var) not in read}
   unused = tuple(i for i, var in enumerate(leaf_vars) if counts[i] == 0 and id(var) not in read)
   uncovered = tuple(i for i in range(len(leaves)) if i not in covered and i not in unused)
   calls = tuple((iw if iw in covered else None, ib if ib in covered else None, out)
@@ -196,8 +225,9 @@ def _warn_uncovered(params, plan):
   if plan.uncovered:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     warnings.warn("ghost clipping: parameters " + ", ".join(paths[i] for i in plan.uncovered)
-                  + " are not (only) read by one dense call; their per-example gradients are "
-                  "computed by vmap(grad) (exact, slower).", stacklevel=3)
+                  + " are not (only) read by one dense call at apply_fn's top level; their "
+                  "per-example gradients are computed by vmap(grad) (exact, slower).",
+                  stacklevel=3)
 
 
 def _forward_backward(apply_fn, example_loss, plan, leaves, treedef, inputs, targets, size):
@@ -241,68 +271,50 @@ def _forward_backward(apply_fn, example_loss, plan, leaves, treedef, inputs, tar
   return deltas, xs, free_grads
 
 
-def _bits(dtype):
-  info = jnp.finfo(dtype)
-  return info, {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[info.dtype.itemsize]
+_ldexp = per_example.ldexp
+_normalised = per_example.normalised
 
 
-def _exp2(e, dtype):
-  """``2^e`` exactly, for integer ``e`` in the dtype's normal range (built from its bits; the
-  generic ``jnp.ldexp`` / ``jnp.frexp`` triple XLA's compile time here)."""
-  info, ints = _bits(dtype)
-  return jax.lax.bitcast_convert_type((e.astype(ints) + (info.maxexp - 1)) << info.nmant, dtype)
-
-
-def _ldexp(x, e):
-  """``x · 2^e`` (``e`` int32, broadcast against ``x``): exact but for over/underflow of the
-  result, in two factors that stay in the normal range."""
-  lim = jnp.finfo(x.dtype).maxexp - 2
-  e = jnp.clip(e, -2 * lim, 2 * lim)
-  h = jax.lax.shift_right_arithmetic(e, jnp.ones_like(e))            # ⌊e/2⌋
-  return x * _exp2(h, x.dtype) * _exp2(e - h, x.dtype)
-
-
-def _exponent(amax):
-  """``e`` with ``amax < 2^e`` and ``amax ≥ 2^(e−1)`` for a normal ``amax > 0`` (frexp's)."""
-  info, ints = _bits(amax.dtype)
-  biased = (jax.lax.bitcast_convert_type(amax, ints) >> info.nmant) & (2 * info.maxexp - 1)
-  return (biased - (info.maxexp - 2)).astype(jnp.int32)
-
-
-def _pow2_scale(x, e):
-  """``x · 2^e`` per example (``e`` ``(B,)`` int32)."""
-  return _ldexp(x, e.reshape((-1,) + (1,) * (x.ndim - 1)))
-
-
-def _normalised(x):
-  """``(e, x / 2^e)`` per example: ``max|x_i / 2^e_i| ∈ [1/2, 1)``; e = 0 for a zero or
-  non-finite example (which stays non-finite)."""
-  amax = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim)), initial=0)
-  ok = jnp.isfinite(amax) & (amax > 0)
-  e = jnp.where(ok, _exponent(jnp.where(ok, amax, 1)), 0)
-  return e, _pow2_scale(x, -e)
+def _toward_zero(coef, like):
+  """``coef`` in ``like``'s dtype, never rounded up (a float64 coefficient for a float32
+  block of a mixed model)."""
+  return per_example.round_toward_zero(coef, like.dtype)
 
 
 def _sqnorm(x):
-  return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)))
+  """Per-row sum of squares (rows: the first axis) in a fixed tree
+  (:func:`per_example.sum_squares`: a proven rounding bound, whatever XLA's reduction order)."""
+  return per_example.sum_squares(x.reshape(x.shape[0], -1))
 
 
 class _Partial(NamedTuple):
-  """One block of the per-example gradient: its norm ``norm · 2^exponent`` (``(B,)`` each), and
+  """One block of the per-example gradient: its norm ``norm · 2^exponent`` (``(B,)`` each),
   ``total(coef, ok)``, its sum weighted by per-example coefficients ``(B,)`` (rows with ``ok``
-  False skipped)."""
+  False skipped), and ``size``, its number of entries."""
   norm: jax.Array
   exponent: jax.Array
   total: Callable
+  size: int
 
 
 def _partials(plan, deltas, xs, free_grads, leaves):
-  """The blocks: each covered leaf, and each uncovered leaf (its per-example gradient)."""
+  """The blocks: each covered leaf, and each uncovered leaf (its per-example gradient).
+
+  Everything is computed in :func:`per_example.accumulation_dtype` (float32 for 16-bit models)
+  from exactly rescaled (powers of two) layer inputs ``x`` and output gradients ``δ``, and
+  every total is converted to its leaf's dtype rounding towards zero
+  (:func:`per_example.round_toward_zero`), so the term of example i has entries
+  ``|y| ≤ coef_i·|G_i|(1 + u)²`` (u of float32 / float64) for the gradient ``G_i`` the norm is
+  of: ``x_iᵀδ_i`` exactly for a vector input (two roundings: ``coef·x`` then ``·δ``), the
+  materialised ``Σ_t x_itᵀδ_it`` on the direct route, ``Σ_t δ_it`` for a bias, the
+  materialised per-example gradient of an uncovered leaf (one rounding each).
+  """
   parts = {}
   tapped = [(iw, ib) for iw, ib, _ in plan.calls if iw is not None or ib is not None]
   for (iw, ib), delta, x in zip(tapped, deltas, xs):
     size = delta.shape[0]
-    dtype = jnp.result_type(x, delta, *(leaves[i] for i in (iw, ib) if i is not None))
+    dtype = per_example.accumulation_dtype(
+        x.dtype, delta.dtype, *(jnp.result_type(leaves[i]) for i in (iw, ib) if i is not None))
     a, width = x.shape[-1], delta.shape[-1]
     x = jnp.reshape(x, (size, -1, a)).astype(dtype)
     delta = jnp.reshape(delta, (size, -1, width)).astype(dtype)
@@ -310,48 +322,70 @@ def _partials(plan, deltas, xs, free_grads, leaves):
     ex, xt = _normalised(x)
     ed, dt = _normalised(delta)
     if iw is not None:
-      if steps == 1:
-        norm = jnp.sqrt(_sqnorm(xt)) * jnp.sqrt(_sqnorm(dt))
-      elif steps * steps < a * width:
-        gx = jnp.einsum("nta,nsa->nts", xt, xt, precision=linalg.HIGHEST)
-        gd = jnp.einsum("ntb,nsb->nts", dt, dt, precision=linalg.HIGHEST)
-        norm = jnp.sqrt(jnp.maximum(jnp.sum(gx * gd, axis=(1, 2)), 0))
+      w = leaves[iw]
+      if steps > 1 and steps * steps >= a * width:
+        # Direct route (T² ≥ a·b): the (a, b) per-example gradients are formed anyway, so the
+        # norm and the term are both of this one materialised array.
+        eg, gt = _normalised(jnp.einsum("nta,ntb->nab", xt, dt, precision=linalg.HIGHEST))
+        norm, exp = jnp.sqrt(_sqnorm(gt)), ex + ed + eg
+
+        def weight_total(coef, ok, gt=gt, w=w):
+          total = jnp.tensordot(_toward_zero(coef, gt), jnp.where(ok[:, None, None], gt, 0),
+                                axes=1, precision=linalg.HIGHEST)
+          return per_example.round_toward_zero(total, jnp.result_type(w))
       else:
-        norm = jnp.sqrt(_sqnorm(jnp.einsum("nta,ntb->nab", xt, dt, precision=linalg.HIGHEST)))
+        if steps == 1:
+          # ‖x_iᵀδ_i‖_F = ‖x_i‖‖δ_i‖ exactly, of the same numbers as the term (coef_i x_i)ᵀδ_i.
+          norm = jnp.sqrt(_sqnorm(xt)) * jnp.sqrt(_sqnorm(dt))
+        else:
+          # Gram route: ‖Σ_t x_tᵀδ_t‖² = ⟨x xᵀ, δ δᵀ⟩, never forming the (a, b) gradient. The
+          # norm and the book-keeping matmul are two float32 evaluations of Σ_t x_tᵀδ_t: see
+          # ghost_clipped_grad_sum's docstring for what the bound covers here.
+          gx = jnp.einsum("nta,nsa->nts", xt, xt, precision=linalg.HIGHEST)
+          gd = jnp.einsum("ntb,nsb->nts", dt, dt, precision=linalg.HIGHEST)
+          norm = jnp.sqrt(jnp.maximum(jnp.sum(gx * gd, axis=(1, 2)), 0))
+        exp = ex + ed
 
-      def weight_total(coef, ok, xt=xt, dt=dt, w=leaves[iw]):
-        keep = ok[:, None, None]
-        xk = jnp.where(keep, coef.astype(xt.dtype)[:, None, None] * xt, 0)
-        return jnp.tensordot(xk, jnp.where(keep, dt, 0), axes=((0, 1), (0, 1)),
-                             precision=linalg.HIGHEST).astype(jnp.result_type(w))
+        def weight_total(coef, ok, xt=xt, dt=dt, w=w):
+          keep = ok[:, None, None]
+          xk = jnp.where(keep, _toward_zero(coef, xt)[:, None, None] * xt, 0)
+          total = jnp.tensordot(xk, jnp.where(keep, dt, 0), axes=((0, 1), (0, 1)),
+                                precision=linalg.HIGHEST)
+          return per_example.round_toward_zero(total, jnp.result_type(w))
 
-      parts[iw] = _Partial(norm, ex + ed, weight_total)
+      parts[iw] = _Partial(norm, exp, weight_total, a * width)
     if ib is not None:
-      dsum = jnp.sum(dt, axis=1)
+      eb, dsum = (jnp.zeros((size,), jnp.int32), dt[:, 0]) if steps == 1 else _normalised(
+          jnp.sum(dt, axis=1))
 
       def bias_total(coef, ok, dsum=dsum, b=leaves[ib]):
-        return jnp.tensordot(coef.astype(dsum.dtype), jnp.where(ok[:, None], dsum, 0), axes=1,
-                             precision=linalg.HIGHEST).astype(jnp.result_type(b))
+        total = jnp.tensordot(_toward_zero(coef, dsum), jnp.where(ok[:, None], dsum, 0), axes=1,
+                              precision=linalg.HIGHEST)
+        return per_example.round_toward_zero(total, jnp.result_type(b))
 
-      parts[ib] = _Partial(jnp.sqrt(_sqnorm(dsum)), ed, bias_total)
+      parts[ib] = _Partial(jnp.sqrt(_sqnorm(dsum)), ed + eb, bias_total, width)
   for i, g in zip(plan.uncovered, free_grads):
-    e, gt = _normalised(g)
+    e, gt = _normalised(g.astype(per_example.accumulation_dtype(g.dtype)))
 
     def free_total(coef, ok, gt=gt, leaf=leaves[i]):
       keep = ok.reshape((-1,) + (1,) * (gt.ndim - 1))
-      return jnp.tensordot(coef.astype(gt.dtype), jnp.where(keep, gt, 0), axes=1,
-                           precision=linalg.HIGHEST).astype(jnp.result_type(leaf))
+      total = jnp.tensordot(_toward_zero(coef, gt), jnp.where(keep, gt, 0), axes=1,
+                            precision=linalg.HIGHEST)
+      return per_example.round_toward_zero(total, jnp.result_type(leaf))
 
-    parts[i] = _Partial(jnp.sqrt(_sqnorm(gt)), e, free_total)
+    parts[i] = _Partial(jnp.sqrt(_sqnorm(gt)), e, free_total, max(g[0].size, 1))
   return parts
 
 
 def _global_norm(parts):
-  """``(m, E)`` with the per-example global norm ``m · 2^E`` (no overflow in m)."""
+  """``(m, E)`` with the per-example global norm ``m · 2^E`` (no overflow in m), the blocks
+  combined in the widest accumulation dtype by :func:`per_example.sum_squares`."""
+  dtype = per_example.accumulation_dtype(*(p.norm.dtype for p in parts))
   exps = [jnp.where(p.norm > 0, p.exponent, _NO_EXPONENT) for p in parts]
   top = functools.reduce(jnp.maximum, exps)
-  m = jnp.sqrt(sum(jnp.square(_ldexp(p.norm, e - top)) for p, e in zip(parts, exps)))
-  return m, top
+  scaled = jnp.stack([_ldexp(p.norm.astype(dtype), e - top) for p, e in zip(parts, exps)],
+                     axis=-1)
+  return jnp.sqrt(per_example.sum_squares(scaled)), top
 
 
 def _ghost(apply_fn, example_loss, params, batch):
@@ -376,8 +410,9 @@ def ghost_norms(apply_fn: Callable, example_loss: Callable) -> Callable:
 
   Returns:
     A jittable ``fn(params, batch)``, ``batch = (inputs, targets)``, returning ``(B,)`` norms in
-    the gradients' (promoted) float dtype: inf or NaN for an example with a non-finite entry or
-    a norm beyond the float range.
+    :func:`dpjax.sgd.per_example.accumulation_dtype` of the gradients (float32 for a 16-bit or
+    float32 model, float64 for float64), where they are accumulated: inf or NaN for an example
+    with a non-finite entry or a norm beyond that dtype's range.
 
   Raises:
     TypeError: ``apply_fn`` or ``example_loss`` not callable (at once); at trace time a batch
@@ -410,12 +445,14 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_n
   ``dense(params["layer"], h)``); the loss: ``example_loss(outputs, y) -> scalar``. A parameter
   leaf is clipped by ghost norms when exactly one ``dense`` call receives it (as ``w`` or ``b``,
   unchanged) and nothing else reads it; every other leaf the loss depends on (weight tying, a
-  layer norm's scale, an embedding table, ``dense`` called inside ``lax.scan``) gets its
-  per-example gradients by ``vmap(grad)`` restricted to those leaves (exact, slower; a
-  ``UserWarning`` names them), and the global norm covers all leaves together. ``apply_fn``
-  must call ``dense`` at its top level (not inside ``jax.checkpoint`` or a ``lax`` control-flow
-  body with the parameters closed over) and deterministically (the same calls in the same
-  order on every trace; ``RuntimeError`` otherwise).
+  layer norm's scale, an embedding table, a ``dense`` called inside a ``lax.scan`` /
+  ``lax.cond`` / ``lax.while_loop`` body, ``jax.checkpoint``, a nested ``jax.jit`` or an inner
+  ``vmap``, whether the body closes over the parameters or receives them) gets its per-example
+  gradients by ``vmap(grad)`` restricted to those leaves (exact, slower; a ``UserWarning``
+  names them), and the global norm covers all leaves together. Such nested calls are found by
+  tracing with a zero tap added to every ``dense`` output: only a tap added at ``apply_fn``'s
+  top level is tapped for ghost norms. ``apply_fn`` must call ``dense`` deterministically (the
+  same calls in the same order on every trace; ``RuntimeError`` otherwise).
 
   Privacy: every term (one example's clipped gradient) has ℓ2 norm ≤ C whatever the example
   (module edge-case table: a non-finite example contributes 0), so the sum has ℓ2-sensitivity
@@ -423,9 +460,32 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_n
   The norm rests on exact identities (``‖x_iᵀδ_i‖_F = ‖x_i‖‖δ_i‖`` for a vector input,
   ``‖x_iᵀδ_i‖²_F = ⟨x_i x_iᵀ, δ_i δ_iᵀ⟩`` for a sequence), evaluated on the same scaled
   ``(x_i, δ_i)`` (and gradients of uncovered leaves) that form the example's terms, so the clip
-  factor is that of the gradient actually summed (up to float rounding, as on the vmap path);
-  tests check the norms against :func:`dpjax.sgd.global_norms` of the vmap path, extreme scales
-  included. Masked rows (``mask_i = 0``) contribute exactly 0 whatever they hold.
+  factor is that of the gradient actually summed; tests check the norms against
+  :func:`dpjax.sgd.global_norms` of the vmap path, extreme scales included. Masked rows
+  (``mask_i = 0``) contribute exactly 0 whatever they hold.
+
+  Floating point (what "≤ C" means here; the vmap path's is in :mod:`dpjax.sgd.per_example`).
+  The term of example i is ``y = coef_i · G_i``, G_i the example's gradient computed from the
+  layer inputs ``x_i`` and output gradients ``δ_i`` of the model's own forward and backward
+  pass (in the model's dtype; bfloat16 activations give bfloat16 ``x_i, δ_i``). ``x_i, δ_i``
+  are upcast (exactly) to float32 (float64), the norms summed by
+  :func:`dpjax.sgd.per_example.sum_squares`, the factor is
+  :func:`dpjax.sgd.per_example.clip_factor`'s, the products ``coef·x`` and ``·δ`` (two
+  roundings) and the matmul over the batch run in float32, and each leaf is converted to its
+  dtype rounding towards zero. Proven (``clip_factor``'s derivation), exactly over the values
+  the sum receives for example i (``fn`` with a one-hot mask): ``‖y‖ ≤ C`` for dense layers
+  on vector inputs (G = x_iᵀδ_i: the norm is ``‖x_i‖‖δ_i‖`` of the same numbers), for
+  sequences on the direct route (T² ≥ a·b: G is formed in float32 and both the norm and the
+  term use it), for biases and for the leaves that fall back to ``vmap(grad)``. Not proven:
+  sequences on the Gram route (T² < a·b), where the norm comes from ``⟨x xᵀ, δ δᵀ⟩``, a sum
+  over (t, s) of terms of both signs, and the term from another float32 evaluation of
+  ``Σ_t x_tᵀδ_t``. Their relative gap is bounded only by about ``γ·κ²``, with
+  ``κ = Σ_t‖x_t‖‖δ_t‖ / ‖G‖ ≥ 1`` (large when the per-token gradients cancel) and, in the
+  worst case of float32 matmul accumulation, ``γ ≈ (a + b + T²)·2⁻²⁴``: a bound that would
+  cost far more utility than the margin ρ. In practice the rounding errors are random and the
+  gap small (tests: ≤ C on random float16, bfloat16 and float32 sequences); for a proven bound
+  on sequence inputs use :func:`dpjax.sgd.clipped_grad_sum`. Not covered on either path: the
+  rounding of the SUM of the terms in the output dtype.
 
   Args:
     apply_fn: ``apply_fn(params, x, *, dense)`` (one example).
@@ -465,16 +525,19 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_n
     out = [jnp.zeros(jnp.shape(x), jnp.result_type(x)) for x in leaves]
     if parts:
       m, top = _global_norm(list(parts.values()))
-      ok = jnp.isfinite(_ldexp(m, top))
+      factor, keep = per_example.clip_factor(
+          m, clip_norm, clipping, stability, exponents=top,
+          num_entries=sum(p.size for p in parts.values()))
+      ok = keep | (factor > 0)
+      weights = jnp.asarray(mask).astype(m.dtype)
       for i, p in parts.items():
-        # C·2^e / max(‖g‖, C) (or C·2^e / (‖g‖ + γ)) with ‖g‖/2^e = m·2^(top−e): no overflow.
-        rel = _ldexp(m, top - p.exponent)
-        if clipping == "normalize":
-          denom = rel + _ldexp(jnp.asarray(stability, m.dtype), -p.exponent)
-        else:
-          denom = jnp.maximum(rel, _ldexp(jnp.asarray(clip_norm, m.dtype), -p.exponent))
-        coef = jnp.where(ok & (p.norm > 0), clip_norm / denom, 0)
-        out[i] = p.total(coef * jnp.asarray(mask).astype(coef.dtype), ok)
+        # The block's coefficient: 2^e where kept, else factor·2^(e − top) (the block is
+        # stored as ‖g_block‖/2^e); below the normal range (a block ≪ the example's norm) or
+        # not finite: 0, never rounded up.
+        coef = jnp.where(keep, _ldexp(jnp.ones_like(factor), p.exponent),
+                         _ldexp(factor, p.exponent - top))
+        usable = jnp.isfinite(coef) & (coef >= jnp.finfo(coef.dtype).tiny) & (p.norm > 0)
+        out[i] = p.total(jnp.where(ok & usable, coef, 0) * weights, ok)
     return jax.tree_util.tree_unflatten(treedef, out)
 
   return per_example.ClippedGradSum(fn, clip_norm)

@@ -7,31 +7,48 @@ input, including the pathological ones:
 =========================================  ==================================================
 per-example gradient ``g``                 clipped ``ḡ``
 =========================================  ==================================================
-``‖g‖ ≤ C``                                 ``g`` unchanged
-``‖g‖ > C`` (finite)                        ``g · C/‖g‖`` (norm C); no overflow even when
-                                            ``‖g‖²`` exceeds the float range (norm computed
-                                            on ``g / max|g|``)
+``‖g‖ ≤ C(1 − ρ)``                          ``g`` unchanged
+``‖g‖ > C(1 − ρ)`` (finite)                 ``g · C(1 − ρ)/‖g‖``, the factor rounded down
+                                            (norm ≤ C); no overflow even when ``‖g‖²``
+                                            exceeds the float range (norm computed on
+                                            ``g / 2^e``, ``max|g / 2^e| ∈ [1/2, 1)``)
 ``g = 0``                                   ``0`` (no 0/0)
-any NaN or ±inf entry                       ``0`` for the whole example (a NaN would otherwise
-                                            poison the sum and reveal the example)
+any NaN or ±inf entry, or ``‖g‖`` beyond    ``0`` for the whole example (a NaN would otherwise
+the float32 (float64) range                 poison the sum and reveal the example)
 =========================================  ==================================================
 
 so ``‖ḡ‖ ≤ C`` always, and the sum over a batch has ℓ2-sensitivity C under add/remove-one.
+
+Floating point. "Always" means: for the values as materialised, in every float dtype (float16,
+bfloat16, float32, float64 with x64), ``‖ḡ‖`` evaluated exactly is ≤ C. Rounding would otherwise
+break it (a bfloat16 term at 1.008 C when the norm is accumulated in bfloat16, measured), so
+(:func:`clip_factor`): norms and factors are computed in float32 (float64 for float64
+gradients) from exactly rescaled entries, summed in a fixed tree with a proven error bound
+(:func:`sum_squares`); the clip is at ``C(1 − ρ)`` with ``ρ = (2λ + 12)u`` (u = 2⁻²⁴, or 2⁻⁵³;
+λ = ⌈log2 P⌉ for P entries: ρ ≈ 3.1·10⁻⁶ for 10⁶ entries, the whole utility cost), which
+covers the norm's rounding and that of ``factor · g``; the factor is rounded down; and
+``factor · g`` is converted to a 16-bit dtype rounding TOWARDS ZERO, which never lengthens
+a term (to nearest, a float16 term can reach 1.18 C when its entries are subnormal, measured).
+Not covered: the rounding of the SUM of the terms in the output dtype (a property of any
+floating-point DP-SGD, not of one term), and clip norms below ~10⁻³³ (float32's normal range).
 
 Normalised ("automatic") clipping, ``clipping="normalize"``: ``ḡ = C·g/(‖g‖ + γ)`` with a
 stability constant γ > 0 (Bu et al., "Automatic Clipping", NeurIPS 2023, AUTO-S; Yang et al.,
 DP-NSGD, 2022). Every example gets about the same weight C, so C only scales the learning rate
 and needs no tuning; ``‖ḡ‖ = C‖g‖/(‖g‖ + γ) < C`` for every finite g, and the non-finite rows of
-the table above become 0 as well, so the sensitivity is the same C.
+the table above become 0 as well, so the sensitivity is the same C (computed as
+``C(1 − ρ)·g/(‖g‖ + γ)``, the same safeguards).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
@@ -57,34 +74,276 @@ def per_example_grads(loss_fn: Callable) -> Callable:
   return jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))
 
 
-def _tree_norm(tree) -> jax.Array:
-  """Global ℓ2 norm of one example's pytree, without overflow; non-finite if any entry is."""
-  leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
-  if not leaves:
-    return jnp.zeros(())
-  amax = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0) for x in leaves]))
-  scale = jnp.where((amax > 0) & jnp.isfinite(amax), amax, jnp.ones_like(amax))
-  total = sum(jnp.sum(jnp.square(x / scale.astype(x.dtype))) for x in leaves)
-  return scale * jnp.sqrt(total)
-
-
 CLIPPINGS = ("clip", "normalize")
 DEFAULT_STABILITY = 0.01
 
 
+def accumulation_dtype(*dtypes) -> jnp.dtype:
+  """The dtype norms and clip factors are computed in: float32 for 16-bit (and 32-bit) floats,
+  float64 for float64 (with ``jax_enable_x64``): ``promote_types(*dtypes, float32)``."""
+  return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
+
+
+# ---------------------------------------------------------------- exact powers of two (no libm)
+
+
+def _bits(dtype):
+  info = jnp.finfo(dtype)
+  return info, {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[info.dtype.itemsize]
+
+
+def _exp2(e, dtype):
+  """``2^e`` exactly, for integer ``e`` in the dtype's normal range (built from its bits; the
+  generic ``jnp.ldexp`` / ``jnp.frexp`` triple XLA's compile time here)."""
+  info, ints = _bits(dtype)
+  return jax.lax.bitcast_convert_type((e.astype(ints) + (info.maxexp - 1)) << info.nmant, dtype)
+
+
+def pow2_factors(e, dtype):
+  """``(2^⌊e/2⌋, 2^(e−⌊e/2⌋))``: two normal factors whose product is ``2^e`` (``e`` int32,
+  clipped to twice the normal range), so ``x · f1 · f2`` is exact but for over/underflow of
+  the result."""
+  lim = jnp.finfo(dtype).maxexp - 2
+  e = jnp.clip(e, -2 * lim, 2 * lim)
+  h = jax.lax.shift_right_arithmetic(e, jnp.ones_like(e))            # ⌊e/2⌋
+  return _exp2(h, dtype), _exp2(e - h, dtype)
+
+
+def ldexp(x, e):
+  """``x · 2^e`` (``e`` int32, broadcast against ``x``): exact but for over/underflow of the
+  result, in two factors that stay in the normal range."""
+  f1, f2 = pow2_factors(e, x.dtype)
+  return x * f1 * f2
+
+
+def exponent(amax):
+  """``e`` with ``amax < 2^e`` and ``amax ≥ 2^(e−1)`` for a normal ``amax > 0`` (frexp's)."""
+  info, ints = _bits(amax.dtype)
+  biased = (jax.lax.bitcast_convert_type(amax, ints) >> info.nmant) & (2 * info.maxexp - 1)
+  return (biased - (info.maxexp - 2)).astype(jnp.int32)
+
+
+def normalised(x, batch_dims: int = 1):
+  """``(e, x / 2^e)``: per row of the first ``batch_dims`` axes, ``max|x / 2^e| ∈ [1/2, 1)``
+  (exact, but for entries below the float range after scaling); ``e = 0`` (int32) for a zero or
+  non-finite row, which stays non-finite."""
+  axes = tuple(range(batch_dims, x.ndim))
+  amax = jnp.max(jnp.abs(x), axis=axes, initial=0)
+  ok = jnp.isfinite(amax) & (amax > 0)
+  e = jnp.where(ok, exponent(jnp.where(ok, amax, 1)), 0)
+  return e, ldexp(x, -e.reshape(e.shape + (1,) * len(axes)))
+
+
+# ------------------------------------------------------------------ sums with a rounding bound
+
+_FAN_IN = 16   # terms added per stage of sum_squares, in a balanced tree (depth 4)
+
+
+def _balanced_sum(parts):
+  """Σ of same-shaped arrays as a balanced binary tree of explicit additions (⌈log2 k⌉ deep)."""
+  while len(parts) > 1:
+    parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i]
+             for i in range(0, len(parts), 2)]
+  return parts[0]
+
+
+def sum_levels(n: int) -> int:
+  """λ(n): the most roundings one term passes through in :func:`sum_squares` of ``n`` terms:
+  ``⌈log2 n⌉`` (each stage adds a depth of 4 and divides the count by 16, rounding up)."""
+  levels = 0
+  while n > _FAN_IN:
+    m, tail = divmod(n, _FAN_IN)
+    levels += max((_FAN_IN - 1).bit_length(), (tail - 1).bit_length() if tail else 0)
+    n = m + (1 if tail else 0)
+  return levels + max(n - 1, 0).bit_length()
+
+
+def sum_squares(x, scale=None):
+  """``Σ_j (x_j · scale)²`` over the last axis of ``x (..., n)``, in a fixed tree.
+
+  Every addition is explicit, in stages that each add 16 slices of the previous stage in a
+  balanced tree (the first stage squares its slices inside the same fused loop, so neither the
+  squares nor a padded copy are materialised), so for these non-negative terms rounded to
+  nearest the result is ≥ the exact sum times ``(1 − u)^λ(n)`` (:func:`sum_levels`,
+  ``⌈log2 n⌉``), whatever XLA does: it does not reassociate explicit additions (no fast-math),
+  and no ``reduce`` is involved, whose order is unspecified (``jnp.sum`` guarantees only
+  ``(1 − u)^(n−1)``).
+
+  Args:
+    x: ``(..., n)`` float array.
+    scale: None, or a tuple of arrays broadcasting against ``x[..., :1]`` (e.g. ``(..., 1)``;
+      powers of two such as :func:`pow2_factors`): each entry is multiplied by them in turn
+      before squaring.
+
+  Returns:
+    ``(...)`` array in ``x``'s dtype.
+  """
+  def square(v):
+    for factor in scale or ():
+      v = v * factor
+    return jnp.square(v)
+
+  n = x.shape[-1]
+  if n == 0:
+    return jnp.zeros(x.shape[:-1], x.dtype)
+  v, first = x, True
+  while True:
+    n = v.shape[-1]
+    f = square if first else (lambda w: w)
+    if n <= _FAN_IN:
+      return _balanced_sum([f(v[..., j:j + 1]) for j in range(n)])[..., 0]
+    m, tail = divmod(n, _FAN_IN)
+    parts = [_balanced_sum([f(v[..., i * m:(i + 1) * m]) for i in range(_FAN_IN)])]
+    if tail:
+      parts.append(_balanced_sum([f(v[..., j:j + 1]) for j in range(_FAN_IN * m, n)]))
+    v, first = jnp.concatenate(parts, axis=-1), False
+
+
+# ------------------------------------------------------------------------ the clip factor
+
+
+def clip_margin(dtype, num_entries: int) -> float:
+  """ρ = (2λ + 12)·u: :func:`clip_factor` clips at ``C(1 − ρ)``.
+
+  ``u`` is the unit roundoff of ``accumulation_dtype(dtype)`` (2⁻²⁴ for float32 and the 16-bit
+  floats, 2⁻⁵³ for float64) and ``λ = sum_levels(num_entries) = ⌈log2 P⌉``; e.g.
+  ρ = 52u ≈ 3.1·10⁻⁶ in float32 for P = 10⁶ entries (the utility cost: terms at the bound are
+  shorter by that fraction).
+  """
+  u = float(jnp.finfo(accumulation_dtype(dtype)).eps) / 2
+  return (2 * sum_levels(max(int(num_entries), 1)) + 12) * u
+
+
+def clip_factor(norms, clip_norm: float, clipping: str = "clip",
+                stability: float = DEFAULT_STABILITY, *, exponents=None,
+                num_entries: int = 1):
+  """Per-example clip factors computed so that a clipped term can never exceed C.
+
+  With ``N̂_i = norms_i · 2^exponents_i`` the computed norm of example i's materialised
+  gradient ``g_i`` (float32, or float64 for float64 gradients), returns ``(factor, keep)``
+  (``(B,)`` each, ``norms``' dtype and bool): the clipped term is ``g_i`` itself where
+  ``keep_i``, else ``factor_i · (g_i · 2^−exponents_i)`` (``0`` where ``factor_i = 0``), with
+
+  * ``keep_i`` only for ``"clip"`` and ``N̂_i ≤ C'``, where ``C' ≤ C(1 − ρ)`` (ρ =
+    :func:`clip_margin`);
+  * otherwise ``factor_i · 2^−exponents_i ≤ C'/N̂_i`` exactly ("clip": ``C'/N̂_i``;
+    "normalize": ``C'/(N̂_i + γ)``), the quotient rounded DOWN (to nearest, then one ulp
+    towards zero), and ``factor_i = 0`` where ``N̂_i`` is not finite (NaN or ±inf entries, or a
+    norm beyond the float range: the example is dropped).
+
+  Guarantee (``‖·‖`` exact, over the values as materialised). Suppose (i) every square,
+  addition of non-negative numbers, square root and product on the way to ``N̂`` is rounded to
+  nearest in a float with unit roundoff u, powers of two are applied exactly, and each squared
+  entry passes through at most ``2λ`` additions, ``λ = sum_levels(num_entries)`` (the callers
+  sum with :func:`sum_squares`, per block and then over blocks); then ``N̂ ≥ N(1 − η)``,
+  ``η = (2λ + 8)u`` (with room for the square roots, products of two norms and results below
+  the float range). Suppose (ii) each materialised entry obeys ``|y_j| ≤ f|g_j|(1 + u)²``
+  (``f`` the factor applied, at most two roundings to nearest in this dtype; then a rounding
+  TOWARDS ZERO into a narrower storage dtype, :func:`round_toward_zero`, which never adds).
+  Then ``‖y‖ ≤ (1 + u)²·C'·N/N̂ ≤ C(1 − η − 4u)(1 + 3u)/(1 − η) ≤ C``; a kept term has norm
+  ``N ≤ N̂/(1 − η) ≤ C``. Results below the accumulation float's normal range (2⁻¹²⁶ in
+  float32) are rounded or flushed in absolute terms, so C must exceed ``√P·2⁻¹²⁰``
+  (≈ 10⁻³³ for float32 and P = 10⁶ entries): any real clip norm.
+
+  Args:
+    norms: ``(B,)`` float32/float64: ``N̂`` (``exponents`` None) or its mantissa.
+    clip_norm: C > 0.
+    clipping, stability: as :func:`clip_per_example`.
+    exponents: ``(B,)`` int32 or None (0).
+    num_entries: P, the number of gradient entries of one example (static; sets ρ).
+
+  Returns:
+    ``(factor, keep)`` as above.
+  """
+  dtype = jnp.result_type(norms)
+  norms = jnp.asarray(norms, dtype)
+  e = jnp.zeros(norms.shape, jnp.int32) if exponents is None else jnp.asarray(exponents,
+                                                                                jnp.int32)
+  bound = float(clip_norm) * (1.0 - clip_margin(dtype, num_entries))
+  low = np.asarray(bound, dtype)                       # C', rounded down to the dtype
+  if float(low) > bound:
+    low = np.nextafter(low, np.asarray(0, dtype))
+  f1, f2 = pow2_factors(e, dtype)
+  valid = jnp.isfinite(norms * f1 * f2)                # N̂ within the float range
+  denominator = norms
+  if clipping == "normalize":
+    g1, g2 = pow2_factors(-e, dtype)
+    denominator = norms + jnp.asarray(stability, dtype) * g1 * g2   # ≥ norms (monotone)
+  factor = _next_toward_zero(jnp.asarray(low, dtype) / denominator)  # ≤ C'/denominator
+  factor = jnp.where(valid & (denominator > 0), factor, jnp.zeros((), dtype))
+  if clipping == "clip":
+    keep = valid & (factor >= f1 * f2)                 # f·2^−e ≥ 1 ⇒ N̂ ≤ C'
+  else:
+    keep = jnp.zeros(norms.shape, bool)
+  return factor, keep
+
+
+def _next_toward_zero(x):
+  """The float next to a finite or infinite ``x ≥ 0`` towards zero (0 stays 0; inf → max):
+  the bit pattern minus one."""
+  _, ints = _bits(x.dtype)
+  down = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, ints) - 1, x.dtype)
+  return jnp.where(x > 0, down, x)
+
+
+def round_toward_zero(t, dtype):
+  """``t`` converted to ``dtype`` rounding TOWARDS ZERO (``|result| ≤ |t|``), not to nearest.
+
+  XLA converts to nearest; where that came out larger in magnitude the result steps one ulp
+  towards zero (the bit pattern of a nonzero float minus one), which also maps an overflow to
+  ±max. NaN stays NaN. The identity when ``dtype`` is ``t``'s.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype == t.dtype:
+    return t
+  y = t.astype(dtype)
+  if jnp.finfo(dtype).bits >= jnp.finfo(t.dtype).bits:
+    return y
+  _, ints = _bits(dtype)
+  over = jnp.abs(y.astype(t.dtype)) > jnp.abs(t)
+  down = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(y, ints) - 1, dtype)
+  return jnp.where(over, down, y)
+
+
+def _tree_norm_parts(tree):
+  """``(m, e, P)``: one example's global norm ``m · 2^e`` in :func:`accumulation_dtype`, from
+  exactly rescaled entries (``max ∈ [1/2, 1)``) summed by :func:`sum_squares` per leaf and
+  over the leaves; non-finite if any entry is; P the number of entries."""
+  leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+  acc = accumulation_dtype(*(x.dtype for x in leaves))
+  if not leaves:
+    return jnp.zeros((), acc), jnp.zeros((), jnp.int32), 0
+  flat = [x.astype(acc).reshape(-1) for x in leaves]
+  amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), initial=0) for x in flat])
+  ok = jnp.isfinite(amax) & (amax > 0)
+  e = jnp.where(ok, exponent(jnp.where(ok, amax, 1)), 0)
+  f1, f2 = pow2_factors(-e, acc)
+  total = _balanced_sum([sum_squares(x, (f1, f2)) for x in flat])
+  return jnp.sqrt(total), e, sum(x.size for x in flat)
+
+
+def _tree_norm(tree) -> jax.Array:
+  """Global ℓ2 norm of one example's pytree in :func:`accumulation_dtype`, without overflow
+  of the squares; non-finite if any entry is or the norm is beyond the float range."""
+  m, e, _ = _tree_norm_parts(tree)
+  return ldexp(m, e)
+
+
 def _clip_one(tree, clip_norm: float, clipping: str = "clip",
               stability: float = DEFAULT_STABILITY):
-  """Clips one example's pytree (see the module's edge-case table)."""
-  norm = _tree_norm(tree)
-  finite = jnp.isfinite(norm)
-  if clipping == "normalize":
-    # C / (‖g‖ + γ): the term's norm C‖g‖/(‖g‖ + γ) is < C; a zero gradient stays zero.
-    factor = jnp.where(finite, clip_norm / (norm + stability), 0.0)
-  else:
-    # C / max(‖g‖, C): 1 below the bound; a zero gradient stays zero (no 0/0).
-    factor = jnp.where(finite, clip_norm / jnp.maximum(norm, clip_norm), 0.0)
-  return jax.tree_util.tree_map(
-      lambda x: jnp.where(finite, x * factor.astype(x.dtype), jnp.zeros_like(x)), tree)
+  """Clips one example's pytree (the module's edge-case table) with :func:`clip_factor`:
+  ``round_toward_zero(factor · (g · 2^−e))`` per entry, computed in the accumulation dtype."""
+  m, e, size = _tree_norm_parts(tree)
+  factor, keep = clip_factor(m, clip_norm, clipping, stability, exponents=e, num_entries=size)
+  f1, f2 = pow2_factors(-e, factor.dtype)
+
+  def scale(x):
+    x = jnp.asarray(x)
+    t = factor * (x.astype(factor.dtype) * f1 * f2)
+    y = jnp.where(factor > 0, round_toward_zero(t, x.dtype), jnp.zeros_like(x))
+    return jnp.where(keep, x, y)
+
+  return jax.tree_util.tree_map(scale, tree)
 
 
 def _check_batched(grads, name: str) -> int:
@@ -105,8 +364,10 @@ def global_norms(grads) -> jax.Array:
     grads: pytree whose leaves share a leading batch axis B.
 
   Returns:
-    ``(B,)`` array in the leaves' (promoted) float dtype; NaN/inf for examples with non-finite
-    entries. Private values: a diagnostic, not for release.
+    ``(B,)`` array in :func:`accumulation_dtype` of the leaves (float32 for 16-bit and float32
+    leaves, float64 for float64), accumulated there from exactly rescaled entries (relative
+    error ≤ (2λ + 8)u, :func:`clip_factor`); NaN/inf for examples with non-finite entries or a
+    norm beyond that dtype's range. Private values: a diagnostic, not for release.
 
   Raises:
     ValueError: empty pytree or leaves without a shared leading axis.
@@ -117,10 +378,13 @@ def global_norms(grads) -> jax.Array:
 
 def clip_per_example(grads, clip_norm: float, *, clipping: str = "clip",
                      stability: float = DEFAULT_STABILITY):
-  """Scales each example's gradient to global ℓ2 norm ≤ C: ``ḡ = g / max(1, ‖g‖/C)``.
+  """Scales each example's gradient to global ℓ2 norm ≤ C: ``ḡ = g / max(1, ‖g‖/C')``.
 
-  Edge cases (module table): within the bound unchanged; a zero gradient stays zero; an
-  example with any NaN/inf entry becomes zero. Hence ``‖ḡ_i‖ ≤ C`` for every input.
+  ``C' = C(1 − ρ)`` with ρ = :func:`clip_margin` (≈ 10⁻⁶ relative in float32, 10⁻¹⁴ in float64:
+  covers the rounding of the norm and of ``factor · g``). Edge cases (module table): within
+  the bound unchanged; a zero gradient stays zero; an example with any NaN/inf entry becomes
+  zero. Hence ``‖ḡ_i‖ ≤ C`` for every input and every float dtype, evaluated exactly over the
+  returned values (module docstring, "Floating point"; :func:`clip_factor` has the proof).
 
   Args:
     grads: pytree of per-example gradients, leaves with a leading batch axis B.
@@ -129,7 +393,8 @@ def clip_per_example(grads, clip_norm: float, *, clipping: str = "clip",
     stability: γ > 0 of "normalize", in gradient-norm units (default 0.01, Bu et al.).
 
   Returns:
-    A pytree like ``grads`` (same shapes and dtypes).
+    A pytree like ``grads`` (same shapes and dtypes): each entry ``factor · g`` computed in
+    float32 (float64) and converted rounding towards zero; kept examples bit for bit.
 
   Raises:
     ValueError: C ≤ 0 or not finite; γ ≤ 0; an unknown ``clipping``; leaves without a shared
@@ -181,9 +446,11 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
   grad → optional transform T → clip, then the masked sum. Per-example values and the realised
   batch size are never returned (both are private).
 
-  Privacy: every term has ℓ2 norm ≤ C whatever the example (module edge-case table), so the
-  sum has ℓ2-sensitivity C under add/remove-one (one example adds or removes one term), which
-  is what the Gaussian noise of :mod:`dpjax.sgd.transforms` is calibrated to. Divide by a public
+  Privacy: every term has ℓ2 norm ≤ C whatever the example (module edge-case table), in every
+  float dtype, evaluated exactly over the term as materialised (module docstring, "Floating
+  point"), so the sum has ℓ2-sensitivity C under add/remove-one (one example adds or removes
+  one term), which is what the Gaussian noise of :mod:`dpjax.sgd.transforms` is calibrated
+  to. Divide by a public
   expected batch size after adding noise, never by ``sum(mask)``.
 
   Args:

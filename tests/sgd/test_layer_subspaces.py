@@ -275,6 +275,35 @@ def test_removing_one_example_moves_the_scaled_sums_by_at_most_the_bound(stretch
   assert norms.max() > 0.9 * bound                # the huge example reaches the bound
 
 
+@pytest.mark.parametrize("joint", [True, False])
+def test_low_precision_scaled_terms_stay_within_the_bound(joint):
+  """Issue 34 §3 on the GEP split: bfloat16 gradients from tiny to near the dtype's max, one
+  projected (float32 coefficients) and one unprojected (bfloat16) leaf: each example's scaled
+  term, exactly as the sum receives it, is ≤ Δ (joint) or ≤ 1 per part, evaluated in float64
+  over the stored values."""
+  params = {"w": jnp.full((6, 3), 0.3, jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
+  loss = lambda p, ex: jnp.sum((ex[0] @ p["w"] + p["b"] - ex[1]) ** 2)   # noqa: E731
+  scales = np.array([1e-3, 0.3, 1.0, 3.0, 1e3, 1e9, 1e17, 3e17])[:, None]
+  x = jnp.asarray(np.asarray(normal(12, (8, 6))) * scales, jnp.bfloat16)
+  batch = (x, jnp.asarray(normal(13, (8, 3)), jnp.bfloat16))
+  bases = {"w": _orthonormal(jax.random.key(4), 6, 2), "b": None}
+  fn = ls.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.1, joint=joint)
+  sums = jax.jit(jax.vmap(fn, in_axes=(None, None, 0, None)))(
+      params, batch, np.eye(8, dtype=np.float32), bases)
+  assert sums["embedding"]["b"].dtype == jnp.bfloat16
+  parts = {k: np.concatenate([np.asarray(l.astype(jnp.float32), np.float64).reshape(8, -1)
+                              for l in jax.tree_util.tree_leaves(v)], 1)
+           for k, v in sums.items()}
+  assert all(np.all(np.isfinite(r)) for r in parts.values())
+  norms = {k: np.linalg.norm(r, axis=1) for k, r in parts.items()}
+  if joint:
+    total = np.sqrt(norms["embedding"] ** 2 + norms["residual"] ** 2)
+    assert total.max() <= 1.0 and total.max() > 0.99, total
+  else:
+    assert max(n.max() for n in norms.values()) <= 1.0, norms
+    assert norms["embedding"].max() > 0.99
+
+
 def test_embedding_residual_shapes_and_bad_options():
   params, loss, batch = _model()
   bases = {"w": _orthonormal(jax.random.key(4), 6, 2), "b": None}

@@ -199,3 +199,122 @@ def test_pre_clipping_transform_clips_after_projecting():
 def test_bad_inputs(call, exc, match):
   with pytest.raises(exc, match=match):
     call()
+
+
+# ------------------------------------------------- low precision: every clipped term is ≤ C
+
+_MODELS = 20
+
+
+def _exact_rows(tree):
+  """Rows as float64 NumPy (a 16-bit or float32 value converts exactly)."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  return np.concatenate([np.asarray(x.astype(jnp.float32) if x.dtype != jnp.float64 else x,
+                                    np.float64).reshape(x.shape[0], -1) for x in leaves], 1)
+
+
+def _exact_norms(rows):
+  """Row norms in float64 without overflow: rows scaled by exact powers of two first."""
+  scale = np.exp2(np.frexp(np.abs(rows).max(1, initial=0))[1]).reshape(-1, 1)
+  scale[scale == 0] = 1.0
+  return np.linalg.norm(rows / scale, axis=1) * scale[:, 0]
+
+
+def _scaled_mlp_grads(dtype):
+  """Per-example gradients of 20 random MLPs (one program), rescaled in float64 and rounded
+  once into ``dtype``: rows with norms ≈ 1e-3, 1 ± 2⁻⁶, 1e3, and largest entries at 1/16 of
+  the dtype's max (norms within its range). Returns the pytree ``(4·20·12, ...)``."""
+  rng = np.random.default_rng(100)
+  params = {"hidden": {"w": normal(101, (_MODELS, 5, 4)), "b": normal(102, (_MODELS, 4)) * 0.1},
+            "out": {"w": normal(103, (_MODELS, 4, 3)), "b": normal(104, (_MODELS, 3)) * 0.1}}
+  batch = normal(105, (_MODELS, 12, 5)) * 3, jnp.asarray(rng.integers(0, 3, (_MODELS, 12)))
+  grads = jax.jit(jax.vmap(pe.per_example_grads(_loss)))(params, batch)
+  leaves, treedef = jax.tree_util.tree_flatten(grads)
+  leaves = [np.asarray(x, np.float64).reshape((-1,) + x.shape[2:]) for x in leaves]
+  norms = np.sqrt(sum(np.sum(x.reshape(len(x), -1) ** 2, 1) for x in leaves))
+  amax = np.max([np.abs(x).reshape(len(x), -1).max(1) for x in leaves], axis=0)
+  jitter = 1 + np.random.default_rng(0).uniform(-2 ** -6, 2 ** -6, len(norms))
+  scales = [(1e-3 / norms, 1.0), (jitter / norms, 1.0), (1e3 / norms, 1.0),
+            (1 / amax, float(jnp.finfo(dtype).max) / 16)]          # no overflow on the way
+  return jax.tree_util.tree_unflatten(treedef, [
+      jnp.asarray(np.concatenate([x * s.reshape((-1,) + (1,) * (x.ndim - 1)) * t
+                                  for s, t in scales]), dtype) for x in leaves])
+
+
+_clip_any = jax.jit(pe.clip_per_example, static_argnums=1,
+                    static_argnames=("clipping", "stability"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64])
+def test_clipped_terms_never_exceed_c_in_any_dtype(dtype):
+  """Issue 34 §3: ‖clip(g)‖ ≤ C evaluated exactly (float64) over the materialised values, for
+  gradients at 1e-3 C, ≈ C, 1e3 C and near the dtype's max, a tiny C (float16: subnormal
+  outputs), both clippings; the norms match the float64 reference; no needless shrinking."""
+  with jax.enable_x64(dtype == jnp.float64):
+    grads = _scaled_mlp_grads(dtype)
+    g = _exact_rows(grads)
+    exact = _exact_norms(g)
+    # Norms are accumulated in float32 (float64): accurate to ~1e-7 even for 16-bit rows.
+    norms = np.asarray(_norms(grads), np.float64)
+    assert norms.dtype == np.float64 and _norms(grads).dtype == pe.accumulation_dtype(dtype)
+    np.testing.assert_allclose(norms, exact, rtol=4e-7 if dtype != jnp.float64 else 1e-14)
+    u = float(jnp.finfo(dtype).eps) / 2
+    tiny = 2.0 ** -20 if dtype == jnp.float16 else 1e-30
+    for C, clipping in ((1.0, "clip"), (1.0, "normalize"), (tiny, "clip")):
+      out = _clip_any(grads, C, clipping=clipping)
+      assert all(a.dtype == dtype for a in jax.tree_util.tree_leaves(out))
+      y = _exact_rows(out)
+      assert np.all(np.isfinite(y))
+      new = _exact_norms(y)
+      assert new.max() <= C, (clipping, C, new.max() / C - 1)
+      if C == tiny and dtype == jnp.float16:
+        continue          # entries at float16's subnormal spacing: bounded, not accurate
+      # Rounding towards zero loses < 1 ulp per entry (2u relative), the margin ~1e-6.
+      target = C * exact / (exact + pe.DEFAULT_STABILITY) if clipping == "normalize" else (
+          np.minimum(exact, C))
+      np.testing.assert_allclose(new, target, rtol=2 * u + 1e-5)
+      cos = np.sum(y * g, 1) / (new * exact)
+      np.testing.assert_allclose(cos, 1.0, atol=4 * u)
+      if clipping == "clip" and C == 1.0:                          # below the bound: untouched
+        small = exact <= C * (1 - 1e-4)
+        assert small.sum() > 240                                   # 1e-3 C and ~half of ≈ C
+        np.testing.assert_array_equal(y[small], g[small])
+
+
+def test_round_toward_zero_never_lengthens_and_stays_within_one_ulp():
+  t = np.concatenate([np.random.default_rng(1).standard_normal(4000) * 10.0 ** k
+                      for k in (-9, -6, 0, 4, 5)] + [[0.0, -0.0, 7e4, -7e4]]).astype(np.float32)
+  for dtype in (jnp.float16, jnp.bfloat16):
+    y = np.asarray(pe.round_toward_zero(jnp.asarray(t), dtype).astype(jnp.float32), np.float64)
+    nearest = np.asarray(jnp.asarray(t).astype(dtype).astype(jnp.float32), np.float64)
+    t64 = t.astype(np.float64)
+    assert np.all(np.abs(y) <= np.abs(t64)) and np.all(y * t64 >= 0)   # never longer
+    # The nearest value where it is not longer, else one step shorter (≤ 1 ulp from t).
+    np.testing.assert_array_equal(y[np.abs(nearest) <= np.abs(t64)],
+                                  nearest[np.abs(nearest) <= np.abs(t64)])
+    finite = np.isfinite(nearest)
+    eps, sub = float(jnp.finfo(dtype).eps), float(jnp.finfo(dtype).smallest_subnormal)
+    assert np.all(np.abs(t64 - y)[finite] <= np.abs(t64[finite]) * eps + sub)
+  np.testing.assert_array_equal(                                   # overflow: ±max, not ±inf
+      np.asarray(pe.round_toward_zero(jnp.asarray([7e4, -7e4, np.inf], jnp.float32),
+                                      jnp.float16), np.float64), [65504.0, -65504.0, np.inf])
+
+
+def test_clip_factor_rounds_down_and_the_margin_is_small():
+  norms = jnp.asarray(np.geomspace(1e-3, 1e3, 999), jnp.float32)
+  for clipping in ("clip", "normalize"):
+    factor, keep = pe.clip_factor(norms, 1.0, clipping, num_entries=10 ** 6)
+    f = np.where(np.asarray(keep), 1.0, np.asarray(factor, np.float64))
+    rho = pe.clip_margin(jnp.float32, 10 ** 6)
+    assert 1e-6 < rho < 1e-5                                      # the utility cost
+    # f·N̂ ≤ C(1 − ρ) exactly, and within a few ulps of it.
+    n = np.asarray(norms, np.float64)
+    gamma = pe.DEFAULT_STABILITY if clipping == "normalize" else 0.0
+    ideal = (1 - rho) / (n + gamma) if clipping == "normalize" else np.minimum(1, (1 - rho) / n)
+    kept = np.asarray(keep)
+    assert np.all(f[~kept] * n[~kept] <= 1 - rho)                  # what the bound needs
+    np.testing.assert_allclose(f, ideal, rtol=3e-7)
+    assert clipping == "normalize" or (kept == (n <= 1 - rho)).all()
+  bad = pe.clip_factor(jnp.asarray([np.nan, np.inf, 0.0, 2.0], jnp.float32), 1.0)
+  np.testing.assert_array_equal(np.asarray(bad[0])[:2], 0.0)
+  assert not np.asarray(bad[1])[:2].any()
