@@ -252,7 +252,7 @@ def _tnb_pmf(k, eta, gamma):
 @pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, math.inf])
 def test_tuning_repetitions_follow_the_law_the_accountant_assumes(shape):
   """K's law, by a χ²-style check of the first counts against Papernot & Steinke's pmf
-  (Poisson: e^{−μ}μ^k/k!), 4,000 draws; γ gives the requested mean exactly."""
+  (Poisson: e^{−μ}μ^k/k!), 2,000 draws; γ gives the requested mean exactly."""
   import jax
   import numpy as np
   from scipy import stats
@@ -268,12 +268,12 @@ def test_tuning_repetitions_follow_the_law_the_accountant_assumes(shape):
     pmf = lambda k: _tnb_pmf(k, shape, gamma)  # noqa: E731
     support = range(1, 8)
   draws = np.array([accounting.tuning_repetitions(k, tuning)
-                    for k in jax.random.split(jax.random.key(7), 4000)])
+                    for k in jax.random.split(jax.random.key(7), 2000)])
   if not math.isinf(shape):
     assert draws.min() >= 1
   observed = np.array([np.sum(draws == k) for k in support] + [np.sum(draws > max(support))])
   probs = np.array([pmf(k) for k in support])
-  expected = 4000 * np.append(probs, 1 - probs.sum())
+  expected = 2000 * np.append(probs, 1 - probs.sum())
   assert stats.chisquare(observed, expected).pvalue > 1e-3
   again = accounting.tuning_repetitions(jax.random.key(3), tuning)
   assert again == accounting.tuning_repetitions(jax.random.key(3), tuning)

@@ -292,7 +292,7 @@ def test_private_tuning_draws_its_runs_from_one_split_of_the_seed_key():
   assert plan == accounting.HyperparameterTuning(3.0, 0.0)
   assert demo.tuning_plan([0.1]) is None
   counts, picks = [], []
-  for seed in range(300):
+  for seed in range(150):
     key = jax.random.key(seed)
     keys, lrs = demo.tuning_runs(key, plan, grid)
     assert len(keys) == len(lrs) == accounting.tuning_repetitions(jax.random.split(key, 3)[0],
@@ -304,7 +304,7 @@ def test_private_tuning_draws_its_runs_from_one_split_of_the_seed_key():
     assert again[1] == lrs
     counts.append(len(keys))
     picks += lrs
-  # Mean 3 (the logarithmic law's sd is ~3.8 here: 300 draws put the mean within ±0.7 at 3 sd).
-  assert abs(np.mean(counts) - 3.0) < 0.7
+  # Mean 3 (the logarithmic law's sd is ~3.8 here: 150 draws put the mean within ±0.95 at 3 sd).
+  assert abs(np.mean(counts) - 3.0) < 0.95
   shares = [picks.count(lr) / len(picks) for lr in grid]
-  assert all(abs(s - 1 / 3) < 0.06 for s in shares), shares
+  assert all(abs(s - 1 / 3) < 0.08 for s in shares), shares
