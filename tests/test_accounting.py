@@ -249,7 +249,12 @@ def _tnb_pmf(k, eta, gamma):
   return coef * (1 - gamma) ** k / (gamma ** -eta - 1)
 
 
-@pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, math.inf])
+_OTHER_SHAPES = pytest.mark.slow(reason="the truncated negative binomial's other shapes; the "
+                                         "default run checks the logarithmic and Poisson laws")
+
+
+@pytest.mark.parametrize("shape", [0.0, pytest.param(0.5, marks=_OTHER_SHAPES),
+                                   pytest.param(1.0, marks=_OTHER_SHAPES), math.inf])
 def test_tuning_repetitions_follow_the_law_the_accountant_assumes(shape):
   """K's law, by a χ²-style check of the first counts against Papernot & Steinke's pmf
   (Poisson: e^{−μ}μ^k/k!), 2,000 draws; γ gives the requested mean exactly."""

@@ -275,17 +275,19 @@ def _ppca():
                num_sweeps=2)
 
 
-# Eager runs compile every operation on its own (10–30 s each here): the default run checks the
-# route whose subspace release shared the SGD noise's key, the GEP and per-layer noise, and one
-# learner that composes many releases; --run-slow checks the rest.
-_SLOW = pytest.mark.slow(reason="key streams of the other composed learners, run eagerly; the "
-                                "default run checks the routes' and GEP's")
+# Eager runs compile every operation on its own (5–30 s each here): the default run checks the
+# GEP and per-layer noise transforms (and the recorder's controls); --run-slow checks the routes
+# (the private input subspace's Analyze Gauss release once shared the SGD noise's key) and the
+# learners that compose many releases.
+_SLOW = pytest.mark.slow(reason="key streams of the routes and the composed learners, run "
+                                "eagerly; the default run checks GEP's and the per-layer noise's")
 LEARNERS = [
-    pytest.param("route private_input_subspace",
-                 _route("private_input_subspace", 1, input_rank=2)),
     pytest.param("GEP noise (embedding + residual)", _gep_noise),
     pytest.param("per-layer subspace noise", _layer_noise),
-    pytest.param("CoinPress mean and covariance (T Gaussian steps each)", _coinpress),
+    pytest.param("route private_input_subspace",
+                 _route("private_input_subspace", 1, input_rank=2), marks=_SLOW),
+    pytest.param("CoinPress mean and covariance (T Gaussian steps each)", _coinpress,
+                 marks=_SLOW),
     pytest.param("route gep_trajectory",
                  _route("gep_trajectory", 2, gep_rank=2, gep_refreshes=1, gep_warmup=0.5),
                  marks=_SLOW),

@@ -199,7 +199,7 @@ def test_low_bits_reads_the_sign_and_the_lowest_mantissa_bits():
 
 
 def _low_bits_trials(audit_trials):
-  return audit_trials(20_000, 100_000)   # the raw control needs 20,000 for a margin of 0.5
+  return audit_trials(5_000, 100_000)
 
 
 def test_output_perturbation_low_bits(audit_trials):
@@ -220,7 +220,7 @@ def test_objective_perturbation_low_bits(audit_trials):
 def test_low_bits_audit_catches_the_raw_output_release(audit_trials):
   """Negative control (not in EXPECTED): ``release="raw"`` output perturbation, the float64
   ``f̂ + b`` itself, leaks through its last bit beyond its real-arithmetic claim."""
-  n = _low_bits_trials(audit_trials)
+  n = audit_trials(20_000, 20_000)      # a control needs power only: 20,000 give a margin of 0.5
   lb = _low_bits_lower_bound(jax.random.key(7), "output", "raw", n)
   assert lb > LOW_BITS["epsilon"], f"the low-bits audit missed the raw release: ε ≥ {lb:.3f}"
 
