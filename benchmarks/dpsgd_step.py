@@ -9,7 +9,8 @@ rows real, mask all True), clip norm C = 1, noise multiplier σ = 1:
 
 * ``nonprivate`` — ``jax.grad`` of the mean loss, then sgd (the reference).
 * ``ghost`` — :func:`dpjax.sgd.ghost_clipped_grad_sum` (ghost norms + book-keeping), then
-  :func:`dpjax.sgd.dp_gaussian_noise` and sgd.
+  :func:`dpjax.sgd.dp_noise` built from it (the full release: std σC, C read from the grad fn)
+  and sgd.
 * ``ghost_no_noise`` — the same without the noise (a diagnostic, not private: drawing p
   Gaussians is a fixed cost of every DP side, threefry's, which the non-private step does not
   pay).
@@ -18,14 +19,14 @@ rows real, mask all True), clip norm C = 1, noise multiplier σ = 1:
 * ``optax_dpsgd`` — ``optax.contrib.dpsgd`` fed ``vmap(grad)`` per-example gradients.
 * ``jax_privacy`` — ``jax_privacy.clipping.clipped_grad(loss, l2_clip_norm=C,
   keep_batch_dim=False, microbatch_size=--microbatch)`` (its sum of clipped gradients), then
-  dpjax's noise and sgd; recorded as ``"unavailable: ..."`` when it does not import. It always
+  dpjax's noise built from it (it carries its bound C) and sgd; recorded as ``"unavailable: ..."`` when it does not import. It always
   gets its ``microbatch_size`` (32): its faster setting here (measured on 784-512-10, batch 256:
   1.8 s per sum with it, 4.5 s without, 0.73 s for dpjax's vmap path).
 
 Memory: the per-example sides hold ``batch × p`` gradients (10 GB in float32 at p = 10M,
 batch 256). When that exceeds ``--max-per-example-gb`` (default 2) they run in micro-batches of
 ``--microbatch`` rows (32) summed inside the same jitted step: dpjax's vmap path with
-:func:`dpjax.sgd.accumulate_microbatches`, and optax with its own
+:func:`dpjax.sgd.sampling.accumulate_microbatches`, and optax with its own
 ``optax.per_example_global_norm_clip`` over each micro-batch, then the noise of
 ``optax.contrib.dpsgd`` (std σC per coordinate, divided by the batch size): its
 ``GradientTransformation`` cannot take micro-batches. The JSON's ``notes`` say which sides did.
@@ -57,6 +58,8 @@ import optax
 
 from _timing import timed
 from dpjax import sgd
+from dpjax.sgd import ghost as ghost_lib
+from dpjax.sgd import sampling
 
 DEFAULT_MODELS = ("784-1024-256-10", "784-4096-1664-10")
 SIDES = ("nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd", "jax_privacy")
@@ -89,17 +92,18 @@ def init(widths, seed=0):
           for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))}
 
 
-def _noisy(grad_sum, batch):
-  """dpjax's Gaussian noise (std σC, divided by the batch size) then sgd."""
-  return optax.chain(sgd.dp_gaussian_noise(clip_norm=CLIP, noise_multiplier=SIGMA,
-                                           expected_batch_size=batch, key=jax.random.key(1)),
+def _noisy(grad_fn, grad_sum, batch):
+  """dpjax's noise built from the clipped-gradient function ``grad_fn`` (std σC, C read from
+  it, divided by the batch size) then sgd; ``grad_sum(params, X, y)`` is the step's sum."""
+  return optax.chain(sgd.dp_noise(grad_fn, noise_multiplier=SIGMA, expected_batch_size=batch,
+                                  key=jax.random.key(1)),
                      optax.sgd(LR)), grad_sum
 
 
 def make_steps(widths, batch, micro, micro_rows):
   """``{side: (jitted step(params, state, X, y), initial state, notes)}``."""
   params = init(widths)
-  loss_fn = sgd.model_loss(apply_fn, example_loss)
+  loss_fn = ghost_lib.model_loss(apply_fn, example_loss)
   mask = jnp.ones(batch, bool)
   steps = {}
 
@@ -115,17 +119,17 @@ def make_steps(widths, batch, micro, micro_rows):
   build(optax.sgd(LR), jax.grad(mean_loss))
   side = "ghost"
   ghost = sgd.ghost_clipped_grad_sum(apply_fn, example_loss, clip_norm=CLIP)
-  build(*_noisy(lambda p, X, y: ghost(p, (X, y), mask), batch))
+  build(*_noisy(ghost, lambda p, X, y: ghost(p, (X, y), mask), batch))
   side = "ghost_no_noise"
   build(optax.sgd(LR), lambda p, X, y: ghost(p, (X, y), mask), "diagnostic: no noise")
   side = "vmap"
   vmap = sgd.clipped_grad_sum(loss_fn, clip_norm=CLIP)
   if micro:
     idx = jnp.arange(batch, dtype=jnp.int32).reshape(-1, micro)
-    build(*_noisy(lambda p, X, y: sgd.accumulate_microbatches(
+    build(*_noisy(vmap, lambda p, X, y: sampling.accumulate_microbatches(
         vmap, p, (X, y), idx, jnp.ones(idx.shape, bool)), batch), f"micro-batches of {micro}")
   else:
-    build(*_noisy(lambda p, X, y: vmap(p, (X, y), mask), batch))
+    build(*_noisy(vmap, lambda p, X, y: vmap(p, (X, y), mask), batch))
   side = "optax_dpsgd"
   if micro:
     tx = optax.chain(_OptaxNoise(batch), optax.sgd(LR))
@@ -142,7 +146,8 @@ def make_steps(widths, batch, micro, micro_rows):
     from jax_privacy import clipping
     clipped = clipping.clipped_grad(loss_fn, l2_clip_norm=CLIP, batch_argnums=1,
                                     keep_batch_dim=False, microbatch_size=micro_rows)
-    build(*_noisy(lambda p, X, y: clipped(p, (X, y)), batch), f"microbatch_size={micro_rows}")
+    build(*_noisy(clipped, lambda p, X, y: clipped(p, (X, y)), batch),
+          f"microbatch_size={micro_rows}")
   except ImportError as err:
     steps[side] = (None, None, f"unavailable: {err}")
   return params, steps, (loss_fn, ghost, vmap, mask)

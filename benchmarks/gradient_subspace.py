@@ -3,20 +3,22 @@
     python benchmarks/gradient_subspace.py [--quick] [--json PATH] [--plot PATH]
         [--oracle-refresh R [R ...]] [--oracle-rank r] [--gep-edge-scale c] [--gep-two-sided]
 
-Routes, trained by ``dpjax.sgd.train_route`` (every DP route at the same total (ε, δ) under
-add/remove-one, by one PLD accountant: T Poisson-sampled Gaussian steps with the same q and σ):
+Routes, trained by ``dpjax.experiments.train_route`` (a research harness on ``dpjax.sgd``'s
+public API; every DP route at the same total (ε, δ) under add/remove-one, by one PLD accountant:
+T Poisson-sampled Gaussian steps with the same q and σ):
 
 * ``non_private``: the same model, optimiser and weight averaging without clipping or noise.
 * ``dp_sgd``: the baseline at its best straightforward settings — Poisson sampling,
   normalised (automatic) clipping ``g/(‖g‖ + 0.01)`` (C = 1), Gaussian noise in all p
-  coordinates (``dpjax.sgd.dp_gaussian_noise``), Adam, an EMA of the iterates (0.99, evaluated).
+  coordinates (``dpjax.sgd.dp_noise`` built from the clipped-gradient sum), Adam, an EMA of the
+  iterates (0.99, evaluated).
 * ``dp_sgd_denoise``: ``dp_sgd`` followed by ``dpjax.sgd.low_rank_denoise`` (EMA filter 0.5 and
   Gavish–Donoho shrinkage of each layer matrix at the public noise level): post-processing.
 * ``gep_trajectory``: no public data. A warm-up of plain DP-SGD (20% of the steps), then the
   first layer's per-example gradients are split BEFORE clipping by an input-side basis of rank
   8 into an embedding and a residual, clipped separately (C_e = 1, C_ρ = 0.3; sensitivity √2) and
-  noised (``dpjax.sgd.embedding_residual_grad_sum`` / ``embedding_residual_noise``); the basis is
-  the top singular subspace of an EMA (0.9) of the released noisy updates
+  noised (``dpjax.sgd.embedding_residual_grad_sum``, whose Δ = √2 ``dpjax.sgd.dp_noise`` reads);
+  the basis is the top singular subspace of an EMA (0.9) of the released noisy updates
   (``dpjax.sgd.trajectory_bases``), refreshed every 10% of the steps: post-processing, free.
 * ``private_input_subspace``: no public data. The first layer's noise lives in the top-16
   eigenvectors of Analyze Gauss's noisy second moment of the training rows' inputs (one release
@@ -24,14 +26,15 @@ add/remove-one, by one PLD accountant: T Poisson-sampled Gaussian steps with the
   budget (basic composition).
 * ``public_subspace``: uses public data. 10% of the training rows are marked public (and left out
   of this route's private rows); the first layer's noise lives in the top-16 principal
-  directions of the public rows' inputs (``dpjax.sgd.layer_subspace_noise``, after clipping).
+  directions of the public rows' inputs (``dpjax.sgd.public_input_basis``; ``dpjax.sgd.dp_noise``
+  with per-layer ``bases=``, after clipping).
 
 Ablation, NOT private (``--oracle-refresh``, off by default): ``oracle_every<R>`` is
 ``dp_sgd``'s release with each weight matrix's update projected onto ``U Uᵀ (·) V Vᵀ``, U and V
 the top-r (``--oracle-rank``, default 3) singular vectors of the mean clipped gradient over all
-training rows, recomputed every R steps (``dpjax.sgd.train_route("oracle_subspace")``). It shows
-the room an exact low-rank gradient subspace of age < R steps would give, i.e. what a private
-subspace estimate competes for; its rows say ``"private": false`` and never win.
+training rows, recomputed every R steps (``dpjax.experiments.train_route("oracle_subspace")``).
+It shows the room an exact low-rank gradient subspace of age < R steps would give, i.e. what a
+private subspace estimate competes for; its rows say ``"private": false`` and never win.
 
 Protocol. A fixed split per data set: 25% test, 10% of all rows held back as the tuning set,
 the rest training. Each route's learning rate is chosen on the tuning set (the same grid for
@@ -64,17 +67,17 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.stats
 
-from dpjax import demo, sgd
+from dpjax import demo, experiments
 
-ROUTES = sgd.ROUTES
+ROUTES = experiments.ROUTES
 NOT_PRIVATE = ("non_private",)
 MODELS = {"softmax": (), "mlp_small": (32,), "mlp_large": (128,)}
 DATASETS = ("digits", "generated")
 DELTA = 1e-5
-# The routes' settings (the defaults of dpjax.sgd.RouteSettings: normalised clipping C = 1,
+# The routes' settings (the defaults of dpjax.experiments.RouteSettings: normalised clipping C = 1,
 # γ = 0.01; weight EMA 0.99; denoise filter 0.5; GEP r = 8, C_ρ = 0.3, 20% warm-up, 10 refreshes,
 # filter 0.9; public rank 16).
-ROUTE_SETTINGS = sgd.RouteSettings()
+ROUTE_SETTINGS = experiments.RouteSettings()
 PUBLIC_FRACTION = 0.1
 SETTINGS = {"digits": {"batch": 128, "steps": 300}, "generated": {"batch": 256, "steps": 400}}
 
@@ -120,16 +123,17 @@ def is_oracle(row: str) -> bool:
 
 def noise_multiplier(epsilon: float, sampling_prob: float, steps: int) -> float:
   """σ of T Poisson-sampled Gaussian steps at (ε, DELTA), add/remove-one, PLD accountant."""
-  return sgd.routes.noise_multiplier(epsilon, DELTA, sampling_prob, steps, "pld")
+  return experiments.noise_multiplier(epsilon, DELTA, sampling_prob, steps, "pld")
 
 
 def run_route(route, data, *, sizes, epsilon, settings, keys, lrs, chunk,
               route_settings=ROUTE_SETTINGS):
-  """Test/tuning accuracies of ``route`` for each (key, lr) by ``dpjax.sgd.train_route``; keys
-  are run in chunks of ``chunk`` (padded) so that tuning and evaluation share one compilation."""
+  """Test/tuning accuracies of ``route`` for each (key, lr) by ``dpjax.experiments.train_route``;
+  keys are run in chunks of ``chunk`` (padded) so that tuning and evaluation share one
+  compilation."""
   X, y = data["train"]
   public = None
-  if route in sgd.PUBLIC_ROUTES:
+  if route in experiments.PUBLIC_ROUTES:
     n_public = round(PUBLIC_FRACTION * len(y))
     public, X, y = X[:n_public], X[n_public:], y[n_public:]
   total = len(keys)
@@ -139,11 +143,12 @@ def run_route(route, data, *, sizes, epsilon, settings, keys, lrs, chunk,
   out = {"tune": [], "test": []}
   start = time.perf_counter()
   for i in range(0, len(keys), chunk):
-    run = sgd.train_route(route, keys[i:i + chunk], lrs[i:i + chunk], (X, y),
-                          init_fn=init_fn(X.shape[1], tuple(sizes)), loss_fn=demo.example_loss,
-                          epsilon=epsilon, delta=DELTA, steps=settings["steps"],
-                          expected_batch_size=settings["batch"], public_inputs=public,
-                          settings=route_settings)
+    run = experiments.train_route(route, keys[i:i + chunk], lrs[i:i + chunk], (X, y),
+                                  init_fn=init_fn(X.shape[1], tuple(sizes)),
+                                  loss_fn=demo.example_loss, epsilon=epsilon, delta=DELTA,
+                                  steps=settings["steps"],
+                                  expected_batch_size=settings["batch"], public_inputs=public,
+                                  settings=route_settings)
     for split in ("tune", "test"):
       out[split].append(np.asarray(_accuracy(run.params, *map(jnp.asarray, data[split]))))
   return ({s: np.concatenate(v)[:total] for s, v in out.items()}, run.noise_multiplier,

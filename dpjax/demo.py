@@ -10,7 +10,8 @@ the private subspace's cost and the learning-rate tuning included). Routes that 
 
 * ``non_private``: the same model, optimiser and weight averaging without clipping or noise.
 * ``dp_sgd``: privately tuned DP-SGD — Poisson sampling, normalised per-example clipping, Gaussian noise
-  in all p parameters, Adam, an EMA of the iterates (``dpjax.sgd.train_route``).
+  in all p parameters, Adam, an EMA of the iterates (``dpjax.experiments.train_route``, a research
+  harness on ``dpjax.sgd``'s public API: ``dp_noise`` built from the clipped-gradient sum).
 * ``dp_sgd_denoise``: ``dp_sgd`` then low-rank denoising of each layer's noisy update
   (post-processing; docs/algorithms.md §6.3).
 * ``gep_trajectory``: no public data; the first layer's gradients split before clipping into a
@@ -81,13 +82,13 @@ import optax
 
 from dpjax import accounting
 from dpjax import data as data_lib
-from dpjax import sgd
+from dpjax import experiments
 from dpjax import subspace as subspace_lib
 from dpjax._host import host_rng
 from dpjax.sgd import training
 
-# The methods, in run order: (name, source). Source "route": dpjax.sgd.train_route (the name is
-# the route); "private" / "public": dpjax.sgd.train_dp_sgd's subspace argument.
+# The methods, in run order: (name, source). Source "route": dpjax.experiments.train_route (the
+# name is the route); "private" / "public": dpjax.sgd.train_dp_sgd's subspace argument.
 METHODS = (("non_private", "route"), ("dp_sgd", "route"), ("dp_sgd_denoise", "route"),
            ("gep_trajectory", "route"), ("private_input_subspace", "route"),
            ("subspace_dp_sgd_private", "private"),
@@ -147,8 +148,8 @@ class Route(NamedTuple):
 
   Attributes:
     method: the method's name in the results.
-    subspace: ``"route"`` (trained by :func:`dpjax.sgd.train_route`), else ``train_dp_sgd``'s
-      ``subspace`` argument (``"private"`` or ``"public"``).
+    subspace: ``"route"`` (trained by :func:`dpjax.experiments.train_route`), else
+      ``train_dp_sgd``'s ``subspace`` argument (``"private"`` or ``"public"``).
     n_private: the number of rows the method's (ε, δ) covers (None for the non-private run).
     note: None if the method can run at these settings, else the reason it cannot.
   """
@@ -276,9 +277,10 @@ def run(args) -> dict:
                        epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size,
                        gamma=args.gamma, subspace_epsilon_fraction=args.subspace_epsilon_fraction,
                        d=d, dataset=ds.name)
-  settings = sgd.RouteSettings(clip_norm=args.clip_norm, public_rank=args.k, input_rank=args.k,
-                               input_epsilon_fraction=args.subspace_epsilon_fraction,
-                               input_delta_fraction=SUBSPACE_DELTA_FRACTION)
+  settings = experiments.RouteSettings(clip_norm=args.clip_norm, public_rank=args.k,
+                                       input_rank=args.k,
+                                       input_epsilon_fraction=args.subspace_epsilon_fraction,
+                                       input_delta_fraction=SUBSPACE_DELTA_FRACTION)
   grid = [float(lr) for lr in args.learning_rates]
   tuning = tuning_plan(grid)
   fixed_lr = sorted(grid)[len(grid) // 2]           # the untuned methods' rate: public
@@ -296,12 +298,12 @@ def run(args) -> dict:
     data = (X[rows], y[rows])
     accountant = ACCOUNTANT if tuned is None else TUNING_ACCOUNTANT
     if route.subspace == "route":
-      out = sgd.train_route(route.method, jnp.stack(keys), lrs, data,
-                            init_fn=_init_fn(sizes), loss_fn=example_loss,
-                            epsilon=args.epsilon, delta=args.delta, steps=args.steps,
-                            expected_batch_size=args.batch_size,
-                            public_inputs=X[pub] if public else None, settings=settings,
-                            accountant=accountant, tuning=tuned)
+      out = experiments.train_route(route.method, jnp.stack(keys), lrs, data,
+                                    init_fn=_init_fn(sizes), loss_fn=example_loss,
+                                    epsilon=args.epsilon, delta=args.delta, steps=args.steps,
+                                    expected_batch_size=args.batch_size,
+                                    public_inputs=X[pub] if public else None,
+                                    settings=settings, accountant=accountant, tuning=tuned)
       params = [jax.tree_util.tree_map(lambda x, i=i: x[i], out.params) for i in range(len(keys))]
       budget = (None, None) if route.method == "non_private" else (out.epsilon, out.delta)
       return params, out.noise_multiplier, out.rank, [(*budget, None, [])] * len(keys)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax import accounting, demo
+from dpjax import accounting, demo, experiments
 from dpjax import subspace
 from dpjax.sgd import training
 
@@ -29,6 +29,16 @@ REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "steps
 RANKS = {"gep_trajectory": 8, "private_input_subspace": "k", "subspace_dp_sgd_private": "k",
          "public_subspace": "k",
          "subspace_dp_sgd_public": "k"}
+
+
+def test_the_route_methods_are_the_harness_routes():
+  """The demo's "route" methods are trained by dpjax.experiments.train_route (the research
+  harness, outside dpjax's public API): each is one of its private ROUTES, the public one its
+  public route; the others go through dpjax.sgd.train_dp_sgd."""
+  routed = [m for m, source in demo.METHODS if source == "route"]
+  assert set(routed) <= set(experiments.ROUTES)
+  assert [m for m in routed if m in experiments.PUBLIC_ROUTES] == ["public_subspace"]
+  assert {s for _, s in demo.METHODS} == {"route", "private", "public"}
 
 
 @pytest.fixture(scope="module")

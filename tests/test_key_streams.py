@@ -15,7 +15,8 @@ keys' data. It then checks:
   the decisive check: a key derived twice (``fold_in(k, 1)`` beside ``split(k, 3)``, or
   ``split(k, 2)`` beside ``split(k, 3)``) is harmless while one party consumes it, and caught
   here as soon as two do. Recomputing the same derivation for the same purpose (as
-  ``train_route`` does for a run's subspace stream, on the host and in the program) is fine;
+  ``dpjax.experiments.train_route`` does for a run's subspace stream, on the host and in the
+  program) is fine;
 * no parent is both split and folded into (the pattern that collides by construction).
 
 A negative control shows the recorder catches the pattern the issue found.
@@ -36,9 +37,8 @@ except ImportError:                    # pragma: no cover - jax < 0.10
   from jax._src import prng as _prng
 
 import dpjax._host
-from dpjax import classic, coinpress, demo, sgd, subspace, synthetic
+from dpjax import classic, coinpress, demo, experiments, sgd, subspace, synthetic
 from dpjax.classic import erm
-from dpjax.sgd import layer_subspaces, routes
 
 
 def _concrete(keys):
@@ -202,20 +202,22 @@ def _data():
 
 def _route(name, steps, **settings):
   def run():
-    sgd.train_route(name, jnp.stack([jax.random.key(0), jax.random.key(1)]), [0.1, 0.1], _data(),
-                    init_fn=LINEAR, loss_fn=demo.example_loss, epsilon=2.0, delta=1e-5,
-                    steps=steps, expected_batch_size=8, accountant="rdp",
-                    settings=sgd.RouteSettings(**settings))
+    experiments.train_route(name, jnp.stack([jax.random.key(0), jax.random.key(1)]), [0.1, 0.1],
+                            _data(), init_fn=LINEAR, loss_fn=demo.example_loss, epsilon=2.0,
+                            delta=1e-5, steps=steps, expected_batch_size=8, accountant="rdp",
+                            settings=experiments.RouteSettings(**settings))
   return run
 
 
 def _gep_noise():
-  """Two steps of the GEP release: the embedding's and the residual's noise per leaf."""
+  """Two steps of the GEP release (dp_noise built from GEP's grad sum, one clip per part): the
+  embedding's and the residual's noise per leaf."""
   params = {"w": jnp.zeros((D, 3)), "b": jnp.zeros(3)}
   bases = {"w": np.eye(D, 2, dtype=np.float32), "b": None}
-  tx = layer_subspaces.embedding_residual_noise(
-      bases, noise_multiplier=1.0, expected_batch_size=8, key=jax.random.key(3),
-      embedding_clip=1.0, residual_clip=0.5, l2_norm_bound=2.0**0.5)
+  grad_fn = sgd.embedding_residual_grad_sum(demo.example_loss, embedding_clip=1.0,
+                                            residual_clip=0.5, joint=False)
+  tx = sgd.dp_noise(grad_fn, noise_multiplier=1.0, expected_batch_size=8, key=jax.random.key(3),
+                    bases=bases)
   sums = {"embedding": {"w": jnp.ones((2, 3)), "b": jnp.ones(3)},
           "residual": {"w": jnp.ones((D, 3)), "b": jnp.zeros(3)}}
   state = tx.init(params)
@@ -225,9 +227,9 @@ def _gep_noise():
 
 def _layer_noise():
   params = [{"w": jnp.zeros((D, 3)), "b": jnp.zeros(3)}]
-  tx = sgd.layer_subspace_noise(routes.first_layer_bases(params, np.eye(D, 2, dtype=np.float32)),
-                                clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8,
-                                key=jax.random.key(4))
+  tx = sgd.dp_noise(sgd.clipped_grad_sum(demo.example_loss, clip_norm=1.0),
+                    noise_multiplier=1.0, expected_batch_size=8, key=jax.random.key(4),
+                    bases=experiments.first_layer_bases(params, np.eye(D, 2, dtype=np.float32)))
   state = tx.init(params)
   for _ in range(2):
     _, state = tx.update(jax.tree_util.tree_map(jnp.ones_like, params), state, params)
@@ -275,10 +277,10 @@ def _ppca():
                num_sweeps=2)
 
 
-# Eager runs compile every operation on its own (5–30 s each here): the default run checks the
-# GEP and per-layer noise transforms (and the recorder's controls); --run-slow checks the routes
-# (the private input subspace's Analyze Gauss release once shared the SGD noise's key) and the
-# learners that compose many releases.
+# Eager runs compile every operation on its own (5–30 s each here): the default run checks
+# dp_noise's GEP and per-layer releases (and the recorder's controls); --run-slow checks the
+# routes (the private input subspace's Analyze Gauss release once shared the SGD noise's key) and
+# the learners that compose many releases.
 _SLOW = pytest.mark.slow(reason="key streams of the routes and the composed learners, run "
                                 "eagerly; the default run checks GEP's and the per-layer noise's")
 LEARNERS = [

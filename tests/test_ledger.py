@@ -59,11 +59,13 @@ def test_dpase_and_training_record_into_a_ledger():
   ledger = ledger_lib.PrivacyLedger(2.0, 1e-5)
   loss = lambda w, ex: optax.sigmoid_binary_cross_entropy(ex[0] @ w, ex[1])
   y = (X[:, 0] > 0).astype(jnp.float32)
+  # The ledger composes with RDP (its default), so the run plans with RDP too: a PLD-calibrated
+  # σ at ε = 2 would cost more than ε = 2 by the ledger's RDP accountant, and be refused.
   out = sgd.train_dp_sgd(jax.random.key(3), loss, jnp.zeros(10), (X, y), optax.sgd(0.1),
                          epsilon=2.0, delta=1e-5, steps=3, expected_batch_size=100,
-                         clip_norm=1.0, ledger=ledger)
+                         clip_norm=1.0, ledger=ledger, accountant="rdp")
   assert ledger.spent.epsilon == pytest.approx(out.budget.epsilon, rel=1e-9)
   with pytest.raises(ledger_lib.BudgetExceededError):   # the ledger is full: refused up front
     sgd.train_dp_sgd(jax.random.key(3), loss, jnp.zeros(10), (X, y), optax.sgd(0.1),
                      epsilon=2.0, delta=1e-5, steps=3, expected_batch_size=100,
-                     clip_norm=1.0, ledger=ledger)
+                     clip_norm=1.0, ledger=ledger, accountant="rdp")

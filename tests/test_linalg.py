@@ -245,8 +245,8 @@ def test_dpjax_products_ask_for_full_precision():
   """On GPUs/TPUs a default-precision float32 product runs in TF32/bfloat16 (error ~1e-3), which
   would loosen the bounds the privacy arguments read off dpjax's products: every product in the
   privacy-bearing paths must carry ``precision=HIGHEST`` (checked in the trace, so on the CPU)."""
-  from dpjax.sgd import layer_subspaces as ls
-  from dpjax.sgd import per_example, transforms
+  from dpjax.sgd import gep, noise, per_example
+  from dpjax.sgd.bases import TwoSidedBasis
   from dpjax.subspace import approximate
 
   highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
@@ -257,13 +257,17 @@ def test_dpjax_products_ask_for_full_precision():
   loss = lambda p, ex: jnp.sum((jnp.sum(ex[0][:, None] * p["w"], 0) + p["b"] - ex[1]) ** 2)  # noqa: E731
   bases = {"w": jnp.eye(6, 2), "b": None}
   V = jnp.eye(21, 4)
-  sub_tx = transforms.subspace_dp_gaussian_noise(V, clip_norm=1.0, noise_multiplier=1.0,
-                                                 expected_batch_size=4.0, key=key)
-  layer_tx = ls.layer_subspace_noise(bases, clip_norm=1.0, noise_multiplier=1.0,
-                                     expected_batch_size=4.0, key=key)
-  gep_tx = ls.embedding_residual_noise(bases, embedding_clip=1.0, residual_clip=0.5,
-                                       noise_multiplier=1.0, expected_batch_size=4.0, key=key)
-  gep_sum = ls.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.5)
+  plain_sum = per_example.clipped_grad_sum(loss, clip_norm=1.0)
+  gep_sum = gep.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.5)
+  sub_tx = noise.dp_noise(plain_sum, noise_multiplier=1.0, expected_batch_size=4.0, key=key,
+                          basis=V)
+  layer_tx = noise.dp_noise(plain_sum, noise_multiplier=1.0, expected_batch_size=4.0, key=key,
+                            bases=bases)
+  two_sided_tx = noise.dp_noise(plain_sum, noise_multiplier=1.0, expected_batch_size=4.0,
+                                key=key, bases={"w": TwoSidedBasis(jnp.eye(6, 2), jnp.eye(3, 2)),
+                                                "b": None})
+  gep_tx = noise.dp_noise(gep_sum, noise_multiplier=1.0, expected_batch_size=4.0, key=key,
+                          bases=bases)
   sums = gep_sum(params, batch, jnp.ones(9), bases)
   params_dpase = approximate.dpase_parameters(400, 12, 2, epsilon=1.0, delta=1e-5, gamma=0.01)
   programs = {
@@ -277,6 +281,7 @@ def test_dpjax_products_ask_for_full_precision():
       "subspace noise": lambda: sub_tx.update({"w": jnp.ones(18), "b": jnp.ones(3)},
                                               sub_tx.init({"w": jnp.ones(18), "b": jnp.ones(3)})),
       "layer noise": lambda: layer_tx.update(params, layer_tx.init(params)),
+      "two-sided layer noise": lambda: two_sided_tx.update(params, two_sided_tx.init(params)),
       "embedding_residual_grad_sum": lambda: gep_sum(params, batch, jnp.ones(9), bases),
       "embedding_residual_noise": lambda: gep_tx.update(sums, gep_tx.init(params)),
       "dpase_core": lambda: approximate.dpase_core(key, jnp.tile(X, (10, 1)), params_dpase, k=2,

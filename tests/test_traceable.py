@@ -23,6 +23,7 @@ from dpjax import coinpress as CP
 from dpjax import linalg as L
 from dpjax import mechanisms as M
 from dpjax import sgd as G
+from dpjax.sgd import per_example, sampling, sources
 from dpjax import subspace as S
 from dpjax import synthetic as SY
 from dpjax.ashtiani_liaw import populous_mean
@@ -123,11 +124,11 @@ TRACED = {
         k, _loss, PARAMS, d, k=1, epsilon=4., delta=1e-5, clip_norm=1., gamma=0.01), DATA),
     "public_gradient_subspace": (lambda k, d: G.public_gradient_subspace(_loss, PARAMS, d, k=1),
                                  DATA),
-    "poisson_mask": (lambda k, _: G.poisson_mask(k, 10, 0.5), VEC),
-    "clip_per_example": (lambda k, d: G.clip_per_example({"g": d[0]}, 1.0), DATA),
+    "poisson_mask": (lambda k, _: sampling.poisson_mask(k, 10, 0.5), VEC),
+    "clip_per_example": (lambda k, d: per_example.clip_per_example({"g": d[0]}, 1.0), DATA),
     "clipped_grad_sum": (lambda k, d: G.clipped_grad_sum(_loss, clip_norm=1.)(
         PARAMS, d, jnp.ones(64)), DATA),
-    "flat_per_example_grads": (lambda k, d: G.flat_per_example_grads(_loss, PARAMS, d), DATA),
+    "flat_per_example_grads": (lambda k, d: sources.flat_per_example_grads(_loss, PARAMS, d), DATA),
     "orthonormal_basis": (lambda k, _: L.orthonormal_basis(k, 5, 2), VEC),
     "approximate_subspace_data": (lambda k, _: dpjax.data.approximate_subspace_data(
         k, 50, 5, 2, gamma=0.1)[0], VEC),

@@ -1,23 +1,26 @@
-"""DP-SGD with optional gradient-subspace projection (docs/algorithms.md §6)."""
+"""DP-SGD as one engine (docs/algorithms.md §6): a plan that binds a sensitivity-bearing
+clipped-gradient function, Poisson batch selection, one noise transform and the accountant.
 
-from dpjax.sgd.denoise import (LowRankDenoiseState, filtered_noise_std, low_rank_denoise,
-                                shrink_singular_values)
-from dpjax.sgd.ghost import dense, ghost_clipped_grad_sum, ghost_norms, model_loss
-from dpjax.sgd.layer_subspaces import (EmbeddingResidualState, LayerSubspaceNoiseState,
-                                        TwoSidedBasis, embedding_residual_grad_sum,
-                                        embedding_residual_noise, layer_subspace_noise,
-                                        trajectory_bases, update_layer_bases)
-from dpjax.sgd.distributed import (data_mesh, padded_size, shard_examples,
-                                    sharded_poisson_clipped_sum)
-from dpjax.sgd.per_example import (ClippedGradSum, clip_per_example, clipped_grad_sum,
-                                   global_norms, per_example_grads)
-from dpjax.sgd.privatizer import (DPSGDPrivatizer, accumulate_microbatches, dp_sgd_privatizer,
-                                  l2_norm_bound, poisson_clipped_sum)
-from dpjax.sgd.routes import (DIAGNOSTIC_ROUTES, PUBLIC_ROUTES, ROUTES, RouteRun, RouteSettings,
-                               gep_edge_noise_std, route_rank, train_route)
-from dpjax.sgd.sampling import poisson_mask, poisson_microbatches
-from dpjax.sgd.subspace_sources import (flat_per_example_grads, private_gradient_subspace,
-                                        public_gradient_subspace)
-from dpjax.sgd.training import TrainResult, train_dp_sgd
-from dpjax.sgd.transforms import (DPNoiseState, SubspaceNoiseState, dp_aggregate,
-                                  dp_gaussian_noise, subspace_dp_gaussian_noise, update_basis)
+A user meets these names; the modules hold the rest (``dpjax.sgd.per_example``, ``.ghost``,
+``.gep``, ``.noise``, ``.bases``, ``.sampling``, ``.sources``, ``.distributed``, ``.denoise``,
+``.averaging``, ``.plan``, ``.training``).
+"""
+
+from dpjax.sgd.averaging import averaged_params, iterate_average
+from dpjax.sgd.bases import TwoSidedBasis, bases_like, trajectory_bases
+from dpjax.sgd.denoise import low_rank_denoise
+from dpjax.sgd.distributed import data_mesh
+from dpjax.sgd.gep import embedding_residual_grad_sum
+from dpjax.sgd.ghost import dense, ghost_clipped_grad_sum
+from dpjax.sgd.noise import dp_noise, update_bases
+from dpjax.sgd.per_example import clipped_grad_sum
+from dpjax.sgd.plan import DPSGDPlan, dp_sgd_plan
+from dpjax.sgd.sources import (private_gradient_subspace, private_input_basis,
+                               public_gradient_subspace, public_input_basis)
+from dpjax.sgd.training import train_dp_sgd
+
+__all__ = ["DPSGDPlan", "TwoSidedBasis", "averaged_params", "bases_like", "clipped_grad_sum",
+           "data_mesh", "dense", "dp_noise", "dp_sgd_plan", "embedding_residual_grad_sum",
+           "ghost_clipped_grad_sum", "iterate_average", "low_rank_denoise",
+           "private_gradient_subspace", "private_input_basis", "public_gradient_subspace",
+           "public_input_basis", "train_dp_sgd", "trajectory_bases", "update_bases"]

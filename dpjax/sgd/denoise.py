@@ -75,12 +75,13 @@ def low_rank_denoise(noise_std: float, *, decay: float = 0.0, threshold_scale: f
                      min_dim: int = 2) -> optax.GradientTransformation:
   """Filter, then shrink each layer matrix's singular values: post-processing of DP-SGD.
 
-  Place it after the noise (:func:`dpjax.sgd.dp_gaussian_noise`, whose output has i.i.d.
-  ``N(0, s²)`` noise per entry with ``s = σC/L``) and before the optimiser::
+  Place it after the full-dimensional noise (:func:`dpjax.sgd.dp_noise` without a basis, whose
+  output has i.i.d. ``N(0, s²)`` noise per entry with ``s = σΔ/L``, Δ the clipped-gradient
+  function's ℓ2 bound) and before the optimiser::
 
-      tx = optax.chain(dp_gaussian_noise(clip_norm=C, noise_multiplier=σ,
-                                         expected_batch_size=L, key=key),
-                       low_rank_denoise(σ * C / L, decay=0.5), optax.adam(lr))
+      plan = dp_sgd_plan(grad_fn, ...)
+      s = plan.noise_multiplier * grad_fn.l2_norm_bound / plan.batch_selection.expected_batch_size
+      tx = optax.chain(plan.noise, low_rank_denoise(s, decay=0.5), optax.adam(lr))
 
   Each update: ``m_t = β m_{t−1} + (1 − β) g_t`` (bias-corrected; ``β = decay``, 0: no filter),
   then every leaf with at least two axes whose last axis and the product of the others are both
@@ -90,11 +91,12 @@ def low_rank_denoise(noise_std: float, *, decay: float = 0.0, threshold_scale: f
 
   Privacy: a function of the released noisy updates and public constants only (s, β, the
   shapes), so it is post-processing and changes nothing in the accounting. ``noise_std`` must be
-  the public per-entry std of the updates it receives; with the subspace noise transforms the
-  noise is not i.i.d. and the rule does not apply.
+  the public per-entry std of the updates it receives; with a basis in the noise
+  (:func:`dpjax.sgd.dp_noise`'s flat or per-layer releases) the noise is not i.i.d. and the rule
+  does not apply.
 
   Args:
-    noise_std: ``s ≥ 0``, the per-entry noise std of the incoming updates (``σC/L``).
+    noise_std: ``s ≥ 0``, the per-entry noise std of the incoming updates (``σΔ/L``).
     decay: ``β ∈ [0, 1)``, the EMA filter's decay (a low-pass filter; 0 turns it off).
     threshold_scale: ``> 0``, multiplies the noise level in the shrinker (1: the optimal rule;
       larger keeps fewer directions).

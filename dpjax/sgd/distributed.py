@@ -24,7 +24,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dpjax import _validation as v
-from dpjax.sgd import privatizer
+from dpjax.sgd import sampling
+
+__all__ = ["DATA_AXIS", "data_mesh", "padded_size", "shard_examples",
+           "sharded_poisson_clipped_sum"]
 
 DATA_AXIS = "data"
 
@@ -45,7 +48,8 @@ def data_mesh(devices=None, axis_name: str = DATA_AXIS) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array(devices), (axis_name,))
 
 
-def _check_mesh(mesh, data_axis: str) -> int:
+def check_mesh(mesh, data_axis: str) -> int:
+  """The number of devices along ``data_axis`` of a validated mesh."""
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
   if data_axis not in mesh.axis_names:
@@ -55,7 +59,7 @@ def _check_mesh(mesh, data_axis: str) -> int:
 
 def padded_size(num_examples: int, mesh: jax.sharding.Mesh, data_axis: str = DATA_AXIS) -> int:
   """The smallest multiple of the mesh's ``data_axis`` size that holds N examples (public)."""
-  devices = _check_mesh(mesh, data_axis)
+  devices = check_mesh(mesh, data_axis)
   return devices * math.ceil(v.check_int(num_examples, "num_examples", low=1) / devices)
 
 
@@ -99,7 +103,7 @@ def sharded_poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array,
                                 num_examples: int, sampling_prob, microbatch_size: int,
                                 mesh: jax.sharding.Mesh, data_axis: str = DATA_AXIS,
                                 extra_args=()):
-  """:func:`dpjax.sgd.poisson_clipped_sum` with the examples sharded over a mesh: traceable.
+  """:func:`dpjax.sgd.sampling.poisson_clipped_sum` with the examples sharded over a mesh: traceable.
 
   The mask is ``poisson_mask(key, N, q)`` — the single-device draw, for the N real examples;
   padding rows (``data`` may carry more rows than N, a multiple of the device count) are never
@@ -110,7 +114,7 @@ def sharded_poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array,
   optimiser transform does; module docstring).
 
   Args:
-    grad_fn: as :func:`dpjax.sgd.poisson_clipped_sum` (dpjax's or jax_privacy's convention).
+    grad_fn: as :func:`dpjax.sgd.sampling.poisson_clipped_sum` (dpjax's or jax_privacy's convention).
     params: the model parameters (replicated).
     data: pytree, leading example axis of size ``padded_size(N, mesh)`` (static), e.g. from
       :func:`shard_examples`.
@@ -136,10 +140,10 @@ def sharded_poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array,
                      f"(shard_examples pads it), got {sorted(sizes)}.")
   chosen = jax.random.bernoulli(key, sampling_prob, (num_examples,))
   chosen = jnp.pad(chosen, (0, total - num_examples))
-  call = privatizer.masked_call(grad_fn)
+  call = sampling.masked_call(grad_fn)
 
   def local(params, data, chosen, extra):
-    summed = privatizer.sum_over_chosen(call, params, data, chosen, microbatch_size, extra)
+    summed = sampling.sum_over_chosen(call, params, data, chosen, microbatch_size, extra)
     return jax.lax.psum(summed, data_axis)
 
   spec = PartitionSpec(data_axis)

@@ -32,7 +32,7 @@ one example's gradient ``g`` (never formed)  contribution to the sum
 beyond the float32 / float64 range)         there too)
 =========================================  ==================================================
 
-``"normalize"`` gives ``C'·g/(‖g‖ + γ)``, as :func:`dpjax.sgd.clip_per_example`. Norms, factors
+``"normalize"`` gives ``C'·g/(‖g‖ + γ)``, as :func:`dpjax.sgd.per_example.clip_per_example`. Norms, factors
 and the book-keeping matmuls run in float32 (float64 for float64 models) whatever the model's
 dtype, and each summed leaf is converted back rounding towards zero
 (:func:`ghost_clipped_grad_sum`, "Floating point").
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Callable, NamedTuple
@@ -51,7 +52,8 @@ import jax.numpy as jnp
 
 from dpjax import _validation as v
 from dpjax import linalg
-from dpjax.sgd import per_example
+from dpjax.sgd import bases as bases_lib
+from dpjax.sgd import gep, per_example
 from dpjax.sgd.per_example import DEFAULT_STABILITY
 
 _NO_EXPONENT = -(2 ** 20)   # the exponent of a zero partial norm (below every float's range)
@@ -297,6 +299,81 @@ class _Partial(NamedTuple):
   size: int
 
 
+def _dense_block(xt, dt, ex, ed, out_dtype) -> _Partial:
+  """The block ``Σ_t x_tᵀδ_t`` of one dense call, from its exactly rescaled inputs
+  ``xt (B, T, a) = x / 2^ex`` and output gradients ``dt (B, T, b) = δ / 2^ed`` (accumulation
+  dtype): its per-example norm and its weighted total ``(a, b)``, converted to ``out_dtype``
+  rounding towards zero. Vector inputs (T = 1): ``‖x‖‖δ‖`` of the same numbers as the term;
+  T² ≥ a·b: the ``(a, b)`` gradient is formed once for both; else the Gram route."""
+  steps, a, width = xt.shape[1], xt.shape[-1], dt.shape[-1]
+  if steps > 1 and steps * steps >= a * width:
+    # Direct route (T² ≥ a·b): the (a, b) per-example gradients are formed anyway, so the
+    # norm and the term are both of this one materialised array.
+    eg, gt = _normalised(jnp.einsum("nta,ntb->nab", xt, dt, precision=linalg.HIGHEST))
+    norm, exp = jnp.sqrt(_sqnorm(gt)), ex + ed + eg
+
+    def total(coef, ok):
+      summed = jnp.tensordot(_toward_zero(coef, gt), jnp.where(ok[:, None, None], gt, 0),
+                             axes=1, precision=linalg.HIGHEST)
+      return per_example.round_toward_zero(summed, out_dtype)
+    return _Partial(norm, exp, total, a * width)
+  if steps == 1:
+    # ‖x_iᵀδ_i‖_F = ‖x_i‖‖δ_i‖ exactly, of the same numbers as the term (coef_i x_i)ᵀδ_i.
+    norm = jnp.sqrt(_sqnorm(xt)) * jnp.sqrt(_sqnorm(dt))
+  else:
+    # Gram route: ‖Σ_t x_tᵀδ_t‖² = ⟨x xᵀ, δ δᵀ⟩, never forming the (a, b) gradient. The norm and
+    # the book-keeping matmul are two float32 evaluations of Σ_t x_tᵀδ_t: see
+    # ghost_clipped_grad_sum's docstring for what the bound covers here.
+    gx = jnp.einsum("nta,nsa->nts", xt, xt, precision=linalg.HIGHEST)
+    gd = jnp.einsum("ntb,nsb->nts", dt, dt, precision=linalg.HIGHEST)
+    norm = jnp.sqrt(jnp.maximum(jnp.sum(gx * gd, axis=(1, 2)), 0))
+
+  def total(coef, ok):
+    keep = ok[:, None, None]
+    xk = jnp.where(keep, _toward_zero(coef, xt)[:, None, None] * xt, 0)
+    summed = jnp.tensordot(xk, jnp.where(keep, dt, 0), axes=((0, 1), (0, 1)),
+                           precision=linalg.HIGHEST)
+    return per_example.round_toward_zero(summed, out_dtype)
+  return _Partial(norm, ex + ed, total, a * width)
+
+
+def _bias_block(dt, ed, out_dtype) -> _Partial:
+  """The bias block ``Σ_t δ_t`` of one dense call (``dt``, ``ed`` as :func:`_dense_block`)."""
+  size, steps, width = dt.shape
+  eb, dsum = (jnp.zeros((size,), jnp.int32), dt[:, 0]) if steps == 1 else _normalised(
+      jnp.sum(dt, axis=1))
+
+  def total(coef, ok):
+    summed = jnp.tensordot(_toward_zero(coef, dsum), jnp.where(ok[:, None], dsum, 0), axes=1,
+                           precision=linalg.HIGHEST)
+    return per_example.round_toward_zero(summed, out_dtype)
+  return _Partial(jnp.sqrt(_sqnorm(dsum)), ed + eb, total, width)
+
+
+def _free_block(g, out_dtype) -> _Partial:
+  """A block given by its materialised per-example gradients ``g (B, ...)``."""
+  e, gt = _normalised(g.astype(per_example.accumulation_dtype(g.dtype)))
+
+  def total(coef, ok):
+    keep = ok.reshape((-1,) + (1,) * (gt.ndim - 1))
+    summed = jnp.tensordot(_toward_zero(coef, gt), jnp.where(keep, gt, 0), axes=1,
+                           precision=linalg.HIGHEST)
+    return per_example.round_toward_zero(summed, out_dtype)
+  return _Partial(jnp.sqrt(_sqnorm(gt)), e, total, max(g[0].size, 1))
+
+
+def _layer_inputs(plan, deltas, xs, leaves):
+  """Per tapped call: ``(iw, ib, x, δ, dtype)`` with x ``(B, T, a)`` and δ ``(B, T, b)`` upcast
+  (exactly) to the call's accumulation dtype."""
+  tapped = [(iw, ib) for iw, ib, _ in plan.calls if iw is not None or ib is not None]
+  for (iw, ib), delta, x in zip(tapped, deltas, xs):
+    size = delta.shape[0]
+    dtype = per_example.accumulation_dtype(
+        x.dtype, delta.dtype, *(jnp.result_type(leaves[i]) for i in (iw, ib) if i is not None))
+    yield (iw, ib, jnp.reshape(x, (size, -1, x.shape[-1])).astype(dtype),
+           jnp.reshape(delta, (size, -1, delta.shape[-1])).astype(dtype))
+
+
 def _partials(plan, deltas, xs, free_grads, leaves):
   """The blocks: each covered leaf, and each uncovered leaf (its per-example gradient).
 
@@ -310,70 +387,15 @@ def _partials(plan, deltas, xs, free_grads, leaves):
   materialised per-example gradient of an uncovered leaf (one rounding each).
   """
   parts = {}
-  tapped = [(iw, ib) for iw, ib, _ in plan.calls if iw is not None or ib is not None]
-  for (iw, ib), delta, x in zip(tapped, deltas, xs):
-    size = delta.shape[0]
-    dtype = per_example.accumulation_dtype(
-        x.dtype, delta.dtype, *(jnp.result_type(leaves[i]) for i in (iw, ib) if i is not None))
-    a, width = x.shape[-1], delta.shape[-1]
-    x = jnp.reshape(x, (size, -1, a)).astype(dtype)
-    delta = jnp.reshape(delta, (size, -1, width)).astype(dtype)
-    steps = x.shape[1]
+  for iw, ib, x, delta in _layer_inputs(plan, deltas, xs, leaves):
     ex, xt = _normalised(x)
     ed, dt = _normalised(delta)
     if iw is not None:
-      w = leaves[iw]
-      if steps > 1 and steps * steps >= a * width:
-        # Direct route (T² ≥ a·b): the (a, b) per-example gradients are formed anyway, so the
-        # norm and the term are both of this one materialised array.
-        eg, gt = _normalised(jnp.einsum("nta,ntb->nab", xt, dt, precision=linalg.HIGHEST))
-        norm, exp = jnp.sqrt(_sqnorm(gt)), ex + ed + eg
-
-        def weight_total(coef, ok, gt=gt, w=w):
-          total = jnp.tensordot(_toward_zero(coef, gt), jnp.where(ok[:, None, None], gt, 0),
-                                axes=1, precision=linalg.HIGHEST)
-          return per_example.round_toward_zero(total, jnp.result_type(w))
-      else:
-        if steps == 1:
-          # ‖x_iᵀδ_i‖_F = ‖x_i‖‖δ_i‖ exactly, of the same numbers as the term (coef_i x_i)ᵀδ_i.
-          norm = jnp.sqrt(_sqnorm(xt)) * jnp.sqrt(_sqnorm(dt))
-        else:
-          # Gram route: ‖Σ_t x_tᵀδ_t‖² = ⟨x xᵀ, δ δᵀ⟩, never forming the (a, b) gradient. The
-          # norm and the book-keeping matmul are two float32 evaluations of Σ_t x_tᵀδ_t: see
-          # ghost_clipped_grad_sum's docstring for what the bound covers here.
-          gx = jnp.einsum("nta,nsa->nts", xt, xt, precision=linalg.HIGHEST)
-          gd = jnp.einsum("ntb,nsb->nts", dt, dt, precision=linalg.HIGHEST)
-          norm = jnp.sqrt(jnp.maximum(jnp.sum(gx * gd, axis=(1, 2)), 0))
-        exp = ex + ed
-
-        def weight_total(coef, ok, xt=xt, dt=dt, w=w):
-          keep = ok[:, None, None]
-          xk = jnp.where(keep, _toward_zero(coef, xt)[:, None, None] * xt, 0)
-          total = jnp.tensordot(xk, jnp.where(keep, dt, 0), axes=((0, 1), (0, 1)),
-                                precision=linalg.HIGHEST)
-          return per_example.round_toward_zero(total, jnp.result_type(w))
-
-      parts[iw] = _Partial(norm, exp, weight_total, a * width)
+      parts[iw] = _dense_block(xt, dt, ex, ed, jnp.result_type(leaves[iw]))
     if ib is not None:
-      eb, dsum = (jnp.zeros((size,), jnp.int32), dt[:, 0]) if steps == 1 else _normalised(
-          jnp.sum(dt, axis=1))
-
-      def bias_total(coef, ok, dsum=dsum, b=leaves[ib]):
-        total = jnp.tensordot(_toward_zero(coef, dsum), jnp.where(ok[:, None], dsum, 0), axes=1,
-                              precision=linalg.HIGHEST)
-        return per_example.round_toward_zero(total, jnp.result_type(b))
-
-      parts[ib] = _Partial(jnp.sqrt(_sqnorm(dsum)), ed + eb, bias_total, width)
+      parts[ib] = _bias_block(dt, ed, jnp.result_type(leaves[ib]))
   for i, g in zip(plan.uncovered, free_grads):
-    e, gt = _normalised(g.astype(per_example.accumulation_dtype(g.dtype)))
-
-    def free_total(coef, ok, gt=gt, leaf=leaves[i]):
-      keep = ok.reshape((-1,) + (1,) * (gt.ndim - 1))
-      total = jnp.tensordot(_toward_zero(coef, gt), jnp.where(keep, gt, 0), axes=1,
-                            precision=linalg.HIGHEST)
-      return per_example.round_toward_zero(total, jnp.result_type(leaf))
-
-    parts[i] = _Partial(jnp.sqrt(_sqnorm(gt)), e, free_total, max(g[0].size, 1))
+    parts[i] = _free_block(g, jnp.result_type(leaves[i]))
   return parts
 
 
@@ -430,9 +452,12 @@ def ghost_norms(apply_fn: Callable, example_loss: Callable) -> Callable:
   return fn
 
 
-def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_norm: float,
-                           clipping: str = "clip",
-                           stability: float = DEFAULT_STABILITY) -> per_example.ClippedGradSum:
+def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
+                           clip_norm: float | None = None, clipping: str = "clip",
+                           stability: float = DEFAULT_STABILITY,
+                           embedding_clip: float | None = None,
+                           residual_clip: float | None = None,
+                           joint: bool = True) -> per_example.ClippedGradSum:
   """``fn(params, batch, mask)`` = ``Σ_i mask_i · clip_C(∇ loss_i)`` by ghost clipping.
 
   The same sum as ``dpjax.sgd.clipped_grad_sum(model_loss(apply_fn, example_loss), ...)``
@@ -461,7 +486,7 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_n
   ``‖x_iᵀδ_i‖²_F = ⟨x_i x_iᵀ, δ_i δ_iᵀ⟩`` for a sequence), evaluated on the same scaled
   ``(x_i, δ_i)`` (and gradients of uncovered leaves) that form the example's terms, so the clip
   factor is that of the gradient actually summed; tests check the norms against
-  :func:`dpjax.sgd.global_norms` of the vmap path, extreme scales included. Masked rows
+  :func:`dpjax.sgd.per_example.global_norms` of the vmap path, extreme scales included. Masked rows
   (``mask_i = 0``) contribute exactly 0 whatever they hold.
 
   Floating point (what "≤ C" means here; the vmap path's is in :mod:`dpjax.sgd.per_example`).
@@ -487,22 +512,38 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_n
   on sequence inputs use :func:`dpjax.sgd.clipped_grad_sum`. Not covered on either path: the
   rounding of the SUM of the terms in the output dtype.
 
+  GEP by ghost clipping (``embedding_clip`` and ``residual_clip`` instead of ``clip_norm``):
+  the same output as :func:`dpjax.sgd.embedding_residual_grad_sum` of
+  ``model_loss(apply_fn, example_loss)`` (to float rounding), ``fn(params, batch, mask, bases)``,
+  an :class:`dpjax.sgd.gep.EmbeddingResidualGradSum` for :func:`dpjax.sgd.dp_noise`. A covered
+  dense kernel with a one-sided basis U is split on its input side without per-example
+  gradients: its embedding ``Uᵀ(xᵀδ) = (xU)ᵀδ`` and residual ``(x − xUUᵀ)ᵀδ`` are two blocks
+  of the same form as a dense layer's (inputs ``xU`` and ``x − xUUᵀ``, materialised in float32,
+  with exact ghost norms and book-keeping totals); a leaf with a two-sided basis, or one not
+  covered, gets its per-example gradients by ``vmap(grad)`` and is split as the vmap path does.
+  The clipping is in the scaled units ``(e/C_e, ρ/C_ρ)`` (joint: one factor; per part: one each),
+  the scaling folded into the coefficients, with the clip margin widened for those two extra
+  roundings (``num_entries`` ×4: two more levels, 4u).
+
   Args:
     apply_fn: ``apply_fn(params, x, *, dense)`` (one example).
     example_loss: ``example_loss(outputs, y) -> scalar`` (one example).
-    clip_norm: C > 0.
+    clip_norm: C > 0 (plain clipping; None with GEP's clips).
     clipping: ``"clip"`` (``g / max(1, ‖g‖/C)``) or ``"normalize"`` (``C·g/(‖g‖ + γ)``).
     stability: γ > 0 of ``"normalize"`` (default 0.01).
+    embedding_clip, residual_clip: ``C_e, C_ρ > 0``: GEP instead of plain clipping.
+    joint: GEP's one clip of the scaled pair (Δ = 1) or one per part (Δ = √2).
 
   Returns:
-    A :class:`dpjax.sgd.ClippedGradSum` ``fn(params, batch, mask)``: ``batch = (inputs,
+    A :class:`dpjax.sgd.per_example.ClippedGradSum` ``fn(params, batch, mask)``: ``batch = (inputs,
     targets)``, pytrees whose leaves share a leading axis B; ``mask (B,)`` bool or float (1 for a
     real, sampled example, 0 for padding); returns a pytree like ``params`` in its leaves'
-    dtypes. Drops into :func:`dpjax.sgd.poisson_clipped_sum`,
-    :func:`dpjax.sgd.accumulate_microbatches` and :func:`dpjax.sgd.dp_sgd_privatizer`.
+    dtypes. Drops into :func:`dpjax.sgd.sampling.poisson_clipped_sum`,
+    :func:`dpjax.sgd.sampling.accumulate_microbatches` and :func:`dpjax.sgd.dp_sgd_plan`.
 
   Raises:
-    ValueError: C ≤ 0 or not finite; γ ≤ 0; an unknown ``clipping``; at trace time, batch
+    ValueError: C ≤ 0 or not finite; γ ≤ 0; an unknown ``clipping``; both or neither of
+      ``clip_norm`` and GEP's clips, or one GEP clip without the other; at trace time, batch
       leaves without a shared leading axis, a mask not of shape ``(B,)``, bad dense shapes.
     TypeError: ``apply_fn`` or ``example_loss`` not callable; at trace time, a batch that is
       not a pair or a loss that is not a real scalar.
@@ -513,9 +554,20 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_n
     Li, Tramèr, Liang, Hashimoto, "Large Language Models Can Be Strong Differentially Private
     Learners", ICLR 2022 (ghost norm of sequence layers); Abadi et al., CCS 2016 (DP-SGD).
   """
-  clip_norm = v.check_positive(clip_norm, "clip_norm")
   clipping, stability = per_example.check_clipping(clipping, stability)
   _check_callables(apply_fn, example_loss)
+  split = embedding_clip is not None or residual_clip is not None
+  if split == (clip_norm is not None) or (split and (embedding_clip is None
+                                                     or residual_clip is None)):
+    raise ValueError("give clip_norm (plain clipping) or both embedding_clip and residual_clip "
+                     f"(GEP), got clip_norm={clip_norm!r}, embedding_clip={embedding_clip!r}, "
+                     f"residual_clip={residual_clip!r}.")
+  if split:
+    return _ghost_gep(apply_fn, example_loss,
+                      v.check_positive(embedding_clip, "embedding_clip"),
+                      v.check_positive(residual_clip, "residual_clip"), bool(joint), clipping,
+                      stability)
+  clip_norm = v.check_positive(clip_norm, "clip_norm")
 
   def fn(params, batch, mask):
     size = _split_batch(batch)[2]
@@ -528,16 +580,130 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *, clip_n
       factor, keep = per_example.clip_factor(
           m, clip_norm, clipping, stability, exponents=top,
           num_entries=sum(p.size for p in parts.values()))
-      ok = keep | (factor > 0)
-      weights = jnp.asarray(mask).astype(m.dtype)
-      for i, p in parts.items():
-        # The block's coefficient: 2^e where kept, else factor·2^(e − top) (the block is
-        # stored as ‖g_block‖/2^e); below the normal range (a block ≪ the example's norm) or
-        # not finite: 0, never rounded up.
-        coef = jnp.where(keep, _ldexp(jnp.ones_like(factor), p.exponent),
-                         _ldexp(factor, p.exponent - top))
-        usable = jnp.isfinite(coef) & (coef >= jnp.finfo(coef.dtype).tiny) & (p.norm > 0)
-        out[i] = p.total(jnp.where(ok & usable, coef, 0) * weights, ok)
+      out = _totals(parts, out, factor, keep, top, mask)
     return jax.tree_util.tree_unflatten(treedef, out)
 
   return per_example.ClippedGradSum(fn, clip_norm)
+
+
+def _totals(parts, out, factor, keep, top, mask, scale=1.0):
+  """Each block's weighted total into ``out`` (by leaf index). The block's coefficient:
+  ``2^e·scale`` where kept, else ``factor·2^(e − top)·scale`` (the block is stored as
+  ``‖g_block‖/2^e``); below the normal range (a block ≪ the example's norm) or not finite: 0,
+  never rounded up."""
+  ok = keep | (factor > 0)
+  weights = jnp.asarray(mask).astype(factor.dtype)
+  for i, p in parts.items():
+    coef = jnp.where(keep, _ldexp(jnp.ones_like(factor), p.exponent),
+                     _ldexp(factor, p.exponent - top)) * jnp.asarray(scale, factor.dtype)
+    usable = jnp.isfinite(coef) & (coef >= jnp.finfo(coef.dtype).tiny) & (p.norm > 0)
+    out[i] = p.total(jnp.where(ok & usable, coef, 0) * weights, ok)
+  return out
+
+
+# --------------------------------------------------------------- GEP by ghost clipping
+
+
+def _gep_plan(plan, leaf_bases):
+  """``plan`` with the leaves of two-sided bases moved to the ``vmap(grad)`` fallback (their
+  split is not a pair of dense blocks)."""
+  two = {i for i, b in enumerate(leaf_bases) if isinstance(b, bases_lib.TwoSidedBasis)}
+  two -= set(plan.unused)
+  if not two:
+    return plan
+  calls = tuple((None if iw in two else iw, ib, out) for iw, ib, out in plan.calls)
+  return _Plan(calls, tuple(sorted(set(plan.uncovered) | two)), plan.unused)
+
+
+def _gep_blocks(plan, deltas, xs, free_grads, leaves, leaf_bases):
+  """``(embedding blocks, residual blocks)`` by leaf index (module docstring of the GEP path in
+  :func:`ghost_clipped_grad_sum`): a covered kernel with basis U gives the blocks of inputs
+  ``xU`` (coefficients ``(r, b)``) and ``x − xUUᵀ``; without a basis, the kernel and biases are
+  whole embedding blocks; fallback leaves are split from their materialised gradients."""
+  emb, res = {}, {}
+  for iw, ib, x, delta in _layer_inputs(plan, deltas, xs, leaves):
+    ed, dt = _normalised(delta)
+    if iw is not None:
+      U = leaf_bases[iw]
+      if U is None:
+        ex, xt = _normalised(x)
+        emb[iw] = _dense_block(xt, dt, ex, ed, jnp.result_type(leaves[iw]))
+      else:
+        U = jnp.asarray(U).astype(x.dtype)
+        xe = jnp.einsum("nta,ar->ntr", x, U, precision=linalg.HIGHEST)
+        xr = x - jnp.einsum("ntr,ar->nta", xe, U, precision=linalg.HIGHEST)
+        ee, xet = _normalised(xe)
+        er, xrt = _normalised(xr)
+        emb[iw] = _dense_block(xet, dt, ee, ed, x.dtype)
+        res[iw] = _dense_block(xrt, dt, er, ed, x.dtype)
+    if ib is not None:
+      emb[ib] = _bias_block(dt, ed, jnp.result_type(leaves[ib]))
+  for i, g in zip(plan.uncovered, free_grads):
+    U = leaf_bases[i]
+    if U is None:
+      emb[i] = _free_block(g, jnp.result_type(leaves[i]))
+      continue
+    dtype = jnp.promote_types(g.dtype, jnp.float32)
+    G = g.reshape(g.shape[0], g.shape[1], -1).astype(dtype)
+    e = jax.vmap(lambda M, U=U: bases_lib.embed(M, U))(G)
+    rest = G - jax.vmap(lambda c, U=U: bases_lib.lift(c, U))(e)
+    emb[i] = _free_block(e, dtype)
+    res[i] = _free_block(rest.reshape(g.shape), dtype)
+  return emb, res
+
+
+def _ghost_gep(apply_fn, example_loss, c_e, c_r, joint, clipping, stability):
+  def fn(params, batch, mask, bases):
+    inputs, targets, size = _split_batch(batch)
+    if jnp.shape(mask) != (size,):
+      raise ValueError(f"mask must have shape ({size},), got {jnp.shape(mask)}.")
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    leaf_bases = treedef.flatten_up_to(bases)
+    plan = _gep_plan(_plan(apply_fn, example_loss, leaves, treedef, inputs, targets),
+                     leaf_bases)
+    _warn_uncovered(params, plan)
+    deltas, xs, free_grads = _forward_backward(apply_fn, example_loss, plan, leaves, treedef,
+                                               inputs, targets, size)
+    emb, res = _gep_blocks(plan, deltas, xs, free_grads, leaves, leaf_bases)
+    out_e = [jnp.zeros(_embedding_shape(x, U), _gep_dtype(x, U))
+             for x, U in zip(leaves, leaf_bases)]
+    out_r = [jnp.zeros(jnp.shape(x) if U is not None else (0,), _gep_dtype(x, U))
+             for x, U in zip(leaves, leaf_bases)]
+    groups = [(blocks, clip, out) for blocks, clip, out in ((emb, c_e, out_e), (res, c_r, out_r))
+              if blocks]
+    scaled = []            # each part's norm in scaled units, ‖part‖/C_part = m·2^top
+    for blocks, clip, _ in groups:
+      m, top = _global_norm(list(blocks.values()))
+      scaled.append((m / jnp.asarray(clip, m.dtype), top,
+                     4 * sum(b.size for b in blocks.values())))
+    if joint and scaled:
+      m, top = _global_norm([_Partial(m_, t_, None, n_) for m_, t_, n_ in scaled])
+      factor, keep = per_example.clip_factor(m, 1.0, clipping, stability, exponents=top,
+                                             num_entries=sum(n_ for _, _, n_ in scaled))
+      factors = [(factor, keep, top)] * len(scaled)
+    else:
+      factors = [per_example.clip_factor(m_, 1.0, clipping, stability, exponents=t_,
+                                         num_entries=n_) + (t_,) for m_, t_, n_ in scaled]
+    for (blocks, clip, out), (factor, keep, top) in zip(groups, factors):
+      _totals(blocks, out, factor, keep, top, mask, scale=1.0 / clip)
+    return {"embedding": jax.tree_util.tree_unflatten(treedef, out_e),
+            "residual": jax.tree_util.tree_unflatten(treedef, out_r)}
+
+  return gep.EmbeddingResidualGradSum(fn, 1.0 if joint else math.sqrt(2.0),
+                                      embedding_clip=c_e, residual_clip=c_r, joint=joint)
+
+
+def _embedding_shape(leaf, basis):
+  """The embedding's shape for a leaf: the leaf's (no basis), ``(r, b)`` or ``(r, r')``."""
+  shape = jnp.shape(leaf)
+  if basis is None:
+    return shape
+  if isinstance(basis, bases_lib.TwoSidedBasis):
+    return (basis.left.shape[1], basis.right.shape[1])
+  return (basis.shape[1], math.prod(shape[1:]))
+
+
+def _gep_dtype(leaf, basis):
+  """The leaf's dtype without a basis, else at least float32 (as the vmap path's split)."""
+  dtype = jnp.result_type(leaf)
+  return dtype if basis is None else jnp.promote_types(dtype, jnp.float32)

@@ -449,7 +449,7 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
   Privacy: every term has ℓ2 norm ≤ C whatever the example (module edge-case table), in every
   float dtype, evaluated exactly over the term as materialised (module docstring, "Floating
   point"), so the sum has ℓ2-sensitivity C under add/remove-one (one example adds or removes
-  one term), which is what the Gaussian noise of :mod:`dpjax.sgd.transforms` is calibrated
+  one term), which is what the noise of :func:`dpjax.sgd.dp_noise` (built from it) is calibrated
   to. Divide by a public
   expected batch size after adding noise, never by ``sum(mask)``.
 
@@ -465,7 +465,7 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
 
   Returns:
     A :class:`ClippedGradSum` ``fn(params, batch, mask)`` carrying ``fn.l2_norm_bound = C``
-    (pass it to :func:`dpjax.sgd.dp_sgd_privatizer`, which reads C from it): ``batch`` a
+    (pass it to :func:`dpjax.sgd.dp_sgd_plan`, which reads C from it): ``batch`` a
     pytree with leading axis B, ``mask`` ``(B,)`` with 1
     (True) for real, sampled examples and 0 (False) for padding; returns a pytree like
     ``params`` (or like the transform's output), in the gradients' dtypes.

@@ -1,4 +1,5 @@
-"""Poisson sampling with fixed-size micro-batches (docs/algorithms.md §6.1).
+"""DP-SGD's batch selection: Poisson sampling with fixed-size micro-batches (docs/algorithms.md
+§6.1).
 
 DP-SGD's accountant (``PoissonSampledDpEvent``, add/remove-one) assumes that every example is
 included in a step independently with probability q, so the batch size is random. To keep the
@@ -15,12 +16,21 @@ batch size ``L = qN`` instead. Timing side channels are out of scope.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Callable
 
+import dp_accounting
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
+from dpjax.sgd import per_example
+
+__all__ = ["PoissonSampling", "accumulate_microbatches", "poisson_clipped_sum", "poisson_mask",
+           "poisson_microbatches", "poisson_sampling"]
 
 
 def poisson_mask(key: jax.Array, num_examples: int, sampling_prob: float) -> jax.Array:
@@ -85,3 +95,194 @@ def poisson_microbatches(key: jax.Array, num_examples: int, sampling_prob: float
   indices[:chosen.size] = chosen
   mask[:chosen.size] = True
   return indices.reshape(m, microbatch_size), mask.reshape(m, microbatch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampling:
+  """Batch selection by Poisson sampling: each of the N examples enters a step independently with
+  probability ``q = L/N``; the sample is summed in micro-batches of B rows, never truncated.
+
+  Its part of the privacy argument is :meth:`dp_event`: a step event (the Gaussian release of
+  the clipped sum) becomes ``PoissonSampledDpEvent(q, step)``, meaningful under add/remove-one
+  (the relation under which ``dp_accounting`` amplifies by Poisson subsampling). Other schemes
+  (shuffling, fixed-size sampling) would be other classes with the same two methods.
+
+  Attributes:
+    num_examples: N, the private training set's size (public).
+    expected_batch_size: L ∈ (0, N].
+    microbatch_size: B, rows per jitted micro-batch (static).
+  """
+  num_examples: int
+  expected_batch_size: float
+  microbatch_size: int
+
+  @property
+  def sampling_prob(self) -> float:
+    """q = L/N."""
+    return self.expected_batch_size / self.num_examples
+
+  def dp_event(self, step_event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """``PoissonSampledDpEvent(q, step_event)``: one sampled step (add/remove-one)."""
+    return dp_accounting.PoissonSampledDpEvent(self.sampling_prob, step_event)
+
+  def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args):
+    """One step's clipped-gradient sum over a fresh Poisson sample drawn with ``key``
+    (traceable; :func:`poisson_clipped_sum`). Use a fresh key per step."""
+    return poisson_clipped_sum(grad_fn, params, data, key, sampling_prob=self.sampling_prob,
+                               microbatch_size=self.microbatch_size, extra_args=extra_args)
+
+
+def poisson_sampling(num_examples: int, expected_batch_size: float, *,
+                     microbatch_size: int | None = None, devices: int = 1) -> PoissonSampling:
+  """Validated :class:`PoissonSampling`.
+
+  Args:
+    num_examples: N ≥ 1.
+    expected_batch_size: L ∈ (0, N].
+    microbatch_size: B ≥ 1 (default ``min(⌈N/D⌉, ⌈L' + 4√L'⌉)`` with ``L' = L/D`` the expected
+      sample per device, D = ``devices``: one micro-batch covers the sample with high
+      probability).
+    devices: D ≥ 1, the devices the examples are sharded over (sets the default B).
+
+  Raises:
+    ValueError: N < 1, L ∉ (0, N], B < 1, D < 1.
+    TypeError: non-integer N, B or D.
+  """
+  n = v.check_int(num_examples, "num_examples", low=1)
+  batch = v.check_positive(expected_batch_size, "expected_batch_size")
+  if batch > n:
+    raise ValueError(f"expected_batch_size must be <= num_examples={n}, got {batch}.")
+  devices = v.check_int(devices, "devices", low=1)
+  if microbatch_size is None:
+    local = batch / devices
+    microbatch_size = min(math.ceil(n / devices), math.ceil(local + 4 * math.sqrt(local)))
+  microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
+  return PoissonSampling(n, float(batch), microbatch_size)
+
+
+@functools.partial(jax.jit, static_argnames=("grad_fn",))
+def accumulate_microbatches(grad_fn: Callable, params, data, indices: jax.Array,
+                            mask: jax.Array):
+  """``Σ_m grad_fn(params, data[indices[m]], mask[m])`` over ALL micro-batches, in one call.
+
+  Traceable core of a DP-SGD step's clipped sum: a ``lax.scan`` over the ``(M, B)`` layout of
+  :func:`dpjax.sgd.sampling.poisson_microbatches`, so no micro-batch of the sample can be skipped (a
+  skipped one would change the realised sensitivity). Rows with ``mask = False`` (padding,
+  including whole padded micro-batches) contribute nothing.
+
+  Args:
+    grad_fn: ``grad_fn(params, batch, mask)`` (static; hashable), e.g.
+      :func:`dpjax.sgd.clipped_grad_sum`; or ``jax_privacy.clipping.clipped_grad(...)`` (called
+      with ``is_padding_example = ~mask``, its convention).
+    params: the model parameters (pytree).
+    data: pytree of arrays with a leading example axis N.
+    indices: ``(M, B)`` int32 example indices.
+    mask: ``(M, B)`` bool.
+
+  Returns:
+    A pytree like ``grad_fn``'s output: the sum over the sample (ℓ2-sensitivity
+    ``grad_fn.l2_norm_bound`` under add/remove-one).
+  """
+  call = masked_call(grad_fn)
+
+  def body(total, batch):
+    idx, msk = batch
+    chunk = jax.tree_util.tree_map(lambda x: x[idx], data)
+    return jax.tree_util.tree_map(jnp.add, total, call(params, chunk, msk)), None
+
+  first = jax.tree_util.tree_map(lambda x: x[indices[0]], data)
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(call, params, first, mask[0]))
+  total, _ = jax.lax.scan(body, zeros, (indices, mask))
+  return total
+
+
+def poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array, *,
+                        sampling_prob, microbatch_size: int, extra_args=()):
+  """The clipped-gradient sum over a Poisson sample drawn inside the trace: traceable core.
+
+  The traceable core of :meth:`PoissonSampling.clipped_sum` (and of the plan's step), for
+  training loops written as one ``lax.scan`` (and ``vmap``-ped over seeds or hyperparameters): the sample is
+  :func:`dpjax.sgd.sampling.poisson_mask` with ``key`` (the same draw as the host-side
+  :func:`dpjax.sgd.sampling.poisson_microbatches`), its indices are laid out in fixed-size micro-batches
+  of ``microbatch_size`` rows, and a ``lax.while_loop`` sums EVERY micro-batch the sample needs
+  (``⌈|sample| / B⌉``, at least one): never truncated, so the sensitivity is
+  ``grad_fn.l2_norm_bound`` under add/remove-one, as the accountant assumes. The loop count is a
+  function of the sampling randomness only and never enters the released sum (timing side
+  channels are out of scope, as in :mod:`dpjax.sgd.sampling`).
+
+  Known XLA:CPU issue (jaxlib 0.10.2, measured): ``vmap`` of a loop whose body holds this sum
+  AND a matrix decomposition (e.g. :func:`dpjax.sgd.low_rank_denoise`'s SVD) can deadlock (all
+  threads parked); ``lax.map`` over the seeds runs it, as fast here
+  (``benchmarks/gradient_subspace.py``).
+
+  Args:
+    grad_fn: ``grad_fn(params, batch, mask, *extra_args)``, e.g.
+      :func:`dpjax.sgd.clipped_grad_sum` or :func:`dpjax.sgd.embedding_residual_grad_sum`
+      (whose bases go in ``extra_args``); or jax_privacy's ``clipped_grad`` (no extra args).
+    params: the model parameters (pytree).
+    data: pytree of arrays with a leading example axis N (static N).
+    key: PRNG key of this step's sample (a fresh one per step).
+    sampling_prob: q ∈ (0, 1] (may be traced).
+    microbatch_size: B ≥ 1 (static).
+    extra_args: further arguments of ``grad_fn`` (e.g. the bases).
+
+  Returns:
+    A pytree like ``grad_fn``'s output: the sum over the sample.
+
+  Raises:
+    ValueError: ``microbatch_size < 1``; data without a common leading axis.
+  """
+  microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
+  sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(data)}
+  if len(sizes) != 1:
+    raise ValueError(f"data leaves must share one leading example axis, got sizes {sizes}.")
+  n = sizes.pop()
+  chosen = jax.random.bernoulli(key, sampling_prob, (n,))
+  return sum_over_chosen(masked_call(grad_fn), params, data, chosen, microbatch_size,
+                         extra_args)
+
+
+def sum_over_chosen(call: Callable, params, data, chosen: jax.Array, microbatch_size: int,
+                    extra_args=()):
+  """``Σ_{i: chosen_i} call(params, data[i])`` in fixed-size micro-batches: traceable core.
+
+  ``call(params, batch, mask, *extra_args)`` in dpjax's convention (:func:`masked_call`).
+  The chosen indices are laid out first, in increasing order, padded and masked; a
+  ``lax.while_loop`` sums EVERY micro-batch the sample needs (``⌈|sample| / B⌉``, at least one):
+  never truncated. The loop count depends on ``chosen`` only (sampling randomness) and never
+  enters the sum.
+  """
+  n = chosen.shape[0]
+  count = jnp.sum(chosen, dtype=jnp.int32)
+  # The chosen indices first, in increasing order, padded with zeros (then masked out).
+  order = jnp.nonzero(chosen, size=n + microbatch_size, fill_value=0)[0].astype(jnp.int32)
+  positions = jnp.arange(microbatch_size, dtype=jnp.int32)
+
+  def microbatch_sum(start):
+    idx = jax.lax.dynamic_slice(order, (start,), (microbatch_size,))
+    chunk = jax.tree_util.tree_map(lambda x: x[idx], data)
+    return call(params, chunk, start + positions < count, *extra_args)
+
+  def body(carry):
+    start, total = carry
+    return start + microbatch_size, jax.tree_util.tree_map(jnp.add, total,
+                                                            microbatch_sum(start))
+
+  first = microbatch_sum(jnp.int32(0))
+  _, total = jax.lax.while_loop(lambda c: c[0] < count, body,
+                                (jnp.int32(microbatch_size), first))
+  return total
+
+
+def masked_call(grad_fn: Callable) -> Callable:
+  """``(params, batch, mask) -> sum``: dpjax's convention, or jax_privacy's ``clipped_grad``
+  (``fun(params, batch, is_padding_example=~mask)``)."""
+  if isinstance(grad_fn, per_example.ClippedGradSum):
+    return grad_fn
+  if type(grad_fn).__module__.startswith("jax_privacy"):
+    if getattr(grad_fn, "has_aux", False):
+      raise ValueError("a jax_privacy clipped_grad with has_aux=True returns per-example "
+                       "outputs; use has_aux=False.")
+    return lambda params, batch, mask: grad_fn(params, batch,
+                                               is_padding_example=jnp.logical_not(mask))
+  return grad_fn

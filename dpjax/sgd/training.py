@@ -1,20 +1,21 @@
-"""A reusable private training loop: DP-SGD, optionally with gradient-subspace noise (§6)."""
+"""A ready-made private training loop over the DP-SGD plan (§6): a thin loop around
+:func:`dpjax.sgd.dp_sgd_plan` for users who do not write their own.
+"""
 
 from __future__ import annotations
 
-import functools
-import math
 import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting
-from dpjax.sgd import distributed, per_example, privatizer, subspace_sources, transforms
+from dpjax.sgd import averaging, distributed, per_example, plan as plan_lib, sources
+
+__all__ = ["SUBSPACES", "TrainResult", "train_dp_sgd"]
 
 SUBSPACES = ("none", "private", "public")
 
@@ -47,14 +48,17 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                  microbatch_size: int | None = None,
                  eval_fn: Callable | None = None, eval_every: int | None = None,
                  progress: bool = False, dpase_kwargs: dict | None = None,
-                 accountant: str = "rdp", ledger=None, clipping: str = "clip",
+                 accountant: str = "pld", ledger=None, clipping: str = "clip",
                  stability: float = per_example.DEFAULT_STABILITY,
                  weight_ema: float | None = None, mesh: jax.sharding.Mesh | None = None,
                  data_axis: str = distributed.DATA_AXIS,
                  tuning: accounting.HyperparameterTuning | None = None) -> TrainResult:
   """Trains ``params`` with DP-SGD at a total (ε, δ), the subspace's cost included.
 
-  Each step is one jitted program: Poisson sampling with rate ``q = L/N`` drawn on the device and
+  A thin loop over :func:`dpjax.sgd.dp_sgd_plan` (clipping by :func:`dpjax.sgd.clipped_grad_sum`,
+  the plan's :meth:`~dpjax.sgd.DPSGDPlan.step`, its noise): write your own loop with the plan for
+  anything it does not offer (ghost clipping, per-layer bases, GEP). Each step is one jitted
+  program: Poisson sampling with rate ``q = L/N`` drawn on the device and
   laid out as fixed-size micro-batches (never truncated), the sum of clipped per-example
   gradients, Gaussian noise (in all p coordinates, or only in the k coordinates of a subspace),
   division by the expected batch size L, then ``optimizer``. With ``mesh``, the examples are
@@ -106,7 +110,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     eval_fn: optional ``eval_fn(params) -> dict`` recorded every ``eval_every`` steps.
     progress: show a tqdm progress bar (needs the ``examples`` extra).
     dpase_kwargs: extra arguments for DPASE.
-    accountant: "rdp" or "pld".
+    accountant: "pld" (default) or "rdp".
     ledger: optional :class:`dpjax.ledger.PrivacyLedger` (add/remove-one) that records the
       subspace release and the SGD steps, refusing them before they run if over its budget.
     clipping, stability: "clip" or "normalize" (automatic clipping ``C·g/(‖g‖ + γ)``) and its γ
@@ -155,7 +159,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
     raise TypeError("optimizer must be an optax GradientTransformation (with init and update), "
                     f"got {type(optimizer).__name__}.")
-  n = subspace_sources._num_examples(data)
+  n = sources.num_examples(data)
   v.check_finite_tree(data, "data")
   if public_data is not None:
     v.check_finite_tree(public_data, "public_data")
@@ -189,31 +193,27 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     if subspace != "public":
       raise ValueError("refresh_every is only supported with subspace='public'.")
     refresh_every = v.check_int(refresh_every, "refresh_every", low=1)
-  devices = 1 if mesh is None else distributed._check_mesh(mesh, data_axis)
-  if microbatch_size is None:
-    local = batch / devices
-    microbatch_size = min(math.ceil(n / devices), math.ceil(local + 4 * math.sqrt(local)))
-  microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
-  eval_every = v.check_int(eval_every or steps, "eval_every", low=1)
   q = batch / n
+  if mesh is not None:
+    distributed.check_mesh(mesh, data_axis)
   if tuning is not None and ledger is not None:
     raise ValueError("tuning with a ledger: one call is one run of the tuning, whose cost is "
                      "the whole tuning's; record accounting.tuning_event(...) in the ledger once "
                      "instead of passing it here.")
-
+  eval_every = v.check_int(eval_every or steps, "eval_every", low=1)
+  grad_fn = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm, clipping=clipping,
+                                         stability=stability)
+  k_subspace, k_noise, k_sample = jax.random.split(key, 3)
   budget = accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=q, steps=steps,
                                         subspace_epsilon=sub_eps, subspace_delta=sub_delta,
                                         accountant=accountant, tuning=tuning)
-  k_subspace, k_noise, k_sample = jax.random.split(key, 3)
-
   if ledger is not None:
-    # Check the whole plan against the ledger before anything runs, then record it.
-    _record_plan(ledger.copy(), budget)
-    _record_plan(ledger, budget)
+    # Check the whole plan against the ledger before anything runs (the subspace included).
+    plan_lib.record_budget(ledger.copy(), budget)
 
   basis, subspace_ok = None, None
   if subspace == "private":
-    result = subspace_sources.private_gradient_subspace(
+    result = sources.private_gradient_subspace(
         k_subspace, loss_fn, params, data, k=k, epsilon=budget.subspace_epsilon,
         delta=budget.subspace_delta, gamma=gamma, **dpase_kwargs)
     if result.neighbouring != NeighboringRelation.ADD_OR_REMOVE_ONE:  # pragma: no cover
@@ -228,103 +228,31 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
           f"DP-SGD with the remaining budget (the subspace's ε={budget.subspace_epsilon:.3g}, "
           f"δ={budget.subspace_delta:.2g} is spent).", stacklevel=2)
   elif subspace == "public":
-    basis = subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
+    basis = sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
     subspace_ok = True
 
-  base_std = transforms.round_up_float32(budget.noise_multiplier * clip_norm)
-  if basis is not None:
-    basis = transforms.check_basis(basis)
-    tx = transforms._subspace_noise(batch, k_noise, basis, base_std,
-                                    transforms.subspace_noise_std(base_std, basis))
-  else:
-    tx = transforms._gaussian_noise(base_std, batch, k_noise)
-  opt_state = optax.chain(tx, optimizer).init(params)
-  std = jnp.asarray(base_std)
-  # The data are an argument, not a closure constant, so they are not baked into the program;
-  # the jitted steps live at module level, so repeated runs reuse their compilations.
-  if mesh is None:
-    data = jax.tree_util.tree_map(jnp.asarray, data)
-  else:
-    data, _ = distributed.shard_examples(data, mesh, data_axis)
-  batch = jnp.asarray(batch, jnp.float32)
-
+  plan = plan_lib.dp_sgd_plan(grad_fn, num_examples=n, expected_batch_size=batch, steps=steps,
+                              key=k_noise, epsilon=epsilon, delta=delta, basis=basis,
+                              subspace_epsilon=sub_eps, subspace_delta=sub_delta,
+                              accountant=accountant, tuning=tuning,
+                              microbatch_size=microbatch_size, mesh=mesh, data_axis=data_axis,
+                              ledger=ledger)
+  chain = [optimizer] + ([averaging.iterate_average(weight_ema)] if weight_ema else [])
+  optimizer = optax.chain(*chain) if len(chain) > 1 else optimizer
+  opt_state = plan.init(params, optimizer)
+  data = plan.prepare(data)
   history = []
-  averaged = params if weight_ema is not None else None
-  step_fn = functools.partial(_jitted_step(optimizer), subspace=basis is not None,
-                              loss_fn=loss_fn, clip_norm=clip_norm, clipping=clipping,
-                              stability=stability, microbatch_size=microbatch_size,
-                              num_examples=n, mesh=mesh, data_axis=data_axis)
-  q = jnp.asarray(q, jnp.float32)
   for step, step_key in enumerate(_progress(jax.random.split(k_sample, steps), progress)):
-    params, opt_state = step_fn(params, opt_state, data, step_key, std, batch, q)
-    if averaged is not None:
-      averaged = _average(params, averaged, min(weight_ema, (1 + step) / (10 + step)))
+    params, opt_state = plan.step(params, opt_state, data, step_key, optimizer)
     if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
-      opt_state = transforms.update_basis(
-          opt_state,
-          subspace_sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis)
+      opt_state = plan.update_bases(
+          opt_state, basis=sources.public_gradient_subspace(loss_fn, params, public_data,
+                                                            k=k).basis)
     if eval_fn is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
-      history.append({"step": step + 1,
-                      **eval_fn(params if averaged is None else averaged)})
-  return TrainResult(params, budget, subspace_ok, history, averaged)
-
-
-@jax.jit
-def _average(params, averaged, decay):
-  # optax's Polyak update: step_size·new + (1 − step_size)·old.
-  return optax.incremental_update(params, averaged, 1.0 - decay)
-
-
-def _step_impl(params, opt_state, data, key, std, batch, q, *, optimizer, subspace, loss_fn,
-               clip_norm, clipping, stability, microbatch_size, num_examples, mesh, data_axis):
-  """One DP-SGD step in one program: the Poisson sample drawn on the device from ``key``, the
-  clipped sum over all of it (:func:`dpjax.sgd.poisson_clipped_sum`, or its sharded form over
-  ``mesh``), then :func:`_apply_impl` (the noise once, L, the optimiser). Host work per step
-  does not grow with N."""
-  grad_fn = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm, clipping=clipping,
-                                         stability=stability)
-  if mesh is None:
-    total = privatizer.poisson_clipped_sum(grad_fn, params, data, key, sampling_prob=q,
-                                           microbatch_size=microbatch_size)
-  else:
-    total = distributed.sharded_poisson_clipped_sum(
-        grad_fn, params, data, key, num_examples=num_examples, sampling_prob=q,
-        microbatch_size=microbatch_size, mesh=mesh, data_axis=data_axis)
-  return _apply_impl(params, opt_state, total, std, batch, optimizer=optimizer,
-                     subspace=subspace)
-
-
-_STEP_STATIC = ("optimizer", "subspace", "loss_fn", "clip_norm", "clipping", "stability",
-                "microbatch_size", "num_examples", "mesh", "data_axis")
-_step_jit = jax.jit(_step_impl, static_argnames=_STEP_STATIC)
-
-
-def _jitted_step(optimizer):
-  try:
-    hash(optimizer)
-  except TypeError:  # an unhashable optimizer cannot be a static argument: compile per run
-    return jax.jit(functools.partial(_step_impl, optimizer=optimizer),
-                   static_argnames=_STEP_STATIC[1:])
-  return functools.partial(_step_jit, optimizer=optimizer)
-
-
-def _apply_impl(params, opt_state, summed, std, batch, *, optimizer, subspace):
-  """Noise (full, std σC; or in span(V), V and its std read from the state), divide by L,
-  optimiser, apply. The key, and for a subspace the basis, live in ``opt_state``, so a
-  refreshed basis or another run with the same shapes reuses the compiled step."""
-  noise = (transforms._subspace_noise(batch, None) if subspace
-           else transforms._gaussian_noise(std, batch, None))
-  updates, opt_state = optax.chain(noise, optimizer).update(summed, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state
-
-
-def _record_plan(ledger, budget: accounting.DPSGDBudget) -> None:
-  if budget.subspace_epsilon > 0:
-    ledger.record_approx_dp(budget.subspace_epsilon, budget.subspace_delta,
-                            label="private gradient subspace (DPASE)",
-                            neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE)
-  ledger.record_dpsgd(noise_multiplier=budget.noise_multiplier,
-                      sampling_prob=budget.sampling_prob, steps=budget.steps)
+      shown = params if weight_ema is None else averaging.averaged_params(opt_state)
+      history.append({"step": step + 1, **eval_fn(shown)})
+  averaged = None if weight_ema is None else averaging.averaged_params(opt_state)
+  return TrainResult(params, plan.budget, subspace_ok, history, averaged)
 
 
 def _progress(iterable, enabled: bool):

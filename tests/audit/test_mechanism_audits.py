@@ -10,14 +10,17 @@ op by op (2–3× faster here; not DPASEB, ``al_subspace`` and GAP-MAX, whose ea
 faster, nor the HVZ covariance, whose host-side release reads the rows).
 """
 
+import dataclasses
+import functools
 import math
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpjax import accounting, audit, data, sgd
+from dpjax import audit, data, sgd
 from dpjax import mechanisms as M
 from dpjax.ashtiani_liaw import calibration as al_calibration
 from dpjax.ashtiani_liaw import covariance as cov_lib
@@ -25,6 +28,7 @@ from dpjax.ashtiani_liaw import masking as cov_masking
 from dpjax.ashtiani_liaw import populous_mean as ppme_lib
 from dpjax.ashtiani_liaw import semimetric
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
+from dpjax.sgd import per_example
 from dpjax.subspace import approximate
 from dpjax.subspace import analyze_gauss as dpjax_analyze_gauss
 from dpjax.subspace import dpaseb as dpjax_dpaseb
@@ -36,11 +40,19 @@ from helpers import normal, print_audit_table
 
 pytestmark = pytest.mark.audit
 RESULTS = {}
+CONTROLS = {}
 
 
 def _check(name, eps_claimed, eps_lb, trials):
   RESULTS[name] = (eps_claimed, eps_lb, trials)
   assert eps_lb <= eps_claimed, f"{name}: empirical ε ≥ {eps_lb:.3f} > claimed {eps_claimed}"
+
+
+def _control(name, eps_claimed, eps_lb, trials):
+  """A negative control (not in EXPECTED): the audit must flag it (printed with the table)."""
+  CONTROLS[name] = (eps_claimed, eps_lb, trials)
+  assert eps_lb > eps_claimed, (f"the audit missed {name}: empirical ε ≥ {eps_lb:.3f} ≤ "
+                                f"claimed {eps_claimed}")
 
 
 def _pair_of_samples(key, release, x, x_prime):
@@ -308,8 +320,29 @@ def test_analyze_gauss_replaced_row(audit_trials):
   _check("Analyze Gauss", 1.0, rep.epsilon_lower_bound, n)
 
 
+# ------------------------------------------------------------ DP-SGD: one step of the plan's path
+#
+# Every DP-SGD audit runs one full-batch step (N = L = 6: q = 1, T = 1) through the public path
+# a user runs: ``dp_sgd_plan(grad_fn, ...)``, ``plan.clipped_sum`` over the plan's Poisson sample
+# (every row at q = 1), then ``plan.noise``'s update. Each row is ``(example, member)`` and the
+# loss is multiplied by ``member``: ``member = 0`` makes that row's gradient, hence its clipped
+# term, exactly 0, so the two membership vectors of :func:`_canary_masks` are add/remove-one
+# neighbours of the canary. Claims: the plan's ε, RDP at δ = 1e-5 (the figures these audits have
+# always checked; PLD's is lower, 4.38 against 4.73 at σ = 1, and costs ~1.5 s of accounting a
+# plan), except the per-part GEP audit (PLD at δ = 0.02, where its negative control has power).
+#
+# Compiling the step is most of an audit's time (~5 s at XLA's defaults, for 0.1 s of running
+# 10⁵ trials), so an audit and its negative controls share one compiled program
+# (:func:`_program`): what differs between them (σΔν, the bases, the key) lives in the noise
+# state, which goes in as data, with one batch shape (:func:`_batch`); and since q = 1 samples
+# every row whatever the key, one sample key serves all trials, so the clipped sum runs once per
+# dataset, outside the vmap over trials. The trial's key is the noise state's key, as it was the
+# removed transforms' (dp_gaussian_noise, ...): the figures of the audits that existed before the
+# plan are theirs to the last digit (same key layouts).
+
+
 def _canary_masks():
-  """Membership masks of the canary steps' six rows: with the canary (row 0), and without it
+  """Membership of the canary steps' six rows: with the canary (row 0), and without it
   (add/remove-one neighbours). NumPy, as the steps' data: no eager JAX op to compile."""
   with_canary = np.ones(6, np.float32)
   without = with_canary.copy()
@@ -317,48 +350,123 @@ def _canary_masks():
   return with_canary, without
 
 
-def _canary_step(basis=None, sigma=1.0, tol=1e-3, unscaled=False):
-  """One full-batch DP-SGD step on a linear model; the canary's gradient is e_0 (norm C).
-  ``unscaled``: the subspace noise WITHOUT the spectral-norm scaling (a negative control)."""
-  d, C = 8, 1.0
-  X = np.float32(np.concatenate([np.eye(d)[None, 0] * 5.0, 0.1 * np.ones((5, d))]))
-  loss = lambda w, x: jnp.dot(w, x)                  # gradient = x
-  grad_sum = sgd.clipped_grad_sum(loss, clip_norm=C)
+def _batch(audit_trials):
+  """Trials per compiled batch, one for an audit and its controls: audit.audit's default at full
+  counts; at reduced counts the audits' 5,000 (controls of 10,000 and 20,000 run 2 and 4)."""
+  return audit_trials(5_000, 16_384)
 
-  def step(key, mask):
-    summed = grad_sum(jnp.zeros(d), X, mask)
-    if basis is None:
-      tx = sgd.dp_gaussian_noise(clip_norm=C, noise_multiplier=sigma, expected_batch_size=1.0,
-                                 key=key)
-    elif unscaled:
-      tx = sgd.transforms._subspace_noise(1.0, key, basis, sigma * C, sigma * C)
-    else:
-      tx = sgd.subspace_dp_gaussian_noise(basis, clip_norm=C, noise_multiplier=sigma,
-                                          expected_batch_size=1.0, key=key, tol=tol)
-    out, _ = tx.update(summed, tx.init(jnp.zeros(d)))
-    return out[0]                                    # the canary's coordinate
+
+def _sgd_plan(grad_fn, sigma=1.0, **kwargs):
+  """The plan of one full-batch step at σ (RDP claim at δ = 1e-5 unless ``kwargs`` say
+  otherwise). Its key is a placeholder: each trial's key replaces it in the noise state."""
+  kwargs = {"delta": 1e-5, "accountant": "rdp", **kwargs}
+  return sgd.dp_sgd_plan(grad_fn, num_examples=6, expected_batch_size=6, steps=1,
+                         noise_multiplier=sigma, key=jax.random.key(0), **kwargs)
+
+
+class _Program(NamedTuple):
+  """One compiled step ``run(key, (member, noise_state)) -> feature`` and its params."""
+  run: Callable
+  params: Any
+
+
+def _program(grad_fn, params, rows, feature, **release) -> _Program:
+  """One step of a plan for ``grad_fn`` (``release``: its ``basis=`` or ``bases=``) through the
+  public path: ``plan.clipped_sum`` of ``(rows, member)`` (``plan.prepare``'s layout), then
+  ``plan.noise``'s update from the given noise state with the trial's key (the state a plan
+  built with that key holds); returns ``feature(update)``.
+
+  The program depends on the plan only through its grad fn, batch selection and release map;
+  σΔν, the bases and the key come in the state, so each audit passes its OWN plan's state
+  (another σ, a stretching basis of the same shape) or a control's.
+  """
+  plan = _sgd_plan(grad_fn, **release)
+
+  def run(key, data):
+    member, state = data
+    state = dataclasses.replace(state, key=key)
+    # q = 1: the sample is every row whatever its key, so one sample key serves every trial; the
+    # clipped sum, the same in every trial of a dataset, then runs once, outside the vmap over
+    # the trials (a batched sample key doubled the compile time).
+    summed = plan.clipped_sum(params, plan.prepare((rows, member)), jax.random.key(0), state)
+    update, _ = plan.noise.update(summed, state, params)
+    return feature(update)
+  return _Program(jax.jit(run), params)
+
+
+def _audit_step(key, program, state, trials, batch, delta=1e-5):
+  """Empirical ε of ``program`` with noise state ``state`` on the canary's neighbours."""
   with_canary, without = _canary_masks()
-  claimed = accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5)
-  return step, without, with_canary, claimed
+  return audit.audit(key, program.run, (without, state), (with_canary, state), delta=delta,
+                     trials=trials, batch_size=batch).epsilon_lower_bound
+
+
+def _linear_rows():
+  """The canary 5·e_0 (norm 5 > C = 1), then five rows of 0.1 (norm 0.28 < C), in R^8."""
+  d = 8
+  return np.float32(np.concatenate([np.eye(d)[None, 0] * 5.0, 0.1 * np.ones((5, d))]))
+
+
+def _linear_loss(w, example):
+  x, member = example
+  return member * jnp.dot(w, x)                    # gradient = member · x
+
+
+def _linear_grad_fn(clip_norm=1.0):
+  return sgd.clipped_grad_sum(_linear_loss, clip_norm=clip_norm)
+
+
+def _subspace_basis():
+  """(e0, e1, e2): the canary e_0 lies in the subspace."""
+  return np.eye(8, 3, dtype=np.float32)
+
+
+@functools.cache
+def _linear_program(flat: bool) -> _Program:
+  """One step of a linear model with the vmap clipped sum (:func:`dpjax.sgd.clipped_grad_sum`,
+  C = 1), the full release or a flat basis (8, 3); the canary's clipped gradient is e_0.
+  Feature: the canary's coordinate."""
+  return _program(_linear_grad_fn(), np.zeros(8, np.float32), _linear_rows(), lambda u: u[0],
+                  basis=_subspace_basis() if flat else None)
+
+
+def _linear_state(basis=None, sigma=1.0, tol=1e-3):
+  """The claim and noise state of the plan for the linear model at σ (flat ``basis``)."""
+  plan = _sgd_plan(_linear_grad_fn(), sigma, basis=basis, tol=tol)
+  return plan.epsilon, plan.noise.init(_linear_program(basis is not None).params)
+
+
+def _unscaled(state, factor=1.0):
+  """``state`` with noise std ``factor·σΔ``, not ``σΔν`` (a negative control)."""
+  return dataclasses.replace(state, noise_std=state.base_std * factor)
 
 
 @pytest.mark.parametrize("subspace", [False, True])
 def test_dp_sgd_step_with_a_canary(audit_trials, subspace):
   n = audit_trials(5_000, 100_000)
-  # The canary lies in the subspace (e0, e1, e2).
-  basis = jnp.asarray(np.eye(8, 3, dtype=np.float32)) if subspace else None
-  step, without, with_canary, claimed = _canary_step(basis)
-  rep = audit.audit(jax.random.key(9), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  _check("subspace DP-SGD step" if subspace else "DP-SGD step", claimed,
-         rep.epsilon_lower_bound, n)
+  claimed, state = _linear_state(_subspace_basis() if subspace else None)
+  lb = _audit_step(jax.random.key(9), _linear_program(subspace), state, n, _batch(audit_trials))
+  _check("subspace DP-SGD step" if subspace else "DP-SGD step", claimed, lb, n)
+
+
+def test_dp_sgd_audit_catches_noise_from_a_disagreeing_clip_norm(audit_trials):
+  """Negative control (not in EXPECTED) of the full release: the plan clips at C, the noise is
+  built from a clipped sum of C/3 (noise σC/3: issue 35's clip norm stated twice, disagreeing,
+  which a noise that reads Δ from its grad fn prevents)."""
+  n = audit_trials(10_000, 20_000)                 # a control needs power only
+  claimed, _ = _linear_state()
+  noise = sgd.dp_noise(_linear_grad_fn(1.0 / 3.0), noise_multiplier=1.0, expected_batch_size=6,
+                       key=jax.random.key(0))
+  state = noise.init(_linear_program(False).params)
+  lb = _audit_step(jax.random.key(60), _linear_program(False), state, n, _batch(audit_trials))
+  _control("DP-SGD step: noise of C/3", claimed, lb, n)
 
 
 def _stretching_basis(stretch):
   """``[stretch·e0, e1, e2]``: not orthonormal, ``‖Vᵀe0‖ = stretch`` (the canary's direction)."""
-  basis = np.eye(8, 3, dtype=np.float32)
+  basis = _subspace_basis()
   basis[0, 0] = stretch
-  return jnp.asarray(basis)                        # concrete: validated when the step traces
+  return basis
 
 
 def test_subspace_dp_sgd_step_with_a_stretching_basis(audit_trials):
@@ -366,147 +474,245 @@ def test_subspace_dp_sgd_step_with_a_stretching_basis(audit_trials):
   coefficient by stretch·C; the noise is scaled by the basis's spectral norm, so the step keeps
   the claimed ε."""
   n = audit_trials(5_000, 100_000)
-  step, without, with_canary, claimed = _canary_step(_stretching_basis(3.0), sigma=4.0, tol=10.0)
-  rep = audit.audit(jax.random.key(19), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  _check("subspace DP-SGD step, stretching basis", claimed, rep.epsilon_lower_bound, n)
+  claimed, state = _linear_state(_stretching_basis(3.0), sigma=4.0, tol=10.0)
+  lb = _audit_step(jax.random.key(19), _linear_program(True), state, n, _batch(audit_trials))
+  _check("subspace DP-SGD step, stretching basis", claimed, lb, n)
 
 
 def test_stretching_basis_audit_catches_unscaled_noise(audit_trials):
   """Negative control (not in EXPECTED): the same step with noise σC (not scaled by ‖V‖₂ = 3)."""
   n = audit_trials(10_000, 100_000)
-  step, without, with_canary, claimed = _canary_step(_stretching_basis(3.0), sigma=4.0,
-                                                     unscaled=True)
-  rep = audit.audit(jax.random.key(20), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  assert rep.epsilon_lower_bound > claimed, rep
+  claimed, state = _linear_state(_stretching_basis(3.0), sigma=4.0, tol=10.0)
+  lb = _audit_step(jax.random.key(20), _linear_program(True), _unscaled(state), n,
+                   _batch(audit_trials))
+  _control("flat basis ‖V‖ = 3: noise σC", claimed, lb, n)
 
 
-def _layer_canary_rows():
-  """Six (4, 2) gradients: the canary's 5·E₀₀, then five of 0.1 everywhere."""
+def _ghost_apply(params, x, *, dense):
+  return dense(params["l"], x)                     # x @ w, w (8, 1)
+
+
+def _ghost_loss(outputs, member):
+  return member * outputs[0]                       # gradient of w = member · x
+
+
+@functools.cache
+def _ghost_program(norm_scale=1.0):
+  """One step of the same linear model with the ghost clipped sum
+  (:func:`dpjax.sgd.ghost_clipped_grad_sum`, C = 1, the model written with ``dense``): the
+  canary 5·e_0 far above C, clipped to e_0 by a factor computed from ghost norms. Feature: the
+  canary's coordinate. Returns the program and the plan's claim and noise state.
+
+  ``norm_scale`` s > 1: a negative control whose clip factor comes from a norm s times too small
+  (the ghost sum clipped at sC) while the grad fn still carries Δ = C, as a ghost norm that
+  missed part of the gradient would.
+  """
+  C = 1.0
+  grad_fn = sgd.ghost_clipped_grad_sum(_ghost_apply, _ghost_loss, clip_norm=C * norm_scale)
+  if norm_scale != 1.0:
+    grad_fn = per_example.ClippedGradSum(grad_fn.fun, C)
+  params = {"l": {"w": np.zeros((8, 1), np.float32)}}
+  plan = _sgd_plan(grad_fn)
+  program = _program(grad_fn, params, _linear_rows(), lambda u: u["l"]["w"][0, 0])
+  return program, plan.epsilon, plan.noise.init(params)
+
+
+def test_ghost_dp_sgd_step_with_a_canary(audit_trials):
+  """One step of ghost DP-SGD with and without a canary far above C (issue 35 §3)."""
+  n = audit_trials(5_000, 100_000)
+  program, claimed, state = _ghost_program()
+  lb = _audit_step(jax.random.key(61), program, state, n, _batch(audit_trials))
+  _check("ghost DP-SGD step", claimed, lb, n)
+
+
+def test_ghost_audit_catches_a_clip_factor_from_a_wrong_norm(audit_trials):
+  """Negative control (not in EXPECTED): the ghost clip factor from a norm 3 times too small
+  (terms up to 3C under noise σC)."""
+  n = audit_trials(5_000, 20_000)                  # a control needs power only
+  program, claimed, state = _ghost_program(3.0)
+  lb = _audit_step(jax.random.key(62), program, state, n, _batch(audit_trials))
+  _control("ghost step: clip factor of ‖g‖/3", claimed, lb, n)
+
+
+def _layer_canary_rows(per_part=False):
+  """Six (4, 2) gradients: the canary's 5·E₀₀ (``per_part``: 5·E₀₀ + 5·E₁₀), then five of 0.1
+  everywhere."""
   X = np.full((6, 4, 2), 0.1, np.float32)
   X[0] = 0.0
   X[0, 0, 0] = 5.0
+  if per_part:
+    X[0, 1, 0] = 5.0
   return X
 
 
-def _layer_canary_step(stretch, sigma, unscaled=False, right_stretch=None):
-  """One full-batch step with per-layer bases: params {"w": (4, 2), "b": (2,)}, the canary's
-  gradient is 5·E₀₀ (clipped to E₀₀, norm C = 1), the basis of "w" is ``[stretch·e0, e1]``
-  (‖U‖₂ = stretch), with ``right_stretch`` a two-sided basis whose right factor is
-  ``diag(right_stretch, 1)`` (the canary's coefficient moves by stretch·right_stretch·C).
-  ``unscaled``: noise σC, not σCν (a negative control); with a right factor, noise σC·‖U‖₂, the
-  left factor's norm only."""
-  from dpjax.sgd import layer_subspaces
-  C = 1.0
-  X = _layer_canary_rows()
-  loss = lambda p, x: jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["b"])   # gradient of w = x
-  grad_sum = sgd.clipped_grad_sum(loss, clip_norm=C)
-  params = {"w": np.zeros((4, 2), np.float32), "b": np.zeros(2, np.float32)}
+def _layer_loss(p, example):
+  x, member = example
+  return member * (jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["b"]))   # gradient of w = member · x
+
+
+def _layer_params():
+  return {"w": np.zeros((4, 2), np.float32), "b": np.zeros(2, np.float32)}
+
+
+def _layer_bases(stretch, right_stretch=None):
+  """The basis of "w" is ``[stretch·e0, e1]`` (‖U‖₂ = stretch); with ``right_stretch`` a
+  two-sided basis whose right factor is ``diag(right_stretch, 1)``; "b" gets full noise."""
   left = np.eye(4, 2, dtype=np.float32)
   left[0, 0] = stretch
-  bases = {"w": jnp.asarray(left), "b": None}         # concrete: validated when the step traces
-  if right_stretch is not None:
-    right = np.eye(2, dtype=np.float32)
-    right[0, 0] = right_stretch
-    bases["w"] = layer_subspaces.TwoSidedBasis(jnp.asarray(left), jnp.asarray(right))
+  if right_stretch is None:
+    return {"w": left, "b": None}
+  right = np.eye(2, dtype=np.float32)
+  right[0, 0] = right_stretch
+  return {"w": sgd.TwoSidedBasis(left, right), "b": None}
 
-  def step(key, mask):
-    summed = grad_sum(params, X, mask)
-    tx = layer_subspaces.layer_subspace_noise(bases, clip_norm=C, noise_multiplier=sigma,
-                                              expected_batch_size=1.0, key=key, tol=10.0)
-    state = tx.init(params)
-    if unscaled:
-      state = state._replace(noise_std=state.base_std * (1.0 if right_stretch is None
-                                                         else stretch))
-    out, _ = tx.update(summed, state)
-    return out["w"][0, 0]                            # the canary's coordinate
-  with_canary, without = _canary_masks()
-  return step, without, with_canary, accounting.dpsgd_epsilon(sigma, 1.0, 1, 1e-5)
+
+@functools.cache
+def _layer_program(two_sided: bool) -> _Program:
+  """One step with per-layer bases: params {"w": (4, 2), "b": (2,)}, the canary's gradient is
+  5·E₀₀ (clipped to E₀₀, norm C = 1). Feature: the canary's coordinate."""
+  grad_fn = sgd.clipped_grad_sum(_layer_loss, clip_norm=1.0)
+  return _program(grad_fn, _layer_params(), _layer_canary_rows(), lambda u: u["w"][0, 0],
+                  bases=_layer_bases(1.0, 1.0 if two_sided else None))
+
+
+def _layer_canary_step(stretch, sigma, unscaled=False, right_stretch=None):
+  """The layer program, claim and noise state of the plan with :func:`_layer_bases`: the
+  canary's coefficient moves by stretch·C (two-sided: stretch·right_stretch·C). ``unscaled``:
+  noise σC, not σCν (a negative control); with a right factor, noise σC·‖U‖₂, the left
+  factor's norm only."""
+  grad_fn = sgd.clipped_grad_sum(_layer_loss, clip_norm=1.0)
+  plan = _sgd_plan(grad_fn, sigma, bases=_layer_bases(stretch, right_stretch), tol=10.0)
+  state = plan.noise.init(_layer_params())
+  if unscaled:
+    state = _unscaled(state, 1.0 if right_stretch is None else stretch)
+  return _layer_program(right_stretch is not None), plan.epsilon, state
 
 
 def test_layer_subspace_dp_sgd_step_with_a_stretching_basis(audit_trials):
   """Per-layer bases: a basis with ‖U‖₂ = 3 moves the canary's coefficient by 3C; the noise is
   scaled by the largest basis norm, so the step keeps the claimed ε."""
   n = audit_trials(5_000, 100_000)
-  step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0)
-  rep = audit.audit(jax.random.key(23), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  _check("per-layer subspace DP-SGD step", claimed, rep.epsilon_lower_bound, n)
+  program, claimed, state = _layer_canary_step(3.0, sigma=4.0)
+  lb = _audit_step(jax.random.key(23), program, state, n, _batch(audit_trials))
+  _check("per-layer subspace DP-SGD step", claimed, lb, n)
 
 
 def test_layer_subspace_audit_catches_unscaled_noise(audit_trials):
   """Negative control (not in EXPECTED): the same step with noise σC (not scaled by ‖U‖₂ = 3)."""
   n = audit_trials(10_000, 100_000)
-  step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0, unscaled=True)
-  rep = audit.audit(jax.random.key(24), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  assert rep.epsilon_lower_bound > claimed, rep
+  program, claimed, state = _layer_canary_step(3.0, sigma=4.0, unscaled=True)
+  lb = _audit_step(jax.random.key(24), program, state, n, _batch(audit_trials))
+  _control("per-layer ‖U‖ = 3: noise σC", claimed, lb, n)
 
 
 def test_two_sided_layer_subspace_step_with_stretching_factors(audit_trials):
   """Two-sided bases: factors of norm 3 (left) and 3 (right) move the canary's coefficient by
   9C; the noise is scaled by the product of the factor norms, so the step keeps the claimed ε."""
   n = audit_trials(5_000, 100_000)
-  step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0, right_stretch=3.0)
-  rep = audit.audit(jax.random.key(27), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  _check("two-sided per-layer subspace DP-SGD step", claimed, rep.epsilon_lower_bound, n)
+  program, claimed, state = _layer_canary_step(3.0, sigma=4.0, right_stretch=3.0)
+  lb = _audit_step(jax.random.key(27), program, state, n, _batch(audit_trials))
+  _check("two-sided per-layer subspace DP-SGD step", claimed, lb, n)
 
 
 def test_two_sided_audit_catches_noise_scaled_by_the_left_factor_only(audit_trials):
   """Negative control (not in EXPECTED): the same step with noise σC·‖U‖₂ (the right factor's
   norm 3 left out)."""
   n = audit_trials(10_000, 100_000)
-  step, without, with_canary, claimed = _layer_canary_step(3.0, sigma=4.0, unscaled=True,
-                                                           right_stretch=3.0)
-  rep = audit.audit(jax.random.key(28), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  assert rep.epsilon_lower_bound > claimed, rep
+  program, claimed, state = _layer_canary_step(3.0, sigma=4.0, unscaled=True, right_stretch=3.0)
+  lb = _audit_step(jax.random.key(28), program, state, n, _batch(audit_trials))
+  _control("two-sided ‖U‖‖V‖ = 9: noise 3σC", claimed, lb, n)
 
 
-def _residual_canary_step(sigma):
-  """One full-batch step with the embedding+residual release: params {"w": (4, 2), "b": (2,)},
-  the basis of "w" is e1 (the canary's gradient 5·E₀₀ lies in the RESIDUAL, and its clipped
-  scaled norm is 1), C_e = 1, C_ρ = 0.5; the feature is the canary's coordinate."""
-  from dpjax.sgd import layer_subspaces
-  X = _layer_canary_rows()
-  loss = lambda p, x: jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["b"])   # gradient of w = x
-  params = {"w": np.zeros((4, 2), np.float32), "b": np.zeros(2, np.float32)}
-  bases = {"w": jnp.asarray(np.eye(4, 1, -1, dtype=np.float32)), "b": None}   # e1
-  grad_sum = layer_subspaces.embedding_residual_grad_sum(loss, embedding_clip=1.0,
-                                                         residual_clip=0.5)
+# GEP's release: the basis of "w" is e1 (4, 1), "b" unprojected. Clips (C_e, C_ρ): (1, 0.5) for
+# the joint audit; (2, 0.5) per part, where the feature reads the embedding's coordinate u[1, 0],
+# which also carries the residual's noise (GEP adds it on the whole leaf), of std C_ρ/C_e = 1/4
+# of the embedding's there: the feature's std is then 1.016 times the tight 2σ (1.06 times with
+# C_e = 1).
+_GEP_BASES = {"w": np.eye(4, 1, -1, dtype=np.float32), "b": None}
+_GEP_CLIPS = {True: (1.0, 0.5), False: (2.0, 0.5)}          # joint: (C_e, C_ρ)
 
-  def step(key, mask):
-    tx = layer_subspaces.embedding_residual_noise(
-        bases, embedding_clip=1.0, residual_clip=0.5, noise_multiplier=sigma,
-        expected_batch_size=1.0, key=key)
-    out, _ = tx.update(grad_sum(params, X, mask, bases), tx.init(params))
-    return out["w"][0, 0]
-  with_canary, without = _canary_masks()
-  return step, without, with_canary
+
+def _gep_grad_fn(joint, clips):
+  return sgd.embedding_residual_grad_sum(_layer_loss, embedding_clip=clips[0],
+                                         residual_clip=clips[1], joint=joint)
+
+
+def _gep_state(joint, sigma=1.0, clips=None):
+  """The noise state of GEP's release at σ, built from the joint (Δ = 1) or per-part (Δ = √2)
+  grad fn with ``clips`` (default: that audit's)."""
+  noise = sgd.dp_noise(_gep_grad_fn(joint, clips or _GEP_CLIPS[joint]), noise_multiplier=sigma,
+                       expected_batch_size=6, key=jax.random.key(0), bases=_GEP_BASES)
+  return noise.init(_layer_params())
+
+
+@functools.cache
+def _gep_program(joint: bool):
+  """One GEP step and its plan's claim: joint (Δ = 1, RDP at δ = 1e-5) with the canary 5·E₀₀ in
+  the RESIDUAL of the basis e1 (its clipped scaled norm 1), feature the canary's coordinate; or
+  per part (Δ = √2, PLD at δ = 0.02, :func:`test_per_part_embedding_residual_step_with_a_canary`)
+  with the canary 5·E₀₀ + 5·E₁₀, feature ``u[1, 0]/C_e + u[0, 0]/C_ρ``."""
+  clips = _GEP_CLIPS[joint]
+  if joint:
+    plan = _sgd_plan(_gep_grad_fn(True, clips), bases=_GEP_BASES)
+    rows, feature = _layer_canary_rows(), lambda u: u["w"][0, 0]
+  else:
+    plan = _sgd_plan(_gep_grad_fn(False, clips), bases=_GEP_BASES, delta=0.02,
+                     accountant="pld")
+    rows, feature = (_layer_canary_rows(per_part=True),
+                     lambda u: u["w"][1, 0] / clips[0] + u["w"][0, 0] / clips[1])
+  return _program(plan.grad_fn, _layer_params(), rows, feature, bases=_GEP_BASES), plan.epsilon
 
 
 def test_embedding_residual_dp_sgd_step_with_a_canary(audit_trials):
-  """Projection before clipping, GEP style: the canary sits in the residual channel."""
+  """Projection before clipping, GEP style, one clip of the scaled pair (Δ = 1): the canary
+  sits in the residual channel."""
   n = audit_trials(5_000, 100_000)
-  step, without, with_canary = _residual_canary_step(1.0)
-  claimed = accounting.dpsgd_epsilon(1.0, 1.0, 1, 1e-5)
-  rep = audit.audit(jax.random.key(25), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  _check("embedding+residual DP-SGD step", claimed, rep.epsilon_lower_bound, n)
+  program, claimed = _gep_program(True)
+  lb = _audit_step(jax.random.key(25), program, _gep_state(True), n, _batch(audit_trials))
+  _check("GEP DP-SGD step, joint clip (Δ = 1)", claimed, lb, n)
 
 
-@pytest.mark.slow(reason="negative control for the embedding+residual step (σ/3); test_auditor "
-                         "checks the power")
+@pytest.mark.slow(reason="negative control for the joint GEP step (σ/3); test_auditor checks "
+                         "the power")
 def test_embedding_residual_audit_catches_too_little_noise(audit_trials):
   """Negative control (not in EXPECTED): the noise of σ/3 under the claim for σ."""
   n = audit_trials(10_000, 100_000)
-  step, without, with_canary = _residual_canary_step(1.0 / 3.0)
-  claimed = accounting.dpsgd_epsilon(1.0, 1.0, 1, 1e-5)
-  rep = audit.audit(jax.random.key(26), jax.jit(step), without, with_canary, delta=1e-5,
-                    epsilon_claimed=claimed, trials=n)
-  assert rep.epsilon_lower_bound > claimed, rep
+  program, claimed = _gep_program(True)
+  lb = _audit_step(jax.random.key(26), program, _gep_state(True, 1.0 / 3.0), n,
+                   _batch(audit_trials))
+  _control("GEP joint: noise σ/3", claimed, lb, n)
+
+
+def test_per_part_embedding_residual_step_with_a_canary(audit_trials):
+  """GEP with one clip per part (Δ = √2; Yu et al.'s GEP), the noise reading Δ from the grad fn
+  (issue 35 §3). The canary 5·E₀₀ + 5·E₁₀ has embedding 5·e₀ (row 1 of "w", scaled by 1/C_e
+  to 2.5, clipped to norm 1) and residual 5·E₀₀ (scaled by 1/C_ρ to 10, clipped to 1), so it
+  moves both scaled sums by 1: by √2 = Δ in all. The feature ``u[1, 0]/C_e + u[0, 0]/C_ρ``
+  carries the whole move (2 against noise of std σΔ·√2 = 2σ, up to the residual's share noted
+  at ``_GEP_CLIPS``: the Gaussian mechanism with multiplier σ, nearly tight).
+
+  Claim: PLD at δ = 0.02 (ε = 2.02 at σ = 1; exact 2.00). At δ = 1e-5 the claim (4.38) is far
+  above what 10⁵ trials can show even for the release under-noised by √2 (≈ 3.7 in a
+  simulation of the auditor on Gaussians); at δ = 0.02 the correct release reached 1.62 and
+  the under-noised one (the control) 2.58 > 2.02 at 10⁵ trials (1.38 and 2.52 at 5,000 and
+  20,000).
+  """
+  n = audit_trials(5_000, 100_000)
+  program, claimed = _gep_program(False)
+  lb = _audit_step(jax.random.key(63), program, _gep_state(False), n, _batch(audit_trials),
+                   delta=0.02)
+  _check("GEP DP-SGD step, per-part clips (Δ = √2)", claimed, lb, n)
+
+
+def test_per_part_audit_catches_noise_calibrated_to_one(audit_trials):
+  """Negative control (not in EXPECTED): the per-part sum under the noise built from the JOINT
+  grad fn (Δ = 1, the same clips), the claim for Δ = √2: the √2 under-noising issue 35 found in
+  the old API (embedding_residual_noise's default l2_norm_bound=1.0)."""
+  n = audit_trials(20_000, 100_000)
+  program, claimed = _gep_program(False)
+  state = _gep_state(True, clips=_GEP_CLIPS[False])
+  lb = _audit_step(jax.random.key(64), program, state, n, _batch(audit_trials), delta=0.02)
+  _control("GEP per-part: noise for Δ = 1", claimed, lb, n)
 
 
 # ------------------------------------------------------------------ Ashtiani–Liaw: PPME, masking
@@ -884,10 +1090,14 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "discrete laplace", "stability histogram (discrete)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
             "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
-            "AL exact subspace", "Analyze Gauss", "DP-SGD step", "subspace DP-SGD step",
+            "AL exact subspace", "Analyze Gauss",
+            # DP-SGD, one step of the plan: each clipped-gradient function (vmap, ghost, GEP's
+            # two clippings) and each release map of dp_noise (full, flat, per-layer, two-sided,
+            # embedding+residual), each with a negative control below (issue 35 §3)
+            "DP-SGD step", "ghost DP-SGD step", "subspace DP-SGD step",
             "subspace DP-SGD step, stretching basis",
             "per-layer subspace DP-SGD step", "two-sided per-layer subspace DP-SGD step",
-            "embedding+residual DP-SGD step",
+            "GEP DP-SGD step, joint clip (Δ = 1)", "GEP DP-SGD step, per-part clips (Δ = √2)",
             "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
             "AL covariance", "AL covariance test bit", "CoinPress mean",
             "CoinPress covariance", "HVZ centred covariance", "HVZ PMM level counts",
@@ -947,6 +1157,9 @@ def _print_table():
   """After the module (in any order, any subset): the audit table (visible with -s)."""
   yield
   print_audit_table(sorted(RESULTS.items()))
+  if CONTROLS:
+    print("negative controls (each must exceed its claim):")
+    print_audit_table(sorted(CONTROLS.items()))
   missing = EXPECTED - set(RESULTS)
   if RESULTS and missing:
     print(f"not run in this session: {sorted(missing)}")

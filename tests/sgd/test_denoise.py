@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax.sgd import denoise, transforms
+from dpjax.sgd import denoise, noise, per_example
 from helpers import normal
 
 
@@ -98,8 +98,8 @@ def test_no_noise_and_no_filter_is_plain_dp_sgd():
   params = {"w": jnp.ones((5, 4)), "b": jnp.zeros(4)}
   summed = {"w": normal(4, (5, 4)), "b": jnp.arange(4.0)}
   chain = lambda extra: optax.chain(  # noqa: E731
-      transforms.dp_gaussian_noise(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0,
-                                   key=jax.random.key(5)), *extra, optax.sgd(0.1))
+      noise.dp_noise(per_example.ClippedGradSum(lambda *a: None, 1.0), noise_multiplier=1.0,
+                     expected_batch_size=8.0, key=jax.random.key(5)), *extra, optax.sgd(0.1))
   plain, denoised = chain([]), chain([denoise.low_rank_denoise(0.0)])
   s1, s2 = plain.init(params), denoised.init(params)
   step1, step2 = jax.jit(plain.update), jax.jit(denoised.update)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dpjax import sgd
+from dpjax.sgd import distributed
 from helpers import run_on_devices
 
 # Shared by this process and the 4-device subprocess. N is not a multiple of 4: padding runs.
@@ -26,8 +27,10 @@ def loss(w, ex):
   x, t = ex
   return optax.sigmoid_binary_cross_entropy(x @ w, t)
 def train(**kw):
+  # RDP: PLD's calibration at these budgets takes tens of seconds (the accountant is not the
+  # subject here).
   args = dict(epsilon=2.0, delta=1e-5, steps=3, expected_batch_size=100, clip_norm=1.0,
-              microbatch_size=32) | kw
+              microbatch_size=32, accountant="rdp") | kw
   return sgd.train_dp_sgd(jax.random.key(1), loss, jnp.zeros(D), (X, Y), optax.sgd(0.5), **args)
 def zero_loss(w, ex):
   return 0.0 * jnp.sum(w)
@@ -36,7 +39,7 @@ def noise_per_step(**kw):
   hist = sgd.train_dp_sgd(jax.random.key(2), zero_loss, jnp.zeros(64), (X, Y), optax.sgd(1.0),
                           epsilon=1.0, delta=1e-5, steps=100, expected_batch_size=50.0,
                           clip_norm=2.0, eval_fn=lambda w: {"w": np.asarray(w)}, eval_every=1,
-                          **kw)
+                          accountant="rdp", **kw)
   w = np.stack([np.zeros(64)] + [h["w"] for h in hist.history])
   steps = np.diff(w, axis=0)
   return {"std": float(steps.std()), "expected": float(hist.budget.noise_multiplier * 2.0 / 50.0)}
@@ -52,16 +55,19 @@ out = {"one": np.asarray(train().params).tolist(),
        "sub_one": np.asarray(train(**sub).params).tolist(),
        "sub_four": np.asarray(train(mesh=mesh, **sub).params).tolist(),
        "noise": noise_per_step(mesh=mesh)}
-X64 = np.asarray(X)
-summed = sgd.sharded_poisson_clipped_sum(
-    sgd.clipped_grad_sum(loss, clip_norm=1.0), jnp.zeros(D),
-    sgd.shard_examples((X, Y), mesh)[0], jax.random.key(3), num_examples=N, sampling_prob=0.3,
-    microbatch_size=16, mesh=mesh)
-single = sgd.poisson_clipped_sum(sgd.clipped_grad_sum(loss, clip_norm=1.0), jnp.zeros(D),
-                                 (X, Y), jax.random.key(3), sampling_prob=0.3,
-                                 microbatch_size=16)
+# The plan's clipped sum with the examples sharded over the mesh (prepare pads N = 1001 to
+# 1004) and without: the same Poisson sample, summed per device then psum-ed.
+def plan(**kw):
+  return sgd.dp_sgd_plan(sgd.clipped_grad_sum(loss, clip_norm=1.0), num_examples=N,
+                         expected_batch_size=0.3 * N, steps=1, key=jax.random.key(0),
+                         noise_multiplier=0.0, microbatch_size=16, **kw)
+sharded, single = plan(mesh=mesh), plan()
+prepared = sharded.prepare((X, Y))
+assert prepared[0].shape[0] == 1004 and len(prepared[0].sharding.device_set) == 4
+summed = sharded.clipped_sum(jnp.zeros(D), prepared, jax.random.key(3))
 out["sum_sharded"] = np.asarray(summed).tolist()
-out["sum_single"] = np.asarray(single).tolist()
+out["sum_single"] = np.asarray(single.clipped_sum(jnp.zeros(D), (X, Y),
+                                                  jax.random.key(3))).tolist()
 print(json.dumps(out))
 """
 
@@ -108,9 +114,9 @@ def test_a_one_device_mesh_gives_the_unsharded_run():
 
 def test_padding_and_placement():
   mesh = sgd.data_mesh()
-  assert sgd.padded_size(10, mesh) == 10
+  assert distributed.padded_size(10, mesh) == 10
   X = np.arange(12.0).reshape(6, 2)
-  placed, n = sgd.shard_examples({"x": X}, mesh)
+  placed, n = distributed.shard_examples({"x": X}, mesh)
   assert n == 6 and placed["x"].shape == (6, 2)
   np.testing.assert_array_equal(np.asarray(placed["x"]), X)
 
@@ -132,6 +138,6 @@ def test_sharded_sum_rejects_unpadded_data():
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
   fn = sgd.clipped_grad_sum(lambda w, x: jnp.dot(w, x), clip_norm=1.0)
   with pytest.raises(ValueError, match="padded_size"):
-    sgd.sharded_poisson_clipped_sum(fn, jnp.zeros(2), jnp.ones((5, 2)), jax.random.key(0),
-                                    num_examples=4, sampling_prob=0.5, microbatch_size=2,
-                                    mesh=mesh)
+    distributed.sharded_poisson_clipped_sum(fn, jnp.zeros(2), jnp.ones((5, 2)),
+                                            jax.random.key(0), num_examples=4, sampling_prob=0.5,
+                                            microbatch_size=2, mesh=mesh)

@@ -8,7 +8,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from dpjax import sgd
-from dpjax.sgd import ghost
+from dpjax.sgd import ghost, noise, sampling
 from dpjax.sgd import per_example as pe
 from helpers import normal
 
@@ -168,15 +168,17 @@ def test_inside_poisson_clipped_sum_under_jit():
   data = _batch(12, 40, (5,), 3)
   fast = ghost.ghost_clipped_grad_sum(apply_fn, _xent, clip_norm=0.4)
   ref = pe.clipped_grad_sum(ghost.model_loss(apply_fn, _xent), clip_norm=0.4)
-  step = jax.jit(lambda fn, key: sgd.poisson_clipped_sum(fn, params, data, key, sampling_prob=0.3,
-                                                         microbatch_size=8), static_argnums=0)
+  step = jax.jit(lambda fn, key: sampling.poisson_clipped_sum(fn, params, data, key,
+                                                              sampling_prob=0.3,
+                                                              microbatch_size=8),
+                 static_argnums=0)
   for seed in (0, 1):
     key = jax.random.key(seed)
     np.testing.assert_allclose(_flat(step(fast, key)), _flat(step(ref, key)), rtol=1e-5,
                                atol=1e-6)
-  dp = sgd.dp_sgd_privatizer(fast, num_examples=40, expected_batch_size=12, steps=3,
-                             key=jax.random.key(2), noise_multiplier=1.0, microbatch_size=8)
-  assert dp.grad_fn is fast and sgd.l2_norm_bound(fast) == 0.4
+  plan = sgd.dp_sgd_plan(fast, num_examples=40, expected_batch_size=12, steps=3,
+                         key=jax.random.key(2), noise_multiplier=1.0, microbatch_size=8)
+  assert plan.grad_fn is fast and noise.l2_norm_bound(fast) == 0.4
 
 
 def _bad_dense(params, x, *, dense):

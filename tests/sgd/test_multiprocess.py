@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from dpjax import sgd, subspace
+from dpjax.sgd import sampling
 from helpers import normal
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -40,15 +41,14 @@ rows = NamedSharding(mesh, PartitionSpec("data"))
 data = (jax.make_array_from_process_local_data(rows, X[half]),
         jax.make_array_from_process_local_data(rows, Y[half]))
 loss = lambda w, ex: optax.sigmoid_binary_cross_entropy(ex[0] @ w, ex[1])
-grad_fn = sgd.clipped_grad_sum(loss, clip_norm=C)
-tx = sgd.dp_gaussian_noise(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=L,
-                           key=jax.random.key(7))
+# The plan over the global mesh: its sharded clipped sum (each process's rows) and its noise.
+plan = sgd.dp_sgd_plan(sgd.clipped_grad_sum(loss, clip_norm=C), num_examples=N,
+                       expected_batch_size=L, steps=1, key=jax.random.key(7),
+                       noise_multiplier=SIGMA, accountant="rdp", microbatch_size=64, mesh=mesh)
 @jax.jit
 def step(params, data):
-  summed = sgd.sharded_poisson_clipped_sum(grad_fn, params, data, jax.random.key(3),
-                                           num_examples=N, sampling_prob=L / N,
-                                           microbatch_size=64, mesh=mesh)
-  update, _ = tx.update(summed, tx.init(params))
+  summed = plan.clipped_sum(params, data, jax.random.key(3))
+  update, _ = plan.noise.update(summed, plan.noise.init(params))
   return update
 out = step(jnp.full(D, 0.1), data)
 # DPASE: each process's rows are all-gathered (the sharded DPASE keeps X on every device), then
@@ -100,11 +100,11 @@ def test_two_processes_give_the_single_process_step():
   X = normal(0, (N, D))
   data = (X, (X[:, 0] > 0).astype(jnp.float32))
   loss = lambda w, ex: optax.sigmoid_binary_cross_entropy(ex[0] @ w, ex[1])
-  summed = sgd.poisson_clipped_sum(sgd.clipped_grad_sum(loss, clip_norm=C), jnp.full(D, 0.1),
-                                   data, jax.random.key(3), sampling_prob=L / N,
-                                   microbatch_size=64)
-  tx = sgd.dp_gaussian_noise(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=L,
-                             key=jax.random.key(7))
+  grad_fn = sgd.clipped_grad_sum(loss, clip_norm=C)
+  summed = sampling.poisson_clipped_sum(grad_fn, jnp.full(D, 0.1), data, jax.random.key(3),
+                                        sampling_prob=L / N, microbatch_size=64)
+  tx = sgd.dp_noise(grad_fn, noise_multiplier=SIGMA, expected_batch_size=L,
+                    key=jax.random.key(7))
   single, _ = tx.update(summed, tx.init(jnp.zeros(D)))
   for o in outs:                                     # both processes hold the same update
     np.testing.assert_allclose(o["update"], np.asarray(single), rtol=1e-5, atol=1e-6)

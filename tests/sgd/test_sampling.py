@@ -1,13 +1,30 @@
-"""Poisson sampling laid out in padded micro-batches, never truncated (docs/algorithms.md §6.1)."""
+"""Poisson sampling laid out in padded micro-batches, never truncated; the traceable clipped sum
+over the sample (docs/algorithms.md §6.1)."""
 
 import math
 
+import dp_accounting
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
-from dpjax.sgd import sampling
+from dpjax.sgd import per_example, sampling
+
+N, D = 400, 5
+_rng = np.random.default_rng(0)
+X = jnp.asarray(_rng.normal(size=(N, D)), jnp.float32)
+DATA = (X, X @ jnp.arange(1.0, D + 1.0))
+
+
+def loss_fn(w, example):
+  x, y = example
+  return (x @ w - y) ** 2
+
+
+# The reference masked sum at C = 1, jitted once for the module (op by op it compiles ~30 ops).
+_masked_sum = jax.jit(per_example.clipped_grad_sum(loss_fn, clip_norm=1.0))
 
 
 def test_poisson_mask_shape_dtype_and_determinism():
@@ -74,3 +91,94 @@ def test_empty_sample_gives_one_fully_padded_microbatch():
 def test_bad_inputs(call, exc, match):
   with pytest.raises(exc, match=match):
     call()
+
+
+# -------------------------------------------------------------------------- PoissonSampling
+
+def test_poisson_sampling_defaults_cover_the_sample_in_one_microbatch():
+  """B = min(⌈N/D⌉, ⌈L' + 4√L'⌉), L' = L/D the expected sample per device."""
+  selection = sampling.poisson_sampling(1_000, 100)
+  assert selection == sampling.PoissonSampling(1_000, 100.0, 140)
+  assert selection.sampling_prob == pytest.approx(0.1)
+  assert sampling.poisson_sampling(1_000, 100, devices=4).microbatch_size == math.ceil(25 + 20)
+  assert sampling.poisson_sampling(10, 9).microbatch_size == 10              # ⌈N/D⌉ caps it
+  assert sampling.poisson_sampling(10, 9, devices=4).microbatch_size == 3
+  assert sampling.poisson_sampling(1_000, 100, microbatch_size=7).microbatch_size == 7
+  assert isinstance(sampling.poisson_sampling(1_000, 100).expected_batch_size, float)
+
+
+def test_poisson_sampling_dp_event_is_the_poisson_sampled_step():
+  selection = sampling.poisson_sampling(400, 40)
+  step = dp_accounting.GaussianDpEvent(1.3)
+  assert selection.dp_event(step) == dp_accounting.PoissonSampledDpEvent(0.1, step)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(num_examples=0, expected_batch_size=1), ValueError, "num_examples"),
+    (dict(num_examples=10.0, expected_batch_size=1), TypeError, "num_examples"),
+    (dict(num_examples=10, expected_batch_size=0), ValueError, "expected_batch_size"),
+    (dict(num_examples=10, expected_batch_size=11), ValueError, "num_examples=10"),
+    (dict(num_examples=10, expected_batch_size=5, microbatch_size=0), ValueError,
+     "microbatch_size"),
+    (dict(num_examples=10, expected_batch_size=5, devices=0), ValueError, "devices"),
+])
+def test_poisson_sampling_validates_its_arguments(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
+    sampling.poisson_sampling(**kwargs)
+
+
+@pytest.mark.parametrize("q,microbatch", [
+    pytest.param(50 / N, 7, marks=pytest.mark.slow(reason="many micro-batches (B = 7); the default "
+                                                          "run checks q = 0.9, B = 16")),
+    pytest.param(0.9, 400, marks=pytest.mark.slow(reason="one micro-batch (B = N); the default run "
+                                                         "checks q = 0.9, B = 16")),
+    (0.9, 16)])
+def test_poisson_clipped_sum_in_the_trace_covers_the_whole_sample(q, microbatch):
+  """The traceable core draws the host helper's sample and sums every micro-batch of it (many
+  micro-batches, one, and a sample far above B: never truncated), under jit and vmap."""
+  grad_fn = per_example.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  params = jnp.ones(D)
+  keys = jax.random.split(jax.random.key(6), 3)
+
+  selection = sampling.PoissonSampling(N, q * N, microbatch)
+
+  @jax.jit
+  def sums(keys):       # with extra_args, which reach grad_fn, and the PoissonSampling object
+    return (jax.vmap(lambda k: sampling.poisson_clipped_sum(
+        grad_fn, params, DATA, k, sampling_prob=q, microbatch_size=microbatch))(keys),
+            sampling.poisson_clipped_sum(
+                lambda p, b, m, c: grad_fn(p, b, m) * c, params, DATA, keys[0],
+                sampling_prob=q, microbatch_size=microbatch, extra_args=(2.0,)),
+            selection.clipped_sum(grad_fn, params, DATA, keys[1]))
+
+  got, scaled, selected = sums(keys)
+  for key, row in zip(keys, np.asarray(got)):
+    mask = np.asarray(sampling.poisson_mask(key, N, q))
+    expected = _masked_sum(params, DATA, jnp.asarray(mask))
+    np.testing.assert_allclose(row, np.asarray(expected), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(scaled), 2 * np.asarray(got[0]), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(selected), np.asarray(got[1]), rtol=1e-5, atol=1e-4)
+  # Data leaves must share the example axis.
+  with pytest.raises(ValueError, match="leading example axis"):
+    sampling.poisson_clipped_sum(grad_fn, params, (X, X[:3]), keys[0], sampling_prob=q,
+                                 microbatch_size=microbatch)
+
+
+def test_masked_call_speaks_both_conventions():
+  """dpjax's ``(params, batch, mask)`` passes through; jax_privacy's clipped_grad is called
+  with ``is_padding_example = ~mask``; its has_aux form (per-example outputs) is refused."""
+  ours = per_example.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  assert sampling.masked_call(ours) is ours
+  plain = lambda p, b, m: None                                    # noqa: E731
+  assert sampling.masked_call(plain) is plain
+  clipping = pytest.importorskip("jax_privacy.clipping")
+  batch_loss = lambda w, batch: jnp.sum(jax.vmap(loss_fn, (None, 0))(w, batch))   # noqa: E731
+  theirs = clipping.clipped_grad(batch_loss, l2_clip_norm=1.0, batch_argnums=1)
+  mask = jnp.arange(N) % 3 == 0
+  params = jnp.ones(D)
+  np.testing.assert_allclose(np.asarray(sampling.masked_call(theirs)(params, DATA, mask)),
+                             np.asarray(_masked_sum(params, DATA, mask)), rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="has_aux"):
+    sampling.masked_call(clipping.clipped_grad(
+        lambda w, batch: (batch_loss(w, batch), 0.0), l2_clip_norm=1.0, batch_argnums=1,
+        has_aux=True))

@@ -1,8 +1,24 @@
-"""Where a gradient subspace comes from: private data (DPASE) or public data (docs/algorithms.md §6.2).
+"""Where DP-SGD's subspaces come from: functions a user calls between steps (docs/algorithms.md
+§6.2, §6.4).
 
-``None`` (no subspace) means plain DP-SGD. Bases are over the flattened parameters
-(``jax.flatten_util.ravel_pytree`` order), shape ``(p, k)``, ready for
-:func:`dpjax.sgd.subspace_dp_gaussian_noise`.
+============================  ==============================  ================================
+source                        basis                           privacy
+============================  ==============================  ================================
+:func:`public_input_basis`    ``(d, r)`` input-side, for a    free: public rows only (never
+                              first layer's kernel            the training rows)
+:func:`public_gradient_       flat ``(p, k)``                 free: public rows only
+subspace`
+:func:`private_input_basis`   ``(d, r)`` input-side           Analyze Gauss, (ε_s, δ_s): a DP
+                                                              release composed in by the plan
+                                                              (``subspace_epsilon/delta``)
+:func:`private_gradient_      flat ``(p, k)``                 DPASE, (ε_s, δ_s) (add/remove-
+subspace`                                                     one), composed in likewise
+:func:`dpjax.sgd.             per-layer, from this run's      free: post-processing of
+trajectory_bases`             released updates                releases already paid for
+============================  ==============================  ================================
+
+A flat basis goes to the plan as ``basis=``; an input-side basis into a per-layer bases pytree
+(:func:`dpjax.sgd.bases_like`) as ``bases=``.
 """
 
 from __future__ import annotations
@@ -19,10 +35,15 @@ from jax.flatten_util import ravel_pytree
 from dpjax import _validation as v
 from dpjax import linalg
 from dpjax.results import SubspaceResult
+from dpjax.subspace import baselines
 from dpjax.subspace.approximate import dpase_gathered
 
+__all__ = ["flat_per_example_grads", "num_examples", "private_gradient_subspace",
+           "private_input_basis", "public_gradient_subspace", "public_input_basis"]
 
-def _num_examples(data) -> int:
+
+def num_examples(data) -> int:
+  """N, the shared leading (example) axis of a data pytree (validated, host side)."""
   leaves = jax.tree_util.tree_leaves(data)
   if not leaves:
     raise ValueError("data must be a non-empty pytree of arrays with a leading example axis.")
@@ -76,7 +97,7 @@ def flat_per_example_grads(loss_fn: Callable, params, data, *,
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
   chunk_size = v.check_int(chunk_size, "chunk_size", low=1)
-  n = _num_examples(data)
+  n = num_examples(data)
   _num_params(params)
   data = jax.tree_util.tree_map(jnp.asarray, data)
   size = min(chunk_size, n)
@@ -161,7 +182,7 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
                      f"it), got partition={partition!r}.")
   if clip_norm is not None:
     clip_norm = v.check_positive(clip_norm, "clip_norm")
-  n, p = _num_examples(data), _num_params(params)
+  n, p = num_examples(data), _num_params(params)
   data = jax.tree_util.tree_map(jnp.asarray, data)
   flat_params, unravel = ravel_pytree(params)
 
@@ -214,7 +235,7 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
     Zhou, Wu & Banerjee, PDP-SGD, ICLR 2021; Yu et al., GEP, ICLR 2021.
   """
   k = v.check_int(k, "k", low=1, high=_num_params(params))
-  m = _num_examples(public_data)
+  m = num_examples(public_data)
   if m < k:
     raise ValueError(f"public_data needs at least k={k} examples, got {m}.")
   G = flat_per_example_grads(loss_fn, params, public_data)
@@ -230,3 +251,55 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
                      f"public per-example gradients (dtype {G.dtype}); use float64 parameters.")
   return SubspaceResult(ok=ok, basis=basis, epsilon=0.0, delta=0.0, neighbouring=None,
                         info={"num_public": int(m)})
+
+
+def public_input_basis(public_inputs, rank: int) -> np.ndarray:
+  """Top-``rank`` right singular vectors ``(d, rank)`` of PUBLIC rows ``(n_pub, d)``: an uncentred
+  PCA of the inputs, float32, for a first layer's kernel ``(d, out)`` (input-side basis).
+
+  Free ONLY because the rows are public (drawn independently of the private training set, which
+  must not overlap them). Host side (NumPy, float64 SVD).
+
+  Raises:
+    ValueError: rows not 2-D, non-finite, or ``rank ∉ [1, min(n_pub, d)]``.
+    TypeError: ``rank`` not an integer.
+  """
+  X = np.asarray(public_inputs, np.float64)
+  if X.ndim != 2 or not np.all(np.isfinite(X)):
+    raise ValueError(f"public_inputs must be a finite (n_pub, d) array, got shape {X.shape}.")
+  rank = v.check_int(rank, "rank", low=1, high=min(X.shape))
+  return np.linalg.svd(X, full_matrices=False)[2][:rank].T.astype(np.float32)
+
+
+def private_input_basis(key: jax.Array, X, rank: int, *, epsilon: float, delta: float,
+                        clip_norm: float) -> SubspaceResult:
+  """An input-side basis ``(d, rank)`` of the PRIVATE rows, released by Analyze Gauss.
+
+  :func:`dpjax.subspace.analyze_gauss` on the rows' inputs (each clipped to the public
+  ``clip_norm`` C_x for this release only: a fixed per-row map), its float-safe discretized
+  Gaussian noise on the second moment, top-``rank`` eigenvectors.
+
+  Guarantee: (ε, δ)-DP under replace-one (sensitivity 2C_x² of the clipped second moment) and
+  hence under add/remove-one (sensitivity C_x²): compose it into DP-SGD on the same rows with
+  the plan's ``subspace_epsilon/subspace_delta`` (basic composition, add/remove-one). The key
+  must be this release's own stream (one split of the run's key into purposes).
+
+  Args:
+    key: PRNG key, owned by this release.
+    X: ``(n, d)`` private inputs (rows are individuals).
+    rank: r, ``1 ≤ r ≤ d``.
+    epsilon, delta: the release's (ε_s, δ_s).
+    clip_norm: C_x > 0, the public row-norm bound.
+
+  Returns:
+    :class:`~dpjax.results.SubspaceResult` (``basis (d, r)``, ``epsilon``, ``delta``, relation).
+
+  Raises:
+    As :func:`dpjax.subspace.analyze_gauss`.
+
+  References:
+    Dwork, Talwar, Thakurta & Zhang, "Analyze Gauss", STOC 2014; Abadi et al., CCS 2016 (DP-PCA
+    of the inputs before DP-SGD).
+  """
+  return baselines.analyze_gauss(key, X, epsilon=epsilon, delta=delta, k=rank,
+                                 clip_norm=clip_norm)

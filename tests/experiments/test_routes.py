@@ -1,8 +1,11 @@
-"""dpjax.sgd.train_route: shapes, determinism per key, σ from the PLD accountant, the trajectory
-bases reading released updates only, and clear errors."""
+"""dpjax.experiments.train_route (the research harness): shapes, determinism per key, σ from the
+PLD accountant, the noise built from the route's grad sum (Δ read from it), the trajectory bases
+reading released updates only, and clear errors."""
 
 import functools
 import inspect
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +14,13 @@ import optax
 import pytest
 
 import helpers
-from dpjax import accounting, demo, sgd, subspace
-from dpjax.sgd import routes
+from dpjax import accounting, demo, experiments, sgd, subspace
+from dpjax.experiments import routes
+from dpjax.sgd import bases as bases_lib
+from dpjax.sgd import gep, noise, sampling
 
 D, N = 12, 400
+_S = experiments.RouteSettings
 INIT = functools.partial(demo.init_mlp, sizes=(D, 8, 3))
 # One dense layer for the default tests: a training program compiles ~2.4 times faster than
 # with INIT's hidden layer (the slow tests train INIT).
@@ -36,12 +42,13 @@ def _run(route, data, keys, lrs=None, init=INIT, epsilon=2.0, **kw):
   trained on)."""
   lrs = np.full(len(keys), 0.05) if lrs is None else lrs
   public = None
-  if route in sgd.PUBLIC_ROUTES:
+  if route in experiments.PUBLIC_ROUTES:
     public, data = data[0][:40], (data[0][40:], data[1][40:])
-  return sgd.train_route(route, keys, lrs, data, init_fn=init, loss_fn=demo.example_loss,
-                         epsilon=epsilon, delta=1e-5, steps=kw.pop("steps", 12),
-                         expected_batch_size=32, public_inputs=public,
-                         accountant=kw.pop("accountant", "rdp"), **kw)
+  return experiments.train_route(route, keys, lrs, data, init_fn=init,
+                                 loss_fn=demo.example_loss, epsilon=epsilon, delta=1e-5,
+                                 steps=kw.pop("steps", 12), expected_batch_size=32,
+                                 public_inputs=public, accountant=kw.pop("accountant", "rdp"),
+                                 **kw)
 
 
 # Slow: dp_sgd runs stacked over keys in test_dp_sgd_route_learns, GEP's trajectory bases in
@@ -49,13 +56,13 @@ def _run(route, data, keys, lrs=None, init=INIT, epsilon=2.0, **kw):
 # have their own tests (test_denoise, test_subspace_sources). --run-slow runs them all.
 @pytest.mark.slow(reason="every route stacked per key; by default only dp_sgd, GEP and the input "
                          "subspace train")
-@pytest.mark.parametrize("route", sgd.ROUTES)
+@pytest.mark.parametrize("route", experiments.ROUTES)
 def test_each_route_runs_stacked_deterministic_per_key(route, data):
   """Params stacked over the runs, equal for equal keys, σ from the accountant for the route's
   private rows, the subspace rank and bases."""
   keys = jnp.stack([jax.random.key(0), jax.random.key(1), jax.random.key(0)])
-  run = _run(route, data, keys, settings=sgd.RouteSettings(gep_rank=3, public_rank=4,
-                                                           gep_refreshes=2, input_rank=4))
+  run = _run(route, data, keys, settings=experiments.RouteSettings(
+      gep_rank=3, public_rank=4, gep_refreshes=2, input_rank=4))
   shapes = [(3, *x.shape) for x in jax.tree_util.tree_leaves(INIT(jax.random.key(0)))]
   assert [x.shape for x in jax.tree_util.tree_leaves(run.params)] == shapes
   leaves = jax.tree_util.tree_leaves(run.params)
@@ -65,7 +72,7 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
   assert any(not np.array_equal(x[0], x[1]) for x in leaves)
   assert run.rank == {"gep_trajectory": 3, "public_subspace": 4,
                       "private_input_subspace": 4}.get(route)
-  n = N - 40 if route in sgd.PUBLIC_ROUTES else N
+  n = N - 40 if route in experiments.PUBLIC_ROUTES else N
   share = (0.2, 0.1e-5) if route == "private_input_subspace" else (0.0, 0.0)
   expected = 0.0 if route == "non_private" else routes.noise_multiplier(2.0, 1e-5, 32 / n, 12,
                                                                          "rdp", *share)
@@ -88,7 +95,7 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
 
 
 def test_train_route_defaults_to_the_pld_accountant():
-  assert inspect.signature(sgd.train_route).parameters["accountant"].default == "pld"
+  assert inspect.signature(experiments.train_route).parameters["accountant"].default == "pld"
 
 
 @pytest.mark.slow(reason="σ by the PLD accountant meets (ε, δ) in a run; the default run checks "
@@ -126,18 +133,20 @@ def test_trajectory_bases_read_only_released_updates(data):
     return optax.GradientTransformation(lambda p: state,
                                         lambda updates, s, p=None: (released, s))
 
-  txs = (fixed_release(sgd.DPNoiseState(jax.random.key(0))),
-         fixed_release(sgd.EmbeddingResidualState(jax.random.key(0), placeholder)))
-  settings = sgd.RouteSettings(gep_rank=3, gep_refreshes=2, gep_edge_scale=1.0)
+  zero = jnp.float32(0.0)
+  txs = (fixed_release(noise.NoiseState(jax.random.key(0), None, zero, zero, "full")),
+         fixed_release(noise.NoiseState(jax.random.key(0), placeholder, zero, zero,
+                                        "embedding_residual")))
+  settings = experiments.RouteSettings(gep_rank=3, gep_refreshes=2, gep_edge_scale=1.0)
   edge_std = 1e-4   # the release (0.01·N(0, 1), 12 × 8) has singular values ≫ the edge 6e-4
 
   def bases_after(X, y):
     _, bases = routes._train(jnp.stack([jax.random.key(3)]), jnp.array([0.05]), X, y,
-                             tuple(tx.init(params) for tx in txs), jnp.float32(edge_std),
-                             jnp.zeros((1, 1, 1)), jnp.zeros(1), txs=txs,
-                             route="gep_trajectory", init_fn=LINEAR,
-                             loss_fn=demo.example_loss,
-                             steps=10, batch=32, microbatch=56, settings=settings)
+                             tuple(tx.init(params) for tx in txs), jnp.float32(edge_std), None,
+                             grad_fns=routes._grad_fns("gep_trajectory", demo.example_loss,
+                                                       settings),
+                             txs=txs, route="gep_trajectory", init_fn=LINEAR, steps=10,
+                             selection=sampling.poisson_sampling(N, 32), settings=settings)
     return np.asarray(bases[0])
 
   X, y = map(jnp.asarray, data)
@@ -145,6 +154,47 @@ def test_trajectory_bases_read_only_released_updates(data):
   np.testing.assert_array_equal(first, bases_after(X[::-1] * 0.5, y[::-1]))
   expected = np.asarray(sgd.trajectory_bases([released[0]], 3)[0]["w"])
   np.testing.assert_allclose(np.abs(first), np.abs(expected), atol=1e-5)
+
+
+@pytest.mark.parametrize("route, release, delta, nu", [
+    ("dp_sgd", "full", 0.7, False), ("oracle_subspace", "full", 0.7, False),
+    ("dp_sgd_denoise", "full", 0.7, False), ("public_subspace", "layers", 0.7, True),
+    ("private_input_subspace", "layers", 0.7, True),
+    ("gep_trajectory", "embedding_residual", np.sqrt(2.0), False)])
+def test_each_routes_noise_reads_its_bound_from_the_routes_grad_sum(route, release, delta, nu):
+  """Every DP route's noise is dpjax.sgd.dp_noise built from the grad sum the program sums with
+  (the same object), so its std is σ·Δ·ν with Δ read from that sum: C for the clipped sums,
+  √2 for GEP's split clipped per part (not C: with Δ passed as C the GEP release would be
+  under-noised by √2), ν the per-layer basis's norm bound. No training: the host-built
+  transforms only."""
+  settings = experiments.RouteSettings(clip_norm=0.7, gep_rank=3, public_rank=4, input_rank=4)
+  shapes = routes._shapes(jax.eval_shape(LINEAR, jax.random.key(0)))
+  template = LINEAR(jax.random.key(0))
+  basis = np.linalg.qr(helpers.normal(4, (D, 4)))[0].astype(np.float32)
+  sigma = 1.3
+  txs = routes._transforms(route, sigma, 32, basis.tobytes(), shapes, settings,
+                           demo.example_loss)
+  grad_fns = routes._grad_fns(route, demo.example_loss, settings)
+  tx = txs[-1]                                   # GEP: the split's noise (after the warm-up)
+  state = noise.noise_state(tx.init(template))
+  assert state.release == release
+  assert grad_fns[-1].l2_norm_bound == pytest.approx(delta, rel=1e-12)
+  assert isinstance(grad_fns[-1], gep.EmbeddingResidualGradSum) == (release ==
+                                                                    "embedding_residual")
+  bound = 1.0
+  if nu:
+    bound = max(1.0, bases_lib.basis_norm_bound(state.bases[0]["w"]))
+  if route == "public_subspace":
+    np.testing.assert_allclose(state.bases[0]["w"], basis)
+  expected = sigma * delta * bound
+  # Rounded up to float32 twice at most (σΔ, then σΔν): within 2 relative ulps above.
+  assert expected <= float(state.noise_std) <= expected * (1 + 2.5e-7)
+  if route == "gep_trajectory":                  # the warm-up: plain DP-SGD at Δ = C
+    warm = noise.noise_state(txs[0].init(template))
+    assert warm.release == "full" and grad_fns[0].l2_norm_bound == pytest.approx(0.7)
+    assert sigma * 0.7 <= float(warm.noise_std) <= sigma * 0.7 * (1 + 2.5e-7)
+  # The program sums with the very objects the noise was built from (one per configuration).
+  assert routes._grad_fns(route, demo.example_loss, settings) is grad_fns
 
 
 @pytest.mark.slow(reason="the rank rule at both extremes in the GEP route; test_layer_subspaces "
@@ -155,7 +205,7 @@ def test_gep_rank_rule_drops_directions_below_the_public_noise_edge(data):
   keys = jnp.stack([jax.random.key(0), jax.random.key(1)])
   norms = {}
   for scale in (1e-6, 1e6):
-    run = _run("gep_trajectory", data, keys, settings=sgd.RouteSettings(
+    run = _run("gep_trajectory", data, keys, settings=experiments.RouteSettings(
         gep_rank=3, gep_refreshes=2, gep_edge_scale=scale))
     norms[scale] = np.linalg.norm(np.asarray(run.bases), axis=1)
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(run.params))
@@ -173,13 +223,13 @@ def test_oracle_at_full_rank_is_dp_sgd_and_at_low_rank_is_not(data):
   keys = jnp.stack([jax.random.key(0), jax.random.key(1)])
   base = _run("dp_sgd", data, keys, init=LINEAR, epsilon=0.5)
   full = _run("oracle_subspace", data, keys, init=LINEAR, epsilon=0.5,
-              settings=sgd.RouteSettings(oracle_rank=D))
+              settings=experiments.RouteSettings(oracle_rank=D))
   assert full.rank == D and full.bases is None
   assert full.noise_multiplier == base.noise_multiplier
   for a, b in zip(jax.tree_util.tree_leaves(full.params), jax.tree_util.tree_leaves(base.params)):
     np.testing.assert_allclose(a, b, atol=2e-5)
   low = {every: _run("oracle_subspace", data, keys, init=LINEAR, epsilon=0.5,
-                     settings=sgd.RouteSettings(oracle_rank=1, oracle_refresh=every))
+                     settings=experiments.RouteSettings(oracle_rank=1, oracle_refresh=every))
          for every in (1, 100)}
   for a, b, c in zip(*(jax.tree_util.tree_leaves(r.params)
                        for r in (base, low[1], low[100]))):
@@ -221,7 +271,8 @@ def test_gep_two_sided_bases_are_orthonormal_factor_pairs(data):
   ((K, D, r) left, (K, 8, r) right, orthonormal columns), the run finite and paired by key."""
   keys = jnp.stack([jax.random.key(0), jax.random.key(0)])
   run = _run("gep_trajectory", data, keys, init=LINEAR, epsilon=0.5,
-             settings=sgd.RouteSettings(gep_rank=3, gep_refreshes=2, gep_two_sided=True))
+             settings=experiments.RouteSettings(gep_rank=3, gep_refreshes=2,
+                                                gep_two_sided=True))
   assert isinstance(run.bases, sgd.TwoSidedBasis)
   assert run.bases.left.shape == (2, D, 3) and run.bases.right.shape == (2, 8, 3)
   for factor in run.bases:
@@ -238,8 +289,8 @@ def test_private_input_subspace_pays_its_share_and_releases_one_basis_per_run(da
   the rows' inputs with the run's own subspace stream (routes.run_keys; orthonormal, equal for equal keys,
   different otherwise); its noise std is σC times that basis's norm bound. At ε = 0.5:
   (ε_s, δ_s) = (0.1, 0.3e-5)."""
-  settings = sgd.RouteSettings(input_rank=3, input_epsilon_fraction=0.2,
-                               input_delta_fraction=0.3, input_clip_norm=2.0)
+  settings = experiments.RouteSettings(input_rank=3, input_epsilon_fraction=0.2,
+                                       input_delta_fraction=0.3, input_clip_norm=2.0)
   keys = jnp.stack([jax.random.key(0), jax.random.key(1)])
   run = _run("private_input_subspace", data, keys, init=LINEAR, epsilon=0.5, settings=settings,
              steps=4)
@@ -258,29 +309,31 @@ def test_private_input_subspace_pays_its_share_and_releases_one_basis_per_run(da
   gram = np.einsum("kdr,kds->krs", run.bases, run.bases)
   np.testing.assert_allclose(gram, np.broadcast_to(np.eye(3), gram.shape), atol=1e-4)
   template = LINEAR(jax.random.key(0))
-  tx = sgd.layer_subspace_noise(routes.first_layer_bases(template, np.eye(D, 3,
-                                                                          dtype=np.float32)),
-                                clip_norm=1.0, noise_multiplier=run.noise_multiplier,
-                                expected_batch_size=32, key=jax.random.key(0))
-  bases, stds = routes._private_input_bases(keys, np.asarray(data[0]), tx.init(template),
-                                            template, 0.1, 0.3e-5, settings)
-  for basis, std in zip(bases, stds):
-    bound = sgd.transforms.basis_norm_bound(basis)
+  tx = sgd.dp_noise(sgd.clipped_grad_sum(demo.example_loss, clip_norm=1.0),
+                    noise_multiplier=run.noise_multiplier, expected_batch_size=32,
+                    key=jax.random.key(0),
+                    bases=routes.first_layer_bases(template, np.eye(D, 3, dtype=np.float32)))
+  states = routes._private_input_states(keys, np.asarray(data[0]), tx.init(template), template,
+                                        0.1, 0.3e-5, settings)
+  np.testing.assert_array_equal(states.bases[0]["w"], run.bases)
+  for basis, std in zip(states.bases[0]["w"], states.noise_std):
+    bound = bases_lib.basis_norm_bound(basis)
     assert std >= np.float32(run.noise_multiplier * max(1.0, bound))
     assert std == pytest.approx(run.noise_multiplier * max(1.0, bound), rel=1e-6)
 
 
 def test_gep_edge_noise_std_is_the_stated_public_bound():
-  s = sgd.RouteSettings(clip_norm=2.0, gep_residual_clip=0.5, gep_filter=0.8)
+  s = experiments.RouteSettings(clip_norm=2.0, gep_residual_clip=0.5, gep_filter=0.8)
   expected = 3.0 * 2.0 / 64 * np.sqrt(2 * (1 + 0.25)) * np.sqrt(0.2 / 1.8)
-  assert sgd.gep_edge_noise_std(3.0, 64, s) == pytest.approx(expected, rel=1e-12)
+  assert experiments.gep_edge_noise_std(3.0, 64, s) == pytest.approx(expected, rel=1e-12)
 
 
 def test_oracle_settings_must_be_integers(data):
   with pytest.raises(TypeError, match="oracle_refresh"):
-    sgd.train_route("oracle_subspace", jnp.stack([jax.random.key(0)]), [0.1], data,
-                    init_fn=INIT, loss_fn=demo.example_loss, epsilon=1.0, delta=1e-5, steps=4,
-                    expected_batch_size=32, settings=sgd.RouteSettings(oracle_refresh=2.5))
+    experiments.train_route("oracle_subspace", jnp.stack([jax.random.key(0)]), [0.1], data,
+                            init_fn=INIT, loss_fn=demo.example_loss, epsilon=1.0, delta=1e-5,
+                            steps=4, expected_batch_size=32,
+                            settings=experiments.RouteSettings(oracle_refresh=2.5))
 
 
 @pytest.mark.parametrize("route, kwargs, match", [
@@ -294,36 +347,35 @@ def test_oracle_settings_must_be_integers(data):
     ("public_subspace", {"public_inputs": np.zeros((8, D))}, "public_rank"),
     ("dp_sgd", {"init_fn": lambda k: {"w": jnp.zeros((D, 3))}}, "list of dense layers"),
     ("dp_sgd", {"init_fn": functools.partial(demo.init_mlp, sizes=(D + 1, 3))}, "inputs"),
-    ("gep_trajectory", {"settings": sgd.RouteSettings(gep_edge_scale=0.0)}, "gep_edge_scale"),
-    ("gep_trajectory", {"settings": sgd.RouteSettings(gep_edge_scale=-1.0)}, "gep_edge_scale"),
-    ("oracle_subspace", {"settings": sgd.RouteSettings(oracle_rank=0)}, "oracle_rank"),
-    ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=D + 1)}, "input_rank"),
-    ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=2,
-                                                              input_epsilon_fraction=0.0)},
+    ("gep_trajectory", {"settings": _S(gep_edge_scale=0.0)}, "gep_edge_scale"),
+    ("gep_trajectory", {"settings": _S(gep_edge_scale=-1.0)}, "gep_edge_scale"),
+    ("oracle_subspace", {"settings": _S(oracle_rank=0)}, "oracle_rank"),
+    ("private_input_subspace", {"settings": _S(input_rank=D + 1)}, "input_rank"),
+    ("private_input_subspace", {"settings": _S(input_rank=2, input_epsilon_fraction=0.0)},
      "input_epsilon_fraction"),
-    ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=2,
-                                                              input_delta_fraction=1.0)},
+    ("private_input_subspace", {"settings": _S(input_rank=2, input_delta_fraction=1.0)},
      "input_delta_fraction"),
-    ("private_input_subspace", {"settings": sgd.RouteSettings(input_rank=2, input_clip_norm=0.0)},
+    ("private_input_subspace", {"settings": _S(input_rank=2, input_clip_norm=0.0)},
      "input_clip_norm"),
-    ("oracle_subspace", {"settings": sgd.RouteSettings(oracle_refresh=0)}, "oracle_refresh"),
+    ("oracle_subspace", {"settings": _S(oracle_refresh=0)}, "oracle_refresh"),
     ("dp_sgd", {"tuning": accounting.HyperparameterTuning(3.0)}, "accountant='rdp'"),
     ("dp_sgd", {"tuning": accounting.HyperparameterTuning(0.5), "accountant": "rdp"},
      "tuning.mean"),
     ("private_input_subspace", {"tuning": accounting.HyperparameterTuning(3.0),
                                 "accountant": "rdp",
-                                "settings": sgd.RouteSettings(input_rank=2)}, "subspace release"),
+                                "settings": _S(input_rank=2)}, "subspace release"),
 ])
 def test_bad_arguments_raise_clear_errors(route, kwargs, match, data):
   args = {"learning_rates": [0.1], "init_fn": INIT, "expected_batch_size": 32,
           "public_inputs": None, **kwargs}
   with pytest.raises(ValueError, match=match):
-    sgd.train_route(route, jnp.stack([jax.random.key(0)]), args["learning_rates"], data,
-                    init_fn=args["init_fn"], loss_fn=demo.example_loss, epsilon=1.0,
-                    delta=1e-5, steps=4, expected_batch_size=args["expected_batch_size"],
-                    public_inputs=args["public_inputs"],
-                    settings=args.get("settings", sgd.RouteSettings()),
-                    accountant=args.get("accountant", "pld"), tuning=args.get("tuning"))
+    experiments.train_route(route, jnp.stack([jax.random.key(0)]), args["learning_rates"],
+                            data, init_fn=args["init_fn"], loss_fn=demo.example_loss,
+                            epsilon=1.0, delta=1e-5, steps=4,
+                            expected_batch_size=args["expected_batch_size"],
+                            public_inputs=args["public_inputs"],
+                            settings=args.get("settings", experiments.RouteSettings()),
+                            accountant=args.get("accountant", "pld"), tuning=args.get("tuning"))
 
 
 def test_a_tuned_route_states_the_tunings_guarantee_and_what_all_runs_cost(data):
@@ -339,3 +391,16 @@ def test_a_tuned_route_states_the_tunings_guarantee_and_what_all_runs_cost(data)
   one = accounting.dpsgd_epsilon(tuned.noise_multiplier, 32 / N, 2, 1e-5)
   assert one < 0.5 and tuned.all_runs_epsilon == pytest.approx(2 * one)
   assert tuned.all_runs_delta == pytest.approx(2e-5)
+
+
+def test_the_harness_is_outside_the_public_namespace():
+  """dpjax.experiments is a research harness: ``import dpjax`` (and dpjax.sgd) does not load it,
+  dpjax.sgd holds none of its names, and its own __all__ names exist."""
+  code = ("import sys, dpjax, dpjax.sgd; print('dpjax.experiments' in sys.modules, "
+          "[n for n in ('train_route', 'RouteSettings', 'ROUTES', 'routes') "
+          "if hasattr(dpjax.sgd, n)])")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       timeout=300).stdout.split()
+  assert out == ["False", "[]"]
+  assert all(hasattr(experiments, name) for name in experiments.__all__)
+  assert not set(experiments.__all__) & set(sgd.__all__)

@@ -1,35 +1,43 @@
-"""Gradient-subspace routes as complete, jitted DP-SGD training programs.
+"""Gradient-subspace routes as complete, jitted DP-SGD training programs (a research harness).
 
-One function, :func:`train_route`, trains a model of dense layers by one of the routes below
-for many (key, learning rate) pairs in a single compiled program (``lax.map`` over the pairs,
-``lax.scan`` over the steps, :func:`dpjax.sgd.poisson_clipped_sum` for each Poisson batch). The
-main job (``python -m dpjax.demo``) and ``benchmarks/gradient_subspace.py`` both run it.
+NOT dpjax's public API (see :mod:`dpjax.experiments`): it is built on it. One function,
+:func:`train_route`, trains a model of dense layers by one of the routes below for many (key,
+learning rate) pairs in a single compiled program (``lax.map`` over the pairs, ``lax.scan`` over
+the steps). Each route is assembled from ``dpjax.sgd``'s public pieces: a sensitivity-bearing
+clipped-gradient sum (:func:`dpjax.sgd.clipped_grad_sum`, or GEP's
+:func:`dpjax.sgd.embedding_residual_grad_sum`), Poisson batch selection
+(:class:`dpjax.sgd.sampling.PoissonSampling`, summed in micro-batches, never truncated), and the
+one noise transform :func:`dpjax.sgd.dp_noise` built FROM that sum (it reads the sum's bound Δ,
+so clip norm, Δ and noise cannot disagree). The main job (``python -m dpjax.demo``) and
+``benchmarks/gradient_subspace.py`` both run it.
 
 Routes (:data:`ROUTES`); the DP ones release T Poisson-sampled Gaussian sums at the same noise
-multiplier σ and are accounted as DP-SGD (``dpjax.accounting.plan_dpsgd_budget``):
+multiplier σ and are accounted as DP-SGD (:func:`dpjax.accounting.plan_dpsgd_budget`):
 
 * ``non_private``: the same optimiser, sampling and weight averaging without clipping or noise.
 * ``dp_sgd``: per-example clipping (``RouteSettings.clipping``, normalised by default), Gaussian
-  noise in all p coordinates (:func:`dpjax.sgd.dp_gaussian_noise`), Adam, an EMA of the
-  iterates (evaluated; post-processing). docs/algorithms.md §6.1.
+  noise in all p coordinates (``dp_noise``'s ``"full"`` release), Adam, an EMA of the iterates
+  (evaluated; post-processing). docs/algorithms.md §6.1.
 * ``dp_sgd_denoise``: ``dp_sgd`` followed by :func:`dpjax.sgd.low_rank_denoise` (EMA filter and
-  per-layer singular-value shrinkage at the public noise level): post-processing. §6.3.
+  per-layer singular-value shrinkage at the public noise level σΔ/L): post-processing. §6.3.
 * ``gep_trajectory`` (no public data): ``dp_sgd`` for a warm-up, then the first layer's
   per-example gradients are split BEFORE clipping by an input-side basis into an embedding and a
-  residual, each clipped on its own and noised (GEP; :func:`embedding_residual_grad_sum`,
-  :func:`embedding_residual_noise`, sensitivity √2 in scaled units, the same σ). The basis is
-  :func:`trajectory_bases` of an EMA of the RELEASED updates, refreshed periodically: a function
-  of releases already paid for (post-processing, free). §6.4.
+  residual, each clipped on its own (:func:`dpjax.sgd.embedding_residual_grad_sum` with
+  ``joint=False``: Δ = √2 in scaled units, read by ``dp_noise`` from the grad sum) and noised at
+  the same σ. The basis is :func:`dpjax.sgd.trajectory_bases` of an EMA of the RELEASED updates,
+  refreshed periodically inside the program (:func:`dpjax.sgd.update_bases` with
+  ``check=False``): a function of releases already paid for (post-processing, free). §6.4.
 * ``private_input_subspace`` (no public data): the first layer's noise lives in the top
   ``input_rank`` eigenvectors of Analyze Gauss's noisy second moment of the private rows' inputs
-  (:func:`dpjax.subspace.analyze_gauss`, rows clipped to the public ``input_clip_norm``, at
+  (:func:`dpjax.sgd.private_input_basis`, rows clipped to the public ``input_clip_norm``, at
   ``(ε_s, δ_s) = (input_epsilon_fraction·ε, input_delta_fraction·δ)``; one release per run, from
   its own stream of the run's key, :func:`run_keys`), used after clipping as ``public_subspace``
-  uses its basis (the noise scaled by the released basis's norm bound); DP-SGD gets the rest of
-  the budget (:func:`dpjax.accounting.plan_dpsgd_budget`, basic composition). §6.5.
+  uses its basis (the noise scaled by the released basis's norm bound ν, computed on the host by
+  :func:`dpjax.sgd.update_bases`); DP-SGD gets the rest of the budget (basic composition). §6.5.
 * ``public_subspace`` (public data): the first layer's noise lives in the top principal
-  directions of the public rows' inputs (:func:`layer_subspace_noise`, after clipping; the basis
-  is public, so its norm bound is a public fact). The public rows must not be among ``data``.
+  directions of the public rows' inputs (:func:`dpjax.sgd.public_input_basis`; ``dp_noise``'s
+  ``"layers"`` release, after clipping; the basis is public, so its norm bound is a public fact).
+  The public rows must not be among ``data``.
 
 A diagnostic that is NOT private (:data:`DIAGNOSTIC_ROUTES`, not in :data:`ROUTES`):
 
@@ -41,9 +49,10 @@ A diagnostic that is NOT private (:data:`DIAGNOSTIC_ROUTES`, not in :data:`ROUTE
   competes for). docs/algorithms.md §6.5.
 
 Privacy: ``(ε, δ)``-DP under add/remove-one of a row of ``data`` for every route but
-``non_private``, by the PLD (default) or RDP accountant over ``steps`` Poisson-sampled Gaussian
-releases with sampling rate ``L/N``. Choosing the learning rate on a tuning split (as the demo and
-the benchmark do) is not accounted here; the callers say so.
+``non_private`` and the diagnostic, by the PLD (default) or RDP accountant over ``steps``
+Poisson-sampled Gaussian releases with sampling rate ``L/N``. Choosing the learning rate on a
+tuning split (as the demo and the benchmark do) is not accounted here unless ``tuning`` is given;
+the callers say so.
 """
 
 from __future__ import annotations
@@ -59,9 +68,12 @@ import numpy as np
 import optax
 
 from dpjax import _validation as v
-from dpjax import accounting, linalg
-from dpjax import subspace as subspace_lib
-from dpjax.sgd import denoise, layer_subspaces, per_example, privatizer, transforms
+from dpjax import accounting, linalg, sgd
+from dpjax.sgd import noise, per_example, sampling
+
+__all__ = ["DIAGNOSTIC_ROUTES", "PUBLIC_ROUTES", "ROUTES", "RouteRun", "RouteSettings", "RunKeys",
+           "first_layer_bases", "gep_edge_noise_std", "noise_multiplier", "route_rank",
+           "run_keys", "train_route"]
 
 ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private_input_subspace",
           "public_subspace")
@@ -85,9 +97,10 @@ class RouteSettings:
     gep_refreshes: number of basis refreshes after the warm-up.
     gep_filter: decay of the EMA of released updates the trajectory bases read.
     gep_edge_scale: None keeps all ``gep_rank`` directions; a number turns on
-      :func:`trajectory_bases`' rank rule: a direction is kept only if its singular value in the
-      filtered releases exceeds ``gep_edge_scale`` times the noise's bulk edge (the public noise
-      std: :func:`gep_edge_noise_std`), so the rank adapts to the noise (≤ ``gep_rank``).
+      :func:`dpjax.sgd.trajectory_bases`' rank rule: a direction is kept only if its singular
+      value in the filtered releases exceeds ``gep_edge_scale`` times the noise's bulk edge (the
+      public noise std: :func:`gep_edge_noise_std`), so the rank adapts to the noise
+      (≤ ``gep_rank``).
     gep_two_sided: the trajectory bases get an output-side factor too
       (:class:`dpjax.sgd.TwoSidedBasis` of the top left and right singular vectors): the
       embedding is ``UᵀGV`` (r × r) and the rest goes to the residual.
@@ -162,6 +175,20 @@ def route_rank(route: str, settings: RouteSettings = RouteSettings()) -> int | N
           "oracle_subspace": settings.oracle_rank}.get(route)
 
 
+def _gep_grad_sum(loss_fn, settings):
+  """GEP's clipped-gradient sum of the routes: C_e = C, C_ρ = ``gep_residual_clip``·C, one clip
+  per part (``joint=False``: Δ = √2, carried by the returned sum)."""
+  return sgd.embedding_residual_grad_sum(
+      loss_fn, embedding_clip=settings.clip_norm,
+      residual_clip=settings.gep_residual_clip * settings.clip_norm, joint=False,
+      clipping=settings.clipping, stability=settings.stability)
+
+
+def _no_loss(params, example):
+  """A placeholder loss: only for reading a grad sum's bound, never called."""
+  raise AssertionError("a placeholder loss, only for reading a grad sum's l2_norm_bound")
+
+
 def gep_edge_noise_std(noise_multiplier: float, expected_batch_size: float,
                        settings: RouteSettings = RouteSettings()) -> float:
   """An upper bound on the per-entry noise std of the filtered releases that ``gep_trajectory``'s
@@ -169,27 +196,22 @@ def gep_edge_noise_std(noise_multiplier: float, expected_batch_size: float,
 
   A released first-layer update has i.i.d. noise of std ``σC/L`` in the warm-up (DP-SGD) and, in
   the GEP phase, ``σΔC_ρ/L`` outside the basis and ``σΔ√(C² + C_ρ²)/L`` inside it (Δ = √2, the
-  per-part sensitivity); the larger of these, times the stationary EMA factor
-  ``√((1 − β)/(1 + β))`` (which bounds the EMA's factor from a zero start at every step), is
-  returned. With that isotropic bound the rank rule keeps fewer directions, never more.
+  bound GEP's grad sum carries with one clip per part, read from it); the larger of these, times
+  the stationary EMA factor ``√((1 − β)/(1 + β))`` (which bounds the EMA's factor from a zero
+  start at every step), is returned. With that isotropic bound the rank rule keeps fewer
+  directions, never more.
   """
   c, rho, beta = settings.clip_norm, settings.gep_residual_clip, settings.gep_filter
-  step = noise_multiplier * c / expected_batch_size * max(1.0, math.sqrt(2.0 * (1.0 + rho**2)))
+  delta = _gep_grad_sum(_no_loss, settings).l2_norm_bound
+  step = noise_multiplier * c / expected_batch_size * max(1.0, delta * math.sqrt(1.0 + rho**2))
   return step * math.sqrt((1.0 - beta) / (1.0 + beta))
 
 
 def first_layer_bases(params, basis):
-  """A bases pytree for a list of dense layers: ``basis`` for ``params[0]["w"]``, None
-  elsewhere."""
-  return [{name: basis if (i == 0 and name == "w") else None for name in layer}
-          for i, layer in enumerate(params)]
-
-
-def public_input_basis(public_inputs: np.ndarray, rank: int) -> np.ndarray:
-  """Top-``rank`` right singular vectors ``(d, rank)`` of public rows ``(n_pub, d)`` (uncentred
-  PCA of the inputs), float32. Public data only: no privacy cost."""
-  return np.linalg.svd(np.asarray(public_inputs, np.float64),
-                       full_matrices=False)[2][:rank].T.astype(np.float32)
+  """A bases pytree for a list of dense layers (:func:`dpjax.sgd.bases_like`): ``basis`` for
+  ``params[0]["w"]``, None elsewhere."""
+  first = (jax.tree_util.SequenceKey(0), jax.tree_util.DictKey("w"))
+  return sgd.bases_like(params, lambda path, _: basis if tuple(path) == first else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,63 +247,90 @@ def run_keys(key: jax.Array) -> RunKeys:
   return RunKeys(*jax.random.split(key, 4))
 
 
+def _is_noise_state(x):
+  return isinstance(x, noise.NoiseState)
+
+
 def _with_key(state, key):
-  """``state`` with the PRNG key of every keyed sub-state replaced (one stream per run)."""
-  is_keyed = lambda x: hasattr(x, "_replace") and hasattr(x, "key")  # noqa: E731
-  return jax.tree_util.tree_map(lambda x: x._replace(key=key) if is_keyed(x) else x, state,
-                                is_leaf=is_keyed)
+  """``state`` with the PRNG key of its :class:`dpjax.sgd.noise.NoiseState` replaced (one stream
+  per run; a chain's other states are kept)."""
+  return jax.tree_util.tree_map(
+      lambda x: dataclasses.replace(x, key=key) if _is_noise_state(x) else x, state,
+      is_leaf=_is_noise_state)
+
+
+def _unclipped_sum(loss_fn):
+  """``non_private``'s sum: the per-example gradients summed over the mask, unclipped (no bound,
+  so no noise can be built from it)."""
+  grads_fn = per_example.per_example_grads(loss_fn)
+
+  def grad_sum(params, batch, mask):
+    grads = grads_fn(params, batch)
+    return jax.tree_util.tree_map(lambda g: jnp.tensordot(mask.astype(g.dtype), g, axes=1,
+                                                          precision=linalg.HIGHEST),
+                                  grads)
+  return grad_sum
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_fns(route, loss_fn, settings):
+  """The route's gradient sums, one per phase (GEP: warm-up, then the split), one object per
+  configuration so that repeated calls reuse one compilation."""
+  if route == "non_private":
+    return (_unclipped_sum(loss_fn),)
+  clipped = sgd.clipped_grad_sum(loss_fn, clip_norm=settings.clip_norm,
+                                 clipping=settings.clipping, stability=settings.stability)
+  if route == "gep_trajectory":
+    return (clipped, _gep_grad_sum(loss_fn, settings))
+  return (clipped,)
 
 
 @functools.lru_cache(maxsize=None)
 def _transforms(route, sigma, batch, basis_bytes, shapes, settings, loss_fn):
-  """The route's noise transforms, built and checked on the host once per configuration, so
-  that repeated calls reuse one compilation. Their key is a placeholder, replaced per run."""
-  key = jax.random.key(0)
-  template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
-  full = transforms.dp_gaussian_noise(clip_norm=settings.clip_norm, noise_multiplier=sigma,
-                                     expected_batch_size=batch, key=key)
-  in_dim = dict(shapes[0])["w"][0]
+  """The route's noise transforms, :func:`dpjax.sgd.dp_noise` built from each phase's grad sum
+  (Δ read from it), checked on the host once per configuration, so that repeated calls reuse one
+  compilation. Their key is a placeholder, replaced per run."""
   if route == "non_private":
     return ()
+  key = jax.random.key(0)
+  grad_fns = _grad_fns(route, loss_fn, settings)
+  template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
+
+  def noise_for(grad_fn, bases=None):
+    return sgd.dp_noise(grad_fn, noise_multiplier=sigma, expected_batch_size=batch, key=key,
+                        bases=bases)
+
+  in_dim = dict(shapes[0])["w"][0]
   if route in ("dp_sgd", "oracle_subspace"):
-    return (full,)
+    return (noise_for(grad_fns[0]),)
   if route == "dp_sgd_denoise":
-    return (optax.chain(full, denoise.low_rank_denoise(sigma * settings.clip_norm / batch,
-                                                       decay=settings.denoise_decay)),)
+    # The released noise per entry of the averaged update: σΔ/L (Δ = C, the grad sum's bound).
+    level = sigma * grad_fns[0].l2_norm_bound / batch
+    return (optax.chain(noise_for(grad_fns[0]),
+                        sgd.low_rank_denoise(level, decay=settings.denoise_decay)),)
   if route == "private_input_subspace":
-    # A public placeholder; each run's released basis and its noise std go into the state.
-    return (layer_subspaces.layer_subspace_noise(
-        first_layer_bases(template, np.eye(in_dim, settings.input_rank, dtype=np.float32)),
-        clip_norm=settings.clip_norm, noise_multiplier=sigma, expected_batch_size=batch,
-        key=key),)
+    # A public placeholder; each run's released basis and its noise std replace it (host).
+    return (noise_for(grad_fns[0], first_layer_bases(
+        template, np.eye(in_dim, settings.input_rank, dtype=np.float32))),)
   if route == "public_subspace":
     basis = np.frombuffer(basis_bytes, np.float32).reshape(in_dim, settings.public_rank)
-    return (layer_subspaces.layer_subspace_noise(
-        first_layer_bases(template, basis), clip_norm=settings.clip_norm,
-        noise_multiplier=sigma, expected_batch_size=batch, key=key),)
-  # gep_trajectory: built with a public placeholder basis; the released trajectory bases are
-  # put into its state inside the trace (the GEP release's sensitivity does not depend on them).
+    return (noise_for(grad_fns[0], first_layer_bases(template, basis)),)
+  # gep_trajectory: the split's noise is built with a public placeholder basis; the released
+  # trajectory bases replace it inside the trace (update_bases(check=False): the GEP release's
+  # noise σΔ does not depend on the bases).
   out_dim = dict(shapes[0])["w"][1]
   rank = min(settings.gep_rank, out_dim)     # trajectory_bases' column count
   placeholder = np.eye(in_dim, rank, dtype=np.float32)
   if settings.gep_two_sided:
-    placeholder = layer_subspaces.TwoSidedBasis(placeholder, np.eye(out_dim, rank,
-                                                                    dtype=np.float32))
-  bound = _gep_grad_sum(loss_fn, settings).l2_norm_bound
-  return (full, layer_subspaces.embedding_residual_noise(
-      first_layer_bases(template, placeholder), embedding_clip=settings.clip_norm,
-      residual_clip=settings.gep_residual_clip * settings.clip_norm, noise_multiplier=sigma,
-      expected_batch_size=batch, key=key, l2_norm_bound=bound))
-
-
-def _gep_grad_sum(loss_fn, settings):
-  return layer_subspaces.embedding_residual_grad_sum(
-      loss_fn, embedding_clip=settings.clip_norm,
-      residual_clip=settings.gep_residual_clip * settings.clip_norm, joint=False,
-      clipping=settings.clipping, stability=settings.stability)
+    placeholder = sgd.TwoSidedBasis(placeholder, np.eye(out_dim, rank, dtype=np.float32))
+  return (noise_for(grad_fns[0]), noise_for(grad_fns[1], first_layer_bases(template,
+                                                                             placeholder)))
 
 
 def _average(params, avg, t, ema):
+  """The EMA of the iterates, ``β_t = min(β, (1 + t)/(10 + t))`` (as
+  :func:`dpjax.sgd.iterate_average`, which is not used: ``weight_ema = 0`` returns the last
+  iterate here, and this form keeps the routes' numbers)."""
   decay = jnp.minimum(ema, (1.0 + t) / (10.0 + t))
   return optax.incremental_update(params, avg, 1.0 - decay)
 
@@ -292,58 +341,45 @@ def _project_top(updates, reference, rank):
   ``w`` (a full SVD, so a rank ≥ a side is the identity on that side); other leaves unchanged."""
   def one(g, ref):
     u, _, vt = jnp.linalg.svd(ref, full_matrices=True)
-    basis = layer_subspaces.TwoSidedBasis(u[:, :rank], vt[:rank].T)
-    return layer_subspaces._lift(layer_subspaces._embed(g, basis), basis)
+    left, right = u[:, :rank].astype(g.dtype), vt[:rank].T.astype(g.dtype)
+    coefficients = linalg.matmul(linalg.matmul(left.T, g), right)
+    return linalg.matmul(linalg.matmul(left, coefficients), right.T)
   return [{name: one(g, reference[i][name]) if name == "w" else g for name, g in layer.items()}
           for i, layer in enumerate(updates)]
 
 
-def _unclipped_sum(loss_fn):
-  def grad_sum(params, batch, mask):
-    grads = per_example.per_example_grads(loss_fn)(params, batch)
-    return jax.tree_util.tree_map(lambda g: jnp.tensordot(mask.astype(g.dtype), g, axes=1,
-                                                          precision=linalg.HIGHEST),
-                                  grads)
-  return grad_sum
-
-
-@functools.partial(jax.jit, static_argnames=("route", "txs", "init_fn", "loss_fn", "steps",
-                                             "batch", "microbatch", "settings"))
-def _train(keys, lrs, X, y, states, edge_std, run_bases, run_stds, *, txs, route, init_fn,
-           loss_fn, steps, batch, microbatch, settings):
-  q = batch / X.shape[0]
+@functools.partial(jax.jit, static_argnames=("grad_fns", "txs", "route", "init_fn", "steps",
+                                             "selection", "settings"))
+def _train(keys, lrs, X, y, states, edge_std, run_states, *, grad_fns, txs, route, init_fn,
+           steps, selection, settings):
+  """The runs, one after another (``lax.map``); ``run_states``: per-run noise states stacked
+  over the runs (``private_input_subspace``'s released bases), else None."""
+  batch = selection.expected_batch_size
   ema = settings.weight_ema
+  data = (X, y)
 
-  def one(key, lr, run_basis, run_std):
+  def one(key, lr, run_state):
     k_init, k_noise, k_sample, _ = run_keys(key)
     params = init_fn(k_init)
     noise_states = [_with_key(st, k) for st, k in
                     zip(states, jax.random.split(k_noise, max(1, len(states))))]
-    if route == "private_input_subspace":   # this run's released basis, its noise std (host)
-      noise_states[0] = noise_states[0]._replace(bases=first_layer_bases(params, run_basis),
-                                                 noise_std=run_std)
+    if run_state is not None:   # this run's released basis and its noise std (host)
+      noise_states[0] = _with_key(run_state, noise.noise_state(noise_states[0]).key)
     adam = optax.adam(lr)
-    if route == "non_private":
-      grad_sum = _unclipped_sum(loss_fn)
-    else:
-      grad_sum = per_example.clipped_grad_sum(loss_fn, clip_norm=settings.clip_norm,
-                                              clipping=settings.clipping,
-                                              stability=settings.stability)
 
     def dp_step(grad_sum, tx, filter_decay=None, extra=lambda s: (), oracle=False):
       def body(carry, k):
         params, opt, noise_state, filt, avg, t = carry
-        total = privatizer.poisson_clipped_sum(grad_sum, params, (X, y), k, sampling_prob=q,
-                                               microbatch_size=microbatch,
-                                               extra_args=extra(noise_state))
+        total = selection.clipped_sum(grad_sum, params, data, k, *extra(noise_state))
         if tx is None:
           g = jax.tree_util.tree_map(lambda s: s / batch, total)
         else:
           g, noise_state = tx.update(total, noise_state, params)
         if oracle:   # NOT private: filt holds the all-rows mean clipped gradient (see ROUTES)
           filt = jax.lax.cond(t % settings.oracle_refresh == 0, lambda: jax.tree_util.tree_map(
-              lambda s: s / X.shape[0], privatizer.poisson_clipped_sum(
-                  grad_sum, params, (X, y), k, sampling_prob=1.0, microbatch_size=microbatch)),
+              lambda s: s / X.shape[0], sampling.poisson_clipped_sum(
+                  grad_sum, params, data, k, sampling_prob=1.0,
+                  microbatch_size=selection.microbatch_size)),
               lambda: filt)
           g = _project_top(g, filt, settings.oracle_rank)
         updates, opt = adam.update(g, opt, params)
@@ -358,7 +394,7 @@ def _train(keys, lrs, X, y, states, edge_std, run_bases, run_stds, *, txs, route
     carry = (params, adam.init(params), noise_states[0] if txs else None, zeros, params,
              jnp.int32(0))
     if route != "gep_trajectory":
-      carry, _ = jax.lax.scan(dp_step(grad_sum, txs[0] if txs else None,
+      carry, _ = jax.lax.scan(dp_step(grad_fns[0], txs[0] if txs else None,
                                       oracle=route == "oracle_subspace"), carry,
                               jax.random.split(k_sample, steps))
       return carry[4], None
@@ -366,28 +402,29 @@ def _train(keys, lrs, X, y, states, edge_std, run_bases, run_stds, *, txs, route
     period = max(1, (steps - warm_steps) // settings.gep_refreshes)
     periods = max(1, (steps - warm_steps) // period)
     step_keys = jax.random.split(k_sample, warm_steps + periods * period)
-    carry, _ = jax.lax.scan(dp_step(grad_sum, txs[0], settings.gep_filter), carry,
+    carry, _ = jax.lax.scan(dp_step(grad_fns[0], txs[0], settings.gep_filter), carry,
                             step_keys[:warm_steps])
-    gep_body = dp_step(_gep_grad_sum(loss_fn, settings), txs[1], settings.gep_filter,
-                       extra=lambda s: (s.bases,))
+    # GEP's grad sum splits by the bases held in the noise state (the same ones it lifts by).
+    gep_body = dp_step(grad_fns[1], txs[1], settings.gep_filter,
+                       extra=lambda s: (noise.noise_state(s).bases,))
 
     def period_body(carry, keys):
       filt = carry[3]
       # The free refresh: bases from the EMA of released updates, nothing else.
-      bases = first_layer_bases(filt, layer_subspaces.trajectory_bases(
+      bases = first_layer_bases(filt, sgd.trajectory_bases(
           [filt[0]], settings.gep_rank, two_sided=settings.gep_two_sided,
           noise_std=None if settings.gep_edge_scale is None else edge_std)[0]["w"])
-      carry = carry[:2] + (carry[2]._replace(bases=bases),) + carry[3:]
+      carry = carry[:2] + (sgd.update_bases(carry[2], bases=bases, check=False),) + carry[3:]
       return jax.lax.scan(gep_body, carry, keys)[0], None
 
     carry = carry[:2] + (noise_states[1],) + carry[3:]
     carry, _ = jax.lax.scan(period_body, carry,
                             step_keys[warm_steps:].reshape(periods, period, *step_keys.shape[1:]))
-    return carry[4], carry[2].bases[0]["w"]
+    return carry[4], noise.noise_state(carry[2]).bases[0]["w"]
 
   # Runs one after another inside the program (lax.map), not vmapped: on XLA:CPU (jaxlib
   # 0.10.2) a vmapped while_loop (the Poisson sum) next to an SVD in one scan body deadlocked.
-  return jax.lax.map(lambda a: one(*a), (keys, lrs, run_bases, run_stds))
+  return jax.lax.map(lambda a: one(*a), (keys, lrs, run_states))
 
 
 def _shapes(params) -> tuple:
@@ -403,19 +440,18 @@ def _shapes(params) -> tuple:
                for layer in params)
 
 
-def _private_input_bases(keys, X, state, template, eps_s, delta_s, settings):
-  """One Analyze Gauss release per run (the run's ``subspace`` stream), the basis
-  ``(K, d, r)`` and the noise std ``(K,)`` that :func:`update_layer_bases` computes for it
-  (σC times the released basis's norm bound, on the host)."""
-  bases, stds = [], []
+def _private_input_states(keys, X, state, template, eps_s, delta_s, settings):
+  """One Analyze Gauss release per run (:func:`dpjax.sgd.private_input_basis` from the run's
+  ``subspace`` stream) swapped into ``state`` by :func:`dpjax.sgd.update_bases` (host: checks the
+  basis and scales the noise std to σΔ·max(1, ν̂)); returns the K states stacked over the runs."""
+  swapped = []
   for key in keys:
-    basis = np.asarray(subspace_lib.analyze_gauss(
-        run_keys(key).subspace, X, epsilon=eps_s, delta=delta_s, k=settings.input_rank,
+    basis = np.asarray(sgd.private_input_basis(
+        run_keys(key).subspace, X, settings.input_rank, epsilon=eps_s, delta=delta_s,
         clip_norm=settings.input_clip_norm).basis, np.float32)
-    swapped = layer_subspaces.update_layer_bases(state, first_layer_bases(template, basis))
-    bases.append(basis)
-    stds.append(np.float32(swapped.noise_std))
-  return np.stack(bases), np.stack(stds)
+    swapped.append(noise.noise_state(sgd.update_bases(
+        state, bases=first_layer_bases(template, basis))))
+  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *swapped)
 
 
 def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: Callable,
@@ -427,18 +463,21 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   """Trains one route (see the module docstring) once per (key, learning rate) pair.
 
   Each run: ``params = init_fn(k_init)``; ``steps`` steps of Poisson sampling (rate ``L/N``)
-  summed by :func:`dpjax.sgd.poisson_clipped_sum` in micro-batches (never truncated), the
-  route's clipping and noise, division by L, Adam; returns the EMA of the iterates.
+  summed in micro-batches (never truncated) by the route's clipped-gradient sum, the route's
+  :func:`dpjax.sgd.dp_noise` (noise σΔν, division by L), Adam; returns the EMA of the iterates.
+  Keys: one split of each run's key into init, noise, sample and subspace streams
+  (:func:`run_keys`).
 
-  Privacy: every route of :data:`ROUTES` but ``non_private`` is ``(ε, δ)``-DP under add/remove-one of a row of
-  ``data`` (σ calibrated by ``accountant`` over ``steps`` Poisson-sampled Gaussian releases; GEP's
-  two clipped parts are noised at σ times their joint sensitivity √2; the trajectory bases read
-  released updates only; the public basis reads ``public_inputs`` only;
-  ``private_input_subspace``'s basis is an Analyze Gauss release at ``(ε_s, δ_s)`` — calibrated
-  for the replace-one sensitivity 2C_x², so also ``(ε_s, δ_s)``-DP under add/remove-one, whose
-  sensitivity is C_x² — and the SGD steps are calibrated to ``(ε − ε_s, δ − δ_s)``: the total
-  is ``(ε, δ)`` by basic (adaptive) composition). ``oracle_subspace``
-  (:data:`DIAGNOSTIC_ROUTES`) is NOT private: its bases read all of ``data``.
+  Privacy: every route of :data:`ROUTES` but ``non_private`` is ``(ε, δ)``-DP under add/remove-one
+  of a row of ``data`` (σ calibrated by ``accountant`` over ``steps`` Poisson-sampled Gaussian
+  releases; the noise reads Δ from the route's grad sum — GEP's two clipped parts are noised at
+  σ times their joint sensitivity √2; the trajectory bases read released updates only; the
+  public basis reads ``public_inputs`` only; ``private_input_subspace``'s basis is an Analyze
+  Gauss release at ``(ε_s, δ_s)`` — calibrated for the replace-one sensitivity 2C_x², so also
+  ``(ε_s, δ_s)``-DP under add/remove-one, whose sensitivity is C_x² — and the SGD steps are
+  calibrated to ``(ε − ε_s, δ − δ_s)``: the total is ``(ε, δ)`` by basic (adaptive)
+  composition). ``oracle_subspace`` (:data:`DIAGNOSTIC_ROUTES`) is NOT private: its bases read
+  all of ``data``.
 
   The guarantee is per run. The K runs are K releases of the same rows: releasing all of them,
   or choosing among them by anything computed from ``data``, costs more — up to ``K·ε`` by basic
@@ -509,7 +548,7 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     if not settings.public_rank <= min(public_inputs.shape):
       raise ValueError(f"public_rank={settings.public_rank} exceeds the public rows' "
                        f"{public_inputs.shape}.")
-    basis = public_input_basis(public_inputs, settings.public_rank)
+    basis = sgd.public_input_basis(public_inputs, settings.public_rank)
   v.check_int(settings.oracle_rank, "settings.oracle_rank", low=1)
   v.check_int(settings.oracle_refresh, "settings.oracle_refresh", low=1)
   scale = settings.gep_edge_scale
@@ -531,26 +570,25 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
       tuning = None                       # nothing private to tune: the argument is ignored
   sigma = 0.0 if route == "non_private" else noise_multiplier(
       float(epsilon), float(delta), batch / n, steps, accountant, eps_s, delta_s, tuning)
-  microbatch = min(n, math.ceil(batch + 4 * math.sqrt(batch)))
+  selection = sampling.poisson_sampling(n, batch)
   # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
-  edge_std = jnp.float32((1.0 if scale is None else scale)
+  edge_std = jnp.float32(0.0 if route != "gep_trajectory" else (1.0 if scale is None else scale)
                          * gep_edge_noise_std(float(sigma), batch, settings))
   static = dataclasses.replace(settings, gep_edge_scale=None if scale is None else 1.0)
   txs = _transforms(route, float(sigma), batch, basis.tobytes(), shapes, static, loss_fn)
   template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
   states = tuple(tx.init(template) for tx in txs)
-  run_bases, run_stds = np.zeros((len(lrs), 1, 1), np.float32), np.zeros(len(lrs), np.float32)
+  run_states = None
   if private_input:
-    run_bases, run_stds = _private_input_bases(keys, X, states[0], template, eps_s, delta_s,
-                                               settings)
+    run_states = _private_input_states(keys, X, states[0], template, eps_s, delta_s, settings)
   params, bases = _train(keys, jnp.asarray(lrs), jnp.asarray(X, jnp.float32), jnp.asarray(y),
-                         states, edge_std, jnp.asarray(run_bases), jnp.asarray(run_stds),
-                         txs=txs, route=route, init_fn=init_fn, loss_fn=loss_fn,
-                         steps=steps, batch=batch, microbatch=microbatch, settings=static)
+                         states, edge_std, run_states,
+                         grad_fns=_grad_fns(route, loss_fn, static), txs=txs, route=route,
+                         init_fn=init_fn, steps=steps, selection=selection, settings=static)
   if route in PUBLIC_ROUTES:
     bases = jnp.asarray(basis)
   elif private_input:
-    bases = jnp.asarray(run_bases)
+    bases = run_states.bases[0]["w"]
   guarantee = {} if route == "non_private" else _run_guarantee(
       float(epsilon), float(delta), len(lrs), sigma, batch / n, steps, accountant, tuning,
       private=route in ROUTES)

@@ -1,4 +1,5 @@
-"""Gradient-subspace sources: per-example gradient matrices, public and private (DPASE) bases."""
+"""Subspace sources (dpjax/sgd/sources.py): per-example gradient matrices, public and private
+(DPASE) gradient bases, public and private (Analyze Gauss) input bases."""
 
 import functools
 
@@ -10,8 +11,9 @@ import pytest
 from dp_accounting import NeighboringRelation
 from jax.flatten_util import ravel_pytree
 
-from dpjax import data, metrics
-from dpjax.sgd import per_example, subspace_sources as ss
+from dpjax import data, metrics, sgd
+from dpjax.sgd import per_example, sources as ss
+from dpjax.subspace import baselines
 from helpers import normal
 
 # The private source runs the real DPASE (written alongside); skip only if that module is absent.
@@ -148,3 +150,62 @@ def test_bad_inputs(call, exc, match):
   X, y, _ = _logistic(100)                       # the public test's data (built once)
   with pytest.raises(exc, match=match):
     call(X, y)
+
+
+# ----------------------------------------------------------------------------- input bases
+
+def test_public_input_basis_is_the_top_right_singular_subspace_of_the_public_rows():
+  X, _, B = _logistic(100)                       # rows in span(B), d = 20, k = 3
+  U = sgd.public_input_basis(np.asarray(X), 3)
+  assert U.shape == (20, 3) and U.dtype == np.float32
+  np.testing.assert_allclose(U.T @ U, np.eye(3), atol=1e-5)
+  assert float(metrics.projection_distance(jnp.asarray(U), B)) < 1e-3
+  # Rotating the rows' coordinates rotates the basis (uncentred PCA is equivariant).
+  Q = np.linalg.qr(np.random.default_rng(2).standard_normal((20, 20)))[0]
+  rotated = sgd.public_input_basis(np.asarray(X, np.float64) @ Q, 3)
+  np.testing.assert_allclose(rotated @ rotated.T, Q.T @ (U @ U.T) @ Q, atol=1e-4)
+
+
+@pytest.mark.parametrize("inputs,rank,exc,match", [
+    (np.ones(5), 1, ValueError, "public_inputs"),
+    (np.full((4, 3), np.nan), 1, ValueError, "public_inputs"),
+    (np.ones((4, 3)), 0, ValueError, "rank"),
+    (np.ones((4, 3)), 4, ValueError, "rank"),
+    (np.ones((2, 3)), 3, ValueError, "rank"),
+    (np.ones((4, 3)), 1.5, TypeError, "rank"),
+])
+def test_public_input_basis_bad_inputs(inputs, rank, exc, match):
+  with pytest.raises(exc, match=match):
+    sgd.public_input_basis(inputs, rank)
+
+
+def test_private_input_basis_is_analyze_gauss_on_the_inputs():
+  """The release is Analyze Gauss with the same key (an orthonormal (d, r) basis, its (ε, δ) and
+  relation), so its cost composes into the plan as ``subspace_epsilon/delta``."""
+  X, _, B = _logistic(100)
+  X = np.asarray(X)
+  kw = dict(epsilon=2.0, delta=1e-6, clip_norm=10.0)
+  res = sgd.private_input_basis(jax.random.key(3), X, 3, **kw)
+  ref = baselines.analyze_gauss(jax.random.key(3), X, k=3, **kw)
+  np.testing.assert_array_equal(np.asarray(res.basis), np.asarray(ref.basis))
+  assert res.basis.shape == (20, 3) and bool(res.ok)
+  np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(3), atol=1e-5)
+  assert (res.epsilon, res.delta) == (2.0, 1e-6) and res.neighbouring == ref.neighbouring
+  other = sgd.private_input_basis(jax.random.key(4), X, 3, **kw)
+  assert not np.array_equal(np.asarray(other.basis), np.asarray(res.basis))
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(rank=0), ValueError, "k"),
+    (dict(rank=21), ValueError, "k"),
+    (dict(epsilon=0.0), ValueError, "epsilon"),
+    (dict(delta=1.0), ValueError, "delta"),
+    (dict(clip_norm=0.0), ValueError, "clip_norm"),
+    (dict(key=3), TypeError, "key"),
+])
+def test_private_input_basis_bad_inputs(kwargs, exc, match):
+  X = _logistic(100)[0]
+  args = dict(key=jax.random.key(0), rank=2, epsilon=1.0, delta=1e-6, clip_norm=1.0) | kwargs
+  key, rank = args.pop("key"), args.pop("rank")
+  with pytest.raises(exc, match=match):
+    sgd.private_input_basis(key, X, rank, **args)

@@ -1,0 +1,324 @@
+"""The DP-SGD plan: one object that binds clipping, batch selection, noise and accounting
+(docs/algorithms.md §6; shaped on ``jax_privacy``'s ``DPExecutionPlan``).
+
+A :class:`DPSGDPlan` holds
+
+* ``grad_fn``: a sensitivity-bearing clipped-gradient function (:func:`dpjax.sgd.clipped_grad_sum`
+  by ``vmap(grad)``, :func:`dpjax.sgd.ghost_clipped_grad_sum`, GEP's
+  :func:`dpjax.sgd.embedding_residual_grad_sum`, or ``jax_privacy.clipping.clipped_grad``) that
+  carries its ℓ2 bound Δ;
+* ``batch_selection``: :class:`dpjax.sgd.sampling.PoissonSampling`, with its piece of the ``dp_event``;
+* ``noise``: :func:`dpjax.sgd.dp_noise` built from ``grad_fn`` (so it reads Δ) with the release
+  map the bases ask for (full, flat basis, per-layer one- or two-sided bases, GEP's embedding and
+  residual) — C, σ, Δ and ν cannot disagree between clipping, noise and accountant;
+* ``dp_event``, ``budget`` (ε, δ) and the neighbouring relation (add/remove-one), and optionally
+  a mesh for data parallelism.
+
+It works with any optax optimiser and any params pytree (dicts, Flax NNX ``nnx.split`` state,
+Flax Linen params, Equinox arrays): the user's loop calls ``plan.clipped_sum`` and
+``plan.transform(optimizer)``, or the jitted :meth:`DPSGDPlan.step` / whole-run
+:meth:`DPSGDPlan.run` (one ``lax.scan``).
+
+Privacy (add/remove-one of one example): the released updates of ``steps`` calls of
+``clipped_sum`` (each with a fresh key) followed by the transform are ``(budget.epsilon,
+budget.delta)``-DP: each is the sampled Gaussian mechanism with noise multiplier σ relative to
+the sum's sensitivity Δ (times the release map's ν), composed by ``dp_accounting`` over the
+steps (``dp_event``), plus a private subspace's ``(ε_s, δ_s)`` by basic composition. Using a
+sample more than once, more steps than planned, or bases computed non-privately from the
+training rows voids it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import dp_accounting
+import jax
+import optax
+from dp_accounting import NeighboringRelation
+
+from dpjax import _validation as v
+from dpjax import accounting
+from dpjax.sgd import distributed, gep, noise, sampling
+
+__all__ = ["DPSGDPlan", "dp_sgd_plan"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPSGDPlan:
+  """One DP-SGD configuration (:func:`dp_sgd_plan` makes it; see the module docstring).
+
+  Attributes:
+    grad_fn: the clipped-gradient sum (carries Δ as ``l2_norm_bound``).
+    batch_selection: the :class:`dpjax.sgd.sampling.PoissonSampling` (N, L, micro-batch size).
+    noise: the optax privatiser (:func:`dpjax.sgd.dp_noise`): release map, noise std σΔν,
+      division by L; its key and bases live in its state.
+    noise_multiplier: σ.
+    steps: T, the steps the budget covers.
+    budget: the :class:`dpjax.accounting.DPSGDBudget` (ε, δ under add/remove-one).
+    dp_event: the ``dp_accounting`` event of the T steps (None for σ = 0).
+    accountant: ``"pld"`` or ``"rdp"``.
+    mesh: optional ``jax.sharding.Mesh`` the examples are sharded over (data parallelism).
+    data_axis: the mesh axis of the examples.
+  """
+  grad_fn: Any
+  batch_selection: sampling.PoissonSampling
+  noise: optax.GradientTransformation
+  noise_multiplier: float
+  steps: int
+  budget: accounting.DPSGDBudget
+  dp_event: Any
+  accountant: str
+  mesh: jax.sharding.Mesh | None = None
+  data_axis: str = distributed.DATA_AXIS
+
+  @property
+  def neighbouring(self) -> NeighboringRelation:
+    """The relation the guarantee is stated under: add/remove-one."""
+    return NeighboringRelation.ADD_OR_REMOVE_ONE
+
+  @property
+  def epsilon(self) -> float:
+    return self.budget.epsilon
+
+  @property
+  def delta(self) -> float:
+    return self.budget.delta
+
+  def transform(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``optax.chain(plan.noise, optimizer)``: the privatiser, then any optax optimiser
+    (post-processing)."""
+    _check_optimizer(optimizer)
+    return optax.chain(self.noise, optimizer)
+
+  def init(self, params, optimizer: optax.GradientTransformation):
+    """The optimiser state of :meth:`transform` (checks the bases against ``params``)."""
+    return self.transform(optimizer).init(params)
+
+  def prepare(self, data):
+    """``data`` laid out for :meth:`clipped_sum`: device arrays, sharded over the mesh (padded
+    with rows the sampling never draws) when the plan has one. Call once, outside ``jit``."""
+    n = self.batch_selection.num_examples
+    sizes = {jax.numpy.shape(x)[0] if jax.numpy.ndim(x) else None
+             for x in jax.tree_util.tree_leaves(data)}
+    if sizes != {n}:
+      raise ValueError(f"data must have a leading example axis of num_examples={n} on every "
+                       f"leaf, got {sorted(str(s) for s in sizes)}.")
+    if self.mesh is None:
+      return jax.tree_util.tree_map(jax.numpy.asarray, data)
+    return distributed.shard_examples(data, self.mesh, self.data_axis)[0]
+
+  def clipped_sum(self, params, data, key: jax.Array, opt_state=None):
+    """One step's clipped-gradient sum over a fresh Poisson sample drawn with ``key``
+    (traceable). Feed it to :meth:`transform`'s update; use a fresh key per step.
+
+    ``data`` as :meth:`prepare` returns it. ``opt_state`` (the transform's state) is needed only
+    by GEP's grad sum, which splits by the bases held in the noise state (so the split and the
+    lift always use the same bases).
+    """
+    extra = ()
+    if isinstance(self.grad_fn, gep.EmbeddingResidualGradSum):
+      if opt_state is None:
+        raise ValueError("GEP's clipped sum needs opt_state (its bases live in the noise state).")
+      extra = (noise.noise_state(opt_state).bases,)
+    selection = self.batch_selection
+    if self.mesh is None:
+      return selection.clipped_sum(self.grad_fn, params, data, key, *extra)
+    return distributed.sharded_poisson_clipped_sum(
+        self.grad_fn, params, data, key, num_examples=selection.num_examples,
+        sampling_prob=selection.sampling_prob, microbatch_size=selection.microbatch_size,
+        mesh=self.mesh, data_axis=self.data_axis, extra_args=extra)
+
+  def step(self, params, opt_state, data, key: jax.Array, optimizer):
+    """One DP-SGD step, jitted: ``(params, opt_state)`` after the Poisson sample of ``key``.
+
+    ``opt_state`` from :meth:`init` with the same ``optimizer``; ``data`` from :meth:`prepare`.
+    """
+    return self._jitted("step")(self, optimizer, params, opt_state, data, key)
+
+  def run(self, params, opt_state, data, key: jax.Array, optimizer, *,
+          steps: int | None = None):
+    """``steps`` DP-SGD steps (default: all T the budget covers) as one jitted ``lax.scan``,
+    the step keys split from ``key``; returns ``(params, opt_state)``.
+
+    Calling it again continues the run: the budget covers T steps in all, and the caller keeps
+    the total at most T.
+    """
+    steps = self.steps if steps is None else v.check_int(steps, "steps", low=1, high=self.steps)
+    return self._jitted("run")(self, optimizer, params, opt_state, data, key, steps=steps)
+
+  def update_bases(self, opt_state, *, basis=None, bases=None, tol: float = 1e-3):
+    """New bases for the noise (host side; :func:`dpjax.sgd.update_bases`)."""
+    return noise.update_bases(opt_state, basis=basis, bases=bases, tol=tol)
+
+  def _jitted(self, which: str):
+    try:
+      hash(self)
+    except TypeError:        # an unhashable grad_fn (e.g. jax_privacy's): one jit per plan
+      return self._own_jit[which]
+    return _STATIC_JIT[which]
+
+  @functools.cached_property
+  def _own_jit(self):
+    return {"step": jax.jit(_step_impl, static_argnums=(0, 1)),
+            "run": jax.jit(_run_impl, static_argnums=(0, 1), static_argnames=("steps",))}
+
+
+def _check_optimizer(optimizer):
+  if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+    raise TypeError("optimizer must be an optax GradientTransformation (with init and update), "
+                    f"got {type(optimizer).__name__}.")
+
+
+def _step_impl(plan, optimizer, params, opt_state, data, key):
+  summed = plan.clipped_sum(params, data, key, opt_state)
+  updates, opt_state = plan.transform(optimizer).update(summed, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def _run_impl(plan, optimizer, params, opt_state, data, key, *, steps):
+  def body(carry, step_key):
+    return _step_impl(plan, optimizer, *carry, data, step_key), None
+
+  return jax.lax.scan(body, (params, opt_state), jax.random.split(key, steps))[0]
+
+
+_STATIC_JIT = {"step": jax.jit(_step_impl, static_argnums=(0, 1)),
+               "run": jax.jit(_run_impl, static_argnums=(0, 1), static_argnames=("steps",))}
+
+
+def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps: int,
+                key: jax.Array, epsilon: float | None = None, delta: float = 1e-5,
+                noise_multiplier: float | None = None, basis=None, bases=None,
+                subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
+                accountant: str = "pld", tuning: accounting.HyperparameterTuning | None = None,
+                microbatch_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                data_axis: str = distributed.DATA_AXIS, ledger=None,
+                tol: float = 1e-3) -> DPSGDPlan:
+  """Plans DP-SGD on N examples: calibration, batch selection, the noise for ``grad_fn``.
+
+  Either ``epsilon`` (σ is calibrated so that the T steps, plus a private subspace's
+  ``(subspace_epsilon, subspace_delta)``, are ``(epsilon, delta)``-DP) or ``noise_multiplier``
+  (σ given; the budget is what the accountant certifies at ``delta``).
+
+  Privacy: ``(plan.epsilon, plan.delta)``-DP under add/remove-one of one example for everything
+  computed from the T released updates — provided each step draws its sample with
+  :meth:`DPSGDPlan.clipped_sum` (or :meth:`~DPSGDPlan.step`, :meth:`~DPSGDPlan.run`) with a
+  fresh key, passes it to the plan's transform, at most T times, and the bases are public, a DP
+  release accounted in ``subspace_epsilon/delta`` (basic composition), or functions of this
+  run's releases. Reason: each step is the sampled Gaussian mechanism with ℓ2-sensitivity
+  Δ = ``grad_fn.l2_norm_bound`` times the release map's ν, noise std σΔν (Abadi et al. 2016),
+  composed by ``dp_accounting`` (:func:`dpjax.accounting.dpsgd_event`).
+
+  Example (a Flax NNX model, plain DP-SGD)::
+
+      graphdef, params = nnx.split(model, nnx.Param)
+      loss = lambda p, ex: xent(nnx.merge(graphdef, p)(ex[0][None])[0], ex[1])
+      plan = dpjax.sgd.dp_sgd_plan(dpjax.sgd.clipped_grad_sum(loss, clip_norm=1.0),
+                                   num_examples=N, expected_batch_size=256, steps=T,
+                                   epsilon=2.0, delta=1e-5, key=key)
+      opt_state = plan.init(params, optax.adam(1e-3))
+      params, opt_state = plan.run(params, opt_state, plan.prepare((X, y)), key2,
+                                   optax.adam(1e-3))
+
+  Args:
+    grad_fn: sensitivity-bearing clipped-gradient sum (module docstring).
+    num_examples: N ≥ 1, the private training set's size (public).
+    expected_batch_size: L ∈ (0, N]; q = L/N.
+    steps: T ≥ 1.
+    key: PRNG key of the noise stream (kept in the noise state, split every step).
+    epsilon: total ε > 0, or None when ``noise_multiplier`` is given.
+    delta: total δ ∈ (0, 1).
+    noise_multiplier: σ ≥ 0 instead of ``epsilon`` (σ = 0: no privacy, ε = ∞; for tests).
+    basis: optional flat basis ``V (p, k)``; bases: optional per-layer bases (required by GEP's
+      grad sum); see :func:`dpjax.sgd.dp_noise`.
+    subspace_epsilon, subspace_delta: a private basis's cost, composed into the total (basic
+      composition, add/remove-one).
+    accountant: ``"pld"`` (default) or ``"rdp"``.
+    tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
+      Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP; no subspace share, no
+      ledger).
+    microbatch_size: rows per jitted micro-batch (per device with a mesh; default
+      :func:`dpjax.sgd.sampling.poisson_sampling`'s).
+    mesh, data_axis: optional mesh to shard the examples over (``plan.prepare`` shards them).
+    ledger: optional :class:`dpjax.ledger.PrivacyLedger` (add/remove-one): the plan's subspace
+      share and T steps are checked against it before anything runs, then recorded (record a
+      private basis here or in the ledger yourself, not both).
+    tol: accepted spectral distance of bases from orthonormality.
+
+  Returns:
+    A :class:`DPSGDPlan`.
+
+  Raises:
+    TypeError: ``grad_fn`` without an ``l2_norm_bound``; a bad key or mesh.
+    ValueError: neither or both of ``epsilon`` and ``noise_multiplier``; L > N; bad sizes,
+      budgets, bases (as :func:`dpjax.sgd.dp_noise`), tuning (as
+      :func:`dpjax.accounting.plan_dpsgd_budget`), or tuning with a ledger.
+    dpjax.ledger.BudgetExceededError: the plan does not fit ``ledger`` (nothing has run).
+  """
+  noise.l2_norm_bound(grad_fn)
+  v.check_key(key)
+  steps = v.check_int(steps, "steps", low=1)
+  delta = v.check_delta(delta)
+  v.check_choice(accountant, "accountant", accounting.ACCOUNTANTS)
+  devices = 1 if mesh is None else distributed.check_mesh(mesh, data_axis)
+  selection = sampling.poisson_sampling(num_examples, expected_batch_size,
+                                        microbatch_size=microbatch_size, devices=devices)
+  q = selection.sampling_prob
+  if (epsilon is None) == (noise_multiplier is None):
+    raise ValueError("give exactly one of epsilon (σ is calibrated) and noise_multiplier.")
+  if tuning is not None and ledger is not None:
+    raise ValueError("tuning with a ledger: a plan is one run of the tuning, whose cost is the "
+                     "whole tuning's; record accounting.tuning_event(...) in the ledger once.")
+  if epsilon is not None:
+    budget = accounting.plan_dpsgd_budget(
+        v.check_positive(epsilon, "epsilon"), delta, sampling_prob=q, steps=steps,
+        subspace_epsilon=subspace_epsilon, subspace_delta=subspace_delta, accountant=accountant,
+        tuning=tuning)
+  else:
+    budget = _given_sigma_budget(noise_multiplier, q, steps, delta, subspace_epsilon,
+                                 subspace_delta, accountant, tuning)
+  sigma = budget.noise_multiplier
+  transform = noise.dp_noise(grad_fn, noise_multiplier=sigma,
+                             expected_batch_size=selection.expected_batch_size, key=key,
+                             basis=basis, bases=bases, tol=tol)
+  event = accounting.dpsgd_event(sigma, q, steps) if sigma > 0 else None
+  if ledger is not None:
+    record_budget(ledger.copy(), budget)      # check the whole plan first, then record it
+    record_budget(ledger, budget)
+  return DPSGDPlan(grad_fn=grad_fn, batch_selection=selection, noise=transform,
+                   noise_multiplier=sigma, steps=steps, budget=budget, dp_event=event,
+                   accountant=accountant, mesh=mesh, data_axis=data_axis)
+
+
+def _given_sigma_budget(noise_multiplier, q, steps, delta, subspace_epsilon, subspace_delta,
+                        accountant, tuning) -> accounting.DPSGDBudget:
+  sigma = v.check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
+  sub_eps = v.check_positive(subspace_epsilon, "subspace_epsilon", allow_zero=True)
+  sub_delta = v.check_positive(subspace_delta, "subspace_delta", allow_zero=True)
+  if tuning is not None and (sub_eps > 0 or sub_delta > 0):
+    raise ValueError("tuning cannot repeat a subspace release composed by basic composition.")
+  sgd_eps = (accounting.dpsgd_epsilon(sigma, q, steps, delta, accountant=accountant,
+                                      tuning=tuning) if sigma > 0 else float("inf"))
+  return accounting.DPSGDBudget(
+      noise_multiplier=sigma, sampling_prob=q, steps=steps, subspace_epsilon=sub_eps,
+      subspace_delta=sub_delta, sgd_epsilon=sgd_eps, sgd_delta=delta,
+      epsilon=sgd_eps + sub_eps, delta=delta + sub_delta,
+      neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE, tuning=tuning)
+
+
+def record_budget(ledger, budget: accounting.DPSGDBudget) -> None:
+  """Records a DP-SGD budget in a :class:`dpjax.ledger.PrivacyLedger`: its subspace share (approx
+  DP) and its T steps (the DP-SGD event); refused, recording nothing, if over budget. Pass
+  ``ledger.copy()`` to check a plan before anything runs."""
+  if budget.subspace_epsilon > 0 or budget.subspace_delta > 0:
+    ledger.record_approx_dp(budget.subspace_epsilon, budget.subspace_delta,
+                            label="private subspace (composed into the DP-SGD plan)",
+                            neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE)
+  if budget.noise_multiplier <= 0:
+    ledger.record_event(dp_accounting.NonPrivateDpEvent(), label="DP-SGD with σ = 0")
+  else:
+    ledger.record_dpsgd(noise_multiplier=budget.noise_multiplier,
+                        sampling_prob=budget.sampling_prob, steps=budget.steps)

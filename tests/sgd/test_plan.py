@@ -1,0 +1,315 @@
+"""dp_sgd_plan: clipping, batch selection, noise and accounting bound in one object (C, σ, Δ and
+L cannot disagree); the whole Poisson sample summed in one call; step and run (docs/algorithms.md
+§6)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from dp_accounting import NeighboringRelation
+
+from dpjax import accounting, sgd
+from dpjax.ledger import BudgetExceededError, PrivacyLedger
+from dpjax.sgd import noise, sampling
+from helpers import normal
+
+N, D = 400, 5
+_rng = np.random.default_rng(0)
+X = jnp.asarray(_rng.normal(size=(N, D)), jnp.float32)
+W_TRUE = jnp.arange(1.0, D + 1.0)
+DATA = (X, X @ W_TRUE)
+
+
+def loss_fn(w, example):
+  x, y = example
+  return (x @ w - y) ** 2
+
+
+# The reference masked sum at C = 1, jitted once for the module (op by op it compiles ~30 ops).
+_masked_sum = jax.jit(sgd.clipped_grad_sum(loss_fn, clip_norm=1.0))
+
+
+def _plan(grad_fn=None, **kw):
+  """A plan on the module's data; σ given (no calibration) unless the test asks for ε."""
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0) if grad_fn is None else grad_fn
+  args = dict(num_examples=N, expected_batch_size=40, steps=5, key=jax.random.key(0)) | kw
+  if "epsilon" not in args:
+    args.setdefault("noise_multiplier", 0.0)
+  return sgd.dp_sgd_plan(grad_fn, **args)
+
+
+@pytest.mark.slow(reason="a README-style loop learns within budget; test_docs runs the README's "
+                         "own loop by default")
+def test_the_readme_loop_learns_within_its_budget():
+  """The user's own optax loop: plan.clipped_sum and plan.transform; σ calibrated by PLD."""
+  params, steps = jnp.zeros(D), 150
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=5.0)
+  plan = sgd.dp_sgd_plan(grad_fn, epsilon=2.0, delta=1e-5, num_examples=N,
+                         expected_batch_size=40, steps=steps, key=jax.random.key(0))
+  tx = plan.transform(optax.adam(0.05))
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, step_key):
+    grads = plan.clipped_sum(params, DATA, step_key)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for step_key in jax.random.split(jax.random.key(1), steps):
+    params, opt_state = step(params, opt_state, step_key)
+  assert float(jnp.linalg.norm(params - W_TRUE)) < 0.5          # from ‖W‖ = 7.4 at the start
+  assert plan.epsilon <= 2.0 and plan.delta <= 1e-5 * (1 + 1e-12)
+  assert plan.budget.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
+  assert plan.dp_event == accounting.dpsgd_event(plan.noise_multiplier, 40 / N, steps)
+  assert accounting.dpsgd_epsilon(plan.noise_multiplier, 40 / N, steps, 1e-5,
+                                  accountant="pld") <= 2.0
+
+
+def test_clipped_sum_equals_the_host_side_microbatch_layout():
+  """Every sampled example once: the traceable sum over the Poisson sample of the key equals
+  the masked sum over all rows and the host-side layout (poisson_microbatches) summed by
+  accumulate_microbatches, whose padding micro-batches add nothing."""
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  plan = _plan(grad_fn, expected_batch_size=50, microbatch_size=7)     # many micro-batches
+  assert plan.batch_selection.microbatch_size == 7
+  params = jnp.ones(D)
+  key = jax.random.key(5)
+  mask = np.asarray(sampling.poisson_mask(key, N, 50 / N))
+  expected = _masked_sum(params, DATA, jnp.asarray(mask))             # one pass over all rows
+  got = plan.clipped_sum(params, plan.prepare(DATA), key)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+  indices, m = sampling.poisson_microbatches(key, N, 50 / N, 7)
+  padded = sampling.accumulate_microbatches(
+      grad_fn, params, DATA, jnp.concatenate([jnp.asarray(indices), jnp.zeros((3, 7),
+                                                                              jnp.int32)]),
+      jnp.concatenate([jnp.asarray(m), jnp.zeros((3, 7), bool)]))
+  np.testing.assert_allclose(np.asarray(padded), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_divides_by_the_expected_not_the_realised_batch_size():
+  """σ = 0 and SGD at rate 1: the step moves the params by −S/L with S the clipped sum over the
+  sample and L the public expected batch size (never the realised size |sample|)."""
+  plan = _plan(expected_batch_size=40)
+  opt = optax.sgd(1.0)
+  params = jnp.ones(D)
+  key = jax.random.key(6)
+  new, _ = plan.step(params, plan.init(params, opt), plan.prepare(DATA), key, opt)
+  mask = np.asarray(sampling.poisson_mask(key, N, 40 / N))
+  summed = np.asarray(_masked_sum(params, DATA, jnp.asarray(mask)), np.float64)
+  moved = np.asarray(params - new, np.float64)
+  np.testing.assert_allclose(moved, summed / 40.0, rtol=1e-5, atol=1e-6)
+  assert mask.sum() != 40 and not np.allclose(moved, summed / mask.sum())
+
+
+def test_run_is_a_loop_of_steps_with_the_split_keys():
+  """``run`` (one lax.scan) = ``step`` over ``split(key, steps)``, the noise stream carried in
+  the optimiser state; a run asks for at most the planned steps."""
+  plan = _plan(noise_multiplier=1.0, accountant="rdp", steps=3)
+  opt = optax.sgd(0.05)
+  params = jnp.zeros(D)
+  data = plan.prepare(DATA)
+  state0 = plan.init(params, opt)
+  key = jax.random.key(7)
+  p, s = params, state0
+  for k in jax.random.split(key, 3):
+    p, s = plan.step(p, s, data, k, opt)
+  run_p, run_s = plan.run(params, state0, data, key, opt)
+  np.testing.assert_allclose(np.asarray(run_p), np.asarray(p), rtol=1e-5, atol=1e-6)
+  assert jnp.array_equal(jax.random.key_data(noise.noise_state(run_s).key),
+                         jax.random.key_data(noise.noise_state(s).key))
+  assert not np.allclose(np.asarray(p), 0.0)
+  with pytest.raises(ValueError, match="steps"):
+    plan.run(params, state0, data, key, opt, steps=4)
+
+
+def test_prepare_places_the_data_and_checks_the_example_axis():
+  plan = _plan()
+  prepared = plan.prepare((np.asarray(X), np.asarray(DATA[1])))
+  assert all(isinstance(x, jax.Array) for x in prepared)
+  np.testing.assert_array_equal(prepared[0], X)
+  with pytest.raises(ValueError, match="num_examples=400"):
+    plan.prepare((X[:300], DATA[1][:300]))
+  with pytest.raises(ValueError, match="num_examples=400"):
+    plan.prepare((X, DATA[1][:300]))
+  with pytest.raises(TypeError, match="optimizer"):
+    plan.transform(0.1)
+
+
+def test_the_noise_is_sigma_times_the_carried_clip_norm():
+  """C comes from the clipped function: the plan's noise std is σ·C / L."""
+  C, sigma, L = 3.0, 2.0, 10.0
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=C)
+  plan = _plan(grad_fn, noise_multiplier=sigma, expected_batch_size=L, steps=1, accountant="rdp")
+  zeros = jnp.zeros(2_000)
+  state = plan.init(zeros, optax.identity())
+  assert float(noise.noise_state(state).noise_std) == pytest.approx(sigma * C)
+  out, _ = plan.noise.update(zeros, plan.noise.init(zeros))
+  std = float(jnp.std(out))
+  assert abs(std - sigma * C / L) < 0.05 * sigma * C / L
+  assert noise.l2_norm_bound(grad_fn) == C and plan.noise_multiplier == sigma
+  assert grad_fn.sensitivity() == C
+  assert grad_fn.sensitivity(NeighboringRelation.REPLACE_ONE) == 2 * C
+
+
+def test_a_basis_puts_the_noise_in_its_span_and_update_bases_refreshes_it():
+  V = jnp.asarray(np.linalg.qr(np.asarray(normal(3, (D, 2))))[0])
+  plan = _plan(noise_multiplier=1.0, accountant="rdp", steps=10, basis=V)
+  tx = plan.transform(optax.sgd(0.1))
+  state = plan.init(jnp.zeros(D), optax.sgd(0.1))
+  assert noise.noise_state(state).release == "flat"
+  updates, state = tx.update(plan.clipped_sum(jnp.zeros(D), DATA, jax.random.key(1)), state)
+  u = np.asarray(updates, np.float64) / -0.1
+  Vn = np.asarray(V, np.float64)
+  np.testing.assert_allclose(u, Vn @ (Vn.T @ u), atol=1e-5)
+  V2 = jnp.asarray(np.linalg.qr(np.asarray(normal(4, (D, 2))))[0])
+  state = plan.update_bases(state, basis=V2)
+  updates, _ = tx.update(plan.clipped_sum(jnp.zeros(D), DATA, jax.random.key(2)), state)
+  u = np.asarray(updates, np.float64) / -0.1
+  Vn = np.asarray(V2, np.float64)
+  np.testing.assert_allclose(u, Vn @ (Vn.T @ u), atol=1e-5)
+  assert not np.allclose(u, np.asarray(V, np.float64) @ (np.asarray(V, np.float64).T @ u),
+                         atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------ accounting
+
+def test_sigma_is_calibrated_by_pld_by_default_and_by_rdp_on_request():
+  """q = 1, T = 1 (PLD calibrates in about a second there; at q ≈ 0.03 it takes tens)."""
+  kw = dict(epsilon=1.0, delta=1e-5, expected_batch_size=N, steps=1)
+  pld = _plan(**kw)
+  assert pld.accountant == "pld"
+  assert pld.noise_multiplier == accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1,
+                                                                       accountant="pld")
+  assert accounting.dpsgd_epsilon(pld.noise_multiplier, 1.0, 1, 1e-5,
+                                  accountant="pld") <= 1.0 + 1e-9
+  assert pld.epsilon <= 1.0 + 1e-9 and pld.delta == pytest.approx(1e-5)
+  rdp = _plan(accountant="rdp", **kw)
+  assert rdp.accountant == "rdp"
+  assert rdp.noise_multiplier == accounting.calibrate_noise_multiplier(1.0, 1e-5, 1.0, 1)
+  assert rdp.noise_multiplier > pld.noise_multiplier          # PLD is the tighter accountant
+
+
+def test_noise_multiplier_instead_of_epsilon_certifies_the_budget():
+  kw = dict(noise_multiplier=2.0, expected_batch_size=40, steps=5)
+  pld = _plan(**kw)
+  rdp = _plan(accountant="rdp", **kw)
+  assert pld.epsilon == pytest.approx(accounting.dpsgd_epsilon(2.0, 40 / N, 5, 1e-5,
+                                                               accountant="pld"))
+  assert rdp.epsilon == pytest.approx(accounting.dpsgd_epsilon(2.0, 40 / N, 5, 1e-5))
+  assert pld.epsilon <= rdp.epsilon                                # PLD is the tighter one
+  assert pld.noise_multiplier == 2.0 and pld.steps == 5
+  assert pld.dp_event == accounting.dpsgd_event(2.0, 40 / N, 5)
+  assert pld.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
+  shared = _plan(subspace_epsilon=0.25, subspace_delta=1e-7, **kw)
+  assert shared.epsilon == pytest.approx(pld.epsilon + 0.25)
+  assert shared.delta == pytest.approx(1e-5 + 1e-7)
+  free = _plan(noise_multiplier=0.0)                    # σ = 0: no privacy, for tests
+  assert free.epsilon == float("inf") and free.dp_event is None
+
+
+def test_a_private_subspace_cost_is_composed_into_the_total():
+  # RDP: at ε = 1 (σ ≈ 3) its calibrations take ~0.7 s each (PLD's several seconds).
+  kw = dict(epsilon=1.0, delta=1e-5, steps=50, accountant="rdp")
+  alone = _plan(**kw)
+  shared = _plan(subspace_epsilon=0.25, subspace_delta=2e-6, **kw)
+  assert shared.noise_multiplier > alone.noise_multiplier
+  assert shared.epsilon <= 1.0 + 1e-9 and shared.delta <= 1e-5 * (1 + 1e-9)
+  assert shared.budget.subspace_epsilon == 0.25 and shared.budget.subspace_delta == 2e-6
+
+
+def test_a_ledger_is_checked_before_anything_runs_then_records_the_plan():
+  ledger = PrivacyLedger(1.0, 1e-5)                            # RDP, as the plans below
+  kw = dict(noise_multiplier=2.0, steps=5, accountant="rdp", subspace_epsilon=0.1,
+            subspace_delta=1e-7)
+  plan = _plan(ledger=ledger, **kw)
+  assert len(ledger.entries) == 2                               # the subspace share, the steps
+  assert ledger.spent.epsilon <= 1.0 and ledger.spent.epsilon >= plan.budget.sgd_epsilon
+  before = (ledger.entries, ledger.spent)
+  with pytest.raises(BudgetExceededError):
+    _plan(ledger=ledger, **kw)                                  # a second one does not fit
+  assert (ledger.entries, ledger.spent) == before               # and nothing was recorded
+
+
+# ------------------------------------------------------------------------------ other grad fns
+
+def test_jax_privacy_clipped_grad_carries_its_bound_into_the_noise():
+  clipping = pytest.importorskip("jax_privacy.clipping")
+  theirs = clipping.clipped_grad(lambda w, batch: jnp.sum(jax.vmap(loss_fn, (None, 0))(w, batch)),
+                                 l2_clip_norm=2.0, batch_argnums=1)
+  plan = _plan(theirs, noise_multiplier=1.5, accountant="rdp")
+  state = noise.noise_state(plan.init(jnp.zeros(D), optax.sgd(0.1)))
+  assert float(state.base_std) == pytest.approx(1.5 * 2.0)
+
+
+@pytest.mark.slow(reason="jax_privacy's clipped_grad drives a plan step; the default run checks "
+                         "that its bound reaches the noise")
+def test_interoperates_with_jax_privacy_clipped_grad():
+  """jax_privacy's clipped_grad drives the plan (C read from its l2_norm_bound, padding passed
+  as is_padding_example), its clipped sum equals dpjax's on the same sample, and a jitted step
+  runs with it."""
+  clipping = pytest.importorskip("jax_privacy.clipping")
+  C = 2.0
+  theirs = clipping.clipped_grad(lambda w, batch: jnp.sum(jax.vmap(loss_fn, (None, 0))(w, batch)),
+                                 l2_clip_norm=C, batch_argnums=1)
+  ours = sgd.clipped_grad_sum(loss_fn, clip_norm=C)
+  params = jnp.ones(D)
+  np.testing.assert_allclose(np.asarray(theirs(params, DATA)),
+                             np.asarray(ours(params, DATA, jnp.ones(N))), rtol=1e-4, atol=1e-4)
+  plan_theirs = _plan(theirs, noise_multiplier=1.0, accountant="rdp")
+  plan_ours = _plan(ours, noise_multiplier=1.0, accountant="rdp")
+  key = jax.random.key(9)
+  np.testing.assert_allclose(np.asarray(plan_theirs.clipped_sum(params, DATA, key)),
+                             np.asarray(plan_ours.clipped_sum(params, DATA, key)),
+                             rtol=1e-4, atol=1e-4)
+  assert theirs.sensitivity(NeighboringRelation.ADD_OR_REMOVE_ONE) == ours.sensitivity()
+  opt = optax.sgd(0.01)
+  steps = [plan.step(params, plan.init(params, opt), plan.prepare(DATA), key, opt)[0]
+           for plan in (plan_theirs, plan_ours)]
+  np.testing.assert_allclose(np.asarray(steps[0]), np.asarray(steps[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_gep_clipped_sum_needs_the_noise_state_for_its_bases():
+  loss = lambda p, ex: loss_fn(p["w"][:, 0], ex)                  # noqa: E731
+  fn = sgd.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.5)
+  plan = _plan(fn, bases={"w": jnp.eye(D, 2)})
+  with pytest.raises(ValueError, match="opt_state"):
+    plan.clipped_sum({"w": jnp.zeros((D, 1))}, DATA, jax.random.key(0))
+
+
+# ------------------------------------------------------------------------------- bad arguments
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(noise_multiplier=None), ValueError, "exactly one"),
+    (dict(epsilon=1.0, noise_multiplier=1.0), ValueError, "exactly one"),
+    (dict(epsilon=1.0, expected_batch_size=N + 1), ValueError, "num_examples"),
+    (dict(epsilon=-1.0), ValueError, "epsilon"),
+    (dict(epsilon=1.0, delta=0.0), ValueError, "delta"),
+    (dict(noise_multiplier=-1.0), ValueError, "noise_multiplier"),
+    (dict(steps=0), ValueError, "steps"),
+    (dict(key=0), TypeError, "key"),
+    (dict(accountant="gdp"), ValueError, "accountant"),
+    (dict(microbatch_size=0), ValueError, "microbatch_size"),
+    (dict(mesh="cpu"), TypeError, "Mesh"),
+    (dict(basis=jnp.ones((D, 2))), ValueError, "orthonormal"),
+    (dict(basis=jnp.eye(D, 2), bases={"w": None}), ValueError, "not both"),
+    (dict(epsilon=1.0, tuning=accounting.HyperparameterTuning(3.0), accountant="rdp",
+          ledger=PrivacyLedger(1.0, 1e-5)), ValueError, "tuning_event"),
+    (dict(epsilon=1.0, tuning=accounting.HyperparameterTuning(3.0)), ValueError,
+     "accountant='rdp'"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
+    _plan(**kwargs)
+
+
+def test_a_function_without_a_sensitivity_is_refused():
+  plain = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0).fun       # C dropped
+  with pytest.raises(TypeError, match="l2_norm_bound"):
+    _plan(plain, epsilon=1.0)
+  forged = dataclasses.replace(sgd.clipped_grad_sum(loss_fn, clip_norm=1.0),
+                               l2_norm_bound=float("nan"))
+  with pytest.raises(ValueError, match="l2_norm_bound"):
+    _plan(forged, epsilon=1.0)
