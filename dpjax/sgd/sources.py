@@ -23,6 +23,7 @@ A flat basis goes to the plan as ``basis=``; an input-side basis into a per-laye
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -33,7 +34,6 @@ from dp_accounting import NeighboringRelation
 from jax.flatten_util import ravel_pytree
 
 from dpjax import _validation as v
-from dpjax import linalg
 from dpjax.results import SubspaceResult
 from dpjax.subspace import baselines
 from dpjax.subspace.approximate import dpase_gathered
@@ -240,17 +240,15 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
     raise ValueError(f"public_data needs at least k={k} examples, got {m}.")
   G = flat_per_example_grads(loss_fn, params, public_data)
   G = v.check_data(G, "public per-example gradients")
-  # Scale-safe: the block is normalised by a power of two first, so gradients of any size give
-  # a finite basis. The check below only guards that promise; it touches public data alone.
-  basis = linalg.top_k_right_singular_vectors(G, k)
-  ok = v.all_finite(basis)
-  if v.is_traced(G, ok):              # ok is staged under jit even for a closed-over G
-    ok, basis = v.domain_bottom(G, ok, basis)
-  elif not bool(ok):
+  # The public gradients' top-k right singular subspace: the non-private baseline's computation
+  # (scale-safe; ⊥ under jit), released here at no cost to the private rows.
+  try:
+    result = baselines.pca_subspace(G, k=k)
+  except ValueError as e:
     raise ValueError("public_gradient_subspace could not compute a finite basis from the "
-                     f"public per-example gradients (dtype {G.dtype}); use float64 parameters.")
-  return SubspaceResult(ok=ok, basis=basis, epsilon=0.0, delta=0.0, neighbouring=None,
-                        info={"num_public": int(m)})
+                     f"public per-example gradients (dtype {G.dtype}); use float64 "
+                     "parameters.") from e
+  return dataclasses.replace(result, epsilon=0.0, delta=0.0, info={"num_public": int(m)})
 
 
 def public_input_basis(public_inputs, rank: int) -> np.ndarray:

@@ -715,6 +715,46 @@ def test_per_part_audit_catches_noise_calibrated_to_one(audit_trials):
   _control("GEP per-part: noise for Δ = 1", claimed, lb, n)
 
 
+@functools.cache
+def _ghost_gep_program():
+  """GEP by ghost clipping (:func:`dpjax.sgd.ghost_clipped_grad_sum` with ``embedding_clip``,
+  ``residual_clip``, joint: Δ = 1): the linear model written with ``dense`` (w (8, 1)), the
+  input-side basis e1 (8, 1), clips (1, 0.5). The canary 5·e_0 lies in the residual (scaled by
+  1/C_ρ to 10, clipped to 1): the feature, the canary's coordinate, moves by C_ρ against noise
+  of std C_ρ·σ. The ghost split's norms are exact block identities, not per-example gradients."""
+  clips = _GEP_CLIPS[True]
+  grad_fn = sgd.ghost_clipped_grad_sum(_ghost_apply, _ghost_loss, embedding_clip=clips[0],
+                                       residual_clip=clips[1], joint=True)
+  params = {"l": {"w": np.zeros((8, 1), np.float32)}}
+  bases = {"l": {"w": np.eye(8, 1, -1, dtype=np.float32)}}
+  plan = _sgd_plan(grad_fn, bases=bases)
+  program = _program(grad_fn, params, _linear_rows(), lambda u: u["l"]["w"][0, 0], bases=bases)
+
+  def state(sigma=1.0):
+    return sgd.dp_noise(grad_fn, noise_multiplier=sigma, expected_batch_size=6,
+                        key=jax.random.key(0), bases=bases).init(params)
+  return program, plan.epsilon, state
+
+
+def test_ghost_gep_dp_sgd_step_with_a_canary(audit_trials):
+  """GEP's embedding/residual split by ghost clipping, one joint clip (Δ = 1; issue 35 §3)."""
+  n = audit_trials(5_000, 100_000)
+  program, claimed, state = _ghost_gep_program()
+  lb = _audit_step(jax.random.key(65), program, state(), n, _batch(audit_trials))
+  _check("ghost GEP DP-SGD step, joint clip (Δ = 1)", claimed, lb, n)
+
+
+@pytest.mark.slow(reason="negative control for the ghost GEP step (σ/3); test_auditor checks "
+                         "the power")
+def test_ghost_gep_audit_catches_too_little_noise(audit_trials):
+  """Negative control (not in EXPECTED): the ghost GEP step with the noise of σ/3 under the
+  claim for σ."""
+  n = audit_trials(10_000, 100_000)
+  program, claimed, state = _ghost_gep_program()
+  lb = _audit_step(jax.random.key(66), program, state(1.0 / 3.0), n, _batch(audit_trials))
+  _control("ghost GEP joint: noise σ/3", claimed, lb, n)
+
+
 # ------------------------------------------------------------------ Ashtiani–Liaw: PPME, masking
 
 
@@ -1091,13 +1131,15 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
             "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
             "AL exact subspace", "Analyze Gauss",
-            # DP-SGD, one step of the plan: each clipped-gradient function (vmap, ghost, GEP's
-            # two clippings) and each release map of dp_noise (full, flat, per-layer, two-sided,
-            # embedding+residual), each with a negative control below (issue 35 §3)
+            # DP-SGD, one step of the plan: each clipped-gradient function (vmap, ghost, GEP by
+            # vmap and by ghost, GEP's two clippings) and each release map of dp_noise (full,
+            # flat, per-layer, two-sided, embedding+residual), each with a negative control below
+            # (issue 35 §3)
             "DP-SGD step", "ghost DP-SGD step", "subspace DP-SGD step",
             "subspace DP-SGD step, stretching basis",
             "per-layer subspace DP-SGD step", "two-sided per-layer subspace DP-SGD step",
             "GEP DP-SGD step, joint clip (Δ = 1)", "GEP DP-SGD step, per-part clips (Δ = √2)",
+            "ghost GEP DP-SGD step, joint clip (Δ = 1)",
             "PPME (euclidean)", "PPME test bit (euclidean)", "covariance masking",
             "AL covariance", "AL covariance test bit", "CoinPress mean",
             "CoinPress covariance", "HVZ centred covariance", "HVZ PMM level counts",
