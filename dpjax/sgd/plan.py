@@ -118,6 +118,12 @@ class DPSGDPlan:
     by GEP's grad sum, which splits by the bases held in the noise state (so the split and the
     lift always use the same bases).
     """
+    n = self.batch_selection.num_examples
+    rows = {jax.numpy.shape(x)[0] if jax.numpy.ndim(x) else None
+            for x in jax.tree_util.tree_leaves(data)}
+    if self.mesh is None and rows != {n}:   # with a mesh, prepare() pads to a multiple
+      raise ValueError(f"data must have a leading example axis of num_examples={n} on every "
+                       f"leaf, got {sorted(str(r) for r in rows)} (q = L/N is planned for N).")
     extra = ()
     if isinstance(self.grad_fn, gep.EmbeddingResidualGradSum):
       if opt_state is None:
@@ -135,6 +141,8 @@ class DPSGDPlan:
     """One DP-SGD step, jitted: ``(params, opt_state)`` after the Poisson sample of ``key``.
 
     ``opt_state`` from :meth:`init` with the same ``optimizer``; ``data`` from :meth:`prepare`.
+    The plan and the optimiser are static arguments of the jit: build the optimiser once, not
+    inside the loop (a new ``optax.adam(...)`` object compiles the step again).
     """
     return self._jitted("step")(self, optimizer, params, opt_state, data, key)
 
@@ -219,9 +227,9 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
       plan = dpjax.sgd.dp_sgd_plan(dpjax.sgd.clipped_grad_sum(loss, clip_norm=1.0),
                                    num_examples=N, expected_batch_size=256, steps=T,
                                    epsilon=2.0, delta=1e-5, key=key)
-      opt_state = plan.init(params, optax.adam(1e-3))
-      params, opt_state = plan.run(params, opt_state, plan.prepare((X, y)), key2,
-                                   optax.adam(1e-3))
+      opt = optax.adam(1e-3)      # build once: the optimiser is a static argument of the jit
+      opt_state = plan.init(params, opt)
+      params, opt_state = plan.run(params, opt_state, plan.prepare((X, y)), key2, opt)
 
   Args:
     grad_fn: sensitivity-bearing clipped-gradient sum (module docstring).

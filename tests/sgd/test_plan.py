@@ -136,6 +136,10 @@ def test_prepare_places_the_data_and_checks_the_example_axis():
     plan.prepare((X, DATA[1][:300]))
   with pytest.raises(TypeError, match="optimizer"):
     plan.transform(0.1)
+  # clipped_sum checks the same at trace time: q = L/N is planned for N rows.
+  with pytest.raises(ValueError, match="num_examples=400"):
+    jax.eval_shape(lambda d: plan.clipped_sum(jnp.zeros(D), d, jax.random.key(0)),
+                   (X[:300], DATA[1][:300]))
 
 
 def test_the_noise_is_sigma_times_the_carried_clip_norm():
