@@ -408,7 +408,10 @@ def _run_own_loop(heading, monkeypatch, capsys, *, steps=None, pin=False, replac
 _FEW_STEPS = 4
 
 
-@pytest.mark.parametrize("heading", _OWN_LOOP)
+@pytest.mark.parametrize("heading", [
+    _LOOP_A, *(pytest.param(h, marks=pytest.mark.slow(
+        reason="(b), (c) on 4 steps; the default run checks (a)'s loop, and (b)'s and (c)'s "
+               "release maps in test_engine_grid")) for h in (_LOOP_B, _LOOP_C))])
 def test_readme_own_loop_example_is_private(heading, monkeypatch, capsys):
   """Each "DP-SGD in your own loop" example as written (its loop cut to 4 of its T steps,
   σ pinned to its PLD calibration; the slow test below runs all T): every step draws a fresh

@@ -68,6 +68,13 @@ MODELS = {"dict": _dict_model, "flax_nnx": _nnx_model, "flax_linen": _linen_mode
           "equinox": _equinox_model}
 
 
+def _families(default):
+  """Every family; those not in ``default`` run with --run-slow (each compiles its own step)."""
+  return [f if f in default else pytest.param(f, marks=pytest.mark.slow(
+      reason=f"the {f} params pytree; the default run covers {', '.join(default)}"))
+          for f in MODELS]
+
+
 def _loss(logits):
   def loss(params, example):
     x, y = example
@@ -98,7 +105,7 @@ def _expected_sum(loss, params, data):
   return jax.tree_util.tree_map(lambda g: jnp.einsum("n,n...->...", factor, g), grads)
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", _families(("flax_nnx",)))
 def test_a_plan_step_is_the_clipped_sum_plus_noise_of_std_sigma_delta(family):
   params, logits, _ = MODELS[family]()
   loss, data = _loss(logits), _data()
@@ -121,7 +128,7 @@ def test_a_plan_step_is_the_clipped_sum_plus_noise_of_std_sigma_delta(family):
   assert np.all(np.isfinite(residual))
 
 
-@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("family", _families(("equinox",)))
 def test_per_layer_bases_confine_the_first_layers_release_to_the_input_span(family):
   """A first-layer input basis selected by the leaf's shape (``bases_like``): that leaf's
   release (sum + noise) lies in the span, every other leaf gets full noise."""
@@ -150,6 +157,8 @@ def test_per_layer_bases_confine_the_first_layers_release_to_the_input_span(fami
   assert projected == 1
 
 
+@pytest.mark.slow(reason="GEP on Flax NNX and Equinox params; the default run checks GEP on "
+                         "dicts (test_engine_grid) and these pytrees with the other releases")
 @pytest.mark.parametrize("family", ["flax_nnx", "equinox"])
 def test_gep_with_trajectory_bases_runs_on_the_models_params(family):
   """GEP's embedding/residual split over per-layer trajectory bases of the params pytree:

@@ -68,6 +68,9 @@ def test_the_readme_loop_learns_within_its_budget():
                                   accountant="pld") <= 2.0
 
 
+@pytest.mark.slow(reason="the plan's clipped sum against the host-side micro-batch layout; "
+                         "test_sampling checks the layout and test_engine_grid the plan's sums "
+                         "by default")
 def test_clipped_sum_equals_the_host_side_microbatch_layout():
   """Every sampled example once: the traceable sum over the Poisson sample of the key equals
   the masked sum over all rows and the host-side layout (poisson_microbatches) summed by
