@@ -8,4 +8,4 @@ from dpjax.classic.erm import (ERMParameters, ObjectivePerturbationBudget, defau
                                objective_perturbation_budget, one_vs_rest, one_vs_rest_core,
                                output_perturbation, predict)
 from dpjax.classic.pca import (bingham_sample, matrix_bingham_sample, mod_sulq, mod_sulq_beta,
-                               mod_sulq_core, ppca, ppca_core, second_moment)
+                               mod_sulq_core, ppca, ppca_core, scatter_matrix)

@@ -105,7 +105,7 @@ def _row_norms(X: np.ndarray) -> np.ndarray:
   return top * np.linalg.norm(X / safe[:, None], axis=1)
 
 
-def second_moment(X, *, data_norm: float = 1.0, clip: bool = False) -> np.ndarray:
+def scatter_matrix(X, *, data_norm: float = 1.0, clip: bool = False) -> np.ndarray:
   """``S = Σ_i u_i u_iᵀ`` (float64), ``u_i = x_i / data_norm`` (clipped to the unit ball): the
   input of :func:`mod_sulq_core` and :func:`ppca_core` (``S = n A`` in the paper's notation).
 
@@ -119,11 +119,11 @@ def second_moment(X, *, data_norm: float = 1.0, clip: bool = False) -> np.ndarra
     TypeError: under tracing (use the wrappers there).
   """
   if v.is_traced(X):
-    raise TypeError("second_moment needs a concrete X; under jit call mod_sulq / ppca.")
+    raise TypeError("scatter_matrix needs a concrete X; under jit call mod_sulq / ppca.")
   X64, mantissa, exponent, _ = _check_rows(X, data_norm, clip)
   # S = Σ u uᵀ, u = x / max(C, ‖x‖) with C = mantissa·2^exponent: the rows' scale-safe
   # normalisation of dpjax.subspace.analyze_gauss, in float64.
-  return float64("second_moment", _unit_second_moment, X64, mantissa, exponent)
+  return float64("scatter_matrix", _unit_second_moment, X64, mantissa, exponent)
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def mod_sulq_core(key: jax.Array, S: jax.Array, noise_std, *, k: int) -> jax.Arr
 
   ``E`` symmetric, upper triangle and diagonal i.i.d. ``N(0, noise_std²)``, in S's dtype (run
   under ``jax.enable_x64(True)`` with float64 S for the wrapper's precision, as :func:`mod_sulq`
-  does). With ``S = second_moment(X)`` (= nA) and ``noise_std = n·mod_sulq_beta(n, d, ε, δ)``
+  does). With ``S = scatter_matrix(X)`` (= nA) and ``noise_std = n·mod_sulq_beta(n, d, ε, δ)``
   this is ``mod_sulq(..., secure=False)``: (ε, δ)-DP in real arithmetic under replace-one. No
   validation: ``jax.jit`` / ``jax.vmap`` it over keys.
 
@@ -586,7 +586,7 @@ def ppca_core(key: jax.Array, S: jax.Array, epsilon, *, k: int,
               batch_size: int = DEFAULT_BATCH_SIZE) -> jax.Array:
   """Traceable PPCA: :func:`matrix_bingham_sample` with ``C = (ε/2)·S``.
 
-  ``S = second_moment(X)`` (= nA, rows in the unit ball; ``tr(VᵀSV)`` is the score of
+  ``S = scatter_matrix(X)`` (= nA, rows in the unit ball; ``tr(VᵀSV)`` is the score of
   sensitivity 1). ε-DP under replace-one for k = 1; for k > 1 only in the sampler's limit
   (``num_sweeps → ∞``; see :func:`ppca`). The basis is Haar-random within the sampled
   subspace. Runs in S's dtype: call it under ``jax.enable_x64(True)`` with float64 S, as

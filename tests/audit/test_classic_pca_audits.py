@@ -42,8 +42,8 @@ def _lower_bound(key, run, X, X_prime, trials, delta):
   √Π₀₀ of the released projector Π = v̂v̂ᵀ: a function of the subspace, which is what the
   mechanisms release — PPCA's basis carries a uniform random sign, its k = 1 Haar rotation)."""
   k1, k2 = jax.random.split(key)
-  a = _features(k1, run, pca.second_moment(X), trials)
-  b = _features(k2, run, pca.second_moment(X_prime), trials)
+  a = _features(k1, run, pca.scatter_matrix(X), trials)
+  b = _features(k2, run, pca.scatter_matrix(X_prime), trials)
   return audit.epsilon_lower_bound(np.round(a, 1), np.round(b, 1), delta=delta)[0]
 
 

@@ -161,7 +161,7 @@ def test_bingham_determinism_and_vmap():
 
 def test_gibbs_orthonormal_recovers_spike_and_is_deterministic():
   """k = 2 on a spiked second moment (λ2 − λ3 ≈ 0.25, nε/2 = 4000): the top-2 subspace."""
-  S = pca.second_moment(_unit_rows(3, 400, [3.0, 2.5, 1.0, 1.0, 1.0]))
+  S = pca.scatter_matrix(_unit_rows(3, 400, [3.0, 2.5, 1.0, 1.0, 1.0]))
   top = np.linalg.eigh(S)[1][:, ::-1][:, :2]
   with _as_in_the_wrappers():
     S = jnp.asarray(S)
@@ -266,7 +266,7 @@ def test_ppca_k2_haar_rotation_keeps_the_subspace():
 
 def test_ppca_k1_wrapper_equals_core_and_recovers_top_direction():
   res = pca.ppca(jax.random.key(6), X_PLANE, epsilon=2.0, k=1)
-  S = pca.second_moment(X_PLANE)
+  S = pca.scatter_matrix(X_PLANE)
   with _as_in_the_wrappers():
     core = np.asarray(pca.ppca_core(jax.random.key(6), jnp.asarray(S), 2.0, k=1))
   np.testing.assert_allclose(np.asarray(res.basis), core, rtol=1e-6, atol=1e-7)
@@ -372,7 +372,7 @@ def test_sensitivity_of_the_second_moment():
   X[:, 0] = 1.0
   X_prime = X.copy()
   X_prime[0] = [0.0, 1.0, 0.0]
-  delta = pca.second_moment(X) - pca.second_moment(X_prime)
+  delta = pca.scatter_matrix(X) - pca.scatter_matrix(X_prime)
   triu = delta[np.triu_indices(3)]
   assert math.isclose(float(np.linalg.norm(triu)), math.sqrt(2), rel_tol=1e-15)
   assert pca.SECOND_MOMENT_SENSITIVITY == math.sqrt(2)
@@ -383,7 +383,7 @@ def test_mod_sulq_core_is_top_k_of_symmetric_noise_and_vmaps():
   vmap."""
   sigma = 7.0
   with jax.enable_x64(True):
-    S = jnp.asarray(pca.second_moment(X_SPIKED))
+    S = jnp.asarray(pca.scatter_matrix(X_SPIKED))
     got = np.asarray(jax.vmap(lambda key: pca.mod_sulq_core(key, S, sigma, k=2))(KEYS[:2]))
     for i in range(2):
       g = jax.random.normal(KEYS[i], (5, 5), jnp.float64) * sigma
