@@ -204,10 +204,17 @@ def _full(updates, state, batch, scales):
   next_key, noise_key = jax.random.split(state.key)
   leaves, treedef = jax.tree_util.tree_flatten(updates)
   keys = jax.random.split(noise_key, len(leaves))
-  # std and L are cast so that every leaf keeps its dtype.
-  noisy = [(g + state.noise_std.astype(g.dtype) * jax.random.normal(k, g.shape, g.dtype))
-           / jnp.asarray(batch, g.dtype) for g, k in zip(leaves, keys)]
+  noisy = [_noised_leaf(g, state.noise_std, k, batch) for g, k in zip(leaves, keys)]
   return jax.tree_util.tree_unflatten(treedef, noisy), dataclasses.replace(state, key=next_key)
+
+
+def _noised_leaf(g, noise_std, key, batch):
+  """``(g + s·N(0, I)) / L`` for one unprojected leaf, computed in at least float32: the std s
+  (float32, rounded up) is never rounded to a 16-bit value below it, nor the draws to 16-bit
+  values; casting the noisy result back to g's dtype is post-processing."""
+  dtype = jnp.promote_types(g.dtype, jnp.float32)
+  out = g.astype(dtype) + noise_std.astype(dtype) * jax.random.normal(key, g.shape, dtype)
+  return (out / jnp.asarray(batch, dtype)).astype(g.dtype)
 
 
 def _flat(updates, state, batch, scales):
@@ -240,8 +247,7 @@ def _layers(updates, state, batch, scales):
   out = []
   for g, U, k in zip(leaves, leaf_bases, keys):
     if U is None:
-      std = state.noise_std.astype(g.dtype)
-      out.append((g + std * jax.random.normal(k, g.shape, g.dtype)) / jnp.asarray(batch, g.dtype))
+      out.append(_noised_leaf(g, state.noise_std, k, batch))
       continue
     dtype = _coefficient_dtype(g, U)
     coefficients = bases_lib.embed(g.reshape(g.shape[0], -1).astype(dtype), U)

@@ -510,6 +510,28 @@ def test_16_bit_gradients_keep_their_dtype_and_the_basis_precision(dtype):
       assert bool(jnp.all(jnp.isfinite(o)))
 
 
+def test_16_bit_unprojected_leaves_get_the_float32_std_not_a_rounded_down_one():
+  """A 16-bit leaf without a basis is noised in float32 (its std σΔ, rounded up in float32, is
+  not rounded to a smaller bfloat16 value) and only the noisy result is cast back: the update
+  is bfloat16 of the float32 computation with the same draws, for the full release and a
+  per-layer release's unprojected leaf."""
+  sigma = 1.003 / 2.0                       # σΔ = 1.003; bfloat16(1.003) = 1.0 < 1.003
+  assert float(jnp.bfloat16(1.003)) < 1.003
+  params = {"w": jnp.zeros((6, 3), jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
+  for kw in ({}, {"bases": {"w": _orthonormal(jax.random.key(2), 6, 2), "b": None}}):
+    tx = _noise(sigma=sigma, L=1.0, **kw)
+    state = tx.init(params)
+    out, _ = tx.update(params, state)
+    leaves = jax.tree_util.tree_leaves(params)
+    _, noise_key = jax.random.split(state.key)
+    keys = jax.random.split(noise_key, len(leaves))
+    b_index = [i for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(params))
+               if "b" in jax.tree_util.keystr(path)][0]
+    want = (np.float32(state.noise_std) * jax.random.normal(keys[b_index], (3,), jnp.float32)
+            ).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out["b"], np.float32), np.asarray(want, np.float32))
+
+
 # ------------------------------------------------------------- a basis that stretches gradients
 
 def _stretched_basis(p, k, stretch, seed=0):
