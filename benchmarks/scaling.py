@@ -16,7 +16,7 @@ real devices instead.
   4 devices (``mesh=``; on the CPU at n = 10^5, d = 1,000 by default). Each device count runs
   under ``--worker-timeout``; a run that gives no answer is recorded as failed (``null`` in the
   summary) rather than stopping the benchmark.
-* Streaming: ``dpase_streaming`` from a float32 ``np.memmap`` on disk in chunks, with its
+* Streaming: ``dpase`` on chunks of a float32 ``np.memmap`` on disk, with its
   process's peak resident memory (``VmHWM``) next to the ``n·d·4`` bytes the rows take; the
   in-memory DPASE on the file's first ``--n-in-memory`` rows (default min(n, 10^6): its peak
   was 15 GiB of this machine's 23 at 10^6) is timed in the same way.
@@ -158,8 +158,8 @@ def _streaming_worker(args) -> dict:
     jax.block_until_ready(res.basis)
   else:
     start = time.perf_counter()
-    res = subspace.dpase_streaming(jax.random.key(1), _memmap_chunks(args.memmap, n, d, chunk),
-                                   n, d, dtype=np.float32, **kwargs)
+    res = subspace.dpase(jax.random.key(1), _memmap_chunks(args.memmap, n, d, chunk), n=n, d=d,
+                         dtype=np.float32, **kwargs)
     jax.block_until_ready(res.basis)
   seconds = time.perf_counter() - start
   peak = _peak_rss_bytes()

@@ -21,7 +21,7 @@ _SUBPACKAGES = ("accounting", "ashtiani_liaw", "audit", "classic", "coinpress", 
 _NAMES = {"DPResult": "results", "ERMResult": "results", "EstimateResult": "results",
           "GaussianResult": "results", "SubspaceResult": "results",
           "SyntheticDataResult": "results", "calibrate_cell_length": "subspace",
-          "dpase": "subspace", "dpase_parameters": "subspace", "dpase_streaming": "subspace"}
+          "dpase": "subspace", "dpase_parameters": "subspace"}
 
 __all__ = [*_SUBPACKAGES, *_NAMES]
 
@@ -45,4 +45,4 @@ if TYPE_CHECKING:       # what static tools see: the eager imports this module s
                      mechanisms, metrics, results, robust_stats, sgd, subspace, synthetic)
   from dpjax.results import (DPResult, ERMResult, EstimateResult, GaussianResult,
                              SubspaceResult, SyntheticDataResult)
-  from dpjax.subspace import calibrate_cell_length, dpase, dpase_parameters, dpase_streaming
+  from dpjax.subspace import calibrate_cell_length, dpase, dpase_parameters

@@ -44,6 +44,16 @@ def check_positive(value, name: str, *, allow_zero: bool = False,
   return v
 
 
+def check_corruption(corruption, name: str = "corruption") -> float:
+  """Returns the corrupted fraction η as a float; raises unless ``0 <= η < 0.5`` (with half of
+  the rows the adversary can plant a second Gaussian)."""
+  eta = check_positive(corruption, name, allow_zero=True)
+  if not eta < 0.5:
+    raise ValueError(f"{name} must lie in [0, 0.5) (with half of the rows the adversary can "
+                     f"plant a second Gaussian), got {name}={corruption!r}.")
+  return eta
+
+
 def check_int(value, name: str, *, low: int | None = None,
               high: int | None = None) -> int:
   """Returns ``value`` as an int; raises unless it is an integer in ``[low, high]``."""
@@ -76,7 +86,7 @@ def check_choice(value, name: str, choices) -> str:
   return value
 
 
-def check_neighbouring(value, name: str = "neighbouring", choices=None):
+def check_neighboring(value, name: str = "neighboring", choices=None):
   """Returns ``value``, a ``dp_accounting.NeighboringRelation`` among ``choices`` (default: the
   add/remove-one and replace-one relations); raises ``TypeError`` / ``ValueError`` otherwise."""
   choices = choices or (NeighboringRelation.ADD_OR_REMOVE_ONE, NeighboringRelation.REPLACE_ONE)

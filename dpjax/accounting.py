@@ -4,7 +4,7 @@ No RDP or PLD formula is written here: DP-SGD steps are described as ``dp_accoun
 (data, not code) and composed by its accountants. Approximate-DP steps that have no event of their
 own (DPASE, the stability histogram) are composed with the SGD part by basic composition.
 
-Neighbouring relation: DP-SGD with Poisson sampling is accounted under **add/remove-one**
+Neighboring relation: DP-SGD with Poisson sampling is accounted under **add/remove-one**
 (``NeighboringRelation.ADD_OR_REMOVE_ONE``: datasets differ by adding or removing one row), the
 only relation under which ``dp_accounting``'s RDP accountant supports ``PoissonSampledDpEvent``. DPASE run with
 ``partition="random_labels"`` is (ε, δ)-DP under add/remove-one as well, so a private gradient
@@ -29,10 +29,20 @@ import logging
 import math
 from typing import NamedTuple
 
+import attr
 import dp_accounting
+import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax._core.deprecation import renamed_attribute
+
+__all__ = ["DPSGDBudget", "EpsilonDeltaDpEvent", "HyperparameterTuning", "PrivacySpend",
+           "analytic_gaussian_sigma", "calibrate_gaussian_composition",
+           "calibrate_noise_multiplier", "classic_gaussian_sigma", "compose_basic",
+           "compose_events", "dpsgd_budget", "dpsgd_epsilon", "dpsgd_event", "event_epsilon",
+           "gaussian_composition_epsilon", "plan_dpsgd_budget", "rdp_gaussian_sigma",
+           "release_event", "split_event", "tuning_event", "tuning_repetitions"]
 
 ACCOUNTANTS = ("rdp", "pld")
 
@@ -43,16 +53,18 @@ _SIGMA_CEILING = 1e4
 
 
 class PrivacySpend(NamedTuple):
-  """An (ε, δ) guarantee and the neighbouring relation it holds under.
+  """An (ε, δ) guarantee and the neighboring relation it holds under.
 
   Attributes:
     epsilon: ε ≥ 0 in nats.
     delta: δ ∈ [0, 1].
-    neighbouring: a ``dp_accounting.NeighboringRelation``.
+    neighboring: a ``dp_accounting.NeighboringRelation``.
   """
   epsilon: float
   delta: float
-  neighbouring: NeighboringRelation
+  neighboring: NeighboringRelation
+
+  neighbouring = renamed_attribute("neighboring", "neighbouring")
 
 
 class _DropRdpOrderWarnings(logging.Filter):
@@ -80,11 +92,302 @@ def quiet_rdp_logs():
     logger.removeFilter(drop)
 
 
-def _accountant(name: str) -> dp_accounting.PrivacyAccountant:
+def make_accountant(name: str) -> dp_accounting.PrivacyAccountant:
+  """A fresh ``dp_accounting`` accountant: ``"rdp"`` (RDP) or ``"pld"`` (PLD), add/remove-one.
+
+  Raises:
+    ValueError: another name.
+  """
   v.check_choice(name, "accountant", ACCOUNTANTS)
   if name == "rdp":
     return dp_accounting.rdp.RdpAccountant()
   return dp_accounting.pld.PLDAccountant()
+
+
+_accountant = make_accountant
+
+
+# --------------------------------------------------------------------------------------------
+# Every release is a dp_accounting event.
+# --------------------------------------------------------------------------------------------
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class EpsilonDeltaDpEvent(dp_accounting.DpEvent):
+  """A release known only by its (ε, δ)-DP guarantee (DPASE, the stability histogram, a
+  float-safe discrete Gaussian stated by its (ε, δ), ...).
+
+  ``dp_accounting`` has no event for this: its accountants raise ``UnsupportedEventError`` on it.
+  dpjax composes it with everything else by basic composition (:func:`event_epsilon`,
+  :class:`dpjax.ledger.PrivacyLedger`): the ε of such events add up, their δ come off the δ left
+  to the accountant's events (Dwork & Roth 2014, Thm 3.16; docs/algorithms.md §1.8).
+
+  Attributes:
+    epsilon: ε ≥ 0 (nats).
+    delta: δ ∈ [0, 1).
+  """
+  epsilon: float
+  delta: float
+
+
+def release_event(epsilon: float, delta: float) -> dp_accounting.DpEvent:
+  """The event of a release known by its (ε, δ) only: ``NoOpDpEvent`` for (0, 0) (public data
+  alone), ``NonPrivateDpEvent`` for ε = ∞, else :class:`EpsilonDeltaDpEvent`."""
+  epsilon = float(epsilon)
+  delta = float(delta)
+  if math.isinf(epsilon) or delta >= 1.0:
+    return dp_accounting.NonPrivateDpEvent()
+  if epsilon == 0.0 and delta == 0.0:
+    return dp_accounting.NoOpDpEvent()
+  return EpsilonDeltaDpEvent(v.check_positive(epsilon, "epsilon", allow_zero=True),
+                             v.check_probability(delta, "delta", open_low=False))
+
+
+def compose_events(*events: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+  """``ComposedDpEvent`` of ``events`` (adaptive composition), as a hashable tuple of events.
+
+  Raises:
+    TypeError: an argument that is not a ``dp_accounting.DpEvent``.
+  """
+  for event in events:
+    if not isinstance(event, dp_accounting.DpEvent):
+      raise TypeError(f"events must be dp_accounting.DpEvent, got {type(event).__name__}.")
+  return dp_accounting.ComposedDpEvent(tuple(events))
+
+
+class EventParts(NamedTuple):
+  """An event split for composition: the basic-composition part and the accountant's part.
+
+  Attributes:
+    epsilon, delta: the sums of the :class:`EpsilonDeltaDpEvent` leaves (ε = ∞ when a
+      ``NonPrivateDpEvent`` is among them).
+    accountable: the other leaves, for a ``dp_accounting`` accountant (a tuple).
+  """
+  epsilon: float
+  delta: float
+  accountable: tuple
+
+
+def split_event(event: dp_accounting.DpEvent) -> EventParts:
+  """Splits ``event`` into its (ε, δ) leaves and its accountant leaves (:class:`EventParts`).
+
+  ``ComposedDpEvent`` and ``SelfComposedDpEvent`` are flattened (an (ε, δ) leaf repeated c times
+  counts c times); ``NoOpDpEvent`` leaves are dropped; a ``NonPrivateDpEvent`` makes ε = ∞. An
+  event that contains an :class:`EpsilonDeltaDpEvent` inside sampling or tuning cannot be split
+  (no amplification of an (ε, δ) guarantee is applied here): ``ValueError``.
+  """
+  eps, delta, accountable = [0.0], [0.0], []
+
+  def walk(e, count):
+    if isinstance(e, dp_accounting.ComposedDpEvent):
+      for child in e.events:
+        walk(child, count)
+    elif isinstance(e, dp_accounting.SelfComposedDpEvent) and _has_epsilon_delta(e.event):
+      walk(e.event, count * e.count)
+    elif isinstance(e, EpsilonDeltaDpEvent):
+      eps[0] += count * e.epsilon
+      delta[0] += count * e.delta
+    elif isinstance(e, dp_accounting.NoOpDpEvent):
+      pass
+    elif isinstance(e, dp_accounting.NonPrivateDpEvent):
+      eps[0] = math.inf
+    elif _has_epsilon_delta(e):
+      raise ValueError(f"cannot compose {type(e).__name__} around an (ε, δ) release: dpjax "
+                       "applies no amplification to an (ε, δ) guarantee.")
+    else:
+      accountable.extend([e] * count if count > 1 else [e])
+
+  if not isinstance(event, dp_accounting.DpEvent):
+    raise TypeError(f"event must be a dp_accounting.DpEvent, got {type(event).__name__}.")
+  walk(event, 1)
+  return EventParts(eps[0], delta[0], tuple(accountable))
+
+
+def _has_epsilon_delta(event) -> bool:
+  if isinstance(event, EpsilonDeltaDpEvent):
+    return True
+  return any(_has_epsilon_delta(x) for x in attr.astuple(event, recurse=False)
+             if isinstance(x, dp_accounting.DpEvent)) or any(
+                 _has_epsilon_delta(x) for x in getattr(event, "events", ()))
+
+
+@quiet_rdp_logs()
+def event_epsilon(event: dp_accounting.DpEvent, delta: float, *,
+                  accountant: str = "pld") -> float:
+  """ε at total ``delta`` of any event, (ε, δ) leaves included (:func:`split_event`).
+
+  ``ε = Σ ε_i + ε_accountant(δ − Σ δ_i)`` (basic composition of the (ε, δ) leaves with the
+  accountant's composition of the rest); ``Σ ε_i`` alone when there is no other leaf; ∞ when
+  ``Σ δ_i ≥ δ`` or a leaf is not private. The neighboring relation is the one the events are
+  stated under (add/remove-one for the accountants' sampled events).
+
+  Raises:
+    ValueError: δ ∉ (0, 1), an unknown accountant, or an event the accountant cannot compose.
+  """
+  delta = v.check_delta(delta)
+  parts = split_event(event)
+  if not parts.accountable:
+    return parts.epsilon if parts.delta <= delta else math.inf
+  left = delta - parts.delta
+  if left <= 0 or math.isinf(parts.epsilon):
+    return math.inf
+  acc = make_accountant(accountant)
+  composed = dp_accounting.ComposedDpEvent(list(parts.accountable))
+  if not acc.supports(composed):
+    raise ValueError(f"the {accountant!r} accountant cannot compose {composed!r}; use the "
+                     "other accountant, or state the release by its (ε, δ).")
+  return parts.epsilon + float(acc.compose(composed).get_epsilon(left))
+
+
+# --------------------------------------------------------------------------------------------
+# Gaussian σ for a target (ε, δ): one release (analytic, classic, Rényi).
+# --------------------------------------------------------------------------------------------
+
+def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
+  """The smallest σ for which ``N(0, σ²)`` noise is (ε, δ)-DP at ℓ2-sensitivity Δ.
+
+  Solves Balle & Wang's exact condition (2018, Thm 8)
+
+    ``Φ(Δ/(2σ) − εσ/Δ) − e^ε Φ(−Δ/(2σ) − εσ/Δ) ≤ δ``
+
+  with ``dp_accounting``'s solver on the host in float64 (the left side decreases in σ):
+  ``dp_accounting.get_sigma_gaussian`` (dp-accounting ≥ 0.6: Brent's method on the condition in
+  log space with SciPy's log Φ, run to its relative tolerance of 4 ulps, so σ is the root to
+  float64 precision, and σ·(1 − 1e-12) does not meet the condition for ordinary ε, δ); on
+  dp-accounting 0.5, which lacks it, ``GaussianPrivacyLoss.from_privacy_guarantee`` (bisection on
+  the same hockey-stick divergence, returning the end that meets it, within 1e-7 of the root in
+  σ/Δ). Valid for every ε > 0, unlike the classic calibration.
+
+  Args:
+    epsilon: ``ε > 0``.
+    delta: ``δ ∈ (0, 1)``.
+    sensitivity: ℓ2-sensitivity ``Δ > 0`` (default 1).
+
+  Returns:
+    σ as a Python float (``Δ`` times the σ of Δ = 1: the condition depends on σ/Δ only).
+
+  Raises:
+    ValueError: ε not finite and > 0, δ ∉ (0, 1), Δ not finite and > 0 (NaN included), σ
+      overflows float64, or the solver fails in float64 (ε ≳ 1e155).
+    TypeError: a non-real argument.
+
+  References:
+    docs/algorithms.md §1.2; Balle & Wang, "Improving the Gaussian mechanism for differential
+    privacy: analytical calibration and optimal denoising", ICML 2018, Thm 8.
+  """
+  # The condition depends on σ/Δ only: solve at Δ = 1 and scale, so that tiny or huge Δ can
+  # neither underflow the search nor overflow it.
+  return _scaled_sigma(_analytic_unit_sigma, epsilon, delta, sensitivity)
+
+
+def _scaled_sigma(unit_sigma, epsilon, delta, sensitivity) -> float:
+  """``Δ · unit_sigma(ε, δ)`` after validating the arguments; raises if it overflows."""
+  epsilon = v.check_epsilon(epsilon)
+  delta = v.check_delta(delta)
+  sensitivity = v.check_positive(sensitivity, "sensitivity")
+  sigma = sensitivity * unit_sigma(epsilon, delta)
+  if not math.isfinite(sigma):
+    raise ValueError(f"the Gaussian noise std for sensitivity={sensitivity!r} overflows float64.")
+  return sigma
+
+
+@functools.lru_cache(maxsize=512)
+def _analytic_unit_sigma(epsilon: float, delta: float) -> float:
+  """:func:`analytic_gaussian_sigma` at Δ = 1, by ``dp_accounting`` (cached per ``(ε, δ)``)."""
+  solve = getattr(dp_accounting, "get_sigma_gaussian", None)          # dp-accounting >= 0.6
+  try:
+    with np.errstate(all="ignore"):     # log δ = −inf where the two terms round equal: meant
+      if solve is not None:
+        # ``tol`` is brentq's absolute tolerance: a negligible one leaves its relative one in
+        # charge (4 ulps), whatever the scale of σ.
+        sigma = solve(epsilon, delta, tol=1e-300)
+      else:
+        guarantee = dp_accounting.pld.common.DifferentialPrivacyParameters(epsilon, delta)
+        loss = dp_accounting.pld.privacy_loss_mechanism.GaussianPrivacyLoss
+        sigma = loss.from_privacy_guarantee(guarantee).standard_deviation
+  except (ArithmeticError, ValueError, RuntimeError) as err:
+    raise ValueError(f"dp_accounting cannot calibrate the analytic Gaussian at "
+                     f"epsilon={epsilon!r}, delta={delta!r} in float64.") from err
+  return float(sigma)
+
+
+def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
+  """``σ = Δ sqrt(2 ln(1.25/δ))/ε``, the classic calibration (Dwork–Roth Thm A.1), for ε < 1.
+
+  Args:
+    epsilon: ``ε ∈ (0, 1)``.
+    delta: ``δ ∈ (0, 1)``.
+    sensitivity: ℓ2-sensitivity ``Δ > 0`` (default 1).
+
+  Returns:
+    σ as a Python float (always larger than :func:`analytic_gaussian_sigma`).
+
+  Raises:
+    ValueError: ε ≥ 1 (the classic bound is not valid there; use the analytic calibration), or
+      bad ε, δ, Δ.
+
+  References:
+    docs/algorithms.md §1.2; Dwork & Roth (2014), Thm A.1.
+  """
+  epsilon = v.check_epsilon(epsilon)
+  delta = v.check_delta(delta)
+  sensitivity = v.check_positive(sensitivity, "sensitivity")
+  if epsilon >= 1.0:
+    raise ValueError(f"the classic Gaussian calibration needs epsilon < 1, got "
+                     f"epsilon={epsilon}; use calibration='analytic'.")
+  return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
+
+
+def rdp_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
+  """The smallest σ for which the Gaussian mechanism's Rényi DP implies (ε, δ)-DP.
+
+  A Gaussian mechanism with noise multiplier ``z = σ/Δ`` is ``(α, α/(2z²))``-RDP for every
+  α > 1 (ρ-zCDP with ρ = 1/(2z²)); ``dp_accounting``'s RDP accountant converts that to (ε, δ)
+  (the conversion of Canonne, Kamath & Steinke 2020, Prop. 12) and
+  ``dp_accounting.calibrate_dp_mechanism`` finds the smallest z. This is the calibration that is
+  valid for the **discrete** Gaussian too (its Rényi divergences are at most the continuous
+  ones, CKS 2020 Thm 4), so :func:`gaussian_mechanism` uses it with ``secure=True``. It costs
+  5–15% more σ than :func:`analytic_gaussian_sigma` (e.g. 4.05 vs 3.73 at ε = 1, δ = 1e-5).
+
+  Args:
+    epsilon: ``ε > 0``.
+    delta: ``δ ∈ (0, 1)``.
+    sensitivity: ℓ2-sensitivity ``Δ > 0`` (default 1).
+
+  Returns:
+    σ as a Python float (results are cached per ``(ε, δ)``).
+
+  Raises:
+    ValueError: bad ε, δ or Δ, or no multiplier in ``[1e-3, 1e7]`` reaches (ε, δ).
+    TypeError: a non-real argument.
+
+  References:
+    Mironov, "Rényi differential privacy", CSF 2017; Bun & Steinke, "Concentrated differential
+    privacy", TCC 2016; Canonne, Kamath & Steinke, NeurIPS 2020, Prop. 12 and Thm 4.
+  """
+  return _scaled_sigma(_rdp_noise_multiplier, epsilon, delta, sensitivity)
+
+
+@functools.lru_cache(maxsize=512)
+@quiet_rdp_logs()
+def _rdp_noise_multiplier(epsilon: float, delta: float) -> float:
+  def make_event(z):
+    return dp_accounting.GaussianDpEvent(z)
+
+  low, high = 1e-3, 1e7
+  epsilon_at = lambda z: dp_accounting.rdp.RdpAccountant().compose(  # noqa: E731
+      make_event(z)).get_epsilon(delta)
+  if epsilon_at(high) > epsilon:
+    raise ValueError(f"no Gaussian noise multiplier up to 1e7 reaches epsilon={epsilon}, "
+                     f"delta={delta}.")
+  if epsilon_at(low) <= epsilon:
+    return low
+  z = float(dp_accounting.calibrate_dp_mechanism(
+      dp_accounting.rdp.RdpAccountant, make_event, epsilon, delta,
+      bracket_interval=dp_accounting.ExplicitBracketInterval(low, high), tol=1e-9))
+  while epsilon_at(z) > epsilon:             # calibrate_dp_mechanism returns a valid end; check
+    z = math.nextafter(z, math.inf) * (1.0 + 1e-12)
+  return z
+
 
 
 def _check_sgd(noise_multiplier, sampling_prob, steps) -> tuple[float, float, int]:
@@ -218,7 +521,7 @@ def tuning_event(event: dp_accounting.DpEvent,
   Papernot & Steinke (2022), Theorems 2 and 6: if one run is (λ, ε(λ))-RDP, the best of K runs
   with K drawn from :class:`HyperparameterTuning`'s law is RDP with the curve
   ``dp_accounting``'s RDP accountant computes for this event (it is the only accountant that
-  supports it). The neighbouring relation is the run's.
+  supports it). The neighboring relation is the run's.
 
   Raises:
     TypeError / ValueError: as :func:`check_tuning`; ``event`` not a ``DpEvent``.
@@ -396,7 +699,7 @@ def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, ste
 
 
 def compose_basic(*spends: PrivacySpend) -> PrivacySpend:
-  """Basic sequential composition: ``(Σ ε_i, Σ δ_i)``, all under one neighbouring relation.
+  """Basic sequential composition: ``(Σ ε_i, Σ δ_i)``, all under one neighboring relation.
 
   Valid for adaptively chosen mechanisms run on the same data (docs/algorithms.md §1.8). This is how
   an approximate-DP step with no ``dp_accounting`` event (DPASE) is composed with the DP-SGD
@@ -409,7 +712,7 @@ def compose_basic(*spends: PrivacySpend) -> PrivacySpend:
     The composed :class:`PrivacySpend` under the shared relation.
 
   Raises:
-    ValueError: no spends, or spends stated under different neighbouring relations (convert
+    ValueError: no spends, or spends stated under different neighboring relations (convert
       first with :func:`replace_one_from_add_remove`).
     TypeError: an argument that is not a :class:`PrivacySpend`.
 
@@ -422,9 +725,9 @@ def compose_basic(*spends: PrivacySpend) -> PrivacySpend:
   for s in spends:
     if not isinstance(s, PrivacySpend):
       raise TypeError(f"spends must be PrivacySpend, got {type(s).__name__}.")
-  relations = {s.neighbouring for s in spends}
+  relations = {s.neighboring for s in spends}
   if len(relations) != 1:
-    raise ValueError(f"cannot compose guarantees stated under different neighbouring relations "
+    raise ValueError(f"cannot compose guarantees stated under different neighboring relations "
                      f"{sorted(r.name for r in relations)}; convert first (replace_one_from_add_remove).")
   return PrivacySpend(math.fsum(s.epsilon for s in spends), math.fsum(s.delta for s in spends),
                       relations.pop())
@@ -458,17 +761,22 @@ def replace_one_from_add_remove(epsilon: float, delta: float) -> PrivacySpend:
 
 
 class DPSGDBudget(NamedTuple):
-  """How a total (ε, δ) is split between a private subspace and the DP-SGD steps.
+  """How a total (ε, δ) is spent by a private subspace release and the DP-SGD steps.
 
   Attributes:
     noise_multiplier: σ calibrated for the SGD steps.
     sampling_prob: q, the Poisson sampling rate.
     steps: T.
-    subspace_epsilon, subspace_delta: (ε_s, δ_s) of the private subspace step (0 if none).
-    sgd_epsilon, sgd_delta: (ε_sgd, δ_sgd) of the T steps from the accountant.
+    subspace_epsilon, subspace_delta: (ε_s, δ_s) of the subspace release's (ε, δ) leaves
+      (:class:`EpsilonDeltaDpEvent`), composed by basic composition (0 if none).
+    sgd_epsilon, sgd_delta: ε at δ_sgd = δ − δ_s of the accountant's part: the T steps composed
+      with the subspace release's other leaves (e.g. a Gaussian Analyze Gauss release).
     epsilon, delta: the composed totals ``(ε_s + ε_sgd, δ_s + δ_sgd)``.
-    neighbouring: the relation of every figure above (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
+    neighboring: the relation of every figure above (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
     tuning: the :class:`HyperparameterTuning` σ was calibrated for (None: one run).
+    subspace_event: the subspace release's ``dp_accounting`` event (``NoOpDpEvent`` if none).
+    dp_event: the whole plan's event: the subspace release composed with the T steps (the
+      tuning's event with ``tuning``; ``NonPrivateDpEvent`` for σ = 0).
   """
   noise_multiplier: float
   sampling_prob: float
@@ -479,76 +787,185 @@ class DPSGDBudget(NamedTuple):
   sgd_delta: float
   epsilon: float
   delta: float
-  neighbouring: NeighboringRelation
+  neighboring: NeighboringRelation
   tuning: HyperparameterTuning | None = None
+  subspace_event: dp_accounting.DpEvent = dp_accounting.NoOpDpEvent()
+  dp_event: dp_accounting.DpEvent | None = None
+
+  neighbouring = renamed_attribute("neighboring", "neighbouring")
+
+
+def subspace_release_event(subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
+                           subspace_event: dp_accounting.DpEvent | None = None
+                           ) -> dp_accounting.DpEvent:
+  """The event of a private basis composed into DP-SGD: ``subspace_event`` (any
+  ``dp_accounting`` event, e.g. a result's ``dp_event``), or the (ε_s, δ_s) given by number.
+
+  Raises:
+    ValueError: both forms given; bad ε_s, δ_s.
+    TypeError: ``subspace_event`` not a ``dp_accounting.DpEvent``.
+  """
+  subspace_epsilon = v.check_positive(subspace_epsilon, "subspace_epsilon", allow_zero=True)
+  subspace_delta = v.check_positive(subspace_delta, "subspace_delta", allow_zero=True)
+  if subspace_event is None:
+    return release_event(subspace_epsilon, subspace_delta)
+  if subspace_epsilon > 0 or subspace_delta > 0:
+    raise ValueError("give a private basis's cost once: subspace_event or "
+                     "subspace_epsilon/subspace_delta, not both.")
+  if not isinstance(subspace_event, dp_accounting.DpEvent):
+    raise TypeError("subspace_event must be a dp_accounting.DpEvent (e.g. result.dp_event), got "
+                    f"{type(subspace_event).__name__}.")
+  return subspace_event
 
 
 @quiet_rdp_logs()
 def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, steps: int,
                       subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
+                      subspace_event: dp_accounting.DpEvent | None = None,
                       accountant: str = "rdp",
                       tuning: HyperparameterTuning | None = None) -> DPSGDBudget:
-  """Calibrates DP-SGD to what is left of ``(epsilon, delta)`` after a private subspace.
+  """Calibrates DP-SGD so that it and a private subspace release are together (ε, δ)-DP.
 
-  The subspace step (approximate DP, e.g. DPASE with random labels) spends ``(ε_s, δ_s)``; the
-  SGD steps get ``δ_sgd = δ − δ_s`` and the smallest noise multiplier σ with
-  ``ε_sgd(δ_sgd) ≤ ε − ε_s`` by the accountant. The subspace is learned from the same rows and
-  used adaptively, so the total is ``(ε_s + ε_sgd, δ_s + δ_sgd) ≤ (ε, δ)`` by basic
-  composition, under add/remove-one (docs/algorithms.md §6.2 route (c)). With ``ε_s = δ_s = 0`` this
-  is plain DP-SGD calibration. With ``tuning`` (and no subspace share), σ is calibrated so that
-  the best of the tuning's random number of runs is (ε, δ)-DP (:func:`tuning_event`, RDP):
-  ``sgd_epsilon`` is then the tuning's ε, not one run's.
+  The subspace release is a ``dp_accounting`` event (``subspace_event``, e.g. the ``dp_event`` of
+  :func:`dpjax.sgd.private_input_basis`'s result) or an (ε_s, δ_s) given by number. Its (ε, δ)
+  leaves (:class:`EpsilonDeltaDpEvent`: DPASE, a float-safe discrete Gaussian) are composed by
+  basic composition: they take ``(ε_s, δ_s)`` off the total. Its other leaves (a continuous
+  Gaussian release such as Analyze Gauss with ``secure=False``) are composed with the T sampled
+  steps by the accountant (PLD or RDP), which costs far less than a split of ε: σ is the smallest
+  noise multiplier with ``ε_acc(δ − δ_s) ≤ ε − ε_s`` for the composition of those leaves and the
+  steps (``dp_accounting.calibrate_dp_mechanism``, bracketed from below by the σ of the steps
+  alone, which a composition can only raise). The subspace is learned from the same rows and used
+  adaptively; adaptive composition holds for both parts. All under add/remove-one
+  (docs/algorithms.md §6.2 route (c)). With no subspace this is plain DP-SGD calibration. With
+  ``tuning`` (and no subspace), σ is calibrated so that the best of the tuning's random number
+  of runs is (ε, δ)-DP (:func:`tuning_event`, RDP): ``sgd_epsilon`` is then the tuning's ε.
 
   Args:
     epsilon: total ε > 0.
     delta: total δ ∈ (0, 1).
     sampling_prob: q ∈ (0, 1].
     steps: T ≥ 1.
-    subspace_epsilon: ε_s ∈ [0, ε).
+    subspace_epsilon: ε_s ∈ [0, ε) of a subspace release given by number.
     subspace_delta: δ_s ∈ [0, δ).
+    subspace_event: the subspace release's event instead (stated under add/remove-one).
     accountant: "rdp" or "pld".
-    tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"`` and no subspace
-      share: an (ε_s, δ_s) release has no RDP curve to repeat).
+    tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"`` and no subspace:
+      an (ε_s, δ_s) release has no RDP curve to repeat).
 
   Returns:
     :class:`DPSGDBudget`; ``budget.epsilon ≤ epsilon`` and ``budget.delta == delta`` (up to
     float rounding of ``δ_s + (δ − δ_s)``).
 
   Raises:
-    ValueError: ε ≤ 0, δ ∉ (0, 1), ``ε_s ∉ [0, ε)``, ``δ_s ∉ [0, δ)``, bad q, T or accountant,
-      ``tuning`` with "pld" or with a subspace share, or no σ ≤ 1e4 meets the SGD share.
-    TypeError: non-numeric arguments, non-integer ``steps``.
+    ValueError: ε ≤ 0, δ ∉ (0, 1), ``ε_s ∉ [0, ε)``, ``δ_s ∉ [0, δ)``, both subspace forms,
+      bad q, T or accountant, ``tuning`` with "pld" or with a subspace, an event the accountant
+      cannot compose, or no σ ≤ 1e4 meets the target.
+    TypeError: non-numeric arguments, non-integer ``steps``, a subspace event that is not a
+      ``dp_accounting.DpEvent``.
 
   References:
-    Abadi et al., "Deep Learning with Differential Privacy", CCS 2016, Algorithm 1 (DP-SGD);
-    Mironov, Talwar & Zhang, "Rényi differential privacy of the sampled Gaussian mechanism",
-    2019 (the accountant); docs/algorithms.md §6.1, §6.2.
+    Abadi et al., "Deep Learning with Differential Privacy", CCS 2016, Algorithm 1 (DP-SGD) and
+    §3.1 (DP-PCA composed with DP-SGD in one accountant); Mironov, Talwar & Zhang, "Rényi
+    differential privacy of the sampled Gaussian mechanism", 2019; docs/algorithms.md §6.1, §6.2.
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
-  subspace_epsilon = v.check_positive(subspace_epsilon, "subspace_epsilon", allow_zero=True)
-  subspace_delta = v.check_positive(subspace_delta, "subspace_delta", allow_zero=True)
-  if subspace_epsilon >= epsilon:
+  sub_event = subspace_release_event(subspace_epsilon, subspace_delta, subspace_event)
+  parts = split_event(sub_event)
+  if parts.epsilon >= epsilon:
     raise ValueError(f"subspace_epsilon must lie in [0, epsilon={epsilon}), got "
-                     f"subspace_epsilon={subspace_epsilon}.")
-  if subspace_delta >= delta:
+                     f"subspace_epsilon={parts.epsilon}.")
+  if parts.delta >= delta:
     raise ValueError(f"subspace_delta must lie in [0, delta={delta}), got "
-                     f"subspace_delta={subspace_delta}.")
+                     f"subspace_delta={parts.delta}.")
   sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   tuning = _check_tuning_accountant(tuning, accountant)
-  if tuning is not None and (subspace_epsilon > 0 or subspace_delta > 0):
+  if tuning is not None and not isinstance(sub_event, dp_accounting.NoOpDpEvent):
     raise ValueError("tuning cannot repeat a subspace release composed by basic composition "
                      "(an (ε_s, δ_s) guarantee has no RDP curve); tune without it.")
-  sgd_delta = delta - subspace_delta
-  sigma = calibrate_noise_multiplier(epsilon - subspace_epsilon, sgd_delta, sampling_prob, steps,
-                                     accountant=accountant, tuning=tuning)
-  sgd_epsilon = dpsgd_epsilon(sigma, sampling_prob, steps, sgd_delta, accountant=accountant,
-                              tuning=tuning)
+  sgd_delta = delta - parts.delta
+  if parts.accountable:
+    sigma = _calibrate_composed(epsilon - parts.epsilon, sgd_delta, sampling_prob, steps,
+                                accountant, parts.accountable)
+  else:
+    sigma = calibrate_noise_multiplier(epsilon - parts.epsilon, sgd_delta, sampling_prob, steps,
+                                       accountant=accountant, tuning=tuning)
+  return _budget(sigma, sampling_prob, steps, delta, sub_event, accountant, tuning)
+
+
+def dpsgd_budget(noise_multiplier: float, sampling_prob: float, steps: int, delta: float, *,
+                 subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
+                 subspace_event: dp_accounting.DpEvent | None = None, accountant: str = "rdp",
+                 tuning: HyperparameterTuning | None = None) -> DPSGDBudget:
+  """The budget a GIVEN σ certifies at total ``delta``, a subspace release composed in as in
+  :func:`plan_dpsgd_budget` (σ = 0: no privacy, ε = ∞).
+
+  Raises:
+    ValueError / TypeError: as :func:`plan_dpsgd_budget`; σ < 0.
+  """
+  sigma = v.check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
+  delta = v.check_delta(delta)
+  sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
+  v.check_choice(accountant, "accountant", ACCOUNTANTS)
+  tuning = _check_tuning_accountant(tuning, accountant)
+  sub_event = subspace_release_event(subspace_epsilon, subspace_delta, subspace_event)
+  if tuning is not None and not isinstance(sub_event, dp_accounting.NoOpDpEvent):
+    raise ValueError("tuning cannot repeat a subspace release composed by basic composition.")
+  if split_event(sub_event).delta >= delta:
+    raise ValueError(f"the subspace release's δ must lie below delta={delta}.")
+  return _budget(sigma, sampling_prob, steps, delta, sub_event, accountant, tuning)
+
+
+@quiet_rdp_logs()
+def _budget(sigma, q, steps, delta, sub_event, accountant, tuning) -> DPSGDBudget:
+  parts = split_event(sub_event)
+  sgd_delta = delta - parts.delta
+  if sigma <= 0:
+    steps_event = dp_accounting.NonPrivateDpEvent()
+    sgd_epsilon = math.inf
+  else:
+    steps_event = dpsgd_event(sigma, q, steps)
+    if tuning is not None:
+      steps_event = tuning_event(steps_event, tuning)
+    if parts.accountable:
+      sgd_epsilon = event_epsilon(compose_events(*parts.accountable, steps_event), sgd_delta,
+                                  accountant=accountant)
+    else:
+      sgd_epsilon = dpsgd_epsilon(sigma, q, steps, sgd_delta, accountant=accountant,
+                                  tuning=tuning)
   add_remove = NeighboringRelation.ADD_OR_REMOVE_ONE
-  total = compose_basic(PrivacySpend(subspace_epsilon, subspace_delta, add_remove),
+  total = compose_basic(PrivacySpend(parts.epsilon, parts.delta, add_remove),
                         PrivacySpend(sgd_epsilon, sgd_delta, add_remove))
-  return DPSGDBudget(sigma, sampling_prob, steps, subspace_epsilon, subspace_delta,
-                     sgd_epsilon, sgd_delta, total.epsilon, total.delta, add_remove, tuning)
+  event = steps_event if isinstance(sub_event, dp_accounting.NoOpDpEvent) else \
+      compose_events(sub_event, steps_event)
+  return DPSGDBudget(sigma, q, steps, parts.epsilon, parts.delta, sgd_epsilon, sgd_delta,
+                     total.epsilon, total.delta, add_remove, tuning, sub_event, event)
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrate_composed(target_epsilon, target_delta, sampling_prob, steps, accountant,
+                        other: tuple) -> float:
+  """The smallest σ with ``ε(other ∘ T steps) ≤ target`` at ``target_delta`` (accountant's)."""
+  def event_at(sigma):
+    return compose_events(*other, dpsgd_event(sigma, sampling_prob, steps))
+
+  if not make_accountant(accountant).supports(event_at(1.0)):
+    raise ValueError(f"the {accountant!r} accountant cannot compose the subspace event "
+                     f"{other!r} with the DP-SGD steps; use the other accountant, or state the "
+                     "release by its (ε, δ).")
+  # The steps alone at the whole target need σ_0; composing another release can only raise ε,
+  # so σ ≥ σ_0: bracket from σ_0 upward (dp_accounting widens the upper end as needed).
+  low = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
+                                    accountant)
+  if event_epsilon(event_at(_SIGMA_CEILING), target_delta, accountant=accountant) > \
+      target_epsilon:
+    raise ValueError(f"no noise_multiplier <= {_SIGMA_CEILING:g} reaches "
+                     f"target_epsilon={target_epsilon} with the subspace release composed in; "
+                     "it alone may spend the budget.")
+  return float(dp_accounting.calibrate_dp_mechanism(
+      lambda: make_accountant(accountant), event_at, target_epsilon, target_delta,
+      bracket_interval=dp_accounting.LowerEndpointAndGuess(low, 1.25 * low),
+      tol=1e-5 * low))
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,7 +994,7 @@ def gaussian_composition_event(noise_multipliers) -> dp_accounting.DpEvent:
   zs = [v.check_positive(z, "noise_multiplier") for z in noise_multipliers]
   if not zs:
     raise ValueError("noise_multipliers must not be empty.")
-  return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z) for z in zs])
+  return dp_accounting.ComposedDpEvent(tuple(dp_accounting.GaussianDpEvent(z) for z in zs))
 
 
 @quiet_rdp_logs()
@@ -632,7 +1049,6 @@ def calibrate_gaussian_composition(epsilon: float, delta: float, fractions, *,
 
 @functools.lru_cache(maxsize=256)
 def _calibrate_composition(epsilon, delta, fractions, accountant):
-  from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
   start = min(max(analytic_gaussian_sigma(epsilon, delta, 1.0), _SCALE_FLOOR), _SCALE_CEILING)
   if accountant == "analytic":
     return start, epsilon

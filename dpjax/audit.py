@@ -1,6 +1,6 @@
-"""A statistical privacy auditor: empirical lower bounds on ε from neighbouring datasets.
+"""A statistical privacy auditor: empirical lower bounds on ε from neighboring datasets.
 
-Run a mechanism many times on two neighbouring inputs ``X`` and ``X'`` with independent keys,
+Run a mechanism many times on two neighboring inputs ``X`` and ``X'`` with independent keys,
 reduce each output to a number (``featurize``), and for a family of events ``S`` (thresholds and
 buckets, or single values for discrete outputs) compare ``p = P[M(X) ∈ S]`` with
 ``p' = P[M(X') ∈ S]``. An (ε, δ)-DP mechanism satisfies ``p ≤ e^ε p' + δ`` in both directions, so
@@ -29,8 +29,8 @@ identify the input. Two detectors look for this class of leak:
 * :func:`float_noise_support` + :func:`exact_output_audit` (exhaustive): every value a JAX float32
   noise sampler can return (2^23 equally likely values, enumerated through JAX's own sampler code
   with a counter PRNG) is pushed through the release, and the exact output distributions on
-  neighbouring inputs are compared value by value. Raw float32 Laplace noise on a count leaves
-  about a quarter of its output mass unreachable from the neighbouring count: ε = ∞.
+  neighboring inputs are compared value by value. Raw float32 Laplace noise on a count leaves
+  about a quarter of its output mass unreachable from the neighboring count: ε = ∞.
 * :func:`grid_output_audit` (sampled, for samplers whose randomness cannot be enumerated, such as
   the exact integer samplers and snapping): every sampled output must lie on the mechanism's
   public grid, and the exact output values are audited as discrete events.
@@ -51,6 +51,9 @@ import numpy as np
 from scipy import stats
 
 from dpjax import _validation as v
+
+__all__ = ["AuditReport", "OutputAuditReport", "audit", "epsilon_lower_bound", "exact_output_audit",
+           "float_noise_support", "grid_output_audit", "low_bits", "sample_outputs"]
 
 
 class AuditReport(NamedTuple):
@@ -140,12 +143,12 @@ def audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any, *, delta: f
           epsilon_claimed: float | None = None, trials: int = 10_000,
           featurize: Callable | None = None, vectorized: bool = True, num_buckets: int = 10,
           confidence: float = 0.95, batch_size: int = 16_384) -> AuditReport:
-  """Audits ``mechanism`` on the neighbouring pair ``(X, X_prime)``.
+  """Audits ``mechanism`` on the neighboring pair ``(X, X_prime)``.
 
   Args:
     key: PRNG key (split into independent keys for every run).
     mechanism: ``mechanism(key, data) -> output`` (any pytree).
-    X, X_prime: neighbouring inputs under the relation the claim is stated for.
+    X, X_prime: neighboring inputs under the relation the claim is stated for.
     delta: the claim's δ.
     epsilon_claimed: the claim's ε (sets ``passed``).
     trials: runs per dataset.
@@ -315,7 +318,7 @@ def exact_output_audit(noise: np.ndarray, release: Callable, value, value_prime,
   Args:
     noise: ``(N, ...)`` every value the noise can take (e.g. :func:`float_noise_support`).
     release: ``(value, noise) -> (N, ...)`` outputs.
-    value, value_prime: the statistic on two neighbouring datasets.
+    value, value_prime: the statistic on two neighboring datasets.
     delta: the claim's δ.
     epsilon_claimed: the claim's ε (sets ``passed``).
     weights: ``(N,)`` probabilities of the noise values (default uniform).
@@ -361,7 +364,7 @@ def grid_output_audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any,
   Args:
     key: PRNG key.
     mechanism: ``mechanism(key, data) -> output``.
-    X, X_prime: neighbouring inputs.
+    X, X_prime: neighboring inputs.
     grid_step: the public grid the release promises (a power of two for dpjax's mechanisms).
     delta: the claim's δ.
     epsilon_claimed: the claim's ε.

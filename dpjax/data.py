@@ -18,6 +18,10 @@ import numpy as np
 from dpjax import _validation as v
 from dpjax import linalg
 
+__all__ = ["Dataset", "SubspaceModel", "approximate_subspace_data", "exact_subspace_data",
+           "load_digits", "load_mnist", "load_npz", "low_dimensional_cube_data",
+           "scale_to_unit_cube"]
+
 
 def _check_generator(key, n, d, k, name: str) -> tuple[int, int, int]:
   """The generators' common checks: a key, ``n, d ≥ 1`` and ``1 ≤ k ≤ d`` (named ``name``)."""

@@ -33,9 +33,9 @@ Adam learning rate is chosen from ``--learning-rates`` by Papernot & Steinke's p
 logarithmic distribution with mean the number of rates, each at a rate drawn uniformly from the
 grid, and only the run with the best tuning-split accuracy is released and tested. σ is
 calibrated (RDP accountant) so that this whole tuning is (ε, δ)-DP: the ε reported covers it.
-Methods with a private subspace release composed by basic composition
-(``private_input_subspace``, ``subspace_dp_sgd_private``: an (ε_s, δ_s) guarantee has no RDP
-curve to repeat) are not tuned: they run once per seed at the grid's median rate, a public
+Methods with a private subspace release (``private_input_subspace``: Analyze Gauss's Gaussian
+event composed with the steps by the accountant; ``subspace_dp_sgd_private``: DPASE's (ε_s, δ_s)
+by basic composition, which has no RDP curve to repeat) are not tuned: they run once per seed at the grid's median rate, a public
 choice, by the PLD accountant. ``non_private`` takes the best rate on the tuning split. With a
 single rate in the grid nothing is tuned. Each result row records its ``tuning``, its number of
 runs and its ``accountant``.
@@ -53,7 +53,7 @@ still run; the experiment is never changed silently. A method whose run raises i
 failed with its error, and the table, the JSON and the plot are still written. Each result row
 has a ``status`` ("ok", "not_runnable" or "failed") and a ``note``.
 
-The table states the neighbouring relation, each method's subspace rank, σ, released learning
+The table states the neighboring relation, each method's subspace rank, σ, released learning
 rate and number of tuning runs, and which method won (the highest mean test accuracy over the seeds; one or a few
 seeds are an illustration — ``benchmarks/gradient_subspace.py`` gives paired intervals).
 
@@ -87,6 +87,9 @@ from dpjax import subspace as subspace_lib
 from dpjax._host import host_rng
 from dpjax.sgd import training
 
+# The main job's entry points; the model, optimiser and planning helpers are its own.
+__all__ = ["main", "run"]
+
 # The methods, in run order: (name, source). Source "route": dpjax.experiments.train_route (the
 # name is the route); "private" / "public": dpjax.sgd.train_dp_sgd's subspace argument.
 METHODS = (("non_private", "route"), ("dp_sgd", "route"), ("dp_sgd_denoise", "route"),
@@ -101,7 +104,7 @@ ACCOUNTANT = "pld"         # the methods run once per seed (not tuned)
 TUNING_ACCOUNTANT = "rdp"  # the privately tuned methods (only RDP repeats an event)
 TUNING_SEED = 10_000       # non_private's tuning runs
 # Methods tuned privately (their runs are T sampled Gaussian steps, an RDP curve to repeat); the
-# other DP methods spend an (ε_s, δ_s) subspace share by basic composition and run untuned.
+# other DP methods compose a private subspace release into their budget and run untuned.
 TUNED_PRIVATELY = ("dp_sgd", "dp_sgd_denoise", "gep_trajectory", "public_subspace",
                    "subspace_dp_sgd_public")
 
@@ -385,7 +388,7 @@ def run(args) -> dict:
 
   report = {"dataset": ds.name, "n_train": int(n_train), "n_tune": int(n_tune),
             "n_test": int(ds.X_test.shape[0]), "n_public": int(n_public), "k": args.k,
-            "steps": args.steps, "neighbouring": "ADD_OR_REMOVE_ONE",
+            "steps": args.steps, "neighboring": "ADD_OR_REMOVE_ONE",
             "epsilon": args.epsilon, "delta": args.delta,
             "subspace_epsilon_fraction": args.subspace_epsilon_fraction,
             "learning_rates": grid, "tuning": _tuning_report(tuning, fixed_lr),

@@ -3,7 +3,7 @@
 
 Thin wrappers: every number they release comes from a function of :mod:`dpjax.classic` or
 :mod:`dpjax.subspace`, whose docstring states the guarantee; the fitted estimator keeps that
-function's result as ``result_`` (ε, δ, the neighbouring relation, public info). Needs the
+function's result as ``result_`` (ε, δ, the neighboring relation, public info). Needs the
 ``sklearn`` extra (``pip install "dpjax[sklearn]"``).
 
 Public bounds. The guarantees hold for rows of norm ≤ ``data_norm``, a bound the analyst must
@@ -30,6 +30,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from dpjax import subspace
 from dpjax.classic import erm, pca
+
+__all__ = ["PrivacyLeakWarning", "PrivateLogisticRegression", "PrivatePCA"]
 
 PCA_METHODS = ("sulq", "ppca", "dpase", "analyze_gauss")
 
@@ -95,7 +97,7 @@ class PrivatePCA(TransformerMixin, BaseEstimator):
     mean_: ``(d,)`` zeros.
     n_components_, n_features_in_: ints.
     ok_: bool, False for ⊥.
-    result_: the :class:`dpjax.results.SubspaceResult` (ε, δ, neighbouring, info).
+    result_: the :class:`dpjax.results.SubspaceResult` (ε, δ, neighboring, info).
     data_norm_: the row-norm bound used (public when ``data_norm`` was given).
   """
 
@@ -182,7 +184,7 @@ class PrivateLogisticRegression(ClassifierMixin, BaseEstimator):
     coef_: ``(1, d)`` for two classes (positive class ``classes_[1]``), else ``(K, d)``.
     intercept_: zeros of ``(1,)`` or ``(K,)``.
     classes_: the label set.
-    result_: the :class:`dpjax.results.ERMResult` (ε, neighbouring, public info, and the
+    result_: the :class:`dpjax.results.ERMResult` (ε, neighboring, public info, and the
       non-private optimiser diagnostic ``nonprivate_gradient_norm``).
   """
 

@@ -1,7 +1,9 @@
-"""A running record of privacy releases under one neighbouring relation, with a hard budget."""
+"""A running record of privacy releases under one neighboring relation, with a hard budget."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -9,7 +11,11 @@ import dp_accounting
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
-from dpjax.accounting import ACCOUNTANTS, PrivacySpend, _accountant, dpsgd_event, quiet_rdp_logs
+from dpjax._core.deprecation import renamed_argument, renamed_attribute
+from dpjax import accounting
+from dpjax.accounting import ACCOUNTANTS, PrivacySpend, dpsgd_event, quiet_rdp_logs
+
+__all__ = ["BudgetExceededError", "LedgerEntry", "PrivacyLedger", "with_ledger"]
 
 
 class BudgetExceededError(ValueError):
@@ -25,7 +31,7 @@ class LedgerEntry(NamedTuple):
 
 
 class PrivacyLedger:
-  """A running record of releases under one neighbouring relation, with a hard budget.
+  """A running record of releases under one neighboring relation, with a hard budget.
 
   Releases described by a ``dp_accounting`` event (DP-SGD, Gaussian, Laplace) are composed by the
   accountant; approximate-DP releases with no event (DPASE, the stability histogram, GAP-MAX)
@@ -42,27 +48,33 @@ class PrivacyLedger:
       ledger = PrivacyLedger(epsilon=2.0, delta=1e-5)      # add/remove-one (the default)
       ledger.record_approx_dp(0.5, 1e-6, label="dpase subspace")
       ledger.record_dpsgd(noise_multiplier=1.1, sampling_prob=0.01, steps=1000)
-      ledger.spent  # PrivacySpend(epsilon=..., delta=1e-05, neighbouring=ADD_OR_REMOVE_ONE)
+      ledger.spent  # PrivacySpend(epsilon=..., delta=1e-05, neighboring=ADD_OR_REMOVE_ONE)
 
   Args:
     epsilon, delta: the budget.
-    neighbouring: the ``dp_accounting.NeighboringRelation`` every recorded guarantee must hold
+    neighboring: the ``dp_accounting.NeighboringRelation`` every recorded guarantee must hold
       under: ``ADD_OR_REMOVE_ONE`` (default; DP-SGD's) or ``REPLACE_ONE``.
     accountant: ``"rdp"`` (default) or ``"pld"``, for the recorded ``dp_accounting`` events.
   """
 
+  neighbouring = renamed_attribute("neighboring", "neighbouring")
+
   def __init__(self, epsilon: float, delta: float, *,
-               neighbouring: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
+               neighboring: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
+               neighbouring: NeighboringRelation | None = None,
                accountant: str = "rdp"):
     self.epsilon = v.check_epsilon(epsilon)
     self.delta = v.check_delta(delta)
-    self.neighbouring = v.check_neighbouring(neighbouring)
+    neighboring = renamed_argument(neighboring, neighbouring, new="neighboring",
+                                   old="neighbouring",
+                                   default=NeighboringRelation.ADD_OR_REMOVE_ONE)
+    self.neighboring = v.check_neighboring(neighboring)
     self.accountant = v.check_choice(accountant, "accountant", ACCOUNTANTS)
     self._entries: list[LedgerEntry] = []
 
   def copy(self) -> "PrivacyLedger":
     """An independent ledger with the same budget and entries (to try a plan first)."""
-    other = PrivacyLedger(self.epsilon, self.delta, neighbouring=self.neighbouring,
+    other = PrivacyLedger(self.epsilon, self.delta, neighboring=self.neighboring,
                           accountant=self.accountant)
     other._entries = list(self._entries)
     return other
@@ -81,35 +93,65 @@ class PrivacyLedger:
     return max(0.0, self.epsilon - self.spent.epsilon)
 
   def record_approx_dp(self, epsilon: float, delta: float, *, label: str = "",
+                       neighboring: NeighboringRelation | None = None,
                        neighbouring: NeighboringRelation | None = None) -> PrivacySpend:
     """Records an (ε, δ)-DP release; raises :class:`BudgetExceededError` if over budget.
 
-    ``neighbouring`` is the relation the release's guarantee holds under (default: the ledger's);
+    ``neighboring`` is the relation the release's guarantee holds under (default: the ledger's);
     it must match the ledger's.
     """
     epsilon = v.check_positive(epsilon, "epsilon", allow_zero=True)
     delta = v.check_positive(delta, "delta", allow_zero=True)
-    self._check_relation(neighbouring)
+    self._check_relation(renamed_argument(neighboring, neighbouring, new="neighboring",
+                                          old="neighbouring"))
     return self._add(LedgerEntry(label, "approx_dp", epsilon, delta, None))
 
+  def record(self, release, *, label: str = "") -> PrivacySpend:
+    """Records a learner's result (its ``dp_event`` under its ``neighboring``) or a
+    ``dp_accounting`` event (under the ledger's relation); raises
+    :class:`BudgetExceededError`, recording nothing, if over budget.
+
+    A result that saw only public data (``NoOpDpEvent``) is recorded at no cost.
+
+    Raises:
+      TypeError: neither a result nor an event.
+      ValueError: a result stated under another relation (or under none, while not free).
+    """
+    if isinstance(release, dp_accounting.DpEvent):
+      return self.record_event(release, label=label)
+    event = getattr(release, "dp_event", None)
+    if not isinstance(event, dp_accounting.DpEvent):
+      raise TypeError("record takes a dpjax result (with a dp_event) or a dp_accounting.DpEvent, "
+                      f"got {type(release).__name__}.")
+    relation = getattr(release, "neighboring", None)
+    if relation is None and not isinstance(event, dp_accounting.NoOpDpEvent):
+      raise ValueError("a result with no neighboring relation is not private (ε = ∞); a "
+                       "ledger cannot record it.")
+    return self.record_event(event, label=label or type(release).__name__,
+                             neighboring=relation)
+
   def record_event(self, event: dp_accounting.DpEvent, *, label: str = "",
+                   neighboring: NeighboringRelation | None = None,
                    neighbouring: NeighboringRelation | None = None) -> PrivacySpend:
-    """Records a release described by a ``dp_accounting`` event."""
+    """Records a release described by a ``dp_accounting`` event (under ``neighboring``, default
+    the ledger's; ``neighbouring`` is its deprecated spelling)."""
     if not isinstance(event, dp_accounting.DpEvent):
       raise TypeError(f"event must be a dp_accounting.DpEvent, got {type(event).__name__}.")
-    self._check_relation(neighbouring)
+    self._check_relation(renamed_argument(neighboring, neighbouring, new="neighboring",
+                                          old="neighbouring"))
+    accounting.split_event(event)                 # refuses what cannot be composed, early
     return self._add(LedgerEntry(label, "dp_event", None, None, event))
 
   def record_dpsgd(self, *, noise_multiplier: float, sampling_prob: float, steps: int,
                    label: str = "dp-sgd") -> PrivacySpend:
     """Records Poisson-sampled DP-SGD steps (add/remove-one; refused by a replace-one ledger)."""
     return self.record_event(dpsgd_event(noise_multiplier, sampling_prob, steps), label=label,
-                             neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE)
+                             neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
 
-  def _check_relation(self, neighbouring):
-    if neighbouring is not None and v.check_neighbouring(neighbouring) != self.neighbouring:
-      raise ValueError(f"this ledger composes guarantees under {self.neighbouring.name}; a "
-                       f"release stated under {neighbouring.name} must be converted first.")
+  def _check_relation(self, neighboring):
+    if neighboring is not None and v.check_neighboring(neighboring) != self.neighboring:
+      raise ValueError(f"this ledger composes guarantees under {self.neighboring.name}; a "
+                       f"release stated under {neighboring.name} must be converted first.")
 
   def _add(self, entry: LedgerEntry) -> PrivacySpend:
     total = self._total(self._entries + [entry])
@@ -123,13 +165,52 @@ class PrivacyLedger:
 
   @quiet_rdp_logs()
   def _total(self, entries) -> PrivacySpend:
-    eps = sum(e.epsilon for e in entries if e.kind == "approx_dp")
-    delta = sum(e.delta for e in entries if e.kind == "approx_dp")
-    events = [e.event for e in entries if e.kind == "dp_event"]
-    if not events:
-      return PrivacySpend(eps, delta, self.neighbouring)
-    left = self.delta - delta
-    if left <= 0:
-      return PrivacySpend(math.inf, self.delta, self.neighbouring)
-    acc = _accountant(self.accountant).compose(dp_accounting.ComposedDpEvent(events))
-    return PrivacySpend(eps + float(acc.get_epsilon(left)), self.delta, self.neighbouring)
+    # Every entry as an event: (ε, δ) releases are EpsilonDeltaDpEvent leaves, composed by basic
+    # composition with the accountant's composition of the others (accounting.split_event).
+    events = [accounting.release_event(e.epsilon, e.delta) if e.kind == "approx_dp" else e.event
+              for e in entries]
+    parts = accounting.split_event(accounting.compose_events(*events))
+    if not parts.accountable:
+      return PrivacySpend(parts.epsilon, parts.delta, self.neighboring)
+    left = self.delta - parts.delta
+    if left <= 0 or math.isinf(parts.epsilon):
+      return PrivacySpend(math.inf, self.delta, self.neighboring)
+    acc = accounting.make_accountant(self.accountant).compose(
+        dp_accounting.ComposedDpEvent(list(parts.accountable)))
+    return PrivacySpend(parts.epsilon + float(acc.get_epsilon(left)), self.delta,
+                        self.neighboring)
+
+
+_LEDGER_DOC = """
+
+  Ledger: ``ledger=`` (optional :class:`dpjax.ledger.PrivacyLedger`) records the result's
+  ``dp_event`` under its relation before the result is returned; a result that would overspend
+  the ledger raises :class:`dpjax.ledger.BudgetExceededError` and is never returned (nothing is
+  recorded). The public arguments are checked first, the data only then.
+"""
+
+
+def with_ledger(learner):
+  """Gives a learner a keyword argument ``ledger=`` (see ``_LEDGER_DOC``): the one way every
+  dpjax learner records its release. The wrapped function keeps its name, docstring (with the
+  ledger paragraph appended) and signature (plus ``ledger``); it stays traceable (the ledger
+  reads only the result's static ε, δ and event)."""
+  signature = inspect.signature(learner)
+  if "ledger" in signature.parameters:
+    raise TypeError(f"{learner.__name__} already takes a ledger.")
+
+  @functools.wraps(learner)
+  def wrapped(*args, ledger: PrivacyLedger | None = None, **kwargs):
+    if ledger is not None and not isinstance(ledger, PrivacyLedger):
+      raise TypeError(f"ledger must be a dpjax.ledger.PrivacyLedger, got {type(ledger).__name__}.")
+    result = learner(*args, **kwargs)
+    if ledger is not None:
+      ledger.record(result, label=learner.__name__)
+    return result
+
+  parameter = inspect.Parameter("ledger", inspect.Parameter.KEYWORD_ONLY, default=None)
+  params = list(signature.parameters.values())
+  at = next((i for i, p in enumerate(params) if p.kind == p.VAR_KEYWORD), len(params))
+  wrapped.__signature__ = signature.replace(parameters=params[:at] + [parameter] + params[at:])
+  wrapped.__doc__ = (learner.__doc__ or "").rstrip() + _LEDGER_DOC
+  return wrapped

@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+__all__ = ["batched_top_k_subspaces", "map_blocks", "matmul", "orthonormal_basis",
+           "principal_angles", "project_points", "top_k_right_singular_vectors"]
 
 TOP_K_METHODS = ("exact", "subspace_iteration")
 # PROPOSED defaults of the subspace iteration (overridable).

@@ -10,6 +10,10 @@ from scipy import stats
 
 from dpjax import linalg
 
+__all__ = ["captured_energy", "captured_variance_ratio", "clopper_pearson", "covariance_error",
+           "gaussian_kl", "gaussian_tv", "mahalanobis_error", "principal_angles",
+           "projection_distance", "success_rate", "wasserstein_1"]
+
 
 def projection_distance(V_hat: jax.Array, V: jax.Array) -> jax.Array:
   """Operator-norm distance ``‖Π̂ − Π‖`` between the projections onto two subspaces.

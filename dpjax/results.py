@@ -4,7 +4,7 @@ Every learner returns a subclass of :class:`DPResult`. The arrays — the ⊥ fl
 estimate, and ``released`` (the other DP-released quantities, e.g. a winning noisy count) — are
 pytree children, so a result passes through ``jax.jit`` and ``jax.vmap`` (e.g.
 ``jax.vmap(lambda k: dpjax.dpase(k, X, ...))(keys)`` stacks the arrays and keeps one ε). The
-guarantee — ``epsilon``, ``delta``, ``neighbouring`` (a ``dp_accounting.NeighboringRelation``) —
+guarantee — ``epsilon``, ``delta``, ``neighboring`` (a ``dp_accounting.NeighboringRelation``) —
 and ``info`` (public parameters only, an immutable :class:`PublicInfo`) are static metadata: they
 depend on public inputs alone, never on data.
 """
@@ -20,7 +20,13 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dp_accounting import NeighboringRelation
+from dp_accounting import DpEvent, NeighboringRelation, NonPrivateDpEvent, NoOpDpEvent
+
+from dpjax import accounting
+from dpjax._core.deprecation import renamed_attribute
+
+__all__ = ["DPResult", "ERMResult", "EstimateResult", "GaussianResult", "PublicInfo",
+           "SubspaceResult", "SyntheticDataResult"]
 
 _NAN = float("nan")       # one NaN object, so that equal infos compare equal (NaN != NaN)
 
@@ -96,6 +102,9 @@ class PublicInfo(Mapping):
     return PublicInfo({**dict(self._items), **updates})
 
 
+_BY_NUMBER = (accounting.EpsilonDeltaDpEvent, NoOpDpEvent, NonPrivateDpEvent)
+
+
 def _static(**kwargs):
   return dataclasses.field(metadata=dict(static=True), **kwargs)
 
@@ -112,16 +121,23 @@ class DPResult:
       winning noisy count; a fixed placeholder (0) where nothing was released.
     epsilon: ε spent (nats), whatever the outcome; ``inf`` for a non-private computation.
     delta: δ spent, whatever the outcome.
-    neighbouring: the ``dp_accounting.NeighboringRelation`` under which ``(ε, δ)`` holds, or
+    neighboring: the ``dp_accounting.NeighboringRelation`` under which ``(ε, δ)`` holds, or
       None for a computation that is not private (ε = inf) or sees only public data (ε = 0).
     info: :class:`PublicInfo`, the public parameters the learner used (never data).
+    dp_event: the ``dp_accounting.DpEvent`` the release is, under ``neighboring``: a
+      ``GaussianDpEvent`` / ``LaplaceDpEvent`` / ``ComposedDpEvent`` where the learner knows its
+      mechanism exactly, else (the default, filled in from ``epsilon``, ``delta``)
+      :class:`dpjax.accounting.EpsilonDeltaDpEvent` (``NoOpDpEvent`` for ε = δ = 0,
+      ``NonPrivateDpEvent`` for ε = ∞). :meth:`dpjax.ledger.PrivacyLedger.record` takes it (or
+      the result) and composes it with the rest.
   """
   ok: jax.Array
   released: dict = dataclasses.field(default_factory=dict)
   epsilon: float = _static()
   delta: float = _static()
-  neighbouring: NeighboringRelation | None = _static()
+  neighboring: NeighboringRelation | None = _static()
   info: PublicInfo = _static(default=PublicInfo())
+  dp_event: DpEvent | None = _static(default=None)
 
   def __post_init__(self):
     for name in ("epsilon", "delta"):
@@ -131,11 +147,19 @@ class DPResult:
                         "public wrappers take ε and δ as Python floats; use the traceable "
                         "cores for traced ones).")
       object.__setattr__(self, name, float(value))
-    if self.neighbouring is not None and not isinstance(self.neighbouring, NeighboringRelation):
-      raise TypeError("neighbouring must be a dp_accounting.NeighboringRelation or None, got "
-                      f"{self.neighbouring!r}.")
+    if self.neighboring is not None and not isinstance(self.neighboring, NeighboringRelation):
+      raise TypeError("neighboring must be a dp_accounting.NeighboringRelation or None, got "
+                      f"{self.neighboring!r}.")
     if not isinstance(self.info, PublicInfo):
       object.__setattr__(self, "info", PublicInfo(self.info))
+    # An event given by number follows (ε, δ) (so a ``replace`` of them cannot leave it stale);
+    # a mechanism's own event (Gaussian, composed, ...) is kept as given.
+    if self.dp_event is None or isinstance(self.dp_event, _BY_NUMBER):
+      object.__setattr__(self, "dp_event", accounting.release_event(self.epsilon, self.delta))
+    elif not isinstance(self.dp_event, DpEvent):
+      raise TypeError(f"dp_event must be a dp_accounting.DpEvent, got {self.dp_event!r}.")
+
+  neighbouring = renamed_attribute("neighboring", "neighbouring")
 
   def replace(self, **changes):
     """A copy with ``changes`` (``dataclasses.replace``)."""

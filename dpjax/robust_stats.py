@@ -59,6 +59,9 @@ from scipy import stats
 from dpjax import _validation as v
 from dpjax import linalg
 
+__all__ = ["FilterInfo", "coordinatewise_median", "filtered_covariance", "filtered_mean",
+           "trimmed_covariance"]
+
 #: Default constant C of the stopping certificates (see :func:`filtered_mean`).
 DEFAULT_STOP_CONSTANT = 1.0
 
@@ -108,14 +111,6 @@ def _check_rows(X, name: str = "X", *, min_rows: int = 1):
       X = X.astype(jnp.result_type(float))
     return X
   return v.check_data(X, name, min_rows=min_rows)
-
-
-def _check_corruption(corruption) -> float:
-  eta = v.check_positive(corruption, "corruption", allow_zero=True)
-  if not eta < 0.5:
-    raise ValueError("corruption must lie in [0, 0.5) (with half of the rows the adversary can "
-                     f"plant a second Gaussian), got corruption={corruption!r}.")
-  return eta
 
 
 def _check_iterations(iterations, default: int) -> int:
@@ -342,7 +337,7 @@ def filtered_mean(X, *, corruption: float, iterations: int | None = None,
   References: [DKKLMS16], [DKKLMS17], [DHL19], [DK23]; docs/algorithms.md §3.7 ([AL22] Algorithm 5).
   """
   X = _check_rows(X)
-  eta = _check_corruption(corruption)
+  eta = v.check_corruption(corruption)
   n, d = X.shape
   iterations = _check_iterations(iterations, 2 * d + 20)
   C = v.check_positive(stop_constant, "stop_constant", allow_zero=True)
@@ -449,7 +444,7 @@ def filtered_covariance(X, *, corruption: float, iterations: int | None = None,
   References: [DKKLMS16], [DKKLMS17], [DK23]; docs/algorithms.md §3.7 ([AL22] Algorithm 4).
   """
   X = _check_rows(X, min_rows=2)
-  eta = _check_corruption(corruption)
+  eta = v.check_corruption(corruption)
   n, d = X.shape
   iterations = _check_iterations(iterations, 2 * d + 20)
   C = v.check_positive(stop_constant, "stop_constant", allow_zero=True)
@@ -551,7 +546,7 @@ def trimmed_covariance(X, *, corruption: float, iterations: int = 10) -> jax.Arr
       entries; ``corruption`` outside [0, 0.5); negative ``iterations``.
   """
   X = _check_rows(X, min_rows=2)
-  eta = _check_corruption(corruption)
+  eta = v.check_corruption(corruption)
   iterations = v.check_int(iterations, "iterations", low=0)
   n, d = X.shape
   keep = n - math.ceil(eta * n - 1e-9)

@@ -73,3 +73,11 @@ def run_on_devices(code: str, devices: int = 4, timeout: float = 240.0) -> dict:
     raise AssertionError(f"the {devices}-device subprocess failed ({done.returncode}):\n"
                          f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def python_stdout(code: str) -> str:
+  """The stripped stdout of ``python -c code`` in a fresh interpreter (what an import loads)."""
+  import subprocess
+  import sys
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        check=True, timeout=120).stdout.strip()

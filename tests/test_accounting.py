@@ -123,7 +123,7 @@ def test_plan_splits_and_totals_add_up():
   assert plan.sgd_epsilon <= 1.5 + 1e-12 and plan.sgd_delta == pytest.approx(9e-6)
   assert plan.epsilon == pytest.approx(0.5 + plan.sgd_epsilon)
   assert plan.delta == pytest.approx(1e-5) and plan.epsilon <= 2.0
-  assert plan.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
+  assert plan.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
   plain = accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=0.05, steps=300)
   assert plain.noise_multiplier < plan.noise_multiplier       # the subspace's share costs noise
 
@@ -132,7 +132,7 @@ def test_compose_and_convert():
   a = accounting.PrivacySpend(0.5, 1e-6, NeighboringRelation.ADD_OR_REMOVE_ONE)
   b = accounting.PrivacySpend(1.0, 1e-6, NeighboringRelation.ADD_OR_REMOVE_ONE)
   assert accounting.compose_basic(a, b) == accounting.PrivacySpend(1.5, 2e-6, NeighboringRelation.ADD_OR_REMOVE_ONE)
-  with pytest.raises(ValueError, match="neighbouring"):
+  with pytest.raises(ValueError, match="neighboring"):
     accounting.compose_basic(a, accounting.PrivacySpend(1.0, 1e-6, NeighboringRelation.REPLACE_ONE))
   r = accounting.replace_one_from_add_remove(1.0, 1e-6)
   assert r == accounting.PrivacySpend(2.0, (1 + math.e) * 1e-6, NeighboringRelation.REPLACE_ONE)

@@ -23,7 +23,7 @@ METHODS = {"non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private
 ROW_KEYS = {"method", "epsilon", "delta", "test_accuracy", "subspace_ok", "seed", "status", "note",
             "n_private", "rank", "noise_multiplier", "learning_rate", "tuning", "runs",
             "accountant"}
-REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "steps", "neighbouring",
+REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "steps", "neighboring",
                "epsilon", "delta", "subspace_epsilon_fraction", "learning_rates", "tuning",
                "winner", "privacy_note", "summary", "results"}
 RANKS = {"gep_trajectory": 8, "private_input_subspace": "k", "subspace_dp_sgd_private": "k",
@@ -88,7 +88,7 @@ BATCH = {(1294,): 128, (360,): 32}
 def _check_schema(report, *, epsilon, delta):
   assert set(report) == REPORT_KEYS
   assert {r["method"] for r in report["results"]} == METHODS == {m for m, _ in demo.METHODS}
-  assert report["neighbouring"] == "ADD_OR_REMOVE_ONE"
+  assert report["neighboring"] == "ADD_OR_REMOVE_ONE"
   assert sorted(m for m in METHODS if "public" in m) == sorted(demo.PUBLIC_METHODS)
   tuned = len(report["learning_rates"]) > 1
   for r in report["results"]:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from dpjax import accounting
 from dpjax.sgd.plan import DPSGDPlan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -87,23 +88,27 @@ def _independent_epsilon(budget) -> float:
   """ε of the DP-SGD steps by ``dp_accounting``'s own PLD accountant (the plans' default), from
   the budget's public numbers (σ, q, T) at its SGD δ, plus its subspace share (basic
   composition): an independent recomputation of what the budget claims."""
+  import dp_accounting
+  sub = budget.subspace_event                 # a Gaussian release is composed in by the PLD
+  extra = () if isinstance(sub, (dp_accounting.NoOpDpEvent, accounting.EpsilonDeltaDpEvent)) \
+      else (sub,)
   return _pld_epsilon(float(budget.noise_multiplier), float(budget.sampling_prob),
-                      int(budget.steps), float(budget.sgd_delta)) + budget.subspace_epsilon
+                      int(budget.steps), float(budget.sgd_delta), extra) + budget.subspace_epsilon
 
 
 @functools.lru_cache(maxsize=None)         # the own-loop tests share one (σ, q, T, δ): ~2 s each
-def _pld_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+def _pld_epsilon(sigma: float, q: float, steps: int, delta: float, extra: tuple = ()) -> float:
   import dp_accounting
   event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
       q, dp_accounting.GaussianDpEvent(sigma)), steps)
   accountant = dp_accounting.pld.PLDAccountant(
       neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-  return accountant.compose(event).get_epsilon(delta)
+  return accountant.compose(dp_accounting.ComposedDpEvent([*extra, event])).get_epsilon(delta)
 
 
 def _assert_budget(budget, *, epsilon, delta, sampling_prob, steps):
   """The guarantee the example claims, for the sampling and steps written in it."""
-  assert budget.neighbouring.name == "ADD_OR_REMOVE_ONE"
+  assert budget.neighboring.name == "ADD_OR_REMOVE_ONE"
   assert budget.sampling_prob == pytest.approx(sampling_prob) and budget.steps == steps
   assert budget.delta <= delta * (1 + 1e-9)
   assert budget.sgd_delta + budget.subspace_delta <= delta * (1 + 1e-9)
@@ -384,7 +389,7 @@ def _check_private_as_written(spy, ns, printed: str, *, steps_run: int):
   match, = _PRINTED.findall(printed)
   accuracy, epsilon, delta = map(float, match)
   assert epsilon == float(f"{plan.epsilon:.2f}") and delta == float(f"{plan.delta:g}")
-  assert plan.neighbouring.name == "ADD_OR_REMOVE_ONE"
+  assert plan.neighboring.name == "ADD_OR_REMOVE_ONE"
   assert plan.budget.sampling_prob == pytest.approx(250 / 7_500)
   assert plan.budget.delta <= delta * (1 + 1e-9)
   assert _independent_epsilon(plan.budget) <= epsilon * (1 + 1e-9)   # ε ≤ the printed ε
@@ -461,9 +466,9 @@ def test_readme_own_loop_example_as_written(heading, monkeypatch, capsys):
 
 def _private_basis_variant(text: str) -> tuple[tuple[str, str], ...]:
   """(b)'s "without public rows" sentence, applied to (b)'s code as the sentence says."""
-  basis = " ".join(re.search(r"`(U = dpjax\.sgd\.private_input_basis\(.*?\)\.basis)`", text,
+  basis = " ".join(re.search(r"`(release = dpjax\.sgd\.private_input_basis\(.*?\.basis)`", text,
                              re.S).group(1).split())
-  share = re.search(r"add `(subspace_epsilon=[^`]*)` to `dp_sgd_plan`", text).group(1)
+  share = re.search(r"add `(subspace_event=[^`]*)` to\s+`dp_sgd_plan`", text).group(1)
   return (("U = dpjax.sgd.public_input_basis(mnist.X_train[7_500:], 16)", basis + "  #"),
           ("bases=bases,", f"bases=bases, {share},"))
 
@@ -473,9 +478,9 @@ def _private_basis_variant(text: str) -> tuple[tuple[str, str], ...]:
                          "calibration and 60 steps")
 def test_readme_private_input_basis_variant(monkeypatch, capsys):
   """(b) with the basis released from the private rows, as its prose says: Analyze Gauss on the
-  7,500 private rows at (0.2, 1e-6), charged to the plan, whose (ε, δ) = (2, 1e-5) is the total
-  and whose SGD steps get (1.8, 9e-6); every step private as above; the accuracy the prose
-  gives."""
+  7,500 private rows at a stand-alone (0.2, 1e-6), a Gaussian event composed with the steps by
+  the plan's PLD accountant, whose (ε, δ) = (2, 1e-5) is the total; every step private as
+  above; the σ and accuracy the prose gives."""
   text = README.read_text()
   spy, ns, printed = _run_own_loop(_LOOP_B, monkeypatch, capsys,
                                    replace=_private_basis_variant(text))
@@ -484,12 +489,22 @@ def test_readme_private_input_basis_variant(monkeypatch, capsys):
   (rows, release_epsilon, release_delta), = spy.private_releases
   assert rows == _row_bytes(ns["X"])                        # the release is on the private rows
   budget = plan.budget
-  assert (budget.subspace_epsilon, budget.subspace_delta) == (release_epsilon,
-                                                              release_delta) == (0.2, 1e-6)
-  assert budget.sgd_epsilon <= 1.8 * (1 + 1e-9) and budget.sgd_delta == pytest.approx(9e-6)
-  assert plan.epsilon == pytest.approx(budget.sgd_epsilon + 0.2) and plan.epsilon <= 2.0
-  assert plan.delta == pytest.approx(1e-5)
+  assert (release_epsilon, release_delta) == (0.2, 1e-6)
+  assert budget.subspace_event == ns["release"].dp_event            # the release made is charged
+  assert (budget.subspace_epsilon, budget.subspace_delta) == (0.0, 0.0)   # no ε split
+  assert budget.sgd_delta == pytest.approx(1e-5) and plan.delta == pytest.approx(1e-5)
+  assert plan.epsilon <= 2.0 * (1 + 1e-9)
   assert ns["U"].shape == (784, 16)
+  sigmas = re.search(r"σ is ([0-9.]+) instead of \(b\)'s ([0-9.]+) \(an ε split, 0\.2 off the\s+"
+                     r"total, would have given ([0-9.]+)\)", text).groups()
+  after, plain, split = map(float, sigmas)
+  q = 250 / 7_500
+  assert plan.noise_multiplier == pytest.approx(after, abs=0.006)
+  assert accounting.calibrate_noise_multiplier(2.0, 1e-5, q, 60, accountant="pld") == \
+      pytest.approx(plain, abs=0.006)
+  assert accounting.plan_dpsgd_budget(2.0, 1e-5, sampling_prob=q, steps=60, subspace_epsilon=0.2,
+                                      subspace_delta=1e-6, accountant="pld").noise_multiplier == \
+      pytest.approx(split, abs=0.006)
   claimed = float(re.search(r"It costs accuracy here \(([0-9.]+) instead", text).group(1))
   assert accuracy == pytest.approx(claimed, abs=0.03)
 

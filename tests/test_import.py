@@ -1,10 +1,9 @@
 """``import dpjax`` is lazy (issue 36 §2): it loads neither JAX nor dp_accounting, and every
 top-level name resolves on first use to the object its subpackage defines."""
 
-import subprocess
-import sys
 
 import pytest
+from helpers import python_stdout
 
 import dpjax
 
@@ -13,14 +12,10 @@ def test_import_dpjax_loads_no_subpackage_jax_or_dp_accounting():
   code = ("import sys, dpjax; print(sorted(m for m in sys.modules if m.split('.')[0] in "
           "('jax', 'jaxlib', 'dp_accounting', 'numpy', 'scipy', 'optax') or "
           "m.startswith('dpjax.')))")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       timeout=120).stdout.strip()
-  assert out == "[]"
+  assert python_stdout(code) == "[]"
   # Negative control: the same probe sees a subpackage once it is used.
   code = code.replace("import sys, dpjax;", "import sys, dpjax; dpjax.ledger;")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       timeout=120).stdout
-  assert "dpjax.ledger" in out
+  assert "dpjax.ledger" in python_stdout(code)
 
 
 def test_every_top_level_name_resolves_to_its_subpackages_object():

@@ -32,7 +32,7 @@ def test_ledger_refuses_overspending_and_records_nothing():
 
 
 def test_ledger_enforces_one_relation():
-  ledger = ledger_lib.PrivacyLedger(1.0, 1e-5, neighbouring=NeighboringRelation.REPLACE_ONE)
+  ledger = ledger_lib.PrivacyLedger(1.0, 1e-5, neighboring=NeighboringRelation.REPLACE_ONE)
   with pytest.raises(ValueError, match="ADD_OR_REMOVE_ONE"):
     ledger.record_dpsgd(noise_multiplier=5.0, sampling_prob=0.01, steps=10)
   with pytest.raises(TypeError, match="DpEvent"):
@@ -50,7 +50,7 @@ def test_dpase_and_training_record_into_a_ledger():
   from dpjax.subspace import dpase
 
   X, _ = data.approximate_subspace_data(jax.random.key(0), 2_000, 10, 1, gamma=1e-4)
-  ledger = ledger_lib.PrivacyLedger(1.5, 1e-5, neighbouring=NeighboringRelation.REPLACE_ONE)
+  ledger = ledger_lib.PrivacyLedger(1.5, 1e-5, neighboring=NeighboringRelation.REPLACE_ONE)
   dpase(jax.random.key(1), X, epsilon=1.0, delta=1e-6, k=1, gamma=1e-4, ledger=ledger)
   assert ledger.spent == accounting.PrivacySpend(1.0, 1e-6, NeighboringRelation.REPLACE_ONE)
   with pytest.raises(ledger_lib.BudgetExceededError):

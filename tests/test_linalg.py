@@ -284,8 +284,8 @@ def test_dpjax_products_ask_for_full_precision():
       "two-sided layer noise": lambda: two_sided_tx.update(params, two_sided_tx.init(params)),
       "embedding_residual_grad_sum": lambda: gep_sum(params, batch, jnp.ones(9), bases),
       "embedding_residual_noise": lambda: gep_tx.update(sums, gep_tx.init(params)),
-      "dpase_core": lambda: approximate.dpase_core(key, jnp.tile(X, (10, 1)), params_dpase, k=2,
-                                                   epsilon=1.0, delta=1e-5),
+      "dpase_core": lambda: approximate._dpase_core(key, jnp.tile(X, (10, 1)), params_dpase,
+                                                    k=2, epsilon=1.0, delta=1e-5),
   }
   for name, program in programs.items():
     precisions = _dot_precisions(jax.make_jaxpr(program)())

@@ -21,3 +21,7 @@ from dpjax.ashtiani_liaw.populous_mean import (PopulousThresholds, min_groups_fo
 from dpjax.ashtiani_liaw.robust import robust_covariance, robust_mean
 from dpjax.ashtiani_liaw.semimetric import (closeness_matrix, euclidean_neighbour_counts,
                                             neighbour_counts, psd_distance)
+
+# The names a user meets; each module's own __all__ holds the rest (README, "API map").
+__all__ = ["al_covariance", "al_subspace", "covariance_mask", "learn_covariance", "learn_gaussian",
+           "ppme_mean", "psd_distance", "required_n", "robust_covariance", "robust_mean"]

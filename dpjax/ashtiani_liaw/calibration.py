@@ -61,6 +61,7 @@ from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PopulousTh
                                                check_test_can_pass, check_thresholds,
                                                min_groups_for_test, ppme_calibration)
 
+__all__ = ["CovarianceCalibration", "SPEC_CHOICES", "covariance_calibration", "required_n"]
 
 # [PROPOSED] covariance-learner defaults (module docstring, step 1): PPME's thresholds, the
 # closeness radius and the test's share of ε. PPME's own defaults (PopulousThresholds(), ε/4)

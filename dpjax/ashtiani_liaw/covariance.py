@@ -33,6 +33,10 @@ from dpjax.ashtiani_liaw.populous_mean import (DEFAULT_RADIUS_MARGIN, PPMECalibr
                                                populous_mean, ppme_calibration, split_groups)
 from dpjax.coinpress import coinpress_covariance, covariance_required_n
 from dpjax.results import EstimateResult
+from dpjax.ledger import with_ledger
+
+__all__ = ["LearnCovariancePlan", "al_covariance", "learn_covariance", "learn_covariance_plan",
+           "learn_covariance_required_n"]
 
 
 def second_moment(rows: jax.Array) -> jax.Array:
@@ -50,6 +54,7 @@ def pair_differences(X: jax.Array) -> jax.Array:
   return (X[0:2 * half:2] - X[1:2 * half:2]) / math.sqrt(2.0)
 
 
+@with_ledger
 def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
                   radius: float = COVARIANCE_RADIUS,
                   num_groups: int | None = None, min_group_size: int | None = None,
@@ -88,7 +93,7 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     **calibration_kwargs: further :func:`covariance_calibration` arguments.
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``) with ``estimate
+    :class:`~dpjax.results.EstimateResult` (neighboring ``REPLACE_ONE``) with ``estimate
     (d, d)`` (zeros on ⊥) — float64 NumPy eagerly: the masked preconditioner of a covariance with
     condition number up to 1e12 needs float64 whatever JAX's x64 flag —; ``info`` holds the
     calibration and the group size. Traceable in ``key`` and ``X`` with JAX's x64 mode on
@@ -118,7 +123,7 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
                               unknown_mean=unknown_mean)
   ok, estimate = float64("al_covariance", release, key, X)
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=float(epsilon),
-                        delta=float(delta), neighbouring=NeighboringRelation.REPLACE_ONE,
+                        delta=float(delta), neighboring=NeighboringRelation.REPLACE_ONE,
                         info=plan.info)
 
 
@@ -335,6 +340,7 @@ def _preconditioner_factor(plan: _ALPlan) -> float:
   return (1.0 + c) * (1.0 + cal.mask_accuracy)
 
 
+@with_ledger
 def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
                      coarse_rows: int | None = None, coarse_fraction: float | None = None,
                      refine: bool = True, refine_accuracy: float | None = REFINE_ACCURACY,
@@ -378,7 +384,7 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     **al_kwargs: further :func:`al_covariance` arguments.
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``; ⊥ when the AL step
+    :class:`~dpjax.results.EstimateResult` (neighboring ``REPLACE_ONE``; ⊥ when the AL step
     answers ⊥) with ``estimate (d, d)`` — float64 NumPy eagerly (as :func:`al_covariance`) —
     and ``info`` with ``coarse`` (the AL step's public calibration), ``coarse_rows``,
     ``refine`` and, when refining, ``preconditioner_factor`` K, ``refine_rows`` (rows, or pairs
@@ -435,7 +441,7 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
 
   ok, estimate = float64("learn_covariance", release, key, X)
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=float(epsilon),
-                        delta=float(delta), neighbouring=NeighboringRelation.REPLACE_ONE,
+                        delta=float(delta), neighboring=NeighboringRelation.REPLACE_ONE,
                         info=info)
 
 

@@ -19,10 +19,14 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import linalg
+from dpjax._core.noise import truncated_laplace_sample
 from dpjax._host import float64
-from dpjax.mechanisms.truncated_laplace import (_truncated_laplace, truncated_laplace_params,
-                                                truncated_laplace_survival)
+from dpjax.mechanisms.truncated_laplace import truncated_laplace_params, truncated_laplace_survival
 from dpjax.results import SubspaceResult
+from dpjax.ledger import with_ledger
+
+__all__ = ["ALSubspaceParameters", "al_subspace", "al_subspace_core", "al_subspace_parameters",
+           "released_basis"]
 
 _SNAP_DELTA_SHARE = 11.0       # as in dpese: the test gets δ/1.1, snapping is given δ/11
 _SNAP_SCALE_RANGE = (2.0**-40, 0.25)   # × (1/d) at the top: keeps ‖snapping error‖ < 1/4
@@ -157,6 +161,7 @@ def al_subspace_parameters(n: int, d: int, *, epsilon: float, delta: float,
       threshold=majority + bound, sure_pass_count=majority + math.floor(2.0 * bound) + 1)
 
 
+@with_ledger
 def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
                 num_groups: int | None = None, rank_tol: float | None = None,
                 snap_scale: float | None = None) -> SubspaceResult:
@@ -232,7 +237,7 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
     (16-bit floats upcast to float32) whose first ``r = released["rank"]`` columns are an
     orthonormal basis of the released projection (ordered by decreasing eigenvalue of ``Π*``)
     and whose other columns are zeros (static shapes: r is itself part of the release; all zeros
-    and ``r = 0`` on ⊥), ``epsilon``, ``delta``, ``neighbouring=REPLACE_ONE``, and ``info``
+    and ``r = 0`` on ⊥), ``epsilon``, ``delta``, ``neighboring=REPLACE_ONE``, and ``info``
     with the public parameters (``num_groups``, ``group_size``, ``min_groups``, ``snap_scale``,
     ``rank_tol``, ``threshold``, ``tlap_bound``, ``sure_pass_count``,
     ``outlier_groups_tolerated``). :func:`released_basis` trims the basis to its r columns.
@@ -276,7 +281,7 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
   return SubspaceResult(ok=jnp.asarray(ok), basis=jnp.asarray(basis, checked.dtype),
                         released={"rank": jnp.asarray(rank, jnp.int32)},
                         epsilon=params.tlap_epsilon, delta=float(delta),
-                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                        neighboring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 def al_subspace_info(params: ALSubspaceParameters) -> dict:
@@ -366,7 +371,7 @@ def _al_core(key, X, rank_tol, snap_scale, noise_scale, bound, *, k, m):
   counts = jax.lax.map(count, (cells, valid))                   # (k,): c_i, 0 if invalid
   winner = jnp.argmax(counts)
   c_star = counts[winner]
-  noise = _truncated_laplace(k_noise, (), noise_scale, bound, dtype)
+  noise = truncated_laplace_sample(k_noise, (), noise_scale, bound, dtype)
   majority = k // 2 + 1
   ok = noise > bound + (majority - c_star).astype(dtype)       # ⊥ surely when c* ≤ majority
   released = snap_scale * (cells[winner].astype(dtype) + offset)

@@ -56,6 +56,9 @@ from dpjax.coinpress import coinpress_mean
 from dpjax.mechanisms.histogram import histogram_threshold, stable_histogram, top_bin
 from dpjax.results import GAUSSIAN_STEPS as STEPS
 from dpjax.results import GaussianResult
+from dpjax.ledger import with_ledger
+
+__all__ = ["gaussian_batch_sizes", "learn_gaussian"]
 
 # Public floor on step 4's PPME radius (2^-400 ≈ 3.9e-121). On all-zero (or ≲ 1e-140) rows the
 # released scale S is ≈ 2^-1016 and the radius 2^-40·S·√d subnormal; the analytic Gaussian
@@ -87,6 +90,7 @@ def gaussian_batch_sizes(n: int, d: int, *, epsilon: float, delta: float,
   return n1, n2, rest - n2, n4
 
 
+@with_ledger
 def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
                    batch_sizes: tuple[int, int, int, int] | None = None,
                    covariance_kwargs: dict | None = None, beta: float = 0.05,
@@ -104,7 +108,7 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
     subspace_kwargs: extra :func:`~dpjax.subspace.al_subspace` arguments (e.g. ``snap_scale``).
 
   Returns:
-    :class:`~dpjax.results.GaussianResult` (neighbouring ``REPLACE_ONE``): ``mean (d,)`` and
+    :class:`~dpjax.results.GaussianResult` (neighboring ``REPLACE_ONE``): ``mean (d,)`` and
     ``covariance (d, d)`` — float64 NumPy eagerly (unbounded μ and Σ with condition numbers up
     to 1e12 need float64 whatever JAX's x64 flag) —, ``failed_step`` (0, or 1 + the index in
     ``STEPS`` of the first step that answered ⊥; ``failed_step_name`` spells it),
@@ -154,7 +158,7 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
   return GaussianResult(ok=jnp.asarray(ok), mean=mean, covariance=covariance,
                         failed_step=jnp.asarray(failed, jnp.int32),
                         released={"rank": jnp.asarray(rank, jnp.int32)}, epsilon=epsilon,
-                        delta=delta, neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                        delta=delta, neighboring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 def _learn_gaussian(key, X, *, sizes, epsilon, delta, beta, covariance_kwargs, subspace_kwargs,

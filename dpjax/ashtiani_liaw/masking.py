@@ -57,7 +57,7 @@ does not depend on the data; the mask's noise is multiplicative, ``S(I + ηG)``,
 shaped by the private Σ, and a lattice-valued G would put the output on a lattice that depends on
 Σ (a worse leak). The output is computed in float64 from float64 Gaussian draws, so an observer
 who reads the exact bit pattern of the released matrix is outside the guarantee: the float64
-matrices reachable from Σ and from a neighbouring Σ' can differ in their low-order bits (Mironov
+matrices reachable from Σ and from a neighboring Σ' can differ in their low-order bits (Mironov
 2012). What the release remains good for: its noise is of relative size η (≥ 1e-2 in practice)
 while float64 rounding is ≈ 1e-16 relative, so every event that does not resolve the matrix below
 about 1e-13 relative precision is governed by the proof above. Publish a rounded copy (for
@@ -82,6 +82,9 @@ from scipy import optimize
 from dpjax import _validation as v
 from dpjax import linalg
 
+__all__ = ["MaskingCalibration", "calibrate_masking", "covariance_mask", "masking_concentration",
+           "masking_epsilon", "masking_rdp", "simulated_masking_accuracy", "simulated_masking_eta"]
+
 
 class MaskingCalibration(NamedTuple):
   """The public calibration of :func:`covariance_mask` for one ``(d, γ, ε, δ)``.
@@ -89,7 +92,7 @@ class MaskingCalibration(NamedTuple):
   Attributes:
     eta: the smallest private noise level ``η_min`` (any larger η is also private).
     distance: the sensitivity γ of the paper (the semimetric distance between the inputs on
-      neighbouring datasets).
+      neighboring datasets).
     epsilon, delta: the masking budget.
     fixed_loss: the loss as η → ∞ (< ε): ``C_0 = d²g²/2 + √2 d g √x + g x`` for
       ``accounting="tail_bound"``; for ``"rdp"`` the ε of :func:`masking_epsilon` in that limit.
@@ -341,7 +344,7 @@ def covariance_mask(key: jax.Array, Sigma, *, eta: float) -> jax.Array:
 
   Guarantee: a (γ, F(γ, η), δ)-masking mechanism for the semimetric of §3.1 (see the module
   docstring; :func:`calibrate_masking` picks η for a target ε). Not DP on its own: the caller must
-  bound the semimetric distance between the inputs on neighbouring datasets (PPME does).
+  bound the semimetric distance between the inputs on neighboring datasets (PPME does).
   Floating point: the output's low-order bits are not protected (module docstring).
 
   Args:

@@ -64,14 +64,18 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import linalg
+from dpjax._core.noise import truncated_laplace_sample
 from dpjax._host import float64
 from dpjax.ashtiani_liaw import semimetric
 from dpjax.results import EstimateResult
 from dpjax.mechanisms.gaussian import (analytic_gaussian_sigma, discretized_gaussian_mechanism,
                                        rdp_gaussian_sigma)
 from dpjax.mechanisms.grid import discretization
-from dpjax.mechanisms.truncated_laplace import (_truncated_laplace, truncated_laplace_params,
-                                                truncated_laplace_survival)
+from dpjax.mechanisms.truncated_laplace import truncated_laplace_params, truncated_laplace_survival
+from dpjax.ledger import with_ledger
+
+__all__ = ["PPMECalibration", "PopulousThresholds", "min_groups_for_test", "ppme_calibration",
+           "ppme_mean"]
 
 DEFAULT_RADIUS_MARGIN = 1e-2
 
@@ -267,8 +271,8 @@ def populous_mean(key: jax.Array, groups: jax.Array, *, estimator: Callable,
   candidates = jax.vmap(estimator)(groups) if vectorize else linalg.map_blocks(estimator, groups)
   q = neighbour_counts(candidates).astype(candidates.dtype) / k
   k_test, k_mask = jax.random.split(key)
-  noise = _truncated_laplace(k_test, (), calibration.test_scale, calibration.test_bound,
-                             candidates.dtype)
+  noise = truncated_laplace_sample(k_test, (), calibration.test_scale, calibration.test_bound,
+                                   candidates.dtype)
   ok = jnp.mean(q) + noise > calibration.pass_level
   weights = jnp.clip((q - thresholds.a) / (thresholds.b - thresholds.a), 0.0, 1.0)
   total = jnp.sum(weights)
@@ -294,6 +298,7 @@ def split_groups(key: jax.Array, X: jax.Array, num_groups: int) -> jax.Array:
   return X[perm].reshape(num_groups, m, d)
 
 
+@with_ledger
 def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: int,
               radius: float, estimator: Callable | None = None, test_fraction: float = 0.25,
               thresholds: PopulousThresholds = PopulousThresholds(),
@@ -342,7 +347,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
       private too) so that the clamp covers it. Unused with ``secure=False``.
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` (neighbouring ``REPLACE_ONE``) with ``estimate
+    :class:`~dpjax.results.EstimateResult` (neighboring ``REPLACE_ONE``) with ``estimate
     (d,)`` — float64 NumPy eagerly (computed in JAX's x64 mode whatever the global flag:
     means of 1e6 keep their digits; with ``secure=True`` every entry is a multiple of
     ``info["grid"]``) —; ``info`` holds k, m, r, γ, σ (the mask's std) and the grid.
@@ -419,7 +424,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
 
   ok, estimate = float64("ppme_mean", release, key, X)
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, epsilon=epsilon, delta=delta,
-                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                        neighboring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 def _group_mean(rows):

@@ -18,12 +18,17 @@ import functools
 
 import jax
 
+from dpjax import _validation as v
 from dpjax.ashtiani_liaw.covariance import al_covariance
-from dpjax.robust_stats import _check_corruption, filtered_covariance, filtered_mean
+from dpjax.robust_stats import filtered_covariance, filtered_mean
 from dpjax.ashtiani_liaw.populous_mean import ppme_mean
 from dpjax.results import EstimateResult
+from dpjax.ledger import with_ledger
+
+__all__ = ["robust_covariance", "robust_mean"]
 
 
+@with_ledger
 def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: float,
                 num_groups: int, radius: float, **ppme_kwargs) -> EstimateResult:
   """Private robust mean of ``N(μ, I)`` from an η_c-corrupted sample ([AL22] Algorithm 5).
@@ -53,13 +58,14 @@ def robust_mean(key: jax.Array, X, *, epsilon: float, delta: float, corruption: 
   References:
     [AL22] Algorithm 5, Thm 7.4, Lemma 7.2; docs/algorithms.md §3.7.
   """
-  corruption = _check_corruption(corruption)
+  corruption = v.check_corruption(corruption)
   estimator = _group_estimator(filtered_mean, corruption)
   res = ppme_mean(key, X, epsilon=epsilon, delta=delta, num_groups=num_groups, radius=radius,
                   estimator=estimator, **ppme_kwargs)
   return res.replace(info=res.info.replace(corruption=corruption))
 
 
+@with_ledger
 def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corruption: float,
                       **covariance_kwargs) -> EstimateResult:
   """Private robust covariance of ``N(0, Σ)`` from an η_c-corrupted sample ([AL22] Algorithm 4).
@@ -87,7 +93,7 @@ def robust_covariance(key: jax.Array, X, *, epsilon: float, delta: float, corrup
   References:
     [AL22] Algorithm 4, Thm 6.3, Prop 6.2; docs/algorithms.md §3.7.
   """
-  corruption = _check_corruption(corruption)
+  corruption = v.check_corruption(corruption)
   estimator = _group_estimator(filtered_covariance, corruption)
   res = al_covariance(key, X, epsilon=epsilon, delta=delta, estimator=estimator,
                       **covariance_kwargs)

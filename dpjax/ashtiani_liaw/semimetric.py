@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["closeness_matrix", "neighbour_counts", "psd_distance"]
+
 
 def psd_distance(A: jax.Array, B: jax.Array) -> jax.Array:
   """``dist(A, B)`` of [AL22] eq. (5.1) for symmetric positive definite A, B.

@@ -9,3 +9,7 @@ from dpjax.classic.erm import (ERMParameters, ObjectivePerturbationBudget, defau
                                output_perturbation, predict)
 from dpjax.classic.pca import (bingham_sample, matrix_bingham_sample, mod_sulq, mod_sulq_beta,
                                mod_sulq_core, ppca, ppca_core, scatter_matrix)
+
+# The names a user meets; each module's own __all__ holds the rest (README, "API map").
+__all__ = ["default_regularization", "mod_sulq", "objective_perturbation", "one_vs_rest",
+           "output_perturbation", "ppca", "predict"]

@@ -116,10 +116,15 @@ from optax import tree_utils as otu
 
 from dpjax import _validation as v
 from dpjax import linalg
+from dpjax._core.noise import l2_laplace_sample
 from dpjax._host import float64
 from dpjax.mechanisms.grid import discretization
-from dpjax.mechanisms.l2_laplace import _noise
 from dpjax.results import ERMResult
+from dpjax.ledger import with_ledger
+
+__all__ = ["ERMParameters", "ObjectivePerturbationBudget", "default_regularization", "erm_core",
+           "erm_parameters", "objective_perturbation", "objective_perturbation_budget",
+           "one_vs_rest", "one_vs_rest_core", "output_perturbation", "predict"]
 
 LOSSES = ("logistic", "huber")
 METHODS = ("output", "objective")
@@ -467,7 +472,7 @@ def _erm(key, X, y, scalars, *, max_iterations):
   dtype = X.dtype
   U = _unit_rows(X, data_norm)
   labels = jnp.where(y > 0, 1.0, -1.0).astype(dtype)
-  b = _noise(key, beta, d=d, dtype=jnp.dtype(dtype))
+  b = l2_laplace_sample(key, beta, d=d, dtype=jnp.dtype(dtype))
   linear = objective * b / n                 # objective perturbation's (1/n) bᵀf; 0 otherwise
 
   def perturbed_objective(f):
@@ -526,6 +531,7 @@ def _norm(g):
 # ------------------------------------------------------------------ the validating wrappers
 
 
+@with_ledger
 def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
                         regularization: float | None = None, loss: str = "logistic",
                         huber_width: float = 0.5, data_norm: float = 1.0, clip: bool = False,
@@ -569,7 +575,7 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
       ``RELEASES``.
 
   Returns:
-    :class:`~dpjax.results.ERMResult` (``ok`` True, ``epsilon``, ``delta = 0``, neighbouring
+    :class:`~dpjax.results.ERMResult` (``ok`` True, ``epsilon``, ``delta = 0``, neighboring
     ``REPLACE_ONE``): ``coefficients (d,)`` (float64 NumPy eagerly), predicting
     ``sign(x·f)``; with ``"grid"`` every coefficient is ``fl(Λ_g·m/B)`` for an integer m
     (times ``B/Λ_g`` an integer exactly when B is a power of two); ``nonprivate_gradient_norm``
@@ -601,6 +607,7 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
               max_iterations=max_iterations, release=release)
 
 
+@with_ledger
 def objective_perturbation(key: jax.Array, X, y, *, epsilon: float,
                            regularization: float | None = None, loss: str = "logistic",
                            huber_width: float = 0.5, data_norm: float = 1.0, clip: bool = False,
@@ -668,9 +675,10 @@ def _fit(key, X, y, method, *, epsilon, clip, **kwargs) -> ERMResult:
   ok, coefficients, grad_norm = _run_x64(f"{method}_perturbation", run, key, X, y)
   return ERMResult(ok=ok, coefficients=coefficients, nonprivate_gradient_norm=grad_norm,
                    epsilon=float(epsilon), delta=0.0,
-                   neighbouring=NeighboringRelation.REPLACE_ONE, info=dict(info, clip=clip))
+                   neighboring=NeighboringRelation.REPLACE_ONE, info=dict(info, clip=clip))
 
 
+@with_ledger
 def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: float,
                 method: str = "objective", regularization: float | None = None,
                 loss: str = "logistic", huber_width: float = 0.5, data_norm: float = 1.0,
@@ -742,7 +750,7 @@ def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: f
   info = dict(info, clip=clip, classes=classes, num_classes=K, epsilon_per_class=epsilon / K,
               composition="basic (each replaced row changes all K problems)")
   return ERMResult(ok=ok, coefficients=coefficients, nonprivate_gradient_norm=grad_norm,
-                   epsilon=epsilon, delta=0.0, neighbouring=NeighboringRelation.REPLACE_ONE,
+                   epsilon=epsilon, delta=0.0, neighboring=NeighboringRelation.REPLACE_ONE,
                    info=info)
 
 

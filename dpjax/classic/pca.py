@@ -43,11 +43,15 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting, linalg
+from dpjax._core.second_moment import noisy_top_k, secure_top_k, unit_second_moment
 from dpjax._host import float64
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, rdp_gaussian_sigma
 from dpjax.mechanisms.grid import discretization
 from dpjax.results import SubspaceResult
-from dpjax.subspace.baselines import _noisy_top_k, _secure_top_k, _unit_second_moment
+from dpjax.ledger import with_ledger
+
+__all__ = ["bingham_sample", "matrix_bingham_sample", "mod_sulq", "mod_sulq_beta", "mod_sulq_core",
+           "ppca", "ppca_core", "scatter_matrix"]
 
 # Replace-one ℓ2-sensitivity of the upper triangle (diagonal included) of S = Σ u uᵀ, ‖u‖ ≤ 1:
 # ‖triu(uuᵀ − u'u'ᵀ)‖ ≤ ‖uuᵀ − u'u'ᵀ‖_F = sqrt(‖u‖⁴ + ‖u'‖⁴ − 2(u·u')²) ≤ √2, attained by
@@ -123,7 +127,7 @@ def scatter_matrix(X, *, data_norm: float = 1.0, clip: bool = False) -> np.ndarr
   X64, mantissa, exponent, _ = _check_rows(X, data_norm, clip)
   # S = Σ u uᵀ, u = x / max(C, ‖x‖) with C = mantissa·2^exponent: the rows' scale-safe
   # normalisation of dpjax.subspace.analyze_gauss, in float64.
-  return float64("scatter_matrix", _unit_second_moment, X64, mantissa, exponent)
+  return float64("scatter_matrix", unit_second_moment, X64, mantissa, exponent)
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,6 +156,7 @@ def mod_sulq_beta(n: int, d: int, epsilon: float, delta: float) -> float:
           + 1.0 / (n * math.sqrt(epsilon)))
 
 
+@with_ledger
 def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
              data_norm: float = 1.0, clip: bool = False, secure: bool = True) -> SubspaceResult:
   """MOD-SuLQ ([CSS13] Algorithm 1): the top-k eigenvectors of ``A + N``.
@@ -202,7 +207,7 @@ def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
     secure: float-safe discretized release (default) or raw continuous noise.
 
   Returns:
-    :class:`~dpjax.results.SubspaceResult` (``ok`` True, neighbouring ``REPLACE_ONE``, δ as
+    :class:`~dpjax.results.SubspaceResult` (``ok`` True, neighboring ``REPLACE_ONE``, δ as
     given), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats: float32); ``info``:
     ``beta`` (the paper's β, units of ``data_norm²``), ``sigma`` (the std used on A),
     ``data_norm``, ``clip``, ``secure`` and (secure) ``noise_multiplier`` and ``grid`` (the
@@ -244,17 +249,17 @@ def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
   # continuous one returns NaN; either way the typed ⊥ below replaces the basis. The key is an
   # argument of the float64 stage in both paths, so that a traced key (X closed over) stages it.
   if secure:
-    S = float64("mod_sulq", lambda _, X: _unit_second_moment(X, mantissa, exponent), key, X64)
-    basis = _secure_top_k(key, S, z, k, sensitivity=SECOND_MOMENT_SENSITIVITY)
+    S = float64("mod_sulq", lambda _, X: unit_second_moment(X, mantissa, exponent), key, X64)
+    basis = secure_top_k(key, S, z, k, sensitivity=SECOND_MOMENT_SENSITIVITY)
   else:
     basis = float64("mod_sulq", lambda key, X: mod_sulq_core(
-        key, _unit_second_moment(X, mantissa, exponent), unit_sigma, k=k), key, X64)
+        key, unit_second_moment(X, mantissa, exponent), unit_sigma, k=k), key, X64)
   basis = jnp.asarray(basis, out_dtype)
   ok = jnp.asarray(True)
   if v.is_traced(X64):
     ok, basis = v.domain_bottom(X64, ok, basis)
   return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=delta,
-                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                        neighboring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
@@ -270,7 +275,7 @@ def mod_sulq_core(key: jax.Array, S: jax.Array, noise_std, *, k: int) -> jax.Arr
   Returns:
     ``(d, k)`` orthonormal basis, eigenvalues of ``S + E`` descending.
   """
-  return _noisy_top_k(key, S, noise_std, k)
+  return noisy_top_k(key, S, noise_std, k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,6 +481,7 @@ def _scaled_matrix_bingham(key, C, scale, k, num_sweeps, batch_size):
 # PPCA.
 # --------------------------------------------------------------------------------------------
 
+@with_ledger
 def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT_NUM_SWEEPS,
          data_norm: float = 1.0, clip: bool = False,
          batch_size: int = DEFAULT_BATCH_SIZE) -> SubspaceResult:
@@ -537,7 +543,7 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
 
   Returns:
     :class:`~dpjax.results.SubspaceResult` (``ok`` True; ``epsilon`` ε, ``delta`` 0,
-    neighbouring ``REPLACE_ONE``), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats:
+    neighboring ``REPLACE_ONE``), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats:
     float32), a Haar-random basis of the sampled subspace (its columns are in no particular
     order: use ``projection`` or captured variance, not column 0, as the estimate); ``info``:
     ``guarantee`` (see above), ``exact`` (k = 1: the sampler is exact), ``num_sweeps`` (0 for
@@ -567,7 +573,7 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
   def run(key, X):
     # A NaN in a traced X makes S NaN: the sampler then draws from C = 0 (so it ends) and the
     # typed ⊥ below replaces the basis.
-    S = _unit_second_moment(X, mantissa, exponent)
+    S = unit_second_moment(X, mantissa, exponent)
     return ppca_core(key, S, epsilon, k=k, num_sweeps=num_sweeps, batch_size=batch_size)
 
   basis = jnp.asarray(float64("ppca", run, key, X64), out_dtype)
@@ -578,7 +584,7 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
           "num_sweeps": sweeps, "batch_size": batch_size, "data_norm": float(data_norm),
           "clip": bool(clip)}
   return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=0.0,
-                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                        neighboring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 def ppca_core(key: jax.Array, S: jax.Array, epsilon, *, k: int,

@@ -19,14 +19,18 @@ from dpjax import _validation as v
 from dpjax import accounting, linalg
 from dpjax._host import float64
 from dpjax.coinpress.schedule import (_check_common, _standard_normal, default_fractions,
-                                      gaussian_norm_radius)
+                                      gaussian_norm_radius, steps_event)
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, discretized_gaussian_mechanism
 from dpjax.mechanisms.grid import discretization
 from dpjax.results import EstimateResult
+from dpjax.ledger import with_ledger
+
+__all__ = ["choose_covariance_steps", "coinpress_covariance", "covariance_required_n"]
 
 _AUTO_MAX_STEPS = 8          # choose_covariance_steps searches T in 1..8
 
 
+@with_ledger
 def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kappa: float,
                          steps: int | None = None, beta: float = 0.01,
                          fractions: Sequence[float] | None = None,
@@ -101,7 +105,7 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
     secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` (``ok`` True eagerly; neighbouring ``REPLACE_ONE``;
+    :class:`~dpjax.results.EstimateResult` (``ok`` True eagerly; neighboring ``REPLACE_ONE``;
     ``epsilon`` the composed ε) with ``estimate`` a symmetric PSD ``(d, d)`` array — float64
     NumPy eagerly (the whitening recursion runs in float64 whatever JAX's x64 flag) — and
     ``info`` holding ``steps``, ``fractions``, ``noise_scale``, ``noise_multipliers``,
@@ -161,7 +165,8 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
     info.update(grids=(plan.grid,) * T)
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate,
                         released={"releases": releases} if secure else {}, epsilon=spent,
-                        delta=delta, neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                        delta=delta, neighboring=NeighboringRelation.REPLACE_ONE, info=info,
+                        dp_event=steps_event(zs, secure))
 
 
 def choose_covariance_steps(n: int, d: int, *, kappa: float, epsilon: float, delta: float,

@@ -17,12 +17,17 @@ from dp_accounting import NeighboringRelation
 from dpjax import _validation as v
 from dpjax import accounting
 from dpjax._host import float64
-from dpjax.coinpress.schedule import _check_common, _standard_normal, gaussian_norm_radius
+from dpjax.coinpress.schedule import (_check_common, _standard_normal, gaussian_norm_radius,
+                                      steps_event)
 from dpjax.mechanisms.gaussian import discretized_gaussian_mechanism
 from dpjax.mechanisms.grid import discretization
 from dpjax.results import EstimateResult
+from dpjax.ledger import with_ledger
+
+__all__ = ["coinpress_mean"]
 
 
+@with_ledger
 def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, radius: float,
                    steps: int | None = None, beta: float = 0.01,
                    fractions: Sequence[float] | None = None, accountant: str | None = None,
@@ -86,7 +91,7 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
 
   Returns:
     :class:`~dpjax.results.EstimateResult` (``ok`` True eagerly; ``epsilon`` the composed ε ≤ the
-    requested one; neighbouring ``REPLACE_ONE``) with ``estimate`` a ``(d,)`` array — float64
+    requested one; neighboring ``REPLACE_ONE``) with ``estimate`` a ``(d,)`` array — float64
     NumPy eagerly (the algorithm runs in float64 whatever JAX's x64 flag: means of 1e6 keep
     their digits), with ``secure=True`` a multiple of ``info["grids"][-1]`` —,
     ``released["centers"]`` (``(T, d)``, the released c_1..c_T, covered by the guarantee) and
@@ -153,8 +158,8 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
   if secure:
     info["grids"] = tuple(grids)
   return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, released={"centers": centers},
-                        epsilon=spent, delta=delta, neighbouring=NeighboringRelation.REPLACE_ONE,
-                        info=info)
+                        epsilon=spent, delta=delta, neighboring=NeighboringRelation.REPLACE_ONE,
+                        info=info, dp_event=steps_event(zs, secure))
 
 
 def _mean_release(key, X, center, *, clip_radii, sigmas, sensitivities, noise_multipliers,

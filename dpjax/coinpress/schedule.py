@@ -73,11 +73,14 @@ import functools
 import math
 from typing import Sequence
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 
 from dpjax import _validation as v
 from dpjax import accounting
+
+__all__ = ["calibrate_noise_scale"]
 
 ACCOUNTANTS = accounting.GAUSSIAN_ACCOUNTANTS
 CONTINUOUS_ONLY = ("analytic", "pld")    # exact for continuous Gaussian noise only
@@ -160,6 +163,18 @@ def calibrate_noise_scale(epsilon: float, delta: float, fractions: Sequence[floa
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
   return accounting.calibrate_gaussian_composition(epsilon, delta, fractions,
                                                    accountant=accountant)[0]
+
+
+def steps_event(noise_multipliers, secure: bool) -> dp_accounting.DpEvent:
+  """The ``dp_accounting`` event of CoinPress's T Gaussian steps with multipliers ``z_t``
+  (sensitivities under replace-one): ``ComposedDpEvent`` of ``GaussianDpEvent(z_t)`` for
+  continuous noise (exact for PLD and RDP, :func:`dpjax.accounting.gaussian_composition_event`);
+  for the float-safe discrete Gaussian (``secure``) the Rényi statement it rests on,
+  ``ZCDpEvent(ρ = Σ 1/(2 z_t²))`` (Canonne, Kamath & Steinke 2020, Thm 4), which the RDP
+  accountant composes."""
+  if secure:
+    return dp_accounting.ZCDpEvent(sum(0.5 / (z * z) for z in noise_multipliers))
+  return accounting.gaussian_composition_event(noise_multipliers)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

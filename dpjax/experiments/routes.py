@@ -29,11 +29,14 @@ multiplier σ and are accounted as DP-SGD (:func:`dpjax.accounting.plan_dpsgd_bu
   ``check=False``): a function of releases already paid for (post-processing, free). §6.4.
 * ``private_input_subspace`` (no public data): the first layer's noise lives in the top
   ``input_rank`` eigenvectors of Analyze Gauss's noisy second moment of the private rows' inputs
-  (:func:`dpjax.sgd.private_input_basis`, rows clipped to the public ``input_clip_norm``, at
-  ``(ε_s, δ_s) = (input_epsilon_fraction·ε, input_delta_fraction·δ)``; one release per run, from
-  its own stream of the run's key, :func:`run_keys`), used after clipping as ``public_subspace``
-  uses its basis (the noise scaled by the released basis's norm bound ν, computed on the host by
-  :func:`dpjax.sgd.update_bases`); DP-SGD gets the rest of the budget (basic composition). §6.5.
+  (:func:`dpjax.sgd.private_input_basis` with continuous noise, add/remove-one, rows clipped to
+  the public ``input_clip_norm``, at a stand-alone ``(ε_s, δ_s) = (input_epsilon_fraction·ε,
+  input_delta_fraction·δ)``; one release per run, from its own stream of the run's key,
+  :func:`run_keys`), used after clipping as ``public_subspace`` uses its basis (the noise scaled
+  by the released basis's norm bound ν, computed on the host by :func:`dpjax.sgd.update_bases`).
+  The release's event, ``GaussianDpEvent(z_s)``, is composed with the T steps by the accountant
+  (:func:`dpjax.accounting.plan_dpsgd_budget`), so the total is (ε, δ) and DP-SGD's σ is barely
+  above plain DP-SGD's (Abadi et al. 2016 composed their DP-PCA the same way). §6.5.
 * ``public_subspace`` (public data): the first layer's noise lives in the top principal
   directions of the public rows' inputs (:func:`dpjax.sgd.public_input_basis`; ``dp_noise``'s
   ``"layers"`` release, after clipping; the basis is public, so its norm bound is a public fact).
@@ -62,6 +65,7 @@ import functools
 import math
 from typing import Any, Callable, NamedTuple
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,8 +76,8 @@ from dpjax import accounting, linalg, sgd
 from dpjax.sgd import noise, per_example, sampling
 
 __all__ = ["DIAGNOSTIC_ROUTES", "PUBLIC_ROUTES", "ROUTES", "RouteRun", "RouteSettings", "RunKeys",
-           "first_layer_bases", "gep_edge_noise_std", "noise_multiplier", "route_rank",
-           "run_keys", "train_route"]
+           "first_layer_bases", "gep_edge_noise_std", "input_basis_event", "noise_multiplier",
+           "route_rank", "run_keys", "train_route"]
 
 ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private_input_subspace",
           "public_subspace")
@@ -105,8 +109,10 @@ class RouteSettings:
       (:class:`dpjax.sgd.TwoSidedBasis` of the top left and right singular vectors): the
       embedding is ``UᵀGV`` (r × r) and the rest goes to the residual.
     input_rank: rank of ``private_input_subspace``'s basis (≤ the number of input features).
-    input_epsilon_fraction: the share of ε spent on that basis (PROPOSED 0.1; in (0, 1)).
-    input_delta_fraction: the share of δ spent on it (PROPOSED 0.1; in (0, 1)).
+    input_epsilon_fraction: the basis release's stand-alone ε as a share of ε (it sets the
+      basis's noise; composed with the steps by the accountant it costs DP-SGD far less;
+      PROPOSED 0.1; in (0, 1)).
+    input_delta_fraction: its stand-alone δ as a share of δ (PROPOSED 0.1; in (0, 1)).
     input_clip_norm: the public row-norm bound C_x of Analyze Gauss (rows above it are scaled
       down for the basis only; PROPOSED 4, about the norm of a digits row scaled to [0, 1]).
     public_rank: rank of the public input subspace.
@@ -218,14 +224,25 @@ def first_layer_bases(params, basis):
 def noise_multiplier(epsilon: float, delta: float, sampling_prob: float, steps: int,
                      accountant: str = "pld", subspace_epsilon: float = 0.0,
                      subspace_delta: float = 0.0,
-                     tuning: accounting.HyperparameterTuning | None = None) -> float:
-  """σ of ``steps`` Poisson-sampled Gaussian releases at what ``(ε, δ)`` leaves after a
-  subspace release of ``(ε_s, δ_s)`` (basic composition), add/remove-one; with ``tuning``, σ
-  of each run of a Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP)."""
+                     tuning: accounting.HyperparameterTuning | None = None,
+                     subspace_event=None) -> float:
+  """σ of ``steps`` Poisson-sampled Gaussian releases that, composed with a subspace release
+  (its ``subspace_event``, by the accountant, or ``(ε_s, δ_s)`` by basic composition), are
+  (ε, δ)-DP under add/remove-one; with ``tuning``, σ of each run of a Papernot–Steinke tuning
+  whose released best run is (ε, δ)-DP (RDP)."""
   return accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=sampling_prob, steps=steps,
                                       subspace_epsilon=subspace_epsilon,
-                                      subspace_delta=subspace_delta, accountant=accountant,
+                                      subspace_delta=subspace_delta,
+                                      subspace_event=subspace_event, accountant=accountant,
                                       tuning=tuning).noise_multiplier
+
+
+def input_basis_event(eps_s: float, delta_s: float) -> dp_accounting.DpEvent:
+  """The event of ``private_input_subspace``'s release at a stand-alone (ε_s, δ_s): Analyze
+  Gauss with continuous noise under add/remove-one (:func:`dpjax.sgd.private_input_basis` with
+  ``secure=False``), ``GaussianDpEvent(σ(ε_s, δ_s))`` (analytic σ, sensitivity 1 in units of
+  C_x²). :func:`train_route` checks that each release states exactly this event."""
+  return dp_accounting.GaussianDpEvent(accounting.analytic_gaussian_sigma(eps_s, delta_s))
 
 
 class RunKeys(NamedTuple):
@@ -440,15 +457,19 @@ def _shapes(params) -> tuple:
                for layer in params)
 
 
-def _private_input_states(keys, X, state, template, eps_s, delta_s, settings):
+def _private_input_states(keys, X, state, template, eps_s, delta_s, settings, event):
   """One Analyze Gauss release per run (:func:`dpjax.sgd.private_input_basis` from the run's
-  ``subspace`` stream) swapped into ``state`` by :func:`dpjax.sgd.update_bases` (host: checks the
-  basis and scales the noise std to σΔ·max(1, ν̂)); returns the K states stacked over the runs."""
+  ``subspace`` stream, continuous noise: the Gaussian ``event`` σ was calibrated with) swapped
+  into ``state`` by :func:`dpjax.sgd.update_bases` (host: checks the basis and scales the noise
+  std to σΔ·max(1, ν̂)); returns the K states stacked over the runs."""
   swapped = []
   for key in keys:
-    basis = np.asarray(sgd.private_input_basis(
+    release = sgd.private_input_basis(
         run_keys(key).subspace, X, settings.input_rank, epsilon=eps_s, delta=delta_s,
-        clip_norm=settings.input_clip_norm).basis, np.float32)
+        clip_norm=settings.input_clip_norm, secure=False)
+    if release.dp_event != event:            # the accounted release is the one made
+      raise RuntimeError(f"the release is {release.dp_event}, σ was calibrated for {event}.")
+    basis = np.asarray(release.basis, np.float32)
     swapped.append(noise.noise_state(sgd.update_bases(
         state, bases=first_layer_bases(template, basis))))
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *swapped)
@@ -561,15 +582,18 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
       if not 0.0 < float(getattr(settings, name)) < 1.0:
         raise ValueError(f"settings.{name} must lie in (0, 1), got {getattr(settings, name)}.")
     v.check_positive(settings.input_clip_norm, "settings.input_clip_norm")
-  # The basis's (ε_s, δ_s) (private_input_subspace only), composed with the SGD steps.
+  # The basis's stand-alone (ε_s, δ_s) (private_input_subspace only); its Gaussian event is
+  # composed with the SGD steps by the accountant.
   eps_s = settings.input_epsilon_fraction * float(epsilon) if private_input else 0.0
   delta_s = settings.input_delta_fraction * float(delta) if private_input else 0.0
+  sub_event = input_basis_event(eps_s, delta_s) if private_input else None
   if tuning is not None:
     tuning = accounting.check_tuning(tuning)
     if route == "non_private":
       tuning = None                       # nothing private to tune: the argument is ignored
   sigma = 0.0 if route == "non_private" else noise_multiplier(
-      float(epsilon), float(delta), batch / n, steps, accountant, eps_s, delta_s, tuning)
+      float(epsilon), float(delta), batch / n, steps, accountant, tuning=tuning,
+      subspace_event=sub_event)
   selection = sampling.poisson_sampling(n, batch)
   # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
   edge_std = jnp.float32(0.0 if route != "gep_trajectory" else (1.0 if scale is None else scale)
@@ -580,7 +604,8 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   states = tuple(tx.init(template) for tx in txs)
   run_states = None
   if private_input:
-    run_states = _private_input_states(keys, X, states[0], template, eps_s, delta_s, settings)
+    run_states = _private_input_states(keys, X, states[0], template, eps_s, delta_s, settings,
+                                       sub_event)
   params, bases = _train(keys, jnp.asarray(lrs), jnp.asarray(X, jnp.float32), jnp.asarray(y),
                          states, edge_std, run_states,
                          grad_fns=_grad_fns(route, loss_fn, static), txs=txs, route=route,

@@ -22,6 +22,9 @@ from dpjax import _validation as v
 from dpjax._host import host_call, python_random
 from dpjax.mechanisms import exact as exact_lib
 
+__all__ = ["discrete_gaussian", "discrete_laplace", "discrete_laplace_mechanism",
+           "truncated_discrete_laplace"]
+
 # The exact sampler needs num = ⌈scale·2^10⌉ ≤ 2^25 (its uint32 arithmetic); the geometric one
 # keeps |Z| < 2^31 except with probability e^{−2^11}.
 MAX_EXACT_SCALE = 2.0**15
@@ -117,7 +120,7 @@ def discrete_laplace_mechanism(key: jax.Array, value, *, sensitivity: int,
                                epsilon: float) -> jax.Array:
   """Releases an integer statistic plus ``DLap(Δ/ε)`` noise (exact sampler), per coordinate.
 
-  Guarantee: ε-DP under any neighbouring relation for which the integer statistic ``value`` has
+  Guarantee: ε-DP under any neighboring relation for which the integer statistic ``value`` has
   ℓ1-sensitivity ``sensitivity``: the probabilities of an output under neighbours differ by a
   factor ``p^{−Σ|Δz|} ≤ p^{−Δ} ≤ e^ε`` (docs/algorithms.md §1.4; the scale is rounded up, which only
   lowers the factor). The output is an integer, so no floating-point side channel (§1.10).

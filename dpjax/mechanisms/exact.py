@@ -18,6 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+# Building blocks of dpjax.mechanisms.discrete and .histogram (and PMM/PSMM): no public names.
+# Users draw exact integer noise with dpjax.mechanisms.discrete_laplace / discrete_gaussian.
+__all__: list[str] = []
+
 _DENOMINATOR = 1 << 10          # scales are rounded UP to a multiple of 2^-10 (never less noise)
 
 

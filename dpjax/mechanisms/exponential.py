@@ -7,6 +7,8 @@ import jax.numpy as jnp
 
 from dpjax import _validation as v
 
+__all__ = ["exponential_mechanism"]
+
 
 def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon: float,
                           monotone: bool = False) -> jax.Array:
@@ -24,9 +26,9 @@ def exponential_mechanism(key: jax.Array, scores, *, sensitivity: float, epsilon
   float value leaks, but the guarantee is (ε, δ)-DP with δ of that order rather than pure ε-DP.
 
   Guarantee: ε-DP (in real arithmetic; see the floating-point note) under the caller's
-  neighbouring relation when each candidate's score has sensitivity ``Δu`` under it (the
+  neighboring relation when each candidate's score has sensitivity ``Δu`` under it (the
   normaliser moves by at most ``e^{ε/2}`` and the numerator by
-  at most ``e^{ε/2}``). With ``monotone=True`` (on every neighbouring pair all scores move in the
+  at most ``e^{ε/2}``). With ``monotone=True`` (on every neighboring pair all scores move in the
   same direction) the factor 2 is dropped [McSherry–Talwar 2007]. The candidate list must be
   data-independent (fixed order; the index is the output).
 

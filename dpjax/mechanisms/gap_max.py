@@ -14,6 +14,8 @@ from dpjax import _validation as v
 from dpjax.mechanisms import discrete, exact
 from dpjax.mechanisms.truncated_laplace import discrete_truncated_laplace_bound
 
+__all__ = ["GapMaxParameters", "GapMaxResult", "gap_max", "gap_max_core", "gap_max_parameters"]
+
 _FLOAT_RESOLUTION_BITS = 10      # float scores are floored to multiples of 2^-10 (or coarser)
 
 
@@ -115,7 +117,7 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
   discrete truncated Laplace on ``{−K, …, K}`` of scale ``≥ 2S/ε`` sampled exactly with integer
   arithmetic (:func:`integer_gap_max_bound`).
 
-  Guarantee: (ε, δ)-DP under the caller's neighbouring relation when every candidate's score has
+  Guarantee: (ε, δ)-DP under the caller's neighboring relation when every candidate's score has
   sensitivity 1 under it and candidates not listed score 0. The candidate list must be in a
   data-independent canonical order (the order sets the tie-break). Why: flooring to the grid
   keeps the per-score sensitivity at S grid steps. If the argmax is the same on both neighbours,

@@ -8,7 +8,7 @@ stays accurate for tiny δ and large ε), the classic one with :mod:`math`, the 
 Floating point (docs/algorithms.md §1.10). Continuous Gaussian noise sampled in floating point has the
 same weakness as Laplace noise (Mironov 2012): the float values ``f + Z`` can reach depend on
 ``f``. For float32 noise on a value moved by its sensitivity, most of the output mass is on values
-the neighbouring input can never produce (``dpjax.audit.exact_output_audit``). The default
+the neighboring input can never produce (``dpjax.audit.exact_output_audit``). The default
 ``gaussian_mechanism(secure=True)`` therefore releases ``Λ·(round(f/Λ) + Y)`` with ``Y`` exact
 discrete Gaussian noise on a public power-of-two grid Λ (:func:`discretized_gaussian_mechanism`):
 the output is always a multiple of Λ, whatever ``f``, and its distribution is exactly that of
@@ -19,164 +19,20 @@ from __future__ import annotations
 
 import functools
 import math
-import dp_accounting
 import jax
 import numpy as np
 
-from dpjax import accounting
 from dpjax import _validation as v
+# The calibrations live in dpjax.accounting (one home for calibration); re-exported here.
+from dpjax.accounting import (analytic_gaussian_sigma, classic_gaussian_sigma,  # noqa: F401
+                              rdp_gaussian_sigma)
 from dpjax._host import host_call
 from dpjax.mechanisms import discrete
 from dpjax.mechanisms.grid import discretization
 
+__all__ = ["discretized_gaussian_mechanism", "gaussian_mechanism", "gaussian_noise"]
+
 CALIBRATIONS = ("analytic", "classic", "rdp")
-
-def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
-  """The smallest σ for which ``N(0, σ²)`` noise is (ε, δ)-DP at ℓ2-sensitivity Δ.
-
-  Solves Balle & Wang's exact condition (2018, Thm 8)
-
-    ``Φ(Δ/(2σ) − εσ/Δ) − e^ε Φ(−Δ/(2σ) − εσ/Δ) ≤ δ``
-
-  with ``dp_accounting``'s solver on the host in float64 (the left side decreases in σ):
-  ``dp_accounting.get_sigma_gaussian`` (dp-accounting ≥ 0.6: Brent's method on the condition in
-  log space with SciPy's log Φ, run to its relative tolerance of 4 ulps, so σ is the root to
-  float64 precision, and σ·(1 − 1e-12) does not meet the condition for ordinary ε, δ); on
-  dp-accounting 0.5, which lacks it, ``GaussianPrivacyLoss.from_privacy_guarantee`` (bisection on
-  the same hockey-stick divergence, returning the end that meets it, within 1e-7 of the root in
-  σ/Δ). Valid for every ε > 0, unlike the classic calibration.
-
-  Args:
-    epsilon: ``ε > 0``.
-    delta: ``δ ∈ (0, 1)``.
-    sensitivity: ℓ2-sensitivity ``Δ > 0`` (default 1).
-
-  Returns:
-    σ as a Python float (``Δ`` times the σ of Δ = 1: the condition depends on σ/Δ only).
-
-  Raises:
-    ValueError: ε not finite and > 0, δ ∉ (0, 1), Δ not finite and > 0 (NaN included), σ
-      overflows float64, or the solver fails in float64 (ε ≳ 1e155).
-    TypeError: a non-real argument.
-
-  References:
-    docs/algorithms.md §1.2; Balle & Wang, "Improving the Gaussian mechanism for differential
-    privacy: analytical calibration and optimal denoising", ICML 2018, Thm 8.
-  """
-  # The condition depends on σ/Δ only: solve at Δ = 1 and scale, so that tiny or huge Δ can
-  # neither underflow the search nor overflow it.
-  return _scaled_sigma(_analytic_unit_sigma, epsilon, delta, sensitivity)
-
-
-def _scaled_sigma(unit_sigma, epsilon, delta, sensitivity) -> float:
-  """``Δ · unit_sigma(ε, δ)`` after validating the arguments; raises if it overflows."""
-  epsilon = v.check_epsilon(epsilon)
-  delta = v.check_delta(delta)
-  sensitivity = v.check_positive(sensitivity, "sensitivity")
-  sigma = sensitivity * unit_sigma(epsilon, delta)
-  if not math.isfinite(sigma):
-    raise ValueError(f"the Gaussian noise std for sensitivity={sensitivity!r} overflows float64.")
-  return sigma
-
-
-@functools.lru_cache(maxsize=512)
-def _analytic_unit_sigma(epsilon: float, delta: float) -> float:
-  """:func:`analytic_gaussian_sigma` at Δ = 1, by ``dp_accounting`` (cached per ``(ε, δ)``)."""
-  solve = getattr(dp_accounting, "get_sigma_gaussian", None)          # dp-accounting >= 0.6
-  try:
-    with np.errstate(all="ignore"):     # log δ = −inf where the two terms round equal: meant
-      if solve is not None:
-        # ``tol`` is brentq's absolute tolerance: a negligible one leaves its relative one in
-        # charge (4 ulps), whatever the scale of σ.
-        sigma = solve(epsilon, delta, tol=1e-300)
-      else:
-        guarantee = dp_accounting.pld.common.DifferentialPrivacyParameters(epsilon, delta)
-        loss = dp_accounting.pld.privacy_loss_mechanism.GaussianPrivacyLoss
-        sigma = loss.from_privacy_guarantee(guarantee).standard_deviation
-  except (ArithmeticError, ValueError, RuntimeError) as err:
-    raise ValueError(f"dp_accounting cannot calibrate the analytic Gaussian at "
-                     f"epsilon={epsilon!r}, delta={delta!r} in float64.") from err
-  return float(sigma)
-
-
-def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
-  """``σ = Δ sqrt(2 ln(1.25/δ))/ε``, the classic calibration (Dwork–Roth Thm A.1), for ε < 1.
-
-  Args:
-    epsilon: ``ε ∈ (0, 1)``.
-    delta: ``δ ∈ (0, 1)``.
-    sensitivity: ℓ2-sensitivity ``Δ > 0`` (default 1).
-
-  Returns:
-    σ as a Python float (always larger than :func:`analytic_gaussian_sigma`).
-
-  Raises:
-    ValueError: ε ≥ 1 (the classic bound is not valid there; use the analytic calibration), or
-      bad ε, δ, Δ.
-
-  References:
-    docs/algorithms.md §1.2; Dwork & Roth (2014), Thm A.1.
-  """
-  epsilon = v.check_epsilon(epsilon)
-  delta = v.check_delta(delta)
-  sensitivity = v.check_positive(sensitivity, "sensitivity")
-  if epsilon >= 1.0:
-    raise ValueError(f"the classic Gaussian calibration needs epsilon < 1, got "
-                     f"epsilon={epsilon}; use calibration='analytic'.")
-  return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
-
-
-def rdp_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
-  """The smallest σ for which the Gaussian mechanism's Rényi DP implies (ε, δ)-DP.
-
-  A Gaussian mechanism with noise multiplier ``z = σ/Δ`` is ``(α, α/(2z²))``-RDP for every
-  α > 1 (ρ-zCDP with ρ = 1/(2z²)); ``dp_accounting``'s RDP accountant converts that to (ε, δ)
-  (the conversion of Canonne, Kamath & Steinke 2020, Prop. 12) and
-  ``dp_accounting.calibrate_dp_mechanism`` finds the smallest z. This is the calibration that is
-  valid for the **discrete** Gaussian too (its Rényi divergences are at most the continuous
-  ones, CKS 2020 Thm 4), so :func:`gaussian_mechanism` uses it with ``secure=True``. It costs
-  5–15% more σ than :func:`analytic_gaussian_sigma` (e.g. 4.05 vs 3.73 at ε = 1, δ = 1e-5).
-
-  Args:
-    epsilon: ``ε > 0``.
-    delta: ``δ ∈ (0, 1)``.
-    sensitivity: ℓ2-sensitivity ``Δ > 0`` (default 1).
-
-  Returns:
-    σ as a Python float (results are cached per ``(ε, δ)``).
-
-  Raises:
-    ValueError: bad ε, δ or Δ, or no multiplier in ``[1e-3, 1e7]`` reaches (ε, δ).
-    TypeError: a non-real argument.
-
-  References:
-    Mironov, "Rényi differential privacy", CSF 2017; Bun & Steinke, "Concentrated differential
-    privacy", TCC 2016; Canonne, Kamath & Steinke, NeurIPS 2020, Prop. 12 and Thm 4.
-  """
-  return _scaled_sigma(_rdp_noise_multiplier, epsilon, delta, sensitivity)
-
-
-@functools.lru_cache(maxsize=512)
-@accounting.quiet_rdp_logs()
-def _rdp_noise_multiplier(epsilon: float, delta: float) -> float:
-  def make_event(z):
-    return dp_accounting.GaussianDpEvent(z)
-
-  low, high = 1e-3, 1e7
-  epsilon_at = lambda z: dp_accounting.rdp.RdpAccountant().compose(  # noqa: E731
-      make_event(z)).get_epsilon(delta)
-  if epsilon_at(high) > epsilon:
-    raise ValueError(f"no Gaussian noise multiplier up to 1e7 reaches epsilon={epsilon}, "
-                     f"delta={delta}.")
-  if epsilon_at(low) <= epsilon:
-    return low
-  z = float(dp_accounting.calibrate_dp_mechanism(
-      dp_accounting.rdp.RdpAccountant, make_event, epsilon, delta,
-      bracket_interval=dp_accounting.ExplicitBracketInterval(low, high), tol=1e-9))
-  while epsilon_at(z) > epsilon:             # calibrate_dp_mechanism returns a valid end; check
-    z = math.nextafter(z, math.inf) * (1.0 + 1e-12)
-  return z
-
 
 def gaussian_noise(key: jax.Array, shape=(), *, sigma: float, dtype=None) -> jax.Array:
   """I.i.d. ``N(0, σ²)`` samples (a sampler; the guarantee comes from calibrating σ).
@@ -218,7 +74,7 @@ def discretized_gaussian_mechanism(key: jax.Array, value, *, sensitivity: float,
   with σ = z·Δ_Λ steps is added with integer arithmetic (:func:`dpjax.mechanisms.discrete.discrete_gaussian`),
   and the integer result is scaled back by Λ (exact in float64).
 
-  Guarantee: for a statistic of ℓ2-sensitivity Δ under the caller's neighbouring relation, the
+  Guarantee: for a statistic of ℓ2-sensitivity Δ under the caller's neighboring relation, the
   release is ``(α, α/(2z²))``-RDP for every α > 1 — the same curve as a continuous Gaussian
   mechanism with noise multiplier z, so it composes as ``dp_accounting.GaussianDpEvent(z)`` under
   RDP / zCDP accounting (CKS 2020 Thm 4: the discrete Gaussian's Rényi divergence for an integer
@@ -281,7 +137,7 @@ def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
                        bound: float | None = None):
   """Releases ``value + N(0, σ² I)`` with σ calibrated to (ε, δ); float-safe by default.
 
-  Guarantee: (ε, δ)-DP under the caller's neighbouring relation when ``value`` has
+  Guarantee: (ε, δ)-DP under the caller's neighboring relation when ``value`` has
   ℓ2-sensitivity ``sensitivity`` under it.
 
   * ``secure=True`` (default, for released statistics): the float-safe

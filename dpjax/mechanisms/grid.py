@@ -18,6 +18,8 @@ import numpy as np
 
 from dpjax import _validation as v
 
+__all__ = ["Discretization", "discretization"]
+
 _GRID_RESOLUTION = 2.0**10     # rounding adds ≤ 2^-10 of the sensitivity
 _MAX_GRID_INDEX = 2.0**50      # |f|/Λ ≤ 2^50 and the noise ≪ 2^52: every output exact in float64
 

@@ -2,7 +2,7 @@
 
 Only non-empty bins are ever touched, so the domain (e.g. all cells of a grid in Z^D) may be
 infinite: each non-empty bin gets one noise draw, and only bins whose noisy count clears a
-threshold τ are released. A bin that exists in only one of two neighbouring datasets holds a
+threshold τ are released. A bin that exists in only one of two neighboring datasets holds a
 single item and clears τ with probability at most δ.
 
 The noise is integer (discrete Laplace) and sampled exactly with integer arithmetic, so the
@@ -28,6 +28,9 @@ from jax import lax
 from dpjax import _validation as v
 from dpjax.mechanisms import discrete
 from dpjax.mechanisms import exact as exact_lib
+
+__all__ = ["HistogramScalars", "StableHistogram", "histogram_scalars", "stable_histogram",
+           "stable_histogram_core", "top_bin"]
 
 NOISES = ("discrete",)
 GROUPINGS = ("auto", "pairwise", "hash")
@@ -56,9 +59,9 @@ class StableHistogram(NamedTuple):
   threshold: float
 
 
-def _sensitivity(neighbouring: NeighboringRelation) -> int:
+def _sensitivity(neighboring: NeighboringRelation) -> int:
   # Replace-one moves one item between two bins (ℓ1 change 2); add/remove changes one bin by 1.
-  return 2 if v.check_neighbouring(neighbouring) == NeighboringRelation.REPLACE_ONE else 1
+  return 2 if v.check_neighboring(neighboring) == NeighboringRelation.REPLACE_ONE else 1
 
 
 def check_noise(noise: str) -> str:
@@ -67,22 +70,22 @@ def check_noise(noise: str) -> str:
     raise ValueError(
         "noise='laplace' was removed: float32 Laplace noise on a count leaks the count through "
         "the float values it can reach (Mironov 2012; a quarter of the output mass is "
-        "unreachable from the neighbouring count, so it is not DP at any ε). Use the default "
+        "unreachable from the neighboring count, so it is not DP at any ε). Use the default "
         "noise='discrete' (exact integer discrete Laplace noise, same scale).")
   return v.check_choice(noise, "noise", NOISES)
 
 
-def _noise_scale(epsilon: float, neighbouring: NeighboringRelation) -> float:
+def _noise_scale(epsilon: float, neighboring: NeighboringRelation) -> float:
   """The scale the exact sampler really uses (rounded up, :func:`discrete.effective_scale`)."""
-  scale = _sensitivity(neighbouring) / epsilon
+  scale = _sensitivity(neighboring) / epsilon
   if scale > discrete.MAX_EXACT_SCALE:
-    raise ValueError(f"epsilon must be at least {_sensitivity(neighbouring)}/"
+    raise ValueError(f"epsilon must be at least {_sensitivity(neighboring)}/"
                      f"{discrete.MAX_EXACT_SCALE:g} for discrete noise, got epsilon={epsilon!r}.")
   return discrete.effective_scale(scale)
 
 
 def histogram_threshold(epsilon: float, delta: float, *,
-                        neighbouring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
+                        neighboring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
                         noise: str = "discrete") -> float:
   """The release threshold τ of the stability histogram (host, float64).
 
@@ -96,7 +99,7 @@ def histogram_threshold(epsilon: float, delta: float, *,
   Args:
     epsilon: ``ε > 0``.
     delta: ``δ ∈ (0, 1)``.
-    neighbouring: a ``dp_accounting.NeighboringRelation``: ``REPLACE_ONE`` (default) or
+    neighboring: a ``dp_accounting.NeighboringRelation``: ``REPLACE_ONE`` (default) or
       ``ADD_OR_REMOVE_ONE``.
     noise: ``"discrete"`` (the only option; ``"laplace"`` was removed, see the module docstring).
 
@@ -104,7 +107,7 @@ def histogram_threshold(epsilon: float, delta: float, *,
     τ as a Python float with an integer value.
 
   Raises:
-    ValueError: ε not finite and > 0, δ ∉ (0, 1), unknown ``neighbouring`` / ``noise`` (with an
+    ValueError: ε not finite and > 0, δ ∉ (0, 1), unknown ``neighboring`` / ``noise`` (with an
       explanation for ``"laplace"``), or ``Δ/ε > 2^15``.
 
   References:
@@ -115,9 +118,9 @@ def histogram_threshold(epsilon: float, delta: float, *,
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
-  v.check_neighbouring(neighbouring)
+  v.check_neighboring(neighboring)
   check_noise(noise)
-  scale = _noise_scale(epsilon, neighbouring)
+  scale = _noise_scale(epsilon, neighboring)
   p = math.exp(-1.0 / scale)
   steps = max(0, math.ceil(scale * math.log(1.0 / (delta * (1.0 + p)))))
   while steps >= 1 and discrete.discrete_laplace_tail(steps, scale) > delta:   # float guard
@@ -126,7 +129,7 @@ def histogram_threshold(epsilon: float, delta: float, *,
 
 
 def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
-                     neighbouring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
+                     neighboring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
                      noise: str = "discrete", grouping: str = "auto") -> StableHistogram:
   """Releases the popular bins of ``items`` with the stability-based histogram.
 
@@ -134,7 +137,7 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
   (never one per item), and a bin is released iff its noisy count clears
   :func:`histogram_threshold`.
 
-  Guarantee: (ε, δ)-DP under ``neighbouring``:
+  Guarantee: (ε, δ)-DP under ``neighboring``:
 
   * ``NeighboringRelation.REPLACE_ONE``: one item replaced, the others fixed (t public). Two bin
     counts change by 1 (ℓ1 change 2): noise scale 2/ε.
@@ -163,10 +166,10 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
     key: JAX PRNG key.
     items: ``(t, D)`` integer array, t ≥ 1, D ≥ 1; row ``i`` is the bin key (in ℤ^D) of item
       ``i``. Keys outside the int32 range are clamped to it (a fixed map of each item, which
-      keeps the neighbouring relation; raising would branch on private data).
+      keeps the neighboring relation; raising would branch on private data).
     epsilon: ``ε > 0``.
     delta: ``δ ∈ (0, 1)``.
-    neighbouring: a ``dp_accounting.NeighboringRelation``: ``REPLACE_ONE`` (default) or
+    neighboring: a ``dp_accounting.NeighboringRelation``: ``REPLACE_ONE`` (default) or
       ``ADD_OR_REMOVE_ONE``.
     noise: ``"discrete"`` (the default and only option: integer noise sampled exactly with
       integer arithmetic, so the release has no floating-point side channel; docs/algorithms.md
@@ -179,7 +182,7 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
     ε and δ enter the compiled core as traced integers, so an ε sweep compiles once.
 
   Raises:
-    TypeError: ``items`` not an integer array, ``key`` not a PRNG key, ``neighbouring`` not a
+    TypeError: ``items`` not an integer array, ``key`` not a PRNG key, ``neighboring`` not a
       ``NeighboringRelation``.
     ValueError: ``items`` not 2-D or empty; ε not finite and > 0; δ ∉ (0, 1); an unsupported
       relation, ``noise`` (``"laplace"`` included) or ``grouping``.
@@ -190,7 +193,7 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
   v.check_key(key)
   items = _check_items(items)
   v.check_choice(grouping, "grouping", GROUPINGS)
-  scalars = histogram_scalars(epsilon, delta, neighbouring=neighbouring, noise=noise)
+  scalars = histogram_scalars(epsilon, delta, neighboring=neighboring, noise=noise)
   bins, counts, released = stable_histogram_core(key, items, scalars, grouping)
   return StableHistogram(bins, counts, released, float(scalars.threshold))
 
@@ -204,12 +207,12 @@ class HistogramScalars(NamedTuple):
 
 
 def histogram_scalars(epsilon: float, delta: float, *,
-                      neighbouring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
+                      neighboring: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
                       noise: str = "discrete") -> HistogramScalars:
   """Host side of :func:`stable_histogram`: validates (ε, δ, relation, noise) and returns the
   :class:`HistogramScalars` its traceable core uses (same errors as :func:`stable_histogram`)."""
-  threshold = histogram_threshold(epsilon, delta, neighbouring=neighbouring, noise=noise)
-  num, den = exact_lib.rational_scale(_noise_scale(float(epsilon), neighbouring))
+  threshold = histogram_threshold(epsilon, delta, neighboring=neighboring, noise=noise)
+  num, den = exact_lib.rational_scale(_noise_scale(float(epsilon), neighboring))
   return HistogramScalars(int(num), int(den), int(threshold))
 
 

@@ -4,20 +4,21 @@ Noise ``b ∈ ℝ^d`` with density ``∝ exp(−β‖b‖₂)``. In polar coordi
 a uniform direction on the sphere and a norm ``r`` with density ``∝ r^{d−1} e^{−βr}``, i.e.
 ``r ~ Gamma(shape d, scale 1/β)``; the sampler draws exactly that (a normalised Gaussian for the
 direction). Adding it to a statistic of ℓ2-sensitivity Δ₂ with ``β = ε/Δ₂`` is ε-DP: for
-neighbouring values the output densities differ by the factor
+neighboring values the output densities differ by the factor
 ``exp(β(‖y − f'‖ − ‖y − f‖)) ≤ exp(β‖f − f'‖) ≤ e^ε`` (triangle inequality).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
+from dpjax._core.noise import l2_laplace_sample
 from dpjax._host import host_call
+
+__all__ = ["l2_laplace_beta", "l2_laplace_mechanism", "l2_laplace_noise"]
 
 
 def l2_laplace_beta(sensitivity: float, epsilon: float) -> float:
@@ -65,24 +66,14 @@ def l2_laplace_noise(key: jax.Array, d: int, beta, dtype=None) -> jax.Array:
   if not v.is_traced(beta):
     beta = v.check_positive(beta, "beta")
   dtype = v.check_float_dtype(dtype)
-  return _noise(key, jnp.asarray(beta, dtype), d=d, dtype=dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("d", "dtype"))
-def _noise(key, beta, *, d, dtype):
-  k_direction, k_norm = jax.random.split(key)
-  g = jax.random.normal(k_direction, (d,), dtype)
-  # ‖g‖ = 0 has probability 0 (it would need d exact zeros); the guard only avoids 0/0.
-  u = g / jnp.maximum(jnp.sqrt(jnp.sum(g * g)), jnp.finfo(dtype).tiny)
-  r = jnp.sum(jax.random.exponential(k_norm, (d,), dtype)) / beta      # ~ Gamma(d, 1/β)
-  return (r * u).astype(dtype)
+  return l2_laplace_sample(key, jnp.asarray(beta, dtype), d=d, dtype=dtype)
 
 
 def l2_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: float):
   """Releases ``value + b``, ``b`` ℓ2-Laplace with ``β = ε/Δ₂`` over all entries of ``value``.
 
   Guarantee: (ε, 0)-DP for a statistic whose ℓ2-sensitivity (over all its entries, flattened)
-  is ``sensitivity`` under the caller's neighbouring relation — whatever relation that
+  is ``sensitivity`` under the caller's neighboring relation — whatever relation that
   sensitivity is stated under (replace-one for the ERM minimisers of
   :mod:`dpjax.classic.erm`). Proof: the output density ratio between neighbours is
   ``exp(β(‖y − f(X')‖ − ‖y − f(X)‖)) ≤ exp(β·Δ₂) = e^ε``.

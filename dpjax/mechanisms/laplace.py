@@ -7,12 +7,14 @@ import jax
 
 from dpjax import _validation as v
 
+__all__ = ["laplace_mechanism", "laplace_noise", "laplace_scale"]
+
 
 def laplace_scale(sensitivity: float, epsilon: float) -> float:
   """The Laplace noise scale ``b = Δ₁/ε`` that makes a release ε-DP (host, float64).
 
   Args:
-    sensitivity: ℓ1-sensitivity ``Δ₁ > 0`` of the statistic under the neighbouring relation.
+    sensitivity: ℓ1-sensitivity ``Δ₁ > 0`` of the statistic under the neighboring relation.
     epsilon: privacy parameter ``ε > 0`` (nats).
 
   Returns:
@@ -64,7 +66,7 @@ def laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: flo
                       secure: bool = True, bound: float | None = None):
   """Releases ``value + Lap(Δ₁/ε)``, independent noise in every coordinate.
 
-  Guarantee: ε-DP under whatever neighbouring relation the caller uses, provided ``value`` has
+  Guarantee: ε-DP under whatever neighboring relation the caller uses, provided ``value`` has
   ℓ1-sensitivity ``sensitivity`` under it: the output density ratio between neighbours is
   ``exp(ε ‖f(X) − f(X')‖₁/Δ₁) ≤ e^ε`` (docs/algorithms.md §1.1).
 

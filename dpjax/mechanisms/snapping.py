@@ -24,6 +24,8 @@ import numpy as np
 from dpjax import _validation as v
 from dpjax._host import host_call
 
+__all__ = ["snapping_l1_mechanism", "snapping_mechanism", "snapping_parameters"]
+
 _BOUND_FACTOR = 2.0**32          # default B = 2^32 λ: clamps nothing realistic, costs ε·2^-17
 
 
@@ -85,7 +87,7 @@ def snapping_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
   """Releases ``value`` (each coordinate) with the snapping mechanism; float64 NumPy output.
 
   Guarantee: ε-DP per coordinate for a statistic of sensitivity ``sensitivity``, under the
-  caller's neighbouring relation; every output is a multiple of the public grid step Λ inside
+  caller's neighboring relation; every output is a multiple of the public grid step Λ inside
   ``[−B, B]`` (:func:`snapping_parameters`). For a VECTOR whose ℓ1-sensitivity is
   ``sensitivity``, the coordinates compose as for Laplace except that Mironov's floating-point
   slack ``2^{-49}B/λ`` is paid per coordinate: ``D`` coordinates at the default bound give

@@ -6,13 +6,16 @@ import math
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
+from dpjax._core.noise import truncated_laplace_sample
 from dpjax._host import host_call
 from dpjax.mechanisms import discrete
 from dpjax.mechanisms.grid import discretization
+
+__all__ = ["TruncatedLaplaceParams", "truncated_laplace", "truncated_laplace_mechanism",
+           "truncated_laplace_params"]
 
 
 class TruncatedLaplaceParams(NamedTuple):
@@ -128,17 +131,7 @@ def truncated_laplace(key: jax.Array, shape=(), *, sensitivity: float, epsilon: 
   shape = v.check_shape(shape)
   params = truncated_laplace_params(sensitivity, epsilon, delta)
   dtype = v.check_float_dtype(dtype)
-  return _truncated_laplace(key, shape, params.scale, params.bound, dtype)
-
-
-def _truncated_laplace(key, shape, scale, bound, dtype):
-  """Unvalidated, traceable core of :func:`truncated_laplace` (``scale``, ``bound`` floats)."""
-  k_sign, k_u = jax.random.split(key)
-  u = jax.random.uniform(k_u, shape, dtype)
-  mass = -jnp.expm1(-jnp.asarray(bound / scale, dtype))     # 1 − e^{−A/λ}, no cancellation
-  magnitude = -scale * jnp.log1p(-u * mass)
-  sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0).astype(dtype)
-  return jnp.clip(sign * magnitude, -bound, bound).astype(dtype)
+  return truncated_laplace_sample(key, shape, params.scale, params.bound, dtype)
 
 
 def discrete_truncated_laplace_bound(scale, shift: int, delta: float) -> int:
@@ -194,7 +187,7 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
                                 delta: float, secure: bool = True, bound: float | None = None):
   """Releases ``value + TLap(Δ, ε, δ)``, independent noise per coordinate; float-safe by default.
 
-  Guarantee: (ε, δ)-DP under the caller's neighbouring relation for a statistic of
+  Guarantee: (ε, δ)-DP under the caller's neighboring relation for a statistic of
   ℓ1-sensitivity Δ under it: inside the common support the density ratio is ≤ e^ε, and the mass
   outside it is ≤ δ (exactly δ for a scalar shift by Δ; for a vector shift ``‖s‖₁ ≤ Δ`` by
   superadditivity of ``e^x − 1``) (docs/algorithms.md §1.3, [GDGK20]).
@@ -251,4 +244,5 @@ def truncated_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, ep
     return host_call(release, jax.ShapeDtypeStruct(value.shape, np.float64), key, value)
   value = v.sanitise_value(value)
   params = truncated_laplace_params(sensitivity, epsilon, delta)
-  return value + _truncated_laplace(key, value.shape, params.scale, params.bound, value.dtype)
+  return value + truncated_laplace_sample(key, value.shape, params.scale, params.bound,
+                                         value.dtype)

@@ -25,6 +25,8 @@ import optax
 from dpjax import _validation as v
 from dpjax import linalg
 
+__all__ = ["LowRankDenoiseState", "low_rank_denoise"]
+
 
 class LowRankDenoiseState(NamedTuple):
   """State of :func:`low_rank_denoise`: the filter's buffer (params-shaped) and step count."""

@@ -56,6 +56,8 @@ from dpjax.sgd import bases as bases_lib
 from dpjax.sgd import gep, per_example
 from dpjax.sgd.per_example import DEFAULT_STABILITY
 
+__all__ = ["dense", "ghost_clipped_grad_sum", "model_loss"]
+
 _NO_EXPONENT = -(2 ** 20)   # the exponent of a zero partial norm (below every float's range)
 
 

@@ -54,6 +54,9 @@ from dp_accounting import NeighboringRelation
 from dpjax import _validation as v
 from dpjax import linalg
 
+__all__ = ["ClippedGradSum", "clip_per_example", "clipped_grad_sum", "global_norms",
+           "per_example_grads"]
+
 
 def per_example_grads(loss_fn: Callable) -> Callable:
   """``fn(params, batch)`` → the gradient of ``loss_fn`` for every example (``vmap`` of ``grad``).
@@ -427,14 +430,14 @@ class ClippedGradSum:
   def __call__(self, *args, **kwargs):
     return self.fun(*args, **kwargs)
 
-  def sensitivity(self, neighbouring: NeighboringRelation = (
+  def sensitivity(self, neighboring: NeighboringRelation = (
       NeighboringRelation.ADD_OR_REMOVE_ONE)) -> float:
     """ℓ2-sensitivity of the sum: C under add/remove-one, 2C under replace-one."""
-    if neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE:
+    if neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE:
       return self.l2_norm_bound
-    if neighbouring == NeighboringRelation.REPLACE_ONE:
+    if neighboring == NeighboringRelation.REPLACE_ONE:
       return 2.0 * self.l2_norm_bound
-    raise ValueError(f"unsupported neighbouring relation {neighbouring!r}.")
+    raise ValueError(f"unsupported neighboring relation {neighboring!r}.")
 
 
 def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,

@@ -11,7 +11,7 @@ A :class:`DPSGDPlan` holds
 * ``noise``: :func:`dpjax.sgd.dp_noise` built from ``grad_fn`` (so it reads Δ) with the release
   map the bases ask for (full, flat basis, per-layer one- or two-sided bases, GEP's embedding and
   residual) — C, σ, Δ and ν cannot disagree between clipping, noise and accountant;
-* ``dp_event``, ``budget`` (ε, δ) and the neighbouring relation (add/remove-one), and optionally
+* ``dp_event``, ``budget`` (ε, δ) and the neighboring relation (add/remove-one), and optionally
   a mesh for data parallelism.
 
 It works with any optax optimiser and any params pytree (dicts, Flax NNX ``nnx.split`` state,
@@ -41,6 +41,7 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting
+from dpjax._core.deprecation import renamed_attribute
 from dpjax.sgd import distributed, gep, noise, sampling
 
 __all__ = ["DPSGDPlan", "dp_sgd_plan"]
@@ -75,9 +76,11 @@ class DPSGDPlan:
   data_axis: str = distributed.DATA_AXIS
 
   @property
-  def neighbouring(self) -> NeighboringRelation:
+  def neighboring(self) -> NeighboringRelation:
     """The relation the guarantee is stated under: add/remove-one."""
     return NeighboringRelation.ADD_OR_REMOVE_ONE
+
+  neighbouring = renamed_attribute("neighboring", "neighbouring")
 
   @property
   def epsilon(self) -> float:
@@ -201,21 +204,22 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
                 key: jax.Array, epsilon: float | None = None, delta: float = 1e-5,
                 noise_multiplier: float | None = None, basis=None, bases=None,
                 subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
-                accountant: str = "pld", tuning: accounting.HyperparameterTuning | None = None,
+                subspace_event=None, accountant: str = "pld", tuning: accounting.HyperparameterTuning | None = None,
                 microbatch_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
                 data_axis: str = distributed.DATA_AXIS, ledger=None,
                 tol: float = 1e-3) -> DPSGDPlan:
   """Plans DP-SGD on N examples: calibration, batch selection, the noise for ``grad_fn``.
 
-  Either ``epsilon`` (σ is calibrated so that the T steps, plus a private subspace's
-  ``(subspace_epsilon, subspace_delta)``, are ``(epsilon, delta)``-DP) or ``noise_multiplier``
-  (σ given; the budget is what the accountant certifies at ``delta``).
+  Either ``epsilon`` (σ is calibrated so that the T steps, composed with a private subspace
+  release — its ``subspace_event``, or ``(subspace_epsilon, subspace_delta)`` — are
+  ``(epsilon, delta)``-DP) or ``noise_multiplier`` (σ given; the budget is what the accountant
+  certifies at ``delta``).
 
   Privacy: ``(plan.epsilon, plan.delta)``-DP under add/remove-one of one example for everything
   computed from the T released updates — provided each step draws its sample with
   :meth:`DPSGDPlan.clipped_sum` (or :meth:`~DPSGDPlan.step`, :meth:`~DPSGDPlan.run`) with a
   fresh key, passes it to the plan's transform, at most T times, and the bases are public, a DP
-  release accounted in ``subspace_epsilon/delta`` (basic composition), or functions of this
+  release accounted in ``subspace_event`` or ``subspace_epsilon/delta``, or functions of this
   run's releases. Reason: each step is the sampled Gaussian mechanism with ℓ2-sensitivity
   Δ = ``grad_fn.l2_norm_bound`` times the release map's ν, noise std σΔν (Abadi et al. 2016),
   composed by ``dp_accounting`` (:func:`dpjax.accounting.dpsgd_event`).
@@ -242,8 +246,13 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
     noise_multiplier: σ ≥ 0 instead of ``epsilon`` (σ = 0: no privacy, ε = ∞; for tests).
     basis: optional flat basis ``V (p, k)``; bases: optional per-layer bases (required by GEP's
       grad sum); see :func:`dpjax.sgd.dp_noise`.
-    subspace_epsilon, subspace_delta: a private basis's cost, composed into the total (basic
-      composition, add/remove-one).
+    subspace_epsilon, subspace_delta: a private basis's cost by number, composed into the total
+      (basic composition, add/remove-one).
+    subspace_event: a private basis's ``dp_accounting`` event instead (its result's
+      ``dp_event``, or the result itself, under add/remove-one): a Gaussian release (e.g.
+      :func:`dpjax.sgd.private_input_basis` with ``secure=False``) is composed with the steps by
+      the accountant, which leaves DP-SGD far more of the budget than a split of ε
+      (:func:`dpjax.accounting.plan_dpsgd_budget`); (ε, δ) events by basic composition.
     accountant: ``"pld"`` (default) or ``"rdp"``.
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
       Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP; no subspace share, no
@@ -280,14 +289,17 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
   if tuning is not None and ledger is not None:
     raise ValueError("tuning with a ledger: a plan is one run of the tuning, whose cost is the "
                      "whole tuning's; record accounting.tuning_event(...) in the ledger once.")
+  subspace_event = _subspace_event(subspace_event)
   if epsilon is not None:
     budget = accounting.plan_dpsgd_budget(
         v.check_positive(epsilon, "epsilon"), delta, sampling_prob=q, steps=steps,
-        subspace_epsilon=subspace_epsilon, subspace_delta=subspace_delta, accountant=accountant,
-        tuning=tuning)
+        subspace_epsilon=subspace_epsilon, subspace_delta=subspace_delta,
+        subspace_event=subspace_event, accountant=accountant, tuning=tuning)
   else:
-    budget = _given_sigma_budget(noise_multiplier, q, steps, delta, subspace_epsilon,
-                                 subspace_delta, accountant, tuning)
+    budget = accounting.dpsgd_budget(
+        noise_multiplier, q, steps, delta, subspace_epsilon=subspace_epsilon,
+        subspace_delta=subspace_delta, subspace_event=subspace_event, accountant=accountant,
+        tuning=tuning)
   sigma = budget.noise_multiplier
   transform = noise.dp_noise(grad_fn, noise_multiplier=sigma,
                              expected_batch_size=selection.expected_batch_size, key=key,
@@ -301,30 +313,29 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
                    accountant=accountant, mesh=mesh, data_axis=data_axis)
 
 
-def _given_sigma_budget(noise_multiplier, q, steps, delta, subspace_epsilon, subspace_delta,
-                        accountant, tuning) -> accounting.DPSGDBudget:
-  sigma = v.check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
-  sub_eps = v.check_positive(subspace_epsilon, "subspace_epsilon", allow_zero=True)
-  sub_delta = v.check_positive(subspace_delta, "subspace_delta", allow_zero=True)
-  if tuning is not None and (sub_eps > 0 or sub_delta > 0):
-    raise ValueError("tuning cannot repeat a subspace release composed by basic composition.")
-  sgd_eps = (accounting.dpsgd_epsilon(sigma, q, steps, delta, accountant=accountant,
-                                      tuning=tuning) if sigma > 0 else float("inf"))
-  return accounting.DPSGDBudget(
-      noise_multiplier=sigma, sampling_prob=q, steps=steps, subspace_epsilon=sub_eps,
-      subspace_delta=sub_delta, sgd_epsilon=sgd_eps, sgd_delta=delta,
-      epsilon=sgd_eps + sub_eps, delta=delta + sub_delta,
-      neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE, tuning=tuning)
+def _subspace_event(subspace_event):
+  """A subspace release's event: an event, or a result's ``dp_event`` (add/remove-one only)."""
+  if subspace_event is None or isinstance(subspace_event, dp_accounting.DpEvent):
+    return subspace_event
+  event = getattr(subspace_event, "dp_event", None)
+  if event is None:
+    raise TypeError("subspace_event must be a dp_accounting.DpEvent or a result with a "
+                    f"dp_event, got {type(subspace_event).__name__}.")
+  relation = getattr(subspace_event, "neighboring", None)
+  if relation not in (None, NeighboringRelation.ADD_OR_REMOVE_ONE):
+    raise ValueError(f"the subspace release is stated under {relation.name}; DP-SGD composes "
+                     "under add/remove-one (release it under ADD_OR_REMOVE_ONE).")
+  return event
 
 
 def record_budget(ledger, budget: accounting.DPSGDBudget) -> None:
-  """Records a DP-SGD budget in a :class:`dpjax.ledger.PrivacyLedger`: its subspace share (approx
-  DP) and its T steps (the DP-SGD event); refused, recording nothing, if over budget. Pass
+  """Records a DP-SGD budget in a :class:`dpjax.ledger.PrivacyLedger`: its subspace release (its
+  event) and its T steps (the DP-SGD event); refused, recording nothing, if over budget. Pass
   ``ledger.copy()`` to check a plan before anything runs."""
-  if budget.subspace_epsilon > 0 or budget.subspace_delta > 0:
-    ledger.record_approx_dp(budget.subspace_epsilon, budget.subspace_delta,
-                            label="private subspace (composed into the DP-SGD plan)",
-                            neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE)
+  if not isinstance(budget.subspace_event, dp_accounting.NoOpDpEvent):
+    ledger.record_event(budget.subspace_event,
+                        label="private subspace (composed into the DP-SGD plan)",
+                        neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
   if budget.noise_multiplier <= 0:
     ledger.record_event(dp_accounting.NonPrivateDpEvent(), label="DP-SGD with σ = 0")
   else:

@@ -36,7 +36,8 @@ from jax.flatten_util import ravel_pytree
 from dpjax import _validation as v
 from dpjax.results import SubspaceResult
 from dpjax.subspace import baselines
-from dpjax.subspace.approximate import dpase_gathered
+from dpjax.subspace.approximate import dpase
+from dpjax.ledger import with_ledger
 
 __all__ = ["flat_per_example_grads", "num_examples", "private_gradient_subspace",
            "private_input_basis", "public_gradient_subspace", "public_input_basis"]
@@ -120,15 +121,16 @@ def _sanitise_rows(G, clip_norm, clip):
   return G * (clip_norm / jnp.maximum(norms, clip_norm)).astype(G.dtype)
 
 
+@with_ledger
 def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *, k: int,
                               epsilon: float, delta: float, gamma: float | None = None,
                               clip_norm: float | None = None,
                               **dpase_kwargs) -> SubspaceResult:
   """A rank-k gradient subspace learned privately with DPASE from per-example gradients.
 
-  One gradient per individual at ``params``, then DPASE with ``partition="random_labels"``
-  (:func:`dpjax.subspace.dpase_gathered`): each subset's gradients are computed when its top-k
-  subspace is, so the ``(N, p)`` gradient matrix never exists (about
+  One gradient per individual at ``params``, then DPASE with ``partition="random_labels"`` on
+  a gather function (:func:`dpjax.subspace.dpase`): each subset's gradients are computed when its
+  top-k subspace is, so the ``(N, p)`` gradient matrix never exists (about
   ``dpjax.linalg.GATHER_CHUNK_BYTES`` of gradient rows are live at once). Each gradient row is
   first sanitised by a fixed row-wise map: rows with a NaN/inf entry become zero (so that no
   data-dependent error can be raised), and, if ``clip_norm`` is given, rows are clipped to
@@ -163,7 +165,7 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
   Returns:
     :class:`~dpjax.results.SubspaceResult` with a ``(p, k)`` basis over the flattened
     parameters (zeros on ⊥), ``epsilon``/``delta`` spent whatever the outcome,
-    ``neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE``. Traceable in ``key``, ``params``
+    ``neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE``. Traceable in ``key``, ``params``
     and ``data`` (as :func:`dpjax.subspace.dpase`).
 
   Raises:
@@ -193,10 +195,10 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
     G = jnp.where((rows < n)[:, None], G, jnp.zeros_like(G))
     return _sanitise_rows(G, 1.0 if clip_norm is None else clip_norm, clip_norm is not None)
 
-  result = dpase_gathered(key, gather, n, p, dtype=flat_params.dtype, epsilon=epsilon,
-                          delta=delta, k=k, gamma=gamma, **dpase_kwargs)
-  if result.neighbouring != NeighboringRelation.ADD_OR_REMOVE_ONE:  # pragma: no cover
-    raise RuntimeError(f"dpase returned a guarantee under {result.neighbouring!r}, expected "
+  result = dpase(key, gather, n=n, d=p, dtype=flat_params.dtype, epsilon=epsilon, delta=delta,
+                 k=k, gamma=gamma, partition="random_labels", **dpase_kwargs)
+  if result.neighboring != NeighboringRelation.ADD_OR_REMOVE_ONE:  # pragma: no cover
+    raise RuntimeError(f"dpase returned a guarantee under {result.neighboring!r}, expected "
                        "add/remove-one.")
   return result
 
@@ -218,7 +220,7 @@ def public_gradient_subspace(loss_fn: Callable, params, public_data, *,
 
   Returns:
     :class:`~dpjax.results.SubspaceResult` with ``ok=True``, a ``(p, k)`` orthonormal basis,
-    ``epsilon=0``, ``delta=0``, ``neighbouring=None`` (no private data seen) and
+    ``epsilon=0``, ``delta=0``, ``neighboring=None`` (no private data seen) and
     ``info={"num_public": m}``. Traceable in ``params`` and ``public_data`` (under tracing a
     non-finite gradient or basis gives ``ok=False`` instead of an error).
 
@@ -269,35 +271,48 @@ def public_input_basis(public_inputs, rank: int) -> np.ndarray:
   return np.linalg.svd(X, full_matrices=False)[2][:rank].T.astype(np.float32)
 
 
+@with_ledger
 def private_input_basis(key: jax.Array, X, rank: int, *, epsilon: float, delta: float,
-                        clip_norm: float) -> SubspaceResult:
+                        clip_norm: float, secure: bool = True) -> SubspaceResult:
   """An input-side basis ``(d, rank)`` of the PRIVATE rows, released by Analyze Gauss.
 
   :func:`dpjax.subspace.analyze_gauss` on the rows' inputs (each clipped to the public
-  ``clip_norm`` C_x for this release only: a fixed per-row map), its float-safe discretized
-  Gaussian noise on the second moment, top-``rank`` eigenvectors.
+  ``clip_norm`` C_x for this release only: a fixed per-row map) under add/remove-one: Gaussian
+  noise on the second moment (sensitivity C_x²), top-``rank`` eigenvectors.
 
-  Guarantee: (ε, δ)-DP under replace-one (sensitivity 2C_x² of the clipped second moment) and
-  hence under add/remove-one (sensitivity C_x²): compose it into DP-SGD on the same rows with
-  the plan's ``subspace_epsilon/subspace_delta`` (basic composition, add/remove-one). The key
-  must be this release's own stream (one split of the run's key into purposes).
+  Guarantee: (ε, δ)-DP under add/remove-one (adding or removing a row moves the clipped second
+  moment by ``x xᵀ``, Frobenius norm ≤ C_x²). Compose it into DP-SGD on the same rows by passing
+  the result's ``dp_event`` as the plan's ``subspace_event``:
+
+  * ``secure=False``: continuous Gaussian noise (analytic σ). The event is
+    ``GaussianDpEvent(σ/C_x²)``, which the accountant composes with the sampled steps (PLD by
+    default) — a release with a stand-alone ε of 0.1 then costs DP-SGD a fraction of that. Not
+    float-safe (docs/algorithms.md §1.10), like the continuous Gaussian noise of the DP-SGD steps
+    it is composed with.
+  * ``secure=True`` (default): float-safe discretized Gaussian noise (Rényi calibration). The
+    event is the (ε, δ) event, composed by basic composition (ε and δ come off the total).
+
+  The key must be this release's own stream (one split of the run's key into purposes).
 
   Args:
     key: PRNG key, owned by this release.
     X: ``(n, d)`` private inputs (rows are individuals).
     rank: r, ``1 ≤ r ≤ d``.
-    epsilon, delta: the release's (ε_s, δ_s).
+    epsilon, delta: the release's stand-alone (ε_s, δ_s).
     clip_norm: C_x > 0, the public row-norm bound.
+    secure: float-safe discretized noise (default) or continuous noise with a Gaussian event.
 
   Returns:
-    :class:`~dpjax.results.SubspaceResult` (``basis (d, r)``, ``epsilon``, ``delta``, relation).
+    :class:`~dpjax.results.SubspaceResult` (``basis (d, r)``, ``epsilon``, ``delta``,
+    ``neighboring == ADD_OR_REMOVE_ONE``, ``dp_event``).
 
   Raises:
     As :func:`dpjax.subspace.analyze_gauss`.
 
   References:
     Dwork, Talwar, Thakurta & Zhang, "Analyze Gauss", STOC 2014; Abadi et al., CCS 2016 (DP-PCA
-    of the inputs before DP-SGD).
+    of the inputs before DP-SGD, composed in one accountant).
   """
   return baselines.analyze_gauss(key, X, epsilon=epsilon, delta=delta, k=rank,
-                                 clip_norm=clip_norm)
+                                 clip_norm=clip_norm, secure=secure,
+                                 neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)

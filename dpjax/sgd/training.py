@@ -216,9 +216,9 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     result = sources.private_gradient_subspace(
         k_subspace, loss_fn, params, data, k=k, epsilon=budget.subspace_epsilon,
         delta=budget.subspace_delta, gamma=gamma, **dpase_kwargs)
-    if result.neighbouring != NeighboringRelation.ADD_OR_REMOVE_ONE:  # pragma: no cover
+    if result.neighboring != NeighboringRelation.ADD_OR_REMOVE_ONE:  # pragma: no cover
       raise RuntimeError("the private subspace must hold under add/remove-one to compose with "
-                         f"DP-SGD, got {result.neighbouring!r}.")
+                         f"DP-SGD, got {result.neighboring!r}.")
     subspace_ok = bool(result.ok)
     if subspace_ok:
       basis = result.basis

@@ -6,6 +6,11 @@ subspace, describe it by the projections of ``q`` public random reference points
 cell through the stability-based histogram. A random point of that cell, turned back into a
 subspace by PCA, is the answer. Privacy rests only on the histogram: one row changes one subset,
 hence one histogram item.
+
+One entry point, :func:`dpase`, takes the rows as an array (in memory, traceable), a gather
+function (rows made on demand) or chunks / a memmap (streamed, memory independent of n:
+:mod:`dpjax.subspace.streaming`), with an optional device mesh; the public partition is
+:mod:`dpjax.subspace.partition`'s.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from dpjax import _validation as v
 from dpjax import linalg
 from dpjax.mechanisms import histogram
 from dpjax.results import SubspaceResult
+from dpjax.subspace import streaming
+from dpjax.subspace.partition import (permutation_index, random_label_index, random_labels,
+                                      subset_capacity)
+
+__all__ = ["DPASEParameters", "dpase", "dpase_parameters", "num_subsets_for"]
 
 ELL_RULES = ("paper_proof", "l1_safe", "paper_formula")
 PARTITIONS = ("permutation", "random_labels")
@@ -187,13 +197,15 @@ def _cap(ell: float, alpha: float | None, d: int, k: int, q: int) -> float:
   return min(ell, cap)
 
 
-def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
+def dpase(key: jax.Array, rows, *, epsilon: float, delta: float, k: int,
           gamma: float | None = None, num_subsets: int | None = None,
           num_reference_points: int | None = None, cell_length: float | None = None,
           ell_rule: str = "paper_proof", c0: float | None = None,
-          partition: str = "permutation", noise: str = "discrete",
+          partition: str | None = None, noise: str = "discrete",
           grouping: str = "auto", alpha: float | None = 0.1,
-          top_k_method: str = "auto", ledger=None, mesh: jax.sharding.Mesh | None = None,
+          top_k_method: str = "auto", n: int | None = None, d: int | None = None,
+          dtype=None, block_rows: int | None = None, max_bytes: float | None = None,
+          ledger=None, mesh: jax.sharding.Mesh | None = None,
           mesh_axis: str | None = None) -> SubspaceResult:
   """Learns a k-dimensional subspace privately with DPASE ([SS21] Algorithm 2).
 
@@ -212,105 +224,296 @@ def dpase(key: jax.Array, X: jax.Array, *, epsilon: float, delta: float, k: int,
   Privacy guarantee: (ε, δ)-DP. Replacing one row changes one subset, hence one histogram item
   (two bin counts change by 1); the stability histogram with replace-one thresholds is (ε, δ)-DP
   for that change (docs/algorithms.md §1.5), and the reference points, the offset, ``ℓ``, ``t``, ``m``
-  are public. Choosing the cell, the ``t/2`` rule and the final PCA are post-processing.
+  are public. Choosing the cell, the ``t/2`` rule and the final PCA are post-processing. Each
+  subset's basis is a function of its own rows alone whatever the row source, solver or mesh.
 
-  * ``partition="permutation"`` (default): a public random permutation, then ``t`` blocks of
-    ``m = ⌊n/t⌋`` rows (the last ``n − tm`` rows of the permuted order are unused). Holds under
-    **replace-one**.
-  * ``partition="random_labels"``: each row gets an independent uniform public label in
-    ``{1..t}``; subset j holds the rows labelled j (up to a public capacity ``m + 4√m + 4``; any
-    overflow is dropped within that subset only). Adding, removing or replacing one row changes
-    exactly one subset, so the same guarantee holds under **add/remove-one** as well as
-    replace-one (docs/algorithms.md §6.2 route (c)); this is what DP-SGD composition uses. ``ℓ`` and the
-    capacity are computed from ``n``, which is treated as public (as DP-SGD's expected batch size
-    ``qN`` is); pass ``cell_length`` to remove that dependence from ``ℓ``.
+  Row sources (``rows``; the type is dispatched on before anything is traced or read):
+
+  * **An array** ``(n, d)`` (a JAX or NumPy array, or anything with ``__array__``; not a
+    ``np.memmap``): in memory. Runs in its dtype (float16 and bfloat16 are upcast to float32;
+    integers become JAX's default float). Any finite scale works: each subset's subspace is
+    computed after dividing the subset by a power of two of its largest entry. Traceable:
+    ``jax.jit`` / ``jax.vmap`` over ``key`` and ``rows`` work with the public arguments fixed
+    (closed over or static); under tracing a non-finite ``rows`` gives ⊥ instead of an error.
+    This is DPASE's traceable form (e.g. DPASEB runs it per block under ``vmap``).
+  * **A gather function** ``rows_fn(indices (m,) int) -> (m, d)`` (any callable): the rows are
+    computed on demand, subset by subset, never stored (e.g. per-example gradients with d = p,
+    :func:`dpjax.sgd.private_gradient_subspace`); memory is about ``linalg.GATHER_CHUNK_BYTES``
+    of rows at a time instead of ``n·d``. Needs ``n``, ``d`` and ``dtype`` (the rows' float
+    dtype: it sets the tolerances and the chunk size). An index ``>= n`` must give a zero row,
+    row i must be a function of individual ``indices[i]`` alone, and the function must be
+    traceable and sanitise its rows itself (a non-finite row makes its subset's basis, not an
+    error, garbage). Random labels only.
+  * **Chunks**: an iterable or iterator (a generator, a list, ...) of ``(chunk_rows, d)`` NumPy
+    arrays of ``dtype`` (any number of rows each, ``n`` in all, in row order), or one ``(n, d)``
+    ``np.memmap`` (read ``block_rows`` rows at a time). Memory is independent of ``n``: each
+    subset's float64 ``d × d`` second moment is accumulated as the rows go by, then its top-k
+    eigenvectors are taken (:mod:`dpjax.subspace.streaming`, which also lists the edge cases:
+    a non-finite row counts as a zero row; a chunk of another shape or dtype, or not exactly
+    ``n`` rows, raises). Needs ``n`` and ``d`` (taken from a memmap's shape); ``dtype``
+    defaults to float32 (a memmap's own dtype). Random labels and the exact solver only, no
+    mesh; the output equals the in-memory one with ``top_k_method="exact"`` on the stacked
+    rows up to rounding. A nested list of rows is read as chunks: pass ``np.asarray(rows)``
+    (or ``np.asarray(memmap)``) to run in memory.
+
+  The same key gives the same partition, reference points, offset and histogram draws for every
+  source, so the three agree on the same rows up to rounding of the subsets' bases.
+
+  Partitions:
+
+  * ``partition="permutation"`` (the default for an array): a public random permutation, then
+    ``t`` blocks of ``m = ⌊n/t⌋`` rows (the last ``n − tm`` rows of the permuted order are
+    unused). Holds under **replace-one**.
+  * ``partition="random_labels"`` (the default, and the only choice, for a gather function or
+    chunks): each row gets an independent uniform public label in ``{1..t}``; subset j holds
+    the rows labelled j (up to a public capacity ``m + 4√m + 4``; any overflow is dropped
+    within that subset only). Adding, removing or replacing one row changes exactly one subset,
+    so the same guarantee holds under **add/remove-one** as well as replace-one
+    (docs/algorithms.md §6.2 route (c)); this is what DP-SGD composition uses. ``ℓ`` and the
+    capacity are computed from ``n``, which is treated as public (as DP-SGD's expected batch
+    size ``qN`` is); pass ``cell_length`` to remove that dependence from ``ℓ``.
 
   Args:
     key: PRNG key; the only source of randomness (split internally, never reused).
-    X: ``(n, d)`` float array, rows are individuals. Runs in ``X``'s dtype (float16 and
-      bfloat16 are upcast to float32). Any finite scale works: each subset's subspace is
-      computed after dividing the subset by a power of two of its largest entry.
+    rows: the row source (above): an ``(n, d)`` array, a gather function, or chunks / a memmap.
+      Rows are individuals.
     epsilon: ε > 0 (nats).
     delta: δ ∈ (0, 1).
     k: subspace dimension, ``1 <= k <= d``.
     gamma: upper bound on ``sqrt(λ_{k+1}/λ_k)``; public. Required unless ``cell_length`` is set.
     num_subsets, num_reference_points, cell_length, ell_rule, c0: override the public parameters
       (see :func:`dpase_parameters`).
-    alpha: accuracy target that caps a rule's ℓ (default 0.1; None disables the cap; an explicit
-      ``cell_length`` is never capped).
-    partition: "permutation" or "random_labels" (see above).
+    partition: "permutation", "random_labels" or None (default: "permutation" for an array,
+      "random_labels" otherwise; see above).
     noise: histogram noise: "discrete" (exact integer noise, the only option; docs/algorithms.md
       §1.10). "laplace" raises: it was removed because float32 Laplace counts leak the count,
       and DPASE releases the winning noisy count in ``info``.
     grouping: how the histogram groups equal cells ("auto", "pairwise", "hash").
+    alpha: accuracy target that caps a rule's ℓ (default 0.1; None disables the cap; an explicit
+      ``cell_length`` is never capped).
     top_k_method: each subset's top-k solver (see
       :func:`dpjax.linalg.top_k_right_singular_vectors`): "exact" (``eigh`` of the
       ``min(m, d)``-sized Gram or covariance matrix), "subspace_iteration" (blocked subspace
       iteration with a convergence check, ``O(m d k)`` per iteration), or "auto" (default: the
-      iteration where one exact solve costs at least 16 iterations, see :func:`top_k_solver`).
+      iteration where one exact solve costs at least 16 iterations, see :func:`top_k_solver`;
+      always "exact" for chunks, which accept "auto" or "exact").
       Either way a subset's basis is a function of its own rows only, which is all the privacy
       argument uses. The solvers agree to rounding level, so the released cell differs only
       when a projected coordinate lies that close to a cell boundary (measured on model data at
       n = 10⁵, d = 10³: 19 vs 20 successes in 24 keys, the same median error). The final PCA of
       the released point is exact.
+    n: the number of rows (public): required for a gather function or an iterable of chunks;
+      for an array or memmap, if given, it must equal its number of rows.
+    d: their dimension: required for a gather function or an iterable of chunks; for an array or
+      memmap, if given, it must equal its number of columns.
+    dtype: the rows' float dtype: required for a gather function; for chunks the chunks' dtype
+      (default float32; float16/bfloat16 are computed as float32; the basis is returned in it,
+      float64 needing JAX's x64 mode); for an array or memmap, if given, it must be its dtype.
+    block_rows: chunks only: rows per update (static; default ``max(2^26 / (8 d), 512 t)``, at
+      most ``n``). Any chunk sizes are regrouped into blocks of this size, so the update
+      compiles once.
+    max_bytes: chunks only: the most the ``t`` float64 ``d × d`` accumulators may take (default
+      :data:`dpjax.subspace.streaming.DEFAULT_MAX_BYTES`, 4 GiB).
     ledger: optional :class:`dpjax.ledger.PrivacyLedger`; the release is recorded (or
-      refused with ``BudgetExceededError``) before any data is touched.
-    mesh: optional ``jax.sharding.Mesh``: the per-subset top-k solves (the ``(t, d, k)`` bases)
-      run with the subset axis sharded over the mesh axis ``mesh_axis`` (``jax.shard_map``;
-      ``X`` replicated, so every device holds ``X``; the other mesh axes, if any, replicate).
-      ``t`` is padded up to a multiple of that axis's size with dummy subsets of padding rows
-      only, whose bases are dropped before the histogram; the bases are then all-gathered and
-      the histogram and everything after it run on them as without a mesh. The same key gives
-      the same output on one device or many (the bases equal to rounding; on a CPU mesh each
-      device solves one subset per LAPACK call, docs/algorithms.md §2.2). The guarantee is
-      unchanged: each subset's basis is still a function of its own rows alone (and a dummy
-      subset's of none), whichever device computes it.
+      refused with ``BudgetExceededError``) after every argument is checked and before any data
+      is touched (no row read or made).
+    mesh: optional ``jax.sharding.Mesh`` (an array or a gather function): the per-subset top-k
+      solves (the ``(t, d, k)`` bases) run with the subset axis sharded over the mesh axis
+      ``mesh_axis`` (``jax.shard_map``; an array is replicated, so every device holds it; a
+      gather function is called on each device for its own subsets, what it closes over
+      replicated; the other mesh axes, if any, replicate). ``t`` is padded up to a multiple of
+      that axis's size with dummy subsets of padding rows only (index ``n``), whose bases are
+      dropped before the histogram; the bases are then all-gathered and the histogram and
+      everything after it run on them as without a mesh. The same key gives the same output on
+      one device or many (the bases equal to rounding; on a CPU mesh each device solves one
+      subset per LAPACK call, docs/algorithms.md §2.2). The guarantee is unchanged: each
+      subset's basis is still a function of its own rows alone (and a dummy subset's of none),
+      whichever device computes it. With an array, ``dpase`` with a mesh also runs under an
+      outer ``jax.jit``.
     mesh_axis: the mesh axis the subsets are sharded over; None (default) needs a mesh with
-      one axis and takes it. ``dpase_core`` with a mesh also runs under an outer ``jax.jit``.
+      one axis and takes it.
 
   Returns:
-    :class:`~dpjax.results.SubspaceResult` with ``ok``, ``basis (d, k)`` in ``X``'s dtype (zeros
-    on ⊥), ``released["winning_count"]`` (the released noisy count of the winning cell, 0 when
-    nothing was released), ``epsilon``, ``delta``, ``neighbouring`` (``REPLACE_ONE`` for the
-    permutation, ``ADD_OR_REMOVE_ONE`` for random labels, which also holds under replace-one)
-    and ``info`` (the public parameters).
-
-  Traceable: ``jax.jit`` / ``jax.vmap`` over ``key`` and ``X`` work with the public arguments
-  fixed (closed over or static). Under tracing a non-finite ``X`` gives ⊥ instead of an error.
+    :class:`~dpjax.results.SubspaceResult` with ``ok``, ``basis (d, k)`` in the rows' dtype
+    (zeros on ⊥), ``released["winning_count"]`` (the released noisy count of the winning cell,
+    0 when nothing was released), ``epsilon``, ``delta``, ``neighboring`` (``REPLACE_ONE`` for
+    the permutation, ``ADD_OR_REMOVE_ONE`` for random labels, which also holds under
+    replace-one) and ``info`` (the public parameters).
 
   Raises:
-    TypeError: ``key`` is not a PRNG key, ``X`` is not a real array, or ``mesh`` is not a
-      ``jax.sharding.Mesh``.
-    ValueError: NaN/inf in a concrete ``X``, wrong rank, ε ≤ 0, δ ∉ (0, 1), k ∉ [1, d], ``n``
-      too small (``⌊n/t⌋ < k + 1``), ``mesh_axis`` not an axis of ``mesh``, or a bad option.
+    TypeError: ``key`` is not a PRNG key; ``rows`` is none of the three sources, an array of a
+      non-real dtype, or chunks / a memmap of another ``dtype``; ``dtype`` is not a float dtype;
+      a non-integer ``n``/``d``/``block_rows``; ``mesh`` is not a ``jax.sharding.Mesh``.
+    ValueError: NaN/inf in a concrete array, wrong rank, ε ≤ 0, δ ∉ (0, 1), k ∉ [1, d], ``n``
+      too small (``⌊n/t⌋ < k + 1``), ``mesh_axis`` not an axis of ``mesh``, or a bad option;
+      ``n``, ``d`` or (gather) ``dtype`` missing where needed, or disagreeing with an array's
+      shape; ``partition="permutation"``, ``mesh``, ``top_k_method="subspace_iteration"``
+      with chunks (the first also with a gather function); ``block_rows`` / ``max_bytes``
+      without chunks; ``t·d²·8 > max_bytes``; chunks of another shape or not ``n`` rows in
+      all (raised while reading, before anything is released).
 
   References:
     Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2, Lemma 5.3,
     Thm 1.2/4.3.
   """
   key = v.check_key(key)
-  X = v.check_data(X, "X")
-  n, d = X.shape
+  source = _row_source(rows, n=n, d=d, dtype=dtype, partition=partition,
+                       top_k_method=top_k_method, block_rows=block_rows, max_bytes=max_bytes,
+                       mesh=mesh)
   mesh_axis = _check_mesh(mesh, mesh_axis)
-  params = _plan(n, d, k, X.dtype, epsilon=epsilon, delta=delta, gamma=gamma,
+  n, d, partition = source.n, source.d, source.partition
+  top_k_method = "exact" if source.kind == _CHUNKS else top_k_method
+  params = _plan(n, d, k, source.dtype, epsilon=epsilon, delta=delta, gamma=gamma,
                  num_subsets=num_subsets, num_reference_points=num_reference_points,
                  cell_length=cell_length, ell_rule=ell_rule, c0=c0, partition=partition,
-                 noise=noise, grouping=grouping, alpha=alpha, top_k_method=top_k_method,
-                 ledger=ledger)
-  ok, basis, count = dpase_core(key, X, params, k=k, epsilon=float(epsilon),
-                                delta=float(delta), partition=partition, noise=noise,
-                                grouping=grouping, top_k_method=top_k_method, mesh=mesh,
-                                mesh_axis=mesh_axis)
-  if v.is_traced(X):                       # a NaN dataset is outside the domain: ⊥
-    ok, basis, count = v.domain_bottom(X, ok, basis, count)
+                 noise=noise, grouping=grouping, alpha=alpha, top_k_method=top_k_method)
+  if source.kind == _CHUNKS:
+    streaming.check_memory(params.num_subsets, d, max_bytes)
+    block_rows = streaming.block_rows_for(block_rows, n=n, d=d, t=params.num_subsets)
+  _record(ledger, epsilon, delta, partition)
+  if source.kind == _ARRAY:
+    X = source.rows
+    ok, basis, count = _dpase_core(key, X, params, k=k, epsilon=float(epsilon),
+                                   delta=float(delta), partition=partition, noise=noise,
+                                   grouping=grouping, top_k_method=top_k_method, mesh=mesh,
+                                   mesh_axis=mesh_axis)
+    if v.is_traced(X):                     # a NaN dataset is outside the domain: ⊥
+      ok, basis, count = v.domain_bottom(X, ok, basis, count)
+  else:
+    k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
+    if source.kind == _GATHER:
+      bases = _gathered_bases(k_part, source.rows, params, n=n, d=d, k=k, dtype=source.dtype,
+                              top_k_method=top_k_method, mesh=mesh, mesh_axis=mesh_axis)
+    else:
+      bases = _streamed_bases(k_part, source.rows, params, n=n, d=d, k=k,
+                              dtype=source.chunk_dtype, work_dtype=source.dtype,
+                              block_rows=block_rows)
+    scalars = histogram.histogram_scalars(float(epsilon), float(delta), noise=noise)
+    ok, basis, count = _release(k_ref, k_off, k_hist, k_point, bases, params.cell_length,
+                                scalars, q=params.num_reference_points, grouping=grouping)
   return _result(ok, basis, count, params, d=d, k=k, epsilon=epsilon, delta=delta,
                  partition=partition, top_k_method=top_k_method)
 
 
+# The three row sources of dpase.
+_ARRAY, _GATHER, _CHUNKS = "array", "gather", "chunks"
+
+
+class _RowSource(NamedTuple):
+  """A checked row source: its kind, the rows (a checked JAX array, the gather function, or the
+  chunks / memmap), ``n``, ``d``, the dtype DPASE computes in, the chunks' own dtype (chunks
+  only) and the resolved partition."""
+  kind: str
+  rows: object
+  n: int
+  d: int
+  dtype: object
+  chunk_dtype: object
+  partition: str
+
+
+def _row_source(rows, *, n, d, dtype, partition, top_k_method, block_rows, max_bytes,
+                mesh) -> _RowSource:
+  """Dispatches ``rows`` on its type and checks what that source needs (host, before tracing
+  or reading anything); see :func:`dpase`."""
+  if partition is not None:
+    v.check_choice(partition, "partition", PARTITIONS)
+  if isinstance(rows, np.memmap):
+    kind = _CHUNKS
+  elif isinstance(rows, (jax.Array, np.ndarray)) or hasattr(rows, "__array__"):
+    kind = _ARRAY
+  elif callable(rows):
+    kind = _GATHER
+  elif hasattr(rows, "__iter__") and not isinstance(rows, (str, bytes)):
+    kind = _CHUNKS
+  else:
+    raise TypeError("rows must be an (n, d) array, a gather function rows_fn(indices) -> "
+                    "(len(indices), d), or an iterable of (chunk_rows, d) arrays (or an (n, d) "
+                    f"np.memmap), got {type(rows).__name__}.")
+  if kind != _CHUNKS:
+    for name, value in (("block_rows", block_rows), ("max_bytes", max_bytes)):
+      if value is not None:
+        raise ValueError(f"{name} applies only to rows streamed in chunks (an iterable or an "
+                         f"np.memmap), not to {_DESCRIBE[kind]}; got {name}={value!r}.")
+  if kind == _ARRAY:
+    X = v.check_data(rows, "rows")
+    for name, given, actual in (("n", n, X.shape[0]), ("d", d, X.shape[1])):
+      if given is not None and given != actual:
+        raise ValueError(f"rows has shape {tuple(X.shape)}, but {name}={given!r} was given "
+                         "(an array's n and d are its shape; they need not be passed).")
+    own = rows.dtype if hasattr(rows, "dtype") else np.asarray(rows).dtype
+    if dtype is not None and jnp.dtype(dtype) != own:
+      raise TypeError(f"rows has dtype {own}, but dtype={dtype!r} was given (an array's dtype "
+                      "is its own; convert the array instead).")
+    return _RowSource(_ARRAY, X, X.shape[0], X.shape[1], X.dtype, None,
+                      partition or "permutation")
+  if partition not in (None, "random_labels"):
+    raise ValueError(f"partition={partition!r} needs the rows in memory (an array); "
+                     f"{_DESCRIBE[kind]} supports only partition='random_labels'.")
+  if kind == _CHUNKS and isinstance(rows, np.memmap):
+    if rows.ndim != 2:
+      raise ValueError(f"rows given as a memmap must be 2-D (n, d), got shape {rows.shape}.")
+    n = rows.shape[0] if n is None else n
+    d = rows.shape[1] if d is None else d
+    dtype = rows.dtype if dtype is None else dtype
+  for name, value in (("n", n), ("d", d)):
+    if value is None:
+      raise ValueError(f"{name} is required with {_DESCRIBE[kind]} (the number of rows n is "
+                       "public and sets DPASE's parameters; d is the rows' dimension).")
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  if kind == _GATHER:
+    if dtype is None:
+      raise ValueError("dtype is required with a gather function (the float dtype of the rows "
+                       "it returns).")
+    return _RowSource(_GATHER, rows, n, d, v.check_float_dtype(dtype), None, "random_labels")
+  dtype = v.check_float_dtype(jnp.float32 if dtype is None else dtype)
+  streaming.check_chunks(rows, n, d, dtype)
+  v.check_choice(top_k_method, "top_k_method", TOP_K_METHOD_CHOICES)
+  if top_k_method not in ("auto", "exact"):
+    raise ValueError(f"top_k_method={top_k_method!r} is not available for rows streamed in "
+                     "chunks (their subsets' bases come from exact second moments); pass "
+                     "'auto' or 'exact'.")
+  if mesh is not None:
+    raise ValueError("mesh is not available for rows streamed in chunks (they are read once, "
+                     "on the host); pass an array or a gather function to shard the subsets.")
+  work_dtype = jax.dtypes.canonicalize_dtype(jnp.float32 if dtype.itemsize < 4 else dtype)
+  return _RowSource(_CHUNKS, rows, n, d, work_dtype, dtype, "random_labels")
+
+
+_DESCRIBE = {_ARRAY: "an array", _GATHER: "a gather function",
+             _CHUNKS: "rows streamed in chunks (an iterable or an np.memmap)"}
+
+
+def _gathered_bases(k_part, rows_fn, params, *, n, d, k, dtype, top_k_method, mesh, mesh_axis):
+  """The ``(t, d, k)`` bases of the random-labels subsets of the rows ``rows_fn`` makes, each
+  subset's rows made when its basis is taken (sharded over ``mesh`` if given)."""
+  solver = top_k_solver(top_k_method, params.subset_size, d, k)
+  index = random_label_index(k_part, n, params.num_subsets, subset_capacity(params.subset_size))
+
+  def subset_bases(_, block):
+    return linalg.top_k_subspaces_of_rows(rows_fn, block, d, k, dtype=dtype,
+                                          method=solver.method,
+                                          max_iterations=solver.max_iterations)
+
+  return _sharded(subset_bases, (), index, n, mesh, mesh_axis)
+
+
+def _streamed_bases(k_part, chunks, params, *, n, d, k, dtype, work_dtype, block_rows):
+  """The ``(t, d, k)`` bases (in ``work_dtype``) of the random-labels subsets of streamed rows
+  (:func:`dpjax.subspace.streaming.subset_bases`); the public labels are drawn before any row
+  is read."""
+  t = params.num_subsets
+  labels = np.asarray(random_labels(k_part, n, t))                # public, as in memory
+  bases = streaming.subset_bases(chunks, labels, n=n, d=d, k=k, t=t,
+                                 capacity=subset_capacity(params.subset_size), dtype=dtype,
+                                 block_rows=block_rows)
+  return jnp.asarray(bases.astype(work_dtype))
+
+
 def _plan(n, d, k, dtype, *, epsilon, delta, gamma, num_subsets, num_reference_points,
-          cell_length, ell_rule, c0, partition, noise, grouping, alpha, top_k_method, ledger):
-  """DPASE's checks of the public arguments and its parameters; records the release in
-  ``ledger`` (before any data is touched)."""
+          cell_length, ell_rule, c0, partition, noise, grouping, alpha, top_k_method):
+  """DPASE's checks of the public arguments, and its parameters (host; touches no data)."""
   v.check_choice(partition, "partition", PARTITIONS)
   histogram.check_noise(noise)
   v.check_choice(grouping, "grouping", ("auto", "pairwise", "hash"))
@@ -320,7 +523,6 @@ def _plan(n, d, k, dtype, *, epsilon, delta, gamma, num_subsets, num_reference_p
                             num_reference_points=num_reference_points,
                             cell_length=cell_length, ell_rule=ell_rule, c0=c0, noise=noise,
                             alpha=alpha, float_eps=float(jnp.finfo(dtype).eps))
-  _record(ledger, epsilon, delta, partition)
   return params
 
 
@@ -329,7 +531,7 @@ def _record(ledger, epsilon, delta, partition):
   if ledger is not None:
     # Random labels hold under both relations, so they fit a ledger of either kind.
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASE",
-                            neighbouring=(NeighboringRelation.REPLACE_ONE
+                            neighboring=(NeighboringRelation.REPLACE_ONE
                                           if partition == "permutation" else None))
 
 
@@ -368,95 +570,21 @@ def _result(ok, basis, count, params, *, d, k, epsilon, delta, partition, top_k_
       "threshold": params.threshold,
       "top_k_method": top_k_solver(top_k_method, m, d, k).method,
   }
-  neighbouring = (NeighboringRelation.REPLACE_ONE if partition == "permutation"
+  neighboring = (NeighboringRelation.REPLACE_ONE if partition == "permutation"
                   else NeighboringRelation.ADD_OR_REMOVE_ONE)
   return SubspaceResult(ok=ok, basis=basis, released={"winning_count": count},
-                        epsilon=float(epsilon), delta=float(delta), neighbouring=neighbouring,
+                        epsilon=float(epsilon), delta=float(delta), neighboring=neighboring,
                         info=info)
 
 
-def dpase_gathered(key: jax.Array, gather, n: int, d: int, *, dtype, epsilon: float,
-                   delta: float, k: int, gamma: float | None = None,
-                   num_subsets: int | None = None, num_reference_points: int | None = None,
-                   cell_length: float | None = None, ell_rule: str = "paper_proof",
-                   c0: float | None = None, noise: str = "discrete", grouping: str = "auto",
-                   alpha: float | None = 0.1, top_k_method: str = "auto",
-                   ledger=None, mesh: jax.sharding.Mesh | None = None,
-                   mesh_axis: str | None = None) -> SubspaceResult:
-  """DPASE with ``partition="random_labels"`` on n rows that are computed on demand, never
-  stored: ``gather(rows (m,) int) -> (m, d)`` returns the rows ``rows`` (an index ``>= n`` must
-  give a zero row; row i a function of individual ``rows[i]`` alone). Memory is about
-  ``linalg.GATHER_CHUNK_BYTES`` of rows at a time instead of ``n·d`` (e.g. per-example gradients
-  with d = p, :func:`dpjax.sgd.private_gradient_subspace`).
-
-  The same algorithm, parameters, arguments and guarantee as :func:`dpase` with random labels:
-  (ε, δ)-DP under add/remove-one (and replace-one) — one individual's row changes one subset,
-  hence one histogram item. Equal to ``dpase(key, X, partition="random_labels", ...)`` on the
-  stacked rows up to rounding.
-
-  Args:
-    key: PRNG key.
-    gather: traceable row maker (above); it must sanitise its rows itself (finite values: a
-      non-finite row would make the subset's basis, not an error, garbage).
-    n, d: number of rows (public, as in :func:`dpase`) and their dimension.
-    dtype: the rows' dtype (sets the floating-point tolerances and the chunk size).
-    epsilon, delta, k, gamma, num_subsets, num_reference_points, cell_length, ell_rule, c0,
-      noise, grouping, alpha, top_k_method, ledger: as in :func:`dpase`.
-    mesh, mesh_axis: as in :func:`dpase`: the subsets (their index rows) are sharded over the
-      mesh axis and each device calls ``gather`` for its own subsets (what ``gather`` closes
-      over is replicated); padding subsets ask ``gather`` for index ``n`` only. Same guarantee.
-
-  Returns:
-    :class:`~dpjax.results.SubspaceResult` as :func:`dpase`'s, ``neighbouring ==
-    ADD_OR_REMOVE_ONE``.
-
-  Raises:
-    TypeError: ``gather`` is not callable, or ``mesh`` is not a ``jax.sharding.Mesh``.
-    TypeError / ValueError: as :func:`dpase` for the public arguments and ``mesh_axis``.
-
-  References:
-    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2.
-  """
-  key = v.check_key(key)
-  if not callable(gather):
-    raise TypeError(f"gather must be a callable rows -> (m, d) array, got {type(gather).__name__}.")
-  n = v.check_int(n, "n", low=1)
-  d = v.check_int(d, "d", low=1)
-  mesh_axis = _check_mesh(mesh, mesh_axis)
-  params = _plan(n, d, k, dtype, epsilon=epsilon, delta=delta, gamma=gamma,
-                 num_subsets=num_subsets, num_reference_points=num_reference_points,
-                 cell_length=cell_length, ell_rule=ell_rule, c0=c0, partition="random_labels",
-                 noise=noise, grouping=grouping, alpha=alpha, top_k_method=top_k_method,
-                 ledger=ledger)
-  t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
-  solver = top_k_solver(top_k_method, m, d, k)
-  scalars = histogram.histogram_scalars(float(epsilon), float(delta), noise=noise)
-  k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
-  index = _random_label_index(k_part, n, t, _capacity(m))
-
-  def subset_bases(_, block):
-    return linalg.top_k_subspaces_of_rows(gather, block, d, k, dtype=dtype,
-                                          method=solver.method,
-                                          max_iterations=solver.max_iterations)
-
-  bases = _sharded(subset_bases, (), index, n, mesh, mesh_axis)                   # (t, d, k)
-  ok, basis, count = _release(k_ref, k_off, k_hist, k_point, bases, params.cell_length, scalars,
-                              q=q, grouping=grouping)
-  return _result(ok, basis, count, params, d=d, k=k, epsilon=epsilon, delta=delta,
-                 partition="random_labels", top_k_method=top_k_method)
-
-
-def dpase_core(key: jax.Array, X: jax.Array, params: DPASEParameters, *, k: int,
-               epsilon: float, delta: float, partition: str = "permutation",
-               noise: str = "discrete", grouping: str = "auto",
-               top_k_method: str = "auto", mesh: jax.sharding.Mesh | None = None,
-               mesh_axis: str | None = None):
-  """DPASE without argument validation: traceable in ``key`` and ``X`` (``vmap``-able).
-
-  For library code that has validated its inputs and computed ``params`` with
-  :func:`dpase_parameters` (e.g. DPASEB runs one DPASE per block under ``vmap``). Same guarantee
-  as :func:`dpase`; ``mesh`` and ``mesh_axis`` (an axis name, not None, when a mesh is given) as
-  in :func:`dpase`.
+def _dpase_core(key, X, params: DPASEParameters, *, k: int, epsilon: float, delta: float,
+                partition: str = "permutation", noise: str = "discrete", grouping: str = "auto",
+                top_k_method: str = "auto", mesh=None, mesh_axis: str | None = None):
+  """In-memory DPASE without argument validation, traceable in ``key`` and ``X``: what
+  :func:`dpase` runs on an array after its checks, ``params`` from :func:`dpase_parameters`.
+  Internal (the public traceable form is :func:`dpase` with an array); the privacy audits call it
+  with histogram scalars for another ε than ``params``' (a negative control). ``mesh_axis`` an
+  axis name (not None) when a mesh is given.
 
   Returns:
     ``(ok, basis (d, k), winning_count)``.
@@ -513,9 +641,9 @@ def _dpase_traced(key, X, cell_length, scalars, *, t, m, q, k, partition, groupi
   n = N if rows is None else rows.shape[0]
   k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
   if partition == "permutation":
-    index = _permutation_index(k_part, n, t, m)
+    index = permutation_index(k_part, n, t, m)
   else:
-    index = _random_label_index(k_part, n, t, _capacity(m))
+    index = random_label_index(k_part, n, t, subset_capacity(m))
   if rows is not None:                     # local row i is X[rows[i]]; the padding n maps to N
     index = jnp.append(rows.astype(index.dtype), N)[index]
 
@@ -567,30 +695,6 @@ def _release(k_ref, k_off, k_hist, k_point, bases, cell_length, scalars, *, q, g
   cells, offset = _subset_cells(k_ref, k_off, bases, q, cell_length)
   bins, counts, released = histogram.stable_histogram_core(k_hist, cells, scalars, grouping)
   return _finish(k_point, bins[0], released[0], counts[0], offset, cell_length, t, q, d, k)
-
-
-@functools.partial(jax.jit, static_argnames=("n", "t", "m"))
-def _permutation_index(key, n, t, m):
-  """``(t, m)`` row indices: a public permutation cut into t blocks (the rest unused)."""
-  return jax.random.permutation(key, n)[: t * m].reshape(t, m)
-
-
-def _capacity(m: int) -> int:
-  """A random-labels subset's public capacity ``m + ⌈4√m⌉ + 4`` (overflow is dropped)."""
-  return m + math.ceil(4 * math.sqrt(m)) + 4
-
-
-@functools.partial(jax.jit, static_argnames=("n", "t", "capacity"))
-def _random_label_index(key, n, t, capacity):
-  """``(t, capacity)`` row indices of independent uniform public labels; ``n`` pads a subset."""
-  labels = jax.random.randint(key, (n,), 0, t)
-  order = jnp.argsort(labels, stable=True)          # public: depends on the labels only
-  sorted_labels = labels[order]
-  first = jnp.searchsorted(sorted_labels, jnp.arange(t))
-  rank = jnp.arange(n) - first[sorted_labels]
-  index = jnp.full((t, capacity), n, order.dtype)
-  # Rows past a subset's capacity are dropped: that only ever changes the subset they belong to.
-  return index.at[sorted_labels, rank].set(order, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("q",))

@@ -21,6 +21,8 @@ from dpjax.mechanisms import histogram
 from dpjax.subspace import approximate
 from dpjax.results import SubspaceResult
 
+__all__ = ["dpaseb", "num_blocks_for"]
+
 C3 = 45.0      # PROPOSED: T = ⌈45 ln(1/β)⌉ (Chernoff with KL(0.6 ‖ 0.7) = 0.02258).
 
 
@@ -64,7 +66,7 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
       ``top_k_method``, …).
 
   Returns:
-    :class:`~dpjax.results.SubspaceResult` (neighbouring ``REPLACE_ONE``); ``info`` has
+    :class:`~dpjax.results.SubspaceResult` (neighboring ``REPLACE_ONE``); ``info`` has
     ``num_blocks``, ``block_size`` and the blocks' DPASE parameters; ``released`` has
     ``agreeing`` (the vote count of the returned run, 0 on ⊥) and ``runs_ok`` (how many runs
     answered), both covered by the guarantee. Traceable in ``key`` and ``X`` (a non-finite
@@ -107,7 +109,7 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
   solver = approximate.top_k_solver(top_k_method, params.subset_size, d, k)
   if ledger is not None:
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASEB",
-                            neighbouring=NeighboringRelation.REPLACE_ONE)
+                            neighboring=NeighboringRelation.REPLACE_ONE)
   scalars = histogram.histogram_scalars(epsilon, delta, noise=noise)
   ok, basis, agreeing, runs_ok = _dpaseb(
       key, X, params.cell_length, scalars, 2.0 * alpha / 3.0, t=params.num_subsets,
@@ -119,7 +121,7 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
           "top_k_method": solver.method}
   return SubspaceResult(ok=ok, basis=basis, released={"agreeing": agreeing, "runs_ok": runs_ok},
                         epsilon=float(epsilon), delta=float(delta),
-                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                        neighboring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 class _Rows(NamedTuple):

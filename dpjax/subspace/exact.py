@@ -23,10 +23,14 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax._core.noise import truncated_laplace_sample
 from dpjax._host import eager_only, host_call, host_rng
 from dpjax.mechanisms.gap_max import gap_max_core, gap_max_parameters
-from dpjax.mechanisms.truncated_laplace import _truncated_laplace, truncated_laplace_params
+from dpjax.mechanisms.truncated_laplace import truncated_laplace_params
 from dpjax.results import SubspaceResult
+from dpjax.ledger import with_ledger
+
+__all__ = ["dpese"]
 
 DEFAULT_MAX_WORK = 10_000_000
 
@@ -103,6 +107,7 @@ def _max_hyperplane_count(Y: np.ndarray, k: int, tol: float) -> int:
   return int(counts.max(initial=0))
 
 
+@with_ledger
 def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float | None = None,
           snap_scale: float | None = None, max_work: int = DEFAULT_MAX_WORK,
           unsafe_paper_variant: bool = False, ell: int | None = None) -> SubspaceResult:
@@ -149,10 +154,10 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
     unsafe_paper_variant, ell: see above (ℓ is only used by the paper's NULL score).
 
   Returns:
-    :class:`~dpjax.results.SubspaceResult` (neighbouring ``REPLACE_ONE``) with a ``(d, k)``
+    :class:`~dpjax.results.SubspaceResult` (neighboring ``REPLACE_ONE``) with a ``(d, k)``
     basis in JAX's default float dtype; ``info`` has the public work estimate, ``tol`` and
     ``snap_scale`` (the number of candidates is data-dependent and is not reported). With
-    ``unsafe_paper_variant=True``: ``epsilon=inf``, ``delta=1``, ``neighbouring=None`` (not
+    ``unsafe_paper_variant=True``: ``epsilon=inf``, ``delta=1``, ``neighboring=None`` (not
     private) and the nominal budget in ``info``. Traceable in ``key`` and ``X`` (the default
     variant): the enumeration, the random order and the snapping run on the host in NumPy (a
     ``jax.pure_callback`` under tracing; the same output per key), GAP-MAX's exact noise in
@@ -193,7 +198,7 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
                                delta=delta, tol=tol, snap_scale=snap_scale, ell=ell)
     info.update(variant="unsafe_paper_variant", nominal_epsilon=epsilon, nominal_delta=delta)
     return SubspaceResult(ok=jnp.asarray(ok), basis=jnp.asarray(basis, jnp.result_type(float)),
-                          epsilon=math.inf, delta=1.0, neighbouring=None, info=info)
+                          epsilon=math.inf, delta=1.0, neighboring=None, info=info)
   params = gap_max_parameters(epsilon, delta / 1.1, integer_scores=True)
   k_gap, k_host = jax.random.split(key)
   found, top_two, basis = host_call(
@@ -206,7 +211,7 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
   ok = jnp.asarray(found) & res.ok
   basis = jnp.where(ok, jnp.asarray(basis, jnp.result_type(float)), 0.0)
   return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=delta,
-                        neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                        neighboring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 def _top_candidate_host(rng, X, *, k, tol, snap_scale):
@@ -278,6 +283,7 @@ def paper_variant_select(key: jax.Array, scores, *, epsilon: float, delta: float
   all_scores = jnp.concatenate([scores, jnp.array([null_score], jnp.float32)])
   second = jnp.sort(all_scores)[-2] if all_scores.size > 1 else jnp.float32(0.0)
   gaps = jnp.maximum(0.0, all_scores - second - 1.0)
-  noise = _truncated_laplace(key, all_scores.shape, params.scale, params.bound, jnp.float32)
+  noise = truncated_laplace_sample(key, all_scores.shape, params.scale, params.bound,
+                                   jnp.float32)
   winner = jnp.argmax(gaps + noise)
   return jnp.where(winner == scores.size, -1, winner)

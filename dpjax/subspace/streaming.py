@@ -1,11 +1,57 @@
-"""DPASE on rows streamed in chunks: sufficient statistics per subset, memory independent of n.
+"""DPASE's subset bases from rows streamed in chunks: sufficient statistics, memory O(t d²).
 
-For datasets that do not fit in memory (a NumPy memmap, rows read from disk or made on the fly):
-DPASE with ``partition="random_labels"`` ([SS21] Algorithm 2; docs/algorithms.md §2.2) needs of
-each subset only its top-k right singular vectors, i.e. the top-k eigenvectors of the subset's
-``d × d`` second-moment matrix ``X_jᵀ X_j``. Those t matrices are accumulated block by block as
-the rows go by, then eigendecomposed, and DPASE's aggregation (reference points, cells, stability
-histogram) runs on the t bases exactly as in memory.
+The streamed row source of :func:`dpjax.subspace.dpase` (an iterable of chunks, or a NumPy
+memmap): for datasets that do not fit in memory. DPASE with ``partition="random_labels"``
+([SS21] Algorithm 2; docs/algorithms.md §2.2) needs of each subset only its top-k right singular
+vectors, i.e. the top-k eigenvectors of the subset's ``d × d`` second-moment matrix
+``X_jᵀ X_j``. Those t matrices are accumulated block by block as the rows go by, then
+eigendecomposed (:func:`subset_bases`), and DPASE's aggregation (reference points, cells,
+stability histogram) runs on the t bases exactly as in memory.
+
+The rows are read once, in a fixed order; at no time are more than a block of them in memory.
+Row i's subset is its public random label (:func:`dpjax.subspace.partition.random_labels`, drawn
+from DPASE's key split as in memory); within a subset rows rank by row order and those past the
+public capacity ``m + ⌈4√m⌉ + 4`` are dropped. So the partition is the in-memory one, and the
+output equals in-memory DPASE with random labels and ``top_k_method="exact"`` on the stacked rows
+up to rounding of the bases (the same ``ok``, winning count and basis unless a projected
+coordinate lies within rounding of a cell boundary).
+
+How: each subset's second moment is accumulated in float64, block by block (one jitted update,
+compiled once: blocks have the static size ``block_rows``, the last one padded with rows that
+belong to no subset). Scale safety as :func:`dpjax.linalg._normalise_scale` in memory: every
+subset keeps a power of two ``2^{e_j}`` ≥ its largest entry so far; rows are divided by it
+before their products are added, and the sum is rescaled (exactly) when ``e_j`` grows, so
+neither float32 nor float64 input of any finite scale overflows or underflows. At the end each
+subset's basis is the top-k eigenvectors of its matrix (``eigh`` in float64, columns
+re-orthonormalised and signs fixed by :func:`dpjax.linalg.canonical_signs`: the in-memory
+"exact" solver's basis up to rounding).
+
+Memory: ``t·d²·8`` bytes for the accumulators, independent of ``n`` (refused by
+:func:`check_memory` before any row is read above ``max_bytes``), plus per block about
+``block_rows·d`` of the chunk dtype and ``≈ 8·block_rows·d·(1 + 5√(t/block_rows))`` bytes of
+float64 rows grouped by subset, one ``d × d`` eigendecomposition at a time at the end, and the
+public labels (4 bytes per row). Time: ``≈ 2 n d²`` float64 flops for the products and ``t``
+eigendecompositions of ``d × d`` matrices. (The pages of one whole memmap that have been read
+stay mapped: the OS may reclaim them, but they count in the process's resident size; a generator
+that maps and copies one chunk at a time, ``np.array(np.memmap(path, ..., offset=...,
+shape=(rows, d)))``, does not.)
+
+Edge cases:
+
+==========================  =======================================================
+input                       what happens
+==========================  =======================================================
+a row with a NaN or inf     it contributes a zero row (sanitised per row: a fixed,
+                            data-independent map inside one subset; no error)
+a chunk of another shape    ``ValueError`` (rows read so far are discarded, nothing
+or more than ``n`` rows     is released)
+a chunk of another dtype    ``TypeError`` (no silent cast)
+fewer than ``n`` rows       ``ValueError`` once the iterable is exhausted
+an all-zero subset          a fixed canonical basis, as in memory
+==========================  =======================================================
+
+Privacy: each subset's basis is a function of its own rows only (the labels, capacity, block
+size, grouping and scaling are public or per subset), which is all DPASE's guarantee uses.
 """
 
 from __future__ import annotations
@@ -18,9 +64,11 @@ import numpy as np
 
 from dpjax import _validation as v
 from dpjax import linalg
-from dpjax.mechanisms import histogram
-from dpjax.results import SubspaceResult
-from dpjax.subspace import approximate
+from dpjax.subspace.partition import subset_capacity
+
+# subset_bases is the concept; check_chunks, check_memory and block_rows_for are dpase's checks
+# of a streamed source (run before any row is read).
+__all__ = ["DEFAULT_MAX_BYTES", "subset_bases"]
 
 # The default of ``max_bytes``: the t second-moment accumulators may take 4 GiB.
 DEFAULT_MAX_BYTES = 4 << 30
@@ -28,147 +76,66 @@ DEFAULT_MAX_BYTES = 4 << 30
 _EMPTY = -(1 << 12)
 
 
-def dpase_streaming(key: jax.Array, chunks, n: int, d: int, *, epsilon: float, delta: float,
-                    k: int, gamma: float | None = None, num_subsets: int | None = None,
-                    num_reference_points: int | None = None, cell_length: float | None = None,
-                    ell_rule: str = "paper_proof", c0: float | None = None,
-                    noise: str = "discrete", grouping: str = "auto",
-                    alpha: float | None = 0.1, dtype=jnp.float32, block_rows: int | None = None,
-                    max_bytes: float = DEFAULT_MAX_BYTES, ledger=None) -> SubspaceResult:
-  """DPASE ([SS21] Algorithm 2) with random labels on ``n`` rows that arrive in chunks.
-
-  The rows are read once, in a fixed order, from ``chunks``; at no time are more than a block
-  of them in memory. Row i's subset is the label ``dpase(key, X, partition="random_labels")``
-  gives it (``jax.random.randint(k_part, (n,), 0, t)`` with ``dpase``'s key split); within a
-  subset rows rank by row order and those past the public capacity ``m + ⌈4√m⌉ + 4`` are
-  dropped. So the partition is the in-memory one, and the output equals
-  ``dpase(key, X, partition="random_labels", top_k_method="exact", ...)`` (and
-  :func:`~dpjax.subspace.dpase_gathered`) on the stacked rows up to rounding of the bases (the
-  same ``ok``, winning count and basis unless a projected coordinate lies within rounding of a
-  cell boundary).
-
-  How: each subset's second moment ``X_jᵀ X_j`` is accumulated in float64, block by block (one
-  jitted update, compiled once: blocks have the static size ``block_rows``, the last one padded
-  with rows that belong to no subset). Scale safety as :func:`dpjax.linalg._normalise_scale`
-  in memory: every subset keeps a power of two ``2^{e_j}`` ≥ its largest entry so far; rows are
-  divided by it before their products are added, and the sum is rescaled (exactly) when
-  ``e_j`` grows, so neither float32 nor float64 input of any finite scale overflows or
-  underflows. At the end each subset's basis is the top-k eigenvectors of its matrix
-  (``eigh`` in float64, columns re-orthonormalised and signs fixed by
-  :func:`dpjax.linalg.canonical_signs`: the in-memory "exact" solver's basis up to rounding),
-  and :func:`dpase`'s aggregation runs on the t bases.
-
-  Memory: ``t·d²·8`` bytes for the accumulators, independent of ``n`` (a ``ValueError`` before
-  any row is read when that exceeds ``max_bytes``), plus per block about ``block_rows·d`` of the
-  chunk dtype and ``≈ 8·block_rows·d·(1 + 5√(t/block_rows))`` bytes of float64 rows grouped by
-  subset, one ``d × d`` eigendecomposition at a time at the end, and the public labels (4 bytes
-  per row, drawn from the key before any row is read). Time: ``≈ 2 n d²`` float64 flops for the
-  products and ``t`` eigendecompositions of ``d × d`` matrices.
-
-  Privacy guarantee: (ε, δ)-DP under add/remove-one and replace-one, as :func:`dpase` with
-  random labels: one individual's row changes one subset, hence one basis and one histogram
-  item. Each subset's basis is a function of its own rows only (the labels, capacity, block
-  size, grouping and scaling are public or per subset), and the ledger, if any, records the
-  release before any row is read. ``n`` is public (it sets ``m``, ``ℓ`` and the capacity).
-
-  Edge cases:
-
-  ==========================  =======================================================
-  input                       what happens
-  ==========================  =======================================================
-  a row with a NaN or inf     it contributes a zero row (sanitised per row: a fixed,
-                              data-independent map inside one subset; no error)
-  a chunk of another shape    ``ValueError`` (rows read so far are discarded, nothing
-  or more than ``n`` rows     is released)
-  a chunk of another dtype    ``TypeError`` (no silent cast)
-  fewer than ``n`` rows       ``ValueError`` once the iterable is exhausted
-  an all-zero subset          a fixed canonical basis, as in memory
-  ==========================  =======================================================
-
-  Args:
-    key: PRNG key; split as :func:`dpase` splits it.
-    chunks: an iterable of ``(rows, d)`` arrays of ``dtype`` (NumPy arrays, memmap slices,
-      a generator; any number of rows each, ``n`` in all, in row order), or one ``(n, d)``
-      NumPy array or memmap, which is read ``block_rows`` rows at a time. (The pages of one
-      whole memmap that have been read stay mapped: the OS may reclaim them, but they count
-      in the process's resident size; a generator that maps and copies one chunk at a time,
-      ``np.array(np.memmap(path, ..., offset=..., shape=(rows, d)))``, does not.)
-    n: the number of rows (public, as in :func:`dpase`).
-    d: their dimension.
-    epsilon: ε > 0 (nats).
-    delta: δ ∈ (0, 1).
-    k: subspace dimension, ``1 <= k <= d``.
-    gamma, num_subsets, num_reference_points, cell_length, ell_rule, c0, noise, grouping,
-      alpha: as in :func:`dpase`.
-    dtype: the chunks' float dtype (float16/bfloat16 are computed as float32). The basis is
-      returned in it (float64 needs JAX's x64 mode; else float32).
-    block_rows: rows per update (static; default: ``max(2^26 / (8 d), 512 t)``, at most ``n``).
-      Any chunk sizes are regrouped into blocks of this size, so the update compiles once.
-    max_bytes: the most the ``t`` float64 ``d × d`` accumulators may take (default 4 GiB).
-    ledger: optional :class:`dpjax.ledger.PrivacyLedger`; recorded before any row is read.
-
-  Returns:
-    :class:`~dpjax.results.SubspaceResult` as :func:`dpase`'s with random labels: ``ok``,
-    ``basis (d, k)`` (zeros on ⊥), ``released["winning_count"]``, ``neighbouring ==
-    ADD_OR_REMOVE_ONE``, ``info`` (the public parameters; ``top_k_method == "exact"``).
+def check_chunks(chunks, n: int, d: int, dtype) -> None:
+  """Checks a row stream before any row is read: one ``(n, d)`` NumPy array (a memmap) of
+  ``dtype``, or an iterable (not a string) of chunks.
 
   Raises:
-    TypeError: ``key`` is not a PRNG key, ``chunks`` is not iterable, ``dtype`` is not a float
-      dtype, a non-integer ``n``/``d``/``block_rows``, or a chunk of another dtype.
-    ValueError: as :func:`dpase` for the public arguments (all checked before any row is
-      read), ``t·d²·8 > max_bytes``, an ``(n, d)`` array of another shape, a chunk that is not
-      ``(rows, d)``, or not exactly ``n`` rows in all.
-
-  References:
-    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2, Lemma 5.3,
-    Thm 1.2/4.3.
+    ValueError: an array of another shape. TypeError: an array of another dtype, or a
+      non-iterable.
   """
-  key = v.check_key(key)
-  n = v.check_int(n, "n", low=1)
-  d = v.check_int(d, "d", low=1)
-  dtype = v.check_float_dtype(dtype)
-  work_dtype = jax.dtypes.canonicalize_dtype(
-      jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype)
   if isinstance(chunks, np.ndarray):
     if chunks.shape != (n, d):
-      raise ValueError(f"chunks given as one array must have shape (n, d) = ({n}, {d}), got "
+      raise ValueError(f"rows given as one array must have shape (n, d) = ({n}, {d}), got "
                        f"{chunks.shape}.")
     if chunks.dtype != dtype:
-      raise TypeError(f"chunks has dtype {chunks.dtype}, expected {dtype} (the dtype argument).")
+      raise TypeError(f"rows has dtype {chunks.dtype}, expected {dtype} (the dtype argument).")
   elif isinstance(chunks, (str, bytes)) or not hasattr(chunks, "__iter__"):
-    raise TypeError("chunks must be an iterable of (rows, d) arrays or an (n, d) NumPy array, "
+    raise TypeError("rows must be an iterable of (rows, d) arrays or an (n, d) NumPy memmap, "
                     f"got {type(chunks).__name__}.")
-  max_bytes = v.check_positive(max_bytes, "max_bytes", allow_inf=True)
-  params = approximate._plan(n, d, k, work_dtype, epsilon=epsilon, delta=delta, gamma=gamma,
-                             num_subsets=num_subsets, num_reference_points=num_reference_points,
-                             cell_length=cell_length, ell_rule=ell_rule, c0=c0,
-                             partition="random_labels", noise=noise, grouping=grouping,
-                             alpha=alpha, top_k_method="exact", ledger=None)
-  t, m, q = params.num_subsets, params.subset_size, params.num_reference_points
+
+
+def check_memory(t: int, d: int, max_bytes) -> float:
+  """Validates ``max_bytes`` (None: :data:`DEFAULT_MAX_BYTES`) and that the ``t`` float64
+  ``d × d`` accumulators fit in it; returns it as a float.
+
+  Raises:
+    ValueError: ``max_bytes`` not > 0, or ``t·d²·8 > max_bytes``.
+  """
+  max_bytes = v.check_positive(DEFAULT_MAX_BYTES if max_bytes is None else max_bytes,
+                               "max_bytes", allow_inf=True)
   needed = t * d * d * 8
   if needed > max_bytes:
     raise ValueError(
-        f"dpase_streaming keeps t={t} float64 {d}x{d} second-moment matrices, "
+        f"streamed DPASE keeps t={t} float64 {d}x{d} second-moment matrices, "
         f"t*d*d*8 = {needed:,} bytes, more than max_bytes={max_bytes:,.0f}; raise max_bytes, or "
         "reduce d (e.g. a public random projection) or t (a larger epsilon).")
+  return max_bytes
+
+
+def block_rows_for(block_rows, *, n: int, d: int, t: int) -> int:
+  """Rows per update: ``block_rows`` (an int ≥ 1) or by default ``max(2^26 / (8 d), 512 t)``;
+  at most ``n``. Raises ``TypeError`` / ``ValueError`` for a bad ``block_rows``."""
   if block_rows is None:
     block_rows = max(linalg.GATHER_CHUNK_BYTES // (8 * d), 512 * t)
-  block_rows = min(v.check_int(block_rows, "block_rows", low=1), n)
-  approximate._record(ledger, epsilon, delta, "random_labels")
+  return min(v.check_int(block_rows, "block_rows", low=1), n)
 
-  k_part, k_ref, k_off, k_hist, k_point = jax.random.split(key, 5)
-  labels = np.asarray(jax.random.randint(k_part, (n,), 0, t))      # public, as in memory
+
+def subset_bases(chunks, labels, *, n: int, d: int, k: int, t: int, capacity: int, dtype,
+                 block_rows: int) -> np.ndarray:
+  """The ``(t, d, k)`` float64 top-k bases of the subsets of streamed rows (module docstring).
+
+  Row i (in the order the chunks give the rows) belongs to subset ``labels[i]`` (public, ``(n,)``
+  ints in ``[0, t)``), unless ``capacity`` rows of that subset came before it (then it is
+  dropped). Each subset's basis is a function of its own rows only. Every argument has been
+  validated (:func:`check_chunks`, :func:`check_memory`, :func:`block_rows_for`); a bad chunk
+  raises here (``TypeError`` for another dtype, ``ValueError`` for another shape or a total
+  other than ``n``).
+  """
   moments = _accumulate_stream(chunks, labels, n=n, d=d, t=t, dtype=np.dtype(dtype),
-                               capacity=approximate._capacity(m), block_rows=block_rows)
+                               capacity=capacity, block_rows=block_rows)
   with jax.enable_x64(True):
-    bases = np.asarray(_top_k_of_moments(*moments, k=k))
-  del moments
-  scalars = histogram.histogram_scalars(float(epsilon), float(delta), noise=noise)
-  ok, basis, count = approximate._release(k_ref, k_off, k_hist, k_point,
-                                          jnp.asarray(bases.astype(work_dtype)),
-                                          params.cell_length, scalars, q=q, grouping=grouping)
-  return approximate._result(ok, basis, count, params, d=d, k=k, epsilon=epsilon, delta=delta,
-                             partition="random_labels", top_k_method="exact")
+    return np.asarray(_top_k_of_moments(*moments, k=k))
 
 
 def _blocks_of(chunks, n, d, dtype, block_rows):
@@ -209,7 +176,7 @@ def _accumulate_stream(chunks, labels, *, n, d, t, dtype, capacity, block_rows):
   j's ``X_jᵀ X_j`` is ``2^{2 e_j}`` times its matrix."""
   # Rows of one subset in one block: its expected share plus a public margin; a block whose
   # public labels put more rows in a subset runs the update again for the excess (rare).
-  width = min(block_rows, approximate._capacity(-(-block_rows // t)))
+  width = min(block_rows, subset_capacity(-(-block_rows // t)))
   counts = np.zeros(t, np.int64)                         # rows of each subset so far (public)
   with jax.enable_x64(True):
     moments = jnp.zeros((t, d, d), jnp.float64)

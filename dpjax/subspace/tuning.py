@@ -16,6 +16,8 @@ from dpjax import _validation as v
 from dpjax import data, metrics
 from dpjax.subspace.approximate import dpase, dpase_parameters
 
+__all__ = ["CellLengthCalibration", "calibrate_cell_length"]
+
 
 class CellLengthCalibration(NamedTuple):
   """Result of :func:`calibrate_cell_length`: the chosen ``ℓ`` and the simulated success rates."""

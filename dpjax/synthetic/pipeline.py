@@ -20,10 +20,14 @@ from dpjax.results import SyntheticDataResult
 from dpjax.synthetic import pmm as pmm_lib
 from dpjax.synthetic import projection
 from dpjax.synthetic import psmm as psmm_lib
+from dpjax.ledger import with_ledger
+
+__all__ = ["METHODS", "low_dimensional_synthetic_data"]
 
 METHODS = ("auto", "pmm", "psmm")
 
 
+@with_ledger
 def low_dimensional_synthetic_data(key: jax.Array, X, *, epsilon: float, dim: int | None = None,
                                    method: str = "auto", covariance_scale: str = "paper",
                                    budget_split=(1 / 3, 1 / 3, 1 / 3), max_dim: int | None = None,
@@ -59,7 +63,7 @@ def low_dimensional_synthetic_data(key: jax.Array, X, *, epsilon: float, dim: in
     ``mean (d,)`` (in X's float dtype), ``ok`` always True (no ⊥), and ``released`` — ``dim``
     (d'), ``radius`` (R) and the synthetic step's own release (``leaf_counts`` for PMM,
     ``noisy_counts`` for PSMM), all DP outputs. ``epsilon`` = the total, ``delta = 0``,
-    ``neighbouring = REPLACE_ONE``; ``info`` holds the public settings.
+    ``neighboring = REPLACE_ONE``; ``info`` holds the public settings.
 
   Guarantee: pure ε-DP under replace-one (n public): ε_c + ε_m + ε_s = ε by basic composition;
   the synthetic step is ε_s-DP for every fixed ``(V, μ̂)`` because each row contributes one
@@ -123,7 +127,7 @@ def low_dimensional_synthetic_data(key: jax.Array, X, *, epsilon: float, dim: in
                              synthetic=jnp.asarray(synthetic, X.dtype),
                              basis=jnp.asarray(V, X.dtype), mean=jnp.asarray(mean, X.dtype),
                              epsilon=epsilon, delta=0.0,
-                             neighbouring=NeighboringRelation.REPLACE_ONE, info=info)
+                             neighboring=NeighboringRelation.REPLACE_ONE, info=info)
 
 
 def _check_cube_rows(X) -> jax.Array:

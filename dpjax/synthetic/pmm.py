@@ -25,6 +25,8 @@ import numpy as np
 from dpjax import _validation as v
 from dpjax.mechanisms import exact as exact_lib
 
+__all__ = ["PMMParameters", "pmm", "pmm_core", "pmm_depth", "pmm_parameters"]
+
 MAX_DEPTH = 20                   # 2^20 leaves, 2^21 noise draws: the default depth is capped here
 
 

@@ -2,7 +2,7 @@
 projection and the private choice of its dimension d' (docs/algorithms.md §4.2–§4.4, §4.8).
 
 Rows ``X (n, d)`` lie in the unit cube ``[0, 1]^d`` (the domain of every guarantee here; scale
-with public bounds first, :func:`dpjax.data.scale_to_unit_cube`). Neighbouring relation:
+with public bounds first, :func:`dpjax.data.scale_to_unit_cube`). Neighboring relation:
 replace-one (n is public). The releases are Laplace noise through the snapping mechanism
 (:func:`dpjax.mechanisms.snapping_l1_mechanism`): float64 on the host, on a public grid, ε-DP
 including the floating-point effects.
@@ -18,6 +18,9 @@ import numpy as np
 
 from dpjax import _validation as v
 from dpjax.mechanisms.snapping import snapping_l1_mechanism
+
+__all__ = ["choose_dim", "covariance_sensitivity", "laplace_matrix_norm_quantile",
+           "private_centered_covariance", "private_mean"]
 
 COVARIANCE_SCALES = ("paper", "tight")
 _MONTE_CARLO_DRAWS = 200          # draws of the public noise law for its norm quantile

@@ -23,6 +23,8 @@ from scipy.spatial.distance import cdist
 from dpjax import _validation as v
 from dpjax.mechanisms import exact as exact_lib
 
+__all__ = ["Lattice", "bounded_lipschitz_projection", "psmm", "psmm_lattice"]
+
 MAX_CELLS = 400                  # the LP has m'² + 3m' variables: 160k at 400 cells
 
 

@@ -52,7 +52,7 @@ def test_exact_recovery_of_the_range(seed, r, spread):
   X, U = _gaussian(seed, r, spread)
   res = al_subspace(jax.random.key(seed), X, epsilon=EPS, delta=DELTA)
   assert _recovered(res, U), (seed, r, res.info, _distance(res.basis, U) if res.ok else None)
-  assert res.neighbouring == NeighboringRelation.REPLACE_ONE and res.epsilon == EPS and res.delta == DELTA
+  assert res.neighboring == NeighboringRelation.REPLACE_ONE and res.epsilon == EPS and res.delta == DELTA
   assert res.basis.dtype == jnp.result_type(float)
   basis = released_basis(res)
   np.testing.assert_allclose(basis.T @ basis, np.eye(r), atol=1e-6)

@@ -57,7 +57,7 @@ def singular_gaussian():
 def test_learn_gaussian_recovers_a_singular_gaussian_with_a_huge_mean(singular_gaussian):
   X, U, ev, mu, r, res = singular_gaussian
   assert res.ok and res.failed_step_name is None and int(res.released["rank"]) == r
-  assert res.neighbouring == NeighboringRelation.REPLACE_ONE and res.epsilon == EPS and res.delta == DELTA
+  assert res.neighboring == NeighboringRelation.REPLACE_ONE and res.epsilon == EPS and res.delta == DELTA
   Ur, Sr = U[:, :r], np.diag(ev[:r])
   cov_err = metrics.covariance_error(Ur.T @ res.covariance @ Ur, Sr)
   mean_err = metrics.mahalanobis_error(Ur.T @ res.mean, Ur.T @ mu, Sr)

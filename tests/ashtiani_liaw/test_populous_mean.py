@@ -348,7 +348,7 @@ def test_ppme_mean_unbounded_mean_within_lemma_3_6_bound(seed):
   # Float-safe release (default): every entry on the public grid, whatever ‖μ‖.
   est = np.asarray(res.estimate)
   assert res.info["grid"] == grid.grid and np.all(est == np.round(est / grid.grid) * grid.grid)
-  assert (res.epsilon, res.delta, res.neighbouring) == (EPS, DELTA, NeighboringRelation.REPLACE_ONE)
+  assert (res.epsilon, res.delta, res.neighboring) == (EPS, DELTA, NeighboringRelation.REPLACE_ONE)
   if seed == 0:        # the raw continuous mask: analytic σ, same test bit and average
     raw = pm.ppme_mean(jax.random.key(seed), X, epsilon=EPS, delta=DELTA, num_groups=K_MEAN,
                        radius=r, secure=False)

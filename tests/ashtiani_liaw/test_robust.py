@@ -32,7 +32,7 @@ def test_robust_mean_resists_a_far_cluster_that_biases_ppme(seed):
   kwargs = dict(epsilon=EPS, delta=DELTA, num_groups=k, radius=1.0)
   plain = ppme_mean(jax.random.key(seed), X, **kwargs)
   robust = robust_mean(jax.random.key(seed), X, corruption=ETA, **kwargs)
-  assert robust.ok and robust.neighbouring == NeighboringRelation.REPLACE_ONE
+  assert robust.ok and robust.neighboring == NeighboringRelation.REPLACE_ONE
   err_robust = np.linalg.norm(robust.estimate - mu)
   # Filtering rate O(η sqrt(ln 1/η)) + sqrt(d/m) + the mask: well below the 1.0 radius.
   assert err_robust < 0.5, err_robust

@@ -1,7 +1,7 @@
 """Privacy audits of classic private PCA (docs/algorithms.md §5.3): MOD-SuLQ and PPCA (k = 1).
 
 Each audit samples the library's traceable core (the wrappers' own computation: tests/classic
-checks that the wrappers equal their cores per key) on neighbouring datasets chosen to stress the
+checks that the wrappers equal their cores per key) on neighboring datasets chosen to stress the
 proof, in d = 2, and checks that the empirical lower bound on ε does not exceed the claim.
 Negative controls run the same audit on a deliberately broken variant, which it must flag; they
 are not in EXPECTED (test_mechanism_audits.py, the registry). Reduced trial counts by default,

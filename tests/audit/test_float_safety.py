@@ -210,7 +210,7 @@ def test_analyze_gauss_release_is_float_safe(audit_trials):
   public grid; X' replaces a row along e1 by one along e0 (the change of XᵀX is 2C²)."""
   from dpjax.mechanisms.gaussian import rdp_gaussian_sigma
   from dpjax._host import host_rng
-  from dpjax.subspace.baselines import _secure_noisy_moment, _unit_second_moment
+  from dpjax._core.second_moment import secure_noisy_moment, unit_second_moment
   z = rdp_gaussian_sigma(1.0, 1e-5)
   n = audit_trials(100, 10_000)
   X = np.zeros((10, 3), np.float32)
@@ -219,7 +219,7 @@ def test_analyze_gauss_release_is_float_safe(audit_trials):
   X_prime[0] = [1.0, 0.0, 0.0]
   grid = M.discretization(2.0, 6).grid
   report = audit.grid_output_audit(
-      jax.random.key(9), lambda k, rows: _secure_noisy_moment(
-          host_rng(k), _unit_second_moment(rows, 0.5, 1), z)[0, 0],
+      jax.random.key(9), lambda k, rows: secure_noisy_moment(
+          host_rng(k), unit_second_moment(rows, 0.5, 1), z)[0, 0],
       X, X_prime, grid_step=grid, delta=1e-5, epsilon_claimed=1.0, trials=n)
   assert report.passed, report

@@ -1,6 +1,6 @@
 """Privacy audits of every mechanism and learner in dpjax (docs/algorithms.md §7).
 
-Each audit runs the library's own public function many times on neighbouring inputs chosen to
+Each audit runs the library's own public function many times on neighboring inputs chosen to
 stress its proof, and checks that the empirical lower bound on ε does not exceed the claim.
 Reduced trial counts by default; ``--audit-full`` (and the full suite, ``--run-slow``) runs full
 counts. Negative controls (a deliberately broken variant that the same audit must flag) show that
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_accounting import NeighboringRelation
 
 from dpjax import audit, data, sgd
 from dpjax import mechanisms as M
@@ -208,8 +209,8 @@ def _dpase_at_the_half_rule(histogram_epsilon_factor):
   params = approximate.dpase_parameters(t * m, d, k, epsilon=eps, delta=delta, cell_length=0.05)
 
   def run(key, rows):
-    ok, basis, _ = approximate.dpase_core(key, rows, params, k=k,
-                                          epsilon=eps * histogram_epsilon_factor, delta=delta)
+    ok, basis, _ = approximate._dpase_core(key, rows, params, k=k,
+                                           epsilon=eps * histogram_epsilon_factor, delta=delta)
     return jnp.where(ok, jnp.round(jnp.abs(basis[0, 0]), 2), -1.0)
   return run, X, X_prime, eps, delta
 
@@ -318,6 +319,34 @@ def test_analyze_gauss_replaced_row(audit_trials):
   rep = audit.audit(jax.random.key(15), jax.jit(run), X, X_prime, delta=1e-5, epsilon_claimed=1.0,
                     trials=n)
   _check("Analyze Gauss", 1.0, rep.epsilon_lower_bound, n)
+
+
+def _analyze_gauss_added_row(audit_trials, epsilon_run):
+  """Analyze Gauss under add/remove-one (Δ = C², the noise of ``private_input_basis``): X has
+  four zero rows, X' adds a canary of norm C along e0. Released: |basis[0, 0]| to 0.1."""
+  n = audit_trials(3_000, 50_000)
+  X = np.zeros((4, 3), np.float32)
+  X_plus = np.concatenate([X, np.asarray([[1.0, 0.0, 0.0]], np.float32)])
+
+  def run(key, rows):
+    res = dpjax_analyze_gauss(key, rows, epsilon=epsilon_run, delta=1e-5, k=1, clip_norm=1.0,
+                              secure=False, neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
+    return jnp.round(jnp.abs(res.basis[0, 0]), 1)
+
+  rep = audit.audit(jax.random.key(16), run, X_plus, X, delta=1e-5, epsilon_claimed=1.0,
+                    trials=n)
+  return rep.epsilon_lower_bound, n
+
+
+def test_analyze_gauss_added_row(audit_trials):
+  eps_lb, n = _analyze_gauss_added_row(audit_trials, 1.0)
+  _check("Analyze Gauss (add/remove-one)", 1.0, eps_lb, n)
+
+
+def test_analyze_gauss_added_row_negative_control(audit_trials):
+  """The same release run at ε = 20 but claiming 1: the audit must flag it."""
+  eps_lb, n = _analyze_gauss_added_row(audit_trials, 20.0)
+  _control("Analyze Gauss (add/remove-one) at ε = 20 claiming 1", 1.0, eps_lb, n)
 
 
 # ------------------------------------------------------------ DP-SGD: one step of the plan's path
@@ -1097,7 +1126,7 @@ def test_hvz_pmm_audit_catches_too_little_noise(audit_trials):
 
 def _psmm_lower_bound(key, trials, epsilon_noise):
   """PSMM's noisy lattice counts claiming ε = 1 (d' = 2, R = 1, side 0.5): X' moves one point to
-  the neighbouring cell. Feature: the two cells' count difference, which moves by 2 against
+  the neighboring cell. Feature: the two cells' count difference, which moves by 2 against
   DLap(2/ε) noise in each: the loss of this pair reaches ε exactly (a tight audit)."""
   lattice = psmm.psmm_lattice(1.0, 2, 1.0, side=0.5)
   A = np.array([[0.1, 0.1], [-0.3, 0.2], [0.6, -0.1]])
@@ -1130,7 +1159,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "discrete laplace", "stability histogram (discrete)",
             "gap-max [20.0, 20.0, 2.0]", "gap-max [29.0, 20.0, 2.0]", "gap-max [20, 20, 2]",
             "gap-max [29, 20, 2]", "exponential mechanism", "DPASE", "DPASEB", "DPESE",
-            "AL exact subspace", "Analyze Gauss",
+            "AL exact subspace", "Analyze Gauss", "Analyze Gauss (add/remove-one)",
             # DP-SGD, one step of the plan: each clipped-gradient function (vmap, ghost, GEP by
             # vmap and by ghost, GEP's two clippings) and each release map of dp_noise (full,
             # flat, per-layer, two-sided, embedding+residual), each with a negative control below

@@ -229,7 +229,7 @@ def test_objective_perturbation_minimises_the_perturbed_objective():
   np.testing.assert_allclose(out.coefficients - b, _scipy_minimiser(X, y, 0.05), atol=1e-8)
 
 
-def test_neighbouring_minimisers_differ_by_at_most_two_over_n_lambda():
+def test_neighboring_minimisers_differ_by_at_most_two_over_n_lambda():
   """Replace one row at the norm bound by the same row with the label flipped: random data
   stay within 2/(nΛ); a crafted pair reaches it (Huber loss, every row on the linear part
   ℓ' = −1, ℓ'' = 0, so the Hessian is ΛI and the gradients differ by exactly 2x/n)."""
@@ -279,7 +279,7 @@ def test_results_are_typed_deterministic_per_key_and_public_info():
   res = erm.objective_perturbation(KEY, X, y, epsilon=1.0)
   assert isinstance(res, dpjax.ERMResult) and bool(res.ok)
   assert res.epsilon == 1.0 and res.delta == 0.0
-  assert res.neighbouring == NeighboringRelation.REPLACE_ONE
+  assert res.neighboring == NeighboringRelation.REPLACE_ONE
   assert res.coefficients.shape == (D,) and res.coefficients.dtype == np.float64
   assert res.released == {}                        # the gradient norm is not a DP release
   assert float(res.nonprivate_gradient_norm) <= 1e-10

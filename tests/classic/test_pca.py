@@ -271,7 +271,7 @@ def test_ppca_k1_wrapper_equals_core_and_recovers_top_direction():
     core = np.asarray(pca.ppca_core(jax.random.key(6), jnp.asarray(S), 2.0, k=1))
   np.testing.assert_allclose(np.asarray(res.basis), core, rtol=1e-6, atol=1e-7)
   assert res.epsilon == 2.0 and res.delta == 0.0 and bool(res.ok)
-  assert res.neighbouring == NeighboringRelation.REPLACE_ONE
+  assert res.neighboring == NeighboringRelation.REPLACE_ONE
   assert res.info["exact"] and res.info["num_sweeps"] == 0
   assert res.info["guarantee"] == pca.GUARANTEE_EXACT == "exact"     # (ε, 0) for the output
   assert res.basis.shape == (2, 1) and res.basis.dtype == jnp.float32
@@ -394,15 +394,15 @@ def test_mod_sulq_core_is_top_k_of_symmetric_noise_and_vmaps():
 
 
 def test_mod_sulq_secure_release_is_symmetric_with_std_beta():
-  from dpjax.subspace.baselines import _secure_noisy_moment
+  from dpjax._core.second_moment import secure_noisy_moment
   d, n = 30, 100
   res = pca.mod_sulq(jax.random.key(10), _unit_rows(11, n, [1.0] * d), epsilon=1.0,
                      delta=1e-5, k=2)
   beta = pca.mod_sulq_beta(n, d, 1.0, 1e-5)
   assert math.isclose(res.info["beta"], beta) and math.isclose(res.info["sigma"], beta,
                                                               rel_tol=1e-9)
-  noise = _secure_noisy_moment(np.random.default_rng(11), np.zeros((d, d)),
-                               res.info["noise_multiplier"], sensitivity=math.sqrt(2))
+  noise = secure_noisy_moment(np.random.default_rng(11), np.zeros((d, d)),
+                              res.info["noise_multiplier"], sensitivity=math.sqrt(2))
   np.testing.assert_array_equal(noise, noise.T)
   upper = noise[np.triu_indices(d)]                             # 465 i.i.d. draws of N_Z(0, (nβ)²)
   assert abs(np.std(upper) / (n * beta) - 1.0) < 0.15
@@ -417,7 +417,7 @@ def test_mod_sulq_result_and_determinism():
   assert not np.allclose(np.asarray(res.basis), np.asarray(other.basis))
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(2), atol=1e-6)
   assert bool(res.ok) and res.epsilon == 1.0 and res.delta == 1e-5
-  assert res.neighbouring == NeighboringRelation.REPLACE_ONE and res.info["secure"]
+  assert res.neighboring == NeighboringRelation.REPLACE_ONE and res.info["secure"]
   # The paper's β exceeds what the Gaussian mechanism needs at sensitivity √2/n (no floor).
   n = X_SPIKED.shape[0]
   assert n * res.info["beta"] > rdp_gaussian_sigma(1.0, 1e-5, math.sqrt(2))

@@ -346,7 +346,7 @@ def test_mean_composed_epsilon_meets_target():
   assert eps <= EPS
   assert EPS - eps < 1e-3
   assert res.epsilon <= EPS and res.epsilon == pytest.approx(eps, abs=1e-9)
-  assert res.delta == DELTA and res.neighbouring == NeighboringRelation.REPLACE_ONE
+  assert res.delta == DELTA and res.neighboring == NeighboringRelation.REPLACE_ONE
   # Paper's split: z_t² f_t is the same for every step (ρ_t = f_t ρ), fractions 1/12,1/12,1/12,3/4.
   np.testing.assert_allclose(info["fractions"], [1 / 12, 1 / 12, 1 / 12, 3 / 4])
   np.testing.assert_allclose(np.square(zs) * np.asarray(info["fractions"]),

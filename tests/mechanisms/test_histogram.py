@@ -14,10 +14,10 @@ from dpjax.mechanisms import discrete, histogram
 from dpjax.metrics import clopper_pearson
 
 
-def _singleton_pass_probability(epsilon, delta, neighbouring):
+def _singleton_pass_probability(epsilon, delta, neighboring):
   """Exact probability that a bin holding one item is released."""
-  tau = M.histogram_threshold(epsilon, delta, neighbouring=neighbouring)
-  sens = 2 if neighbouring == NeighboringRelation.REPLACE_ONE else 1
+  tau = M.histogram_threshold(epsilon, delta, neighboring=neighboring)
+  sens = 2 if neighboring == NeighboringRelation.REPLACE_ONE else 1
   return discrete.discrete_laplace_tail(int(tau) - 1, discrete.effective_scale(sens / epsilon))
 
 
@@ -26,18 +26,18 @@ def test_thresholds_follow_the_formulas():
   p = math.exp(-1 / 2)
   assert M.histogram_threshold(1.0, d) == 1 + math.ceil(2 * math.log(1 / (d * (1 + p))))
   p = math.exp(-1)
-  assert M.histogram_threshold(1.0, d, neighbouring=NeighboringRelation.ADD_OR_REMOVE_ONE) == 1 + math.ceil(
+  assert M.histogram_threshold(1.0, d, neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE) == 1 + math.ceil(
       math.log(1 / (d * (1 + p))))
   assert isinstance(M.histogram_threshold(1.0, d), float)
 
 
 @pytest.mark.parametrize("epsilon", [0.1, 0.3, 1.0, 2.5])
 @pytest.mark.parametrize("delta", [1e-9, 1e-5, 0.05])
-@pytest.mark.parametrize("neighbouring", [NeighboringRelation.REPLACE_ONE, NeighboringRelation.ADD_OR_REMOVE_ONE])
+@pytest.mark.parametrize("neighboring", [NeighboringRelation.REPLACE_ONE, NeighboringRelation.ADD_OR_REMOVE_ONE])
 def test_singleton_passes_with_probability_at_most_and_close_to_delta(epsilon, delta,
-                                                                      neighbouring):
-  dis = _singleton_pass_probability(epsilon, delta, neighbouring)
-  p = math.exp(-1 / discrete.effective_scale((2 if neighbouring == NeighboringRelation.REPLACE_ONE else 1)
+                                                                      neighboring):
+  dis = _singleton_pass_probability(epsilon, delta, neighboring)
+  p = math.exp(-1 / discrete.effective_scale((2 if neighboring == NeighboringRelation.REPLACE_ONE else 1)
                                              / epsilon))
   assert p * delta < dis <= delta                 # τ is the smallest integer threshold that works
 
@@ -51,12 +51,12 @@ def _released_per_trial(seed, items, **kwargs):
   return jax.vmap(lambda k: M.stable_histogram(k, items, epsilon=1.0, **kwargs))(keys)
 
 
-@pytest.mark.parametrize("neighbouring", [NeighboringRelation.REPLACE_ONE, NeighboringRelation.ADD_OR_REMOVE_ONE])
-def test_singleton_release_frequency_matches_the_exact_probability(neighbouring):
+@pytest.mark.parametrize("neighboring", [NeighboringRelation.REPLACE_ONE, NeighboringRelation.ADD_OR_REMOVE_ONE])
+def test_singleton_release_frequency_matches_the_exact_probability(neighboring):
   eps, delta = 1.0, 0.05
-  hist = _released_per_trial(0, SINGLETONS, delta=delta, neighbouring=neighbouring)
+  hist = _released_per_trial(0, SINGLETONS, delta=delta, neighboring=neighboring)
   hits, n = int(hist.released.sum()), 4 * TRIALS
-  exact = _singleton_pass_probability(eps, delta, neighbouring)
+  exact = _singleton_pass_probability(eps, delta, neighboring)
   low, high = clopper_pearson(hits, n, 0.999)
   assert low <= exact <= high and exact <= delta
 
@@ -199,8 +199,8 @@ def test_deterministic_and_jittable():
     (dict(epsilon=float("nan")), ValueError, "epsilon"),
     (dict(delta=2.0), ValueError, "delta"),
     (dict(delta=0.0), ValueError, "delta"),
-    (dict(neighbouring="replace_one"), TypeError, "neighbouring"),
-    (dict(neighbouring=NeighboringRelation.REPLACE_SPECIAL), ValueError, "neighbouring"),
+    (dict(neighboring="replace_one"), TypeError, "neighboring"),
+    (dict(neighboring=NeighboringRelation.REPLACE_SPECIAL), ValueError, "neighboring"),
     (dict(noise="gauss"), ValueError, "noise"),
     (dict(grouping="sort"), ValueError, "grouping"),
     (dict(key=0), TypeError, "key"),

@@ -24,7 +24,7 @@ def test_outputs_live_on_one_public_grid_whatever_the_input():
   """The reachable set does not depend on the input: multiples of Λ inside [−B, B].
 
   Mironov's attack reads the input off the low-order bits of raw float outputs; here the low
-  bits of every output are those of some k·Λ, for both neighbouring inputs alike.
+  bits of every output are those of some k·Λ, for both neighboring inputs alike.
   """
   lam, grid, bound = M.snapping_parameters(1.0, 1.0, bound=1e3)
   outs = []

@@ -62,7 +62,7 @@ def test_the_readme_loop_learns_within_its_budget():
     params, opt_state = step(params, opt_state, step_key)
   assert float(jnp.linalg.norm(params - W_TRUE)) < 0.5          # from ‖W‖ = 7.4 at the start
   assert plan.epsilon <= 2.0 and plan.delta <= 1e-5 * (1 + 1e-12)
-  assert plan.budget.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
+  assert plan.budget.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
   assert plan.dp_event == accounting.dpsgd_event(plan.noise_multiplier, 40 / N, steps)
   assert accounting.dpsgd_epsilon(plan.noise_multiplier, 40 / N, steps, 1e-5,
                                   accountant="pld") <= 2.0
@@ -209,10 +209,11 @@ def test_noise_multiplier_instead_of_epsilon_certifies_the_budget():
   assert pld.epsilon <= rdp.epsilon                                # PLD is the tighter one
   assert pld.noise_multiplier == 2.0 and pld.steps == 5
   assert pld.dp_event == accounting.dpsgd_event(2.0, 40 / N, 5)
-  assert pld.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
-  shared = _plan(subspace_epsilon=0.25, subspace_delta=1e-7, **kw)
-  assert shared.epsilon == pytest.approx(pld.epsilon + 0.25)
-  assert shared.delta == pytest.approx(1e-5 + 1e-7)
+  assert pld.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
+  shared = _plan(subspace_epsilon=0.25, subspace_delta=1e-7, **kw)   # δ is the total δ
+  assert shared.epsilon == pytest.approx(
+      0.25 + accounting.dpsgd_epsilon(2.0, 40 / N, 5, 1e-5 - 1e-7, accountant="pld"))
+  assert shared.delta == pytest.approx(1e-5)
   free = _plan(noise_multiplier=0.0)                    # σ = 0: no privacy, for tests
   assert free.epsilon == float("inf") and free.dp_event is None
 

@@ -3,6 +3,7 @@
 
 import functools
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from dp_accounting import NeighboringRelation
 from jax.flatten_util import ravel_pytree
 
-from dpjax import data, metrics, sgd
+from dpjax import accounting, data, metrics, sgd
 from dpjax.sgd import per_example, sources as ss
 from dpjax.subspace import baselines
 from helpers import normal
@@ -61,7 +62,7 @@ def test_public_subspace_captures_an_exactly_low_rank_gradient_space():
   X, y, B = _logistic(100)
   res = ss.public_gradient_subspace(_loss, jnp.zeros(20), (X, y), k=3)
   assert bool(res.ok) and res.epsilon == 0.0 and res.delta == 0.0
-  assert res.neighbouring is None and res.info == {"num_public": 100}
+  assert res.neighboring is None and res.info == {"num_public": 100}
   assert res.basis.shape == (20, 3)
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(3), atol=1e-4)
   assert float(metrics.projection_distance(res.basis, B)) < 1e-3
@@ -73,7 +74,7 @@ def test_private_subspace_finds_an_exactly_low_rank_gradient_space_under_add_rem
   X, y, B = _logistic(8_000)
   res = ss.private_gradient_subspace(jax.random.key(5), _loss, jnp.zeros(20), (X, y), k=3,
                                      epsilon=EPS_S, delta=DELTA_S, gamma=1e-6)
-  assert res.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE and res.info["partition"] == "random_labels"
+  assert res.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE and res.info["partition"] == "random_labels"
   assert (res.epsilon, res.delta) == (EPS_S, DELTA_S)
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, B)) < 0.1
 
@@ -104,8 +105,9 @@ def test_private_subspace_survives_non_finite_gradients_and_clips_rows():
 @pytest.mark.slow(reason="the streamed release equals DPASE on the stacked matrix; by default "
                          "only argument checks run")
 def test_private_subspace_streams_the_same_dpase_as_the_materialised_gradient_matrix():
-  """The gradients are made subset by subset (dpase_gathered), never as an (N, p) matrix; the
-  release equals DPASE with random labels on the stacked, sanitised matrix (same key)."""
+  """The gradients are made subset by subset (dpase on a gather function), never as an (N, p)
+  matrix; the release equals DPASE with random labels on the stacked, sanitised matrix (same
+  key)."""
   X, y, _ = _logistic(3_000)
   X = X.at[:2].set(jnp.inf)                                   # sanitised rows, both ways
   clip_norm = 0.5
@@ -118,7 +120,7 @@ def test_private_subspace_streams_the_same_dpase_as_the_materialised_gradient_ma
   assert bool(res.ok) == bool(ref.ok) and bool(res.ok)
   assert int(res.released["winning_count"]) == int(ref.released["winning_count"])
   np.testing.assert_allclose(np.asarray(res.basis), np.asarray(ref.basis), atol=1e-4)
-  assert res.info == ref.info and res.neighbouring == ref.neighbouring
+  assert res.info == ref.info and res.neighboring == ref.neighboring
 
 
 @pytest.mark.parametrize("call,exc,match", [
@@ -180,17 +182,23 @@ def test_public_input_basis_bad_inputs(inputs, rank, exc, match):
 
 
 def test_private_input_basis_is_analyze_gauss_on_the_inputs():
-  """The release is Analyze Gauss with the same key (an orthonormal (d, r) basis, its (ε, δ) and
-  relation), so its cost composes into the plan as ``subspace_epsilon/delta``."""
+  """The release is Analyze Gauss under add/remove-one with the same key (an orthonormal (d, r)
+  basis, its (ε, δ), relation and event), so it composes into the plan as its ``dp_event``: the
+  (ε, δ) event (secure, default) or a Gaussian event (``secure=False``)."""
   X, _, B = _logistic(100)
   X = np.asarray(X)
   kw = dict(epsilon=2.0, delta=1e-6, clip_norm=10.0)
+  add_remove = NeighboringRelation.ADD_OR_REMOVE_ONE
   res = sgd.private_input_basis(jax.random.key(3), X, 3, **kw)
-  ref = baselines.analyze_gauss(jax.random.key(3), X, k=3, **kw)
+  ref = baselines.analyze_gauss(jax.random.key(3), X, k=3, neighboring=add_remove, **kw)
   np.testing.assert_array_equal(np.asarray(res.basis), np.asarray(ref.basis))
   assert res.basis.shape == (20, 3) and bool(res.ok)
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(3), atol=1e-5)
-  assert (res.epsilon, res.delta) == (2.0, 1e-6) and res.neighbouring == ref.neighbouring
+  assert (res.epsilon, res.delta) == (2.0, 1e-6) and res.neighboring == add_remove
+  assert res.dp_event == accounting.EpsilonDeltaDpEvent(2.0, 1e-6)
+  fast = sgd.private_input_basis(jax.random.key(3), X, 3, secure=False, **kw)
+  assert fast.dp_event == dp_accounting.GaussianDpEvent(
+      pytest.approx(accounting.analytic_gaussian_sigma(2.0, 1e-6)))
   other = sgd.private_input_basis(jax.random.key(4), X, 3, **kw)
   assert not np.array_equal(np.asarray(other.basis), np.asarray(res.basis))
 

@@ -71,7 +71,7 @@ def test_training_decreases_the_loss_within_budget(subspace):
   out = _train(1, (X, y), epsilon=2.0, steps=30, subspace=subspace, k=K, public_data=public,
                eval_fn=lambda w: {"loss": _full_loss(w, X, y)}, eval_every=15)
   assert out.budget.epsilon <= 2.0 + 1e-9 and out.budget.delta <= 1e-5 * (1 + 1e-12)
-  assert out.budget.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE and out.budget.steps == 30
+  assert out.budget.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE and out.budget.steps == 30
   assert out.budget.sampling_prob == pytest.approx(200 / N)
   assert _full_loss(out.params, X, y) < 0.8 * _full_loss(jnp.zeros(D), X, y)
   assert [h["step"] for h in out.history] == [15, 30]

@@ -60,7 +60,7 @@ def test_shapes_orthonormality_and_result_fields():
   assert res.basis.shape == (D, K) and res.basis.dtype == X.dtype
   assert bool(res.ok)
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(K), atol=1e-4)
-  assert res.epsilon == EPS and res.delta == DELTA and res.neighbouring == NeighboringRelation.REPLACE_ONE
+  assert res.epsilon == EPS and res.delta == DELTA and res.neighboring == NeighboringRelation.REPLACE_ONE
   t = approximate.num_subsets_for(EPS, DELTA)          # discrete noise: 38 (Laplace: 37)
   assert res.info["num_subsets"] == t and int(res.released["winning_count"]) >= t / 2
 
@@ -119,7 +119,7 @@ def test_random_labels_partition_holds_under_add_remove_and_succeeds():
   X, model = _model(seed=11)
   res = approximate.dpase(jax.random.key(12), X, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA,
                           partition="random_labels")
-  assert res.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
+  assert res.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) < 0.1
 
 
@@ -232,14 +232,90 @@ def test_bad_data_raise_clear_errors():
     approximate.dpase(jax.random.key(0), np.ones((2_000, D), dtype=bool), **kw)
 
 
-def test_dpase_gathered_checks_its_public_arguments_before_any_row_is_made():
+def test_a_gather_function_s_public_arguments_are_checked_before_any_row_is_made():
   made = []
   gather = lambda rows: made.append(rows) or jnp.zeros((rows.shape[0], D))  # noqa: E731
-  kw = dict(dtype=jnp.float32, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
-  with pytest.raises(TypeError, match="gather must be a callable"):
-    approximate.dpase_gathered(jax.random.key(0), "rows", 2_000, D, **kw)
+  kw = dict(d=D, dtype=jnp.float32, epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
   with pytest.raises(ValueError, match="n is too small"):
-    approximate.dpase_gathered(jax.random.key(0), gather, 100, D, **kw)
+    approximate.dpase(jax.random.key(0), gather, n=100, **kw)
   with pytest.raises(ValueError, match="noise"):
-    approximate.dpase_gathered(jax.random.key(0), gather, 2_000, D, **kw, noise="gauss")
+    approximate.dpase(jax.random.key(0), gather, n=2_000, **kw, noise="gauss")
+  with pytest.raises(ValueError, match="partition='permutation' needs the rows in memory"):
+    approximate.dpase(jax.random.key(0), gather, n=2_000, **kw, partition="permutation")
   assert made == []
+
+
+def test_each_row_source_is_accepted_and_gives_the_in_memory_release():
+  """An array, a gather function, an iterator of chunks and a memmap: the same key gives the
+  same partition and draws, so the same release (chunks: exact second moments, equal to the
+  exact solver up to rounding)."""
+  X, _ = _model()
+  Xn = np.asarray(X)
+  key, kw = jax.random.key(3), dict(epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  reference = approximate.dpase(key, X, partition="random_labels", top_k_method="exact", **kw)
+  assert bool(reference.ok)
+  gathered = approximate.dpase(key, lambda rows: X.at[rows].get(mode="fill", fill_value=0),
+                               n=N, d=D, dtype=jnp.float32, top_k_method="exact", **kw)
+  chunks = approximate.dpase(key, (Xn[i:i + 1_000] for i in range(0, N, 1_000)), n=N, d=D,
+                             **kw)
+  for result in (gathered, chunks):
+    assert bool(result.ok)
+    assert int(result.released["winning_count"]) == int(reference.released["winning_count"])
+    np.testing.assert_allclose(np.asarray(result.basis), np.asarray(reference.basis), atol=1e-5)
+    assert result.info == reference.info
+    assert result.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
+  # The gather function sees the same subsets as the array: bit for bit.
+  np.testing.assert_array_equal(np.asarray(gathered.basis), np.asarray(reference.basis))
+
+
+def _untouched():
+  raise AssertionError("a chunk was read before the arguments were checked")
+  yield  # noqa: unreachable - makes this a generator
+
+
+@pytest.mark.parametrize("rows,kwargs,exc,match", [
+    (42, {}, TypeError, "rows must be an"),
+    ("rows.npy", dict(n=N, d=D), TypeError, "rows must be an"),
+    (None, {}, TypeError, "rows must be an"),
+    (_untouched(), dict(d=D), ValueError, "n is required"),
+    (_untouched(), dict(n=N), ValueError, "d is required"),
+    (lambda rows: rows, dict(d=D, dtype=jnp.float32), ValueError, "n is required"),
+    (lambda rows: rows, dict(n=N, d=D), ValueError, "dtype is required"),
+    (lambda rows: rows, dict(n=N, d=D, dtype=jnp.int32), TypeError, "dtype"),
+    (lambda rows: rows, dict(n=N, d=D, dtype=jnp.float32, block_rows=100), ValueError,
+     "block_rows applies only"),
+    (_untouched(), dict(n=N, d=D, partition="permutation"), ValueError, "partition"),
+    (_untouched(), dict(n=N, d=D, top_k_method="subspace_iteration"), ValueError,
+     "top_k_method"),
+    (_untouched(), dict(n=N, d=D, mesh="devices"), ValueError, "mesh is not available"),
+    (np.zeros((N, D), np.float32), dict(n=N + 1), ValueError, "shape"),
+    (np.zeros((N, D), np.float32), dict(dtype=jnp.float64), TypeError, "dtype"),
+    (np.zeros((N, D), np.float32), dict(max_bytes=1e9), ValueError, "max_bytes applies only"),
+])
+def test_bad_row_sources_raise_clear_errors(rows, kwargs, exc, match):
+  args = dict(epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA) | kwargs
+  with pytest.raises(exc, match=match):
+    approximate.dpase(jax.random.key(0), rows, **args)
+
+
+def test_a_memmap_is_streamed_and_an_asarray_of_it_runs_in_memory(tmp_path, monkeypatch):
+  X, _ = _model()
+  stored = np.memmap(tmp_path / "rows.f32", dtype=np.float32, mode="w+", shape=(N, D))
+  stored[:] = np.asarray(X)
+  stored.flush()
+  rows = np.memmap(tmp_path / "rows.f32", dtype=np.float32, mode="r", shape=(N, D))
+  kw = dict(epsilon=EPS, delta=DELTA, k=K, gamma=GAMMA)
+  in_memory = approximate.dpase(jax.random.key(3), np.asarray(rows), **kw)
+  assert in_memory.info["partition"] == "permutation"        # an ndarray view: in memory
+  streamed = []
+  real = approximate.streaming.subset_bases
+  monkeypatch.setattr(approximate.streaming, "subset_bases",
+                      lambda *a, **k: streamed.append(1) or real(*a, **k))
+  result = approximate.dpase(jax.random.key(3), rows, **kw)   # n, d, dtype from the memmap
+  assert streamed == [1] and result.info["partition"] == "random_labels"
+  assert bool(result.ok) and result.info["top_k_method"] == "exact"
+  with pytest.raises(ValueError, match="partition='permutation' needs the rows in memory"):
+    approximate.dpase(jax.random.key(3), rows, partition="permutation", **kw)
+  with pytest.raises(ValueError, match="mesh is not available"):
+    approximate.dpase(jax.random.key(3), rows, mesh=jax.sharding.Mesh(
+        np.array(jax.devices()[:1]), ("subsets",)), **kw)

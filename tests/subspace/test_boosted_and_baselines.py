@@ -37,7 +37,7 @@ def test_dpaseb_succeeds_where_single_dpase_does():
   res = dpaseb(jax.random.key(1), X, epsilon=1.0, delta=1e-6, k=2, alpha=0.1, num_blocks=12,
                gamma=1e-5)
   assert bool(res.ok) and float(metrics.projection_distance(res.basis, model.basis)) <= 0.1
-  assert int(res.released["agreeing"]) >= 0.6 * 12 - 1 and res.neighbouring == NeighboringRelation.REPLACE_ONE
+  assert int(res.released["agreeing"]) >= 0.6 * 12 - 1 and res.neighboring == NeighboringRelation.REPLACE_ONE
   np.testing.assert_allclose(np.asarray(res.basis.T @ res.basis), np.eye(2), atol=1e-4)
 
 
@@ -115,5 +115,5 @@ def test_analyze_gauss_noise_is_symmetric_with_the_stated_std():
 def test_pca_subspace_is_exact_and_labelled_non_private():
   X, B = _exact_subspace_data(7, 50, 12, 3)
   res = pca_subspace(X, k=3)
-  assert res.neighbouring is None and math.isinf(res.epsilon)
+  assert res.neighboring is None and math.isinf(res.epsilon)
   assert float(metrics.projection_distance(res.basis, B)) < 1e-3

@@ -24,7 +24,7 @@ def test_exact_recovery_in_general_position_with_adversarial_rows():
     X, B = data.exact_subspace_data(jax.random.key(seed), 100, 8, 2, num_outliers=outliers)
     res = dpese(jax.random.key(10 + seed), X, epsilon=1.0, delta=1e-6, k=2)
     assert _recovered(res, B), (seed, outliers, res.info)
-    assert res.neighbouring == NeighboringRelation.REPLACE_ONE
+    assert res.neighboring == NeighboringRelation.REPLACE_ONE
 
 
 def test_scores_follow_the_definition():

@@ -49,8 +49,8 @@ def test_bad_meshes_raise_before_tracing(mesh, axis, exc, match):
   with pytest.raises(exc, match=match):
     approximate.dpase(jax.random.key(0), X, mesh=mesh, mesh_axis=axis, **KW)
   with pytest.raises(exc, match=match):
-    approximate.dpase_gathered(jax.random.key(0), lambda rows: None, N, D, dtype=np.float32,
-                               mesh=mesh, mesh_axis=axis, **KW)
+    approximate.dpase(jax.random.key(0), lambda rows: None, n=N, d=D, dtype=np.float32,
+                      mesh=mesh, mesh_axis=axis, **KW)
 
 
 _FOUR_DEVICES = """
@@ -58,6 +58,7 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from dpjax import linalg
 from dpjax.subspace import approximate as A
+from dpjax.subspace import partition as P
 assert len(jax.devices()) == 4
 N, D, K, GAMMA = {N}, {D}, {K}, {GAMMA}
 KW = dict(epsilon=1.0, delta=1e-6, k=K, gamma=GAMMA)
@@ -78,8 +79,8 @@ for partition in {PARTITIONS}:
                         devices=len(four.basis.sharding.device_set))
 if {FULL}:
   gather = lambda rows: X.at[rows].get(mode="fill", fill_value=0)
-  one = A.dpase_gathered(key, gather, N, D, dtype=jnp.float32, **KW)
-  four = A.dpase_gathered(key, gather, N, D, dtype=jnp.float32, mesh=mesh, **KW)
+  one = A.dpase(key, gather, n=N, d=D, dtype=jnp.float32, **KW)
+  four = A.dpase(key, gather, n=N, d=D, dtype=jnp.float32, mesh=mesh, **KW)
   out["gathered"] = dict(ok=[bool(one.ok), bool(four.ok)],
                          count=[int(one.released["winning_count"]),
                                 int(four.released["winning_count"])],
@@ -92,20 +93,19 @@ if {FULL}:
                                 int(two.released["winning_count"])],
                          basis=float(jnp.max(jnp.abs(one.basis - two.basis))),
                          devices=len(two.basis.sharding.device_set))
-  # dpase_core under an outer jax.jit: the sharded solves and the rest in one program.
-  params = A.dpase_parameters(N, D, K, epsilon=1.0, delta=1e-6, gamma=GAMMA)
-  core = lambda key, X, mesh: A.dpase_core(key, X, params, k=K, epsilon=1.0, delta=1e-6,
-                                           partition="random_labels", mesh=mesh,
-                                           mesh_axis=None if mesh is None else "subsets",
-                                           top_k_method="subspace_iteration")
-  ref = core(key, X, None)
-  jitted = jax.jit(lambda key, X: core(key, X, mesh))(key, X)
-  out["jit"] = dict(ok=[bool(ref[0]), bool(jitted[0])], count=[int(ref[2]), int(jitted[2])],
-                    basis=float(jnp.max(jnp.abs(ref[1] - jitted[1]))), devices=4)
+  # dpase on an array under an outer jax.jit: the sharded solves and the rest in one program.
+  run = lambda key, X, mesh: A.dpase(key, X, partition="random_labels", mesh=mesh,
+                                     top_k_method="subspace_iteration", **KW)
+  ref = run(key, X, None)
+  jitted = jax.jit(lambda key, X: run(key, X, mesh))(key, X)
+  out["jit"] = dict(ok=[bool(ref.ok), bool(jitted.ok)],
+                    count=[int(ref.released["winning_count"]),
+                           int(jitted.released["winning_count"])],
+                    basis=float(jnp.max(jnp.abs(ref.basis - jitted.basis))), devices=4)
 # The (t, d, k) bases themselves: t = 38 subsets padded to 40 over 4 devices, 2 dropped.
 params = A.dpase_parameters(N, D, K, epsilon=1.0, delta=1e-6, gamma=GAMMA)
-index = A._random_label_index(jax.random.split(key, 5)[0], N, params.num_subsets,
-                              A._capacity(params.subset_size))
+index = P.random_label_index(jax.random.split(key, 5)[0], N, params.num_subsets,
+                             P.subset_capacity(params.subset_size))
 solve = lambda X, block: linalg.gathered_top_k_subspaces(X, block, K)
 plain = A._sharded(solve, X, index, N, None, None)
 sharded = A._sharded(solve, X, index, N, mesh, "subsets")
@@ -143,7 +143,7 @@ def test_four_devices_give_the_one_device_output():
   _on_four_devices(("random_labels",), False)
 
 
-@pytest.mark.slow(reason="all partitions, dpase_gathered, two axes and jit on 4 devices; by "
+@pytest.mark.slow(reason="all partitions, a gather function, two axes and jit on 4 devices; by "
                          "default only mesh checks")
 def test_four_devices_give_the_one_device_output_for_every_variant():
   out = _on_four_devices(approximate.PARTITIONS, True)

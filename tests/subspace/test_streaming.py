@@ -1,5 +1,6 @@
-"""Tests for streaming DPASE (dpjax.subspace.streaming; docs/algorithms.md §2.2): the same
-partition and output as in-memory DPASE with random labels, whatever the chunks."""
+"""Tests for streamed DPASE (``dpjax.dpase`` on chunks or a memmap, dpjax.subspace.streaming;
+docs/algorithms.md §2.2): the same partition and output as in-memory DPASE with random labels,
+whatever the chunks."""
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ def _assert_same(result, reference):
   assert int(result.released["winning_count"]) == int(reference.released["winning_count"])
   np.testing.assert_allclose(np.asarray(result.basis), np.asarray(reference.basis), atol=1e-5)
   assert result.basis.shape == (D, K) and result.basis.dtype == reference.basis.dtype
-  assert result.neighbouring == NeighboringRelation.ADD_OR_REMOVE_ONE
+  assert result.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
   for name in ("num_subsets", "subset_size", "cell_length", "partition"):
     assert result.info[name] == reference.info[name]
 
@@ -63,7 +64,7 @@ _MEMMAP = "memmap chunks of {} rows; the default run streams the memmap whole, a
                                   for n in (777, 1_000, N)])
 def test_streaming_from_a_memmap_equals_in_memory_random_labels(memmap, model, size):
   _, truth, reference = model
-  result = dpjax.dpase_streaming(KEY, _chunks(memmap, size), N, D, block_rows=BLOCK, **KW)
+  result = dpjax.dpase(KEY, _chunks(memmap, size), n=N, d=D, block_rows=BLOCK, **KW)
   _assert_same(result, reference)
   assert float(metrics.projection_distance(result.basis, truth.basis)) < 0.1
 
@@ -72,7 +73,7 @@ def test_the_block_update_compiles_once_whatever_the_chunk_sizes(model):
   X, _, reference = model
   before = streaming._accumulate._cache_size()
   for size in (500, 777, 2_999):
-    _assert_same(dpjax.dpase_streaming(KEY, _chunks(X, size), N, D, block_rows=BLOCK, **KW),
+    _assert_same(dpjax.dpase(KEY, _chunks(X, size), n=N, d=D, block_rows=BLOCK, **KW),
                  reference)
   assert streaming._accumulate._cache_size() - before <= 1
 
@@ -86,8 +87,8 @@ def test_streaming_from_a_generator_and_from_a_whole_array(model, memmap):
     for size in sizes:
       yield X[start:start + size]
       start += size
-  _assert_same(dpjax.dpase_streaming(KEY, rows(), N, D, block_rows=BLOCK, **KW), reference)
-  _assert_same(dpjax.dpase_streaming(KEY, memmap, N, D, **KW), reference)   # default blocks
+  _assert_same(dpjax.dpase(KEY, rows(), n=N, d=D, block_rows=BLOCK, **KW), reference)
+  _assert_same(dpjax.dpase(KEY, memmap, **KW), reference)   # n, d from it; default blocks
 
 
 @pytest.mark.slow(reason="blocks of 40 rows force extra passes; the default run streams blocks "
@@ -96,14 +97,14 @@ def test_a_subset_with_more_rows_in_a_block_than_its_share_runs_extra_passes(mod
   """Blocks of 40 rows over t = 38 subsets: the per-block width is 12 rows, and the blocks that
   put more rows into one subset add them in further passes; nothing is lost."""
   X, _, reference = model
-  _assert_same(dpjax.dpase_streaming(KEY, _chunks(X, 1_000), N, D, block_rows=40, **KW),
+  _assert_same(dpjax.dpase(KEY, _chunks(X, 1_000), n=N, d=D, block_rows=40, **KW),
                reference)
 
 
 def test_no_gap_gives_bottom_in_both():
   X = normal(3, (N, D))
   reference = approximate.dpase(KEY, X, partition="random_labels", **KW)
-  result = dpjax.dpase_streaming(KEY, _chunks(np.asarray(X), 1_000), N, D, block_rows=BLOCK,
+  result = dpjax.dpase(KEY, _chunks(np.asarray(X), 1_000), n=N, d=D, block_rows=BLOCK,
                                  **KW)
   assert not bool(reference.ok)
   _assert_same(result, reference)
@@ -120,7 +121,7 @@ def test_extreme_scales_give_the_unscaled_answer(model, scale):
   X, _, reference = model
   scaled = (X * np.float32(scale)).astype(np.float32)
   assert np.all(np.isfinite(scaled)) and np.all(np.any(scaled != 0, axis=1))
-  _assert_same(dpjax.dpase_streaming(KEY, _chunks(scaled, 1_000), N, D, block_rows=BLOCK,
+  _assert_same(dpjax.dpase(KEY, _chunks(scaled, 1_000), n=N, d=D, block_rows=BLOCK,
                                      **KW), reference)
 
 
@@ -132,13 +133,25 @@ def test_a_non_finite_row_contributes_a_zero_row(model):
   zeroed = bad.copy()
   zeroed[~np.all(np.isfinite(bad), axis=1)] = 0.0
   reference = approximate.dpase(KEY, jnp.asarray(zeroed), partition="random_labels", **KW)
-  _assert_same(dpjax.dpase_streaming(KEY, _chunks(bad, 1_000), N, D, block_rows=BLOCK, **KW),
+  _assert_same(dpjax.dpase(KEY, _chunks(bad, 1_000), n=N, d=D, block_rows=BLOCK, **KW),
                reference)
 
 
 def _untouchable():
   raise AssertionError("a chunk was read before the arguments were checked")
   yield  # noqa: unreachable - makes this a generator
+
+
+class _Memmap:
+  """A memmap of zeros of ``shape`` and ``dtype``, made in the test's ``tmp_path``."""
+
+  def __init__(self, shape, dtype):
+    self.shape, self.dtype = shape, dtype
+
+  def make(self, tmp_path):
+    stored = np.memmap(tmp_path / "rows.bin", dtype=self.dtype, mode="w+", shape=self.shape)
+    stored.flush()
+    return np.memmap(tmp_path / "rows.bin", dtype=self.dtype, mode="r", shape=self.shape)
 
 
 @pytest.mark.parametrize("change,exc,match", [
@@ -156,15 +169,19 @@ def _untouchable():
     (dict(dtype=jnp.int32), TypeError, "dtype"),
     (dict(noise="laplace"), ValueError, "float32"),
     (dict(key=3), TypeError, "key"),
-    (dict(chunks=42), TypeError, "chunks"),
-    (dict(chunks=np.zeros((N, D + 1), np.float32)), ValueError, "shape"),
-    (dict(chunks=np.zeros((N, D), np.float64)), TypeError, "dtype"),
+    (dict(rows=42), TypeError, "rows"),
+    (dict(rows=_Memmap((N, D + 1), np.float32)), ValueError, "shape"),
+    (dict(rows=_Memmap((N, D), np.float64), dtype=np.float32), TypeError, "dtype"),
+    (dict(rows=_Memmap((N, D), np.float32), n=N - 1), ValueError, "shape"),
+    (dict(top_k_method="subspace_iteration"), ValueError, "top_k_method"),
 ])
-def test_bad_arguments_raise_before_any_chunk_is_read(change, exc, match):
+def test_bad_arguments_raise_before_any_chunk_is_read(change, exc, match, tmp_path):
   ledger = ledger_lib.PrivacyLedger(10.0, 1e-3)
-  args = dict(key=KEY, chunks=_untouchable(), n=N, d=D, **KW) | change
+  args = dict(key=KEY, rows=_untouchable(), n=N, d=D, **KW) | change
+  if isinstance(args["rows"], _Memmap):
+    args["rows"] = args["rows"].make(tmp_path)
   with pytest.raises(exc, match=match):
-    dpjax.dpase_streaming(ledger=ledger, **args)
+    dpjax.dpase(ledger=ledger, **args)
   assert ledger.entries == ()                              # nothing recorded either
 
 
@@ -176,12 +193,12 @@ def test_bad_arguments_raise_before_any_chunk_is_read(change, exc, match):
 ])
 def test_bad_chunks_raise(chunks, exc, match):
   with pytest.raises(exc, match=match):
-    dpjax.dpase_streaming(KEY, iter(chunks), N, D, block_rows=BLOCK, **KW)
+    dpjax.dpase(KEY, iter(chunks), n=N, d=D, block_rows=BLOCK, **KW)
 
 
 def test_the_ledger_records_the_release():
   ledger = ledger_lib.PrivacyLedger(2.0, 1e-5)
   rows = (np.zeros((N // 4, D), np.float32) for _ in range(4))
-  res = dpjax.dpase_streaming(KEY, rows, N, D, block_rows=BLOCK, ledger=ledger, **KW)
+  res = dpjax.dpase(KEY, rows, n=N, d=D, block_rows=BLOCK, ledger=ledger, **KW)
   assert res.epsilon == EPS and res.delta == DELTA
   assert len(ledger.entries) == 1 and ledger.spent.epsilon == EPS

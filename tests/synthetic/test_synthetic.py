@@ -43,7 +43,7 @@ def test_shapes_cube_size_metadata_and_determinism_per_key():
   assert bool(jnp.all((a.synthetic >= 0) & (a.synthetic <= 1)))
   np.testing.assert_allclose(np.asarray(a.basis.T @ a.basis), np.eye(2), atol=1e-5)
   assert bool(a.ok) and a.epsilon == 2.0 and a.delta == 0.0
-  assert a.neighbouring == NeighboringRelation.REPLACE_ONE
+  assert a.neighboring == NeighboringRelation.REPLACE_ONE
   assert int(a.released["dim"]) == 2 and a.info["method"] == "pmm"
   assert int(jnp.sum(a.released["leaf_counts"])) == N
   assert jnp.array_equal(a.synthetic, b.synthetic) and jnp.array_equal(a.basis, b.basis)
