@@ -73,9 +73,12 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
   assert run.rank == {"gep_trajectory": 3, "public_subspace": 4,
                       "private_input_subspace": 4}.get(route)
   n = N - 40 if route in experiments.PUBLIC_ROUTES else N
-  share = (0.2, 0.1e-5) if route == "private_input_subspace" else (0.0, 0.0)
-  expected = 0.0 if route == "non_private" else routes.noise_multiplier(2.0, 1e-5, 32 / n, 12,
-                                                                         "rdp", *share)
+  # private_input_subspace: Analyze Gauss at a stand-alone (0.2, 1e-6), its Gaussian event
+  # composed with the steps by the accountant.
+  event = (routes.input_basis_event(0.2, 0.1e-5) if route == "private_input_subspace"
+           else None)
+  expected = 0.0 if route == "non_private" else routes.noise_multiplier(
+      2.0, 1e-5, 32 / n, 12, "rdp", subspace_event=event)
   assert run.noise_multiplier == expected
   if route == "non_private":
     assert run.epsilon is None and run.all_runs_epsilon is None
