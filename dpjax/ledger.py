@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from typing import NamedTuple
 
 import dp_accounting
@@ -169,16 +168,12 @@ class PrivacyLedger:
     # composition with the accountant's composition of the others (accounting.split_event).
     events = [accounting.release_event(e.epsilon, e.delta) if e.kind == "approx_dp" else e.event
               for e in entries]
-    parts = accounting.split_event(accounting.compose_events(*events))
+    composed = accounting.compose_events(*events)
+    parts = accounting.split_event(composed)
     if not parts.accountable:
       return PrivacySpend(parts.epsilon, parts.delta, self.neighboring)
-    left = self.delta - parts.delta
-    if left <= 0 or math.isinf(parts.epsilon):
-      return PrivacySpend(math.inf, self.delta, self.neighboring)
-    acc = accounting.make_accountant(self.accountant).compose(
-        dp_accounting.ComposedDpEvent(list(parts.accountable)))
-    return PrivacySpend(parts.epsilon + float(acc.get_epsilon(left)), self.delta,
-                        self.neighboring)
+    return PrivacySpend(accounting.event_epsilon(composed, self.delta, accountant=self.accountant),
+                        self.delta, self.neighboring)
 
 
 _LEDGER_DOC = """
@@ -186,7 +181,8 @@ _LEDGER_DOC = """
   Ledger: ``ledger=`` (optional :class:`dpjax.ledger.PrivacyLedger`) records the result's
   ``dp_event`` under its relation before the result is returned; a result that would overspend
   the ledger raises :class:`dpjax.ledger.BudgetExceededError` and is never returned (nothing is
-  recorded). The public arguments are checked first, the data only then.
+  recorded). The check runs after the learner has computed its result (the refused result is
+  discarded: no privacy is lost, the computation is).
 """
 
 
