@@ -1,57 +1,61 @@
-"""Gradient-subspace DP-SGD routes against a tuned DP-SGD, paired over seeds, at ε ∈ {1, 2}.
+"""When does a private subspace pay? Gradient-subspace routes against tuned DP-SGD, over n and ε.
 
-    python benchmarks/gradient_subspace.py [--quick] [--json PATH] [--plot PATH]
-        [--oracle-refresh R [R ...]] [--oracle-rank r] [--gep-edge-scale c] [--gep-two-sided]
+    python benchmarks/gradient_subspace.py [--quick] [--data mnist generated digits PATH.npz]
+        [--n N ...] [--epsilons ε ...] [--models softmax mlp_small mlp_large]
+        [--routes ...] [--public-rows m ...] [--pca-ranks k ...] [--pca-fractions f ...]
+        [--oracle-refresh R ...] [--json PATH] [--plot PREFIX] [--write-crossover PATH]
 
-Routes, trained by ``dpjax.experiments.train_route`` (a research harness on ``dpjax.sgd``'s
-public API; every DP route at the same total (ε, δ) under add/remove-one, by one PLD accountant:
-T Poisson-sampled Gaussian steps with the same q and σ):
+The crossover study (issue 37). For each data set, training-set size n (nested subsets of one
+private pool), ε (δ = 1e-5) and model, every route is tuned on a tuning split and run on paired
+seeds against ``dp_sgd``; per (data set, model, ε, route) the report gives the paired difference
+with its 95% interval at every n and **n\\***, the smallest n at which the route wins (interval above
+zero AND mean accuracy above the best ``dp_sgd`` over the models at that n and ε), or "none up to
+n_max" with the miss at n_max. ``--plot PREFIX`` writes ``PREFIX_<data>.png``: difference vs n,
+one panel per model, one line per route and ε, the NOT private oracle's difference as its ceiling.
+``--write-crossover PATH`` merges the crossover summary into the JSON at PATH (the main job reads
+``dpjax/_data/crossover.json`` for its "wins from n ≈ …" lines).
 
-* ``non_private``: the same model, optimiser and weight averaging without clipping or noise.
-* ``dp_sgd``: the baseline at its best straightforward settings — Poisson sampling,
-  normalised (automatic) clipping ``g/(‖g‖ + 0.01)`` (C = 1), Gaussian noise in all p
-  coordinates (``dpjax.sgd.dp_noise`` built from the clipped-gradient sum), Adam, an EMA of the
-  iterates (0.99, evaluated).
-* ``dp_sgd_denoise``: ``dp_sgd`` followed by ``dpjax.sgd.low_rank_denoise`` (EMA filter 0.5 and
-  Gavish–Donoho shrinkage of each layer matrix at the public noise level): post-processing.
-* ``gep_trajectory``: no public data. A warm-up of plain DP-SGD (20% of the steps), then the
-  first layer's per-example gradients are split BEFORE clipping by an input-side basis of rank
-  8 into an embedding and a residual, clipped separately (C_e = 1, C_ρ = 0.3; sensitivity √2) and
-  noised (``dpjax.sgd.embedding_residual_grad_sum``, whose Δ = √2 ``dpjax.sgd.dp_noise`` reads);
-  the basis is the top singular subspace of an EMA (0.9) of the released noisy updates
-  (``dpjax.sgd.trajectory_bases``), refreshed every 10% of the steps: post-processing, free.
-* ``private_input_subspace``: no public data. The first layer's noise lives in the top-16
-  eigenvectors of Analyze Gauss's noisy second moment of the training rows' inputs (one release
-  per run at a stand-alone (0.1ε, 0.1δ), continuous noise, add/remove-one, rows clipped to norm
-  4), after clipping; its GaussianDpEvent is composed with the T steps by the PLD accountant,
-  so DP-SGD's σ is 0.3–0.5% above plain DP-SGD's (an ε split cost 5–11%).
-* ``public_subspace``: uses public data. 10% of the training rows are marked public (and left out
-  of this route's private rows); the first layer's noise lives in the top-16 principal
-  directions of the public rows' inputs (``dpjax.sgd.public_input_basis``; ``dpjax.sgd.dp_noise``
-  with per-layer ``bases=``, after clipping).
+Routes (``dpjax.experiments.train_route``, a research harness on ``dpjax.sgd``; every DP route at
+the same total (ε, δ) under add/remove-one, by one PLD accountant):
 
-Ablation, NOT private (``--oracle-refresh``, off by default): ``oracle_every<R>`` is
-``dp_sgd``'s release with each weight matrix's update projected onto ``U Uᵀ (·) V Vᵀ``, U and V
-the top-r (``--oracle-rank``, default 3) singular vectors of the mean clipped gradient over all
-training rows, recomputed every R steps (``dpjax.experiments.train_route("oracle_subspace")``).
-It shows the room an exact low-rank gradient subspace of age < R steps would give, i.e. what a
-private subspace estimate competes for; its rows say ``"private": false`` and never win.
+* ``dp_sgd``: Poisson sampling, normalised clipping ``g/(‖g‖ + 0.01)`` (C = 1), Gaussian noise in
+  all p coordinates, Adam, an EMA (0.99) of the iterates.
+* ``private_input_subspace`` (no public data): Abadi et al.'s DP-PCA: rows scaled to unit norm
+  (public map), an Analyze Gauss release of their second moment, top-k eigenvectors, the first
+  layer TRAINED in that basis; the release's ``GaussianDpEvent`` composed with the T steps by PLD.
+  k and the PCA's share f (its stand-alone ε_s = f·ε, which sets σ_p) are tuned with the learning
+  rate on the tuning split over ``--pca-ranks`` × ``--pca-fractions`` (public choices, reported
+  with σ_p per row).
+* ``public_gradient_subspace_m<m>`` (public data, PDP-SGD): the noisy gradient projected on the top-32
+  right singular vectors of the per-example gradients of m public examples, refreshed every 10
+  steps. The m public rows are held out of the private pool (``--public-rows``).
+* ``gep_trajectory`` (no public data): GEP with a basis from the released updates (free).
+* ``public_subspace`` (public data, 10% of the pool as public inputs; not in the default set: its
+  first-layer input basis is dominated by the public gradient route on MNIST).
+* ``dp_sgd_denoise`` (not in the default set: post-processing denoising that lost 30 points on
+  digits at the defaults, docs/algorithms.md §6.5).
+* ``non_private``; ``oracle_every<R>`` (``--oracle-refresh``, NOT private: the update projected on
+  the exact top-3 singular subspace of the all-rows clipped gradient every R steps): the ceiling.
 
-Protocol. A fixed split per data set: 25% test, 10% of all rows held back as the tuning set,
-the rest training. Each route's learning rate is chosen on the tuning set (the same grid for
-every route, ``--learning-rates``; mean tuning accuracy over ``--tuning-seeds`` seeds), then
-``--seeds`` paired seeds are run at the chosen rate (seed s: the same initialisation, sampling
-and noise keys for every route) and scored on the test set. Reported per
-``<dataset>/<model>/eps=<ε>`` and route: the median test accuracy, the mean paired difference
-against ``dp_sgd`` with a 95% t-interval, the chosen rate and its tuning accuracy (the equal-grid
-best-of result), and ``private``. A private route ``wins`` when the interval is above zero AND its
-mean accuracy beats the best ``dp_sgd`` over every model tried on that data set at that ε. Tuning is not privacy-
-accounted (as in the papers compared with; stated, not hidden).
+Protocol: per data set one fixed split (seed 0) into test, tuning, public and private pool rows;
+n private rows are the first n of the pool, for every route (the public rows are outside the
+pool; each row records ``n_private``). Each row's settings
+(learning rate from ``--learning-rates``, and for the DP-PCA route k and f) are chosen by mean
+tuning-split accuracy over ``--tuning-seeds`` seeds; then ``--seeds`` paired seeds (the same
+initialisation, sampling and noise keys for every route) are scored on the test rows. Tuning is
+not privacy-accounted (as in the papers compared with; stated, not hidden).
 
-Data: ``digits`` (scikit-learn's bundled 8×8 digits, features ×1/16) and ``generated``
-(``make_classification``: 20,000 rows, 64 features of which 8 informative and 24 linear
-combinations of them, so the informative structure has rank 8, 10 classes; a public scale 1/4).
-Models: softmax regression and tanh MLPs with 32 and 128 hidden units.
+Data: ``mnist`` (the bundled MNIST-10k: 8,000 training / 2,000 test rows, pixels /255; 500 tuning
+rows, 1,000 public rows, a private pool of 6,500), ``generated`` (``make_classification``: 64
+features of which 8 informative and 24 linear combinations of them — the informative structure
+has rank 8 — 10 classes, scale 1/4; 5,000 test, 2,000 tuning, 1,000 public rows and a pool of
+max(n)), ``digits`` (scikit-learn's 8×8 digits /16: 360 test, 180 tuning, 100 public, pool 1,157)
+or a user's ``PATH.npz`` (X (n, d) float, integer y; 20% test, 10% tuning, min(1,000, 10%)
+public). Models: softmax regression, tanh MLPs with 32 and 128 hidden units, and ``cnn`` (a Flax
+NNX CNN on square images given as flat rows, needs ``flax``; the routes that act on a first dense
+layer — ``private_input_subspace``, ``gep_trajectory``, ``public_subspace``, the oracle — do not
+apply to it and are skipped). Steps: 300 at
+batch 128 for digits, 400 at batch 256 otherwise (``--steps``, ``--batch``).
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
+import os
 import sys
 import time
 
@@ -69,48 +75,102 @@ import numpy as np
 import scipy.stats
 
 from dpjax import demo, experiments
+from dpjax import data as data_lib
 
-ROUTES = experiments.ROUTES
 NOT_PRIVATE = ("non_private",)
-MODELS = {"softmax": (), "mlp_small": (32,), "mlp_large": (128,)}
-DATASETS = ("digits", "generated")
+MODELS = {"softmax": (), "mlp_small": (32,), "mlp_large": (128,), "cnn": None}
+DATASETS = ("mnist", "generated", "digits")
+# Routes a user can ask for; the default set leaves out public_subspace and dp_sgd_denoise (see
+# the module docstring).
+ROUTES = ("non_private", "dp_sgd", "private_input_subspace", "public_gradient_subspace",
+          "gep_trajectory", "public_subspace", "dp_sgd_denoise")
+DEFAULT_ROUTES = ("non_private", "dp_sgd", "private_input_subspace", "public_gradient_subspace",
+                  "gep_trajectory")
 DELTA = 1e-5
-# The routes' settings (the defaults of dpjax.experiments.RouteSettings: normalised clipping C = 1,
-# γ = 0.01; weight EMA 0.99; denoise filter 0.5; GEP r = 8, C_ρ = 0.3, 20% warm-up, 10 refreshes,
-# filter 0.9; public rank 16).
 ROUTE_SETTINGS = experiments.RouteSettings()
-PUBLIC_FRACTION = 0.1
-SETTINGS = {"digits": {"batch": 128, "steps": 300}, "generated": {"batch": 256, "steps": 400}}
+DEFAULT_N = {"mnist": [1000, 2000, 4000, 6500], "generated": [10_000, 30_000, 100_000, 200_000],
+             "digits": [1157]}
+QUICK_N = {"mnist": [2000], "generated": [10_000], "digits": [1157]}
+STEPS = {"digits": (300, 128)}             # (steps, batch); others: (400, 256)
 
 
-def load(name: str, rows: int | None = None):
-  """``{"train", "tune", "test"}: (X, y)`` NumPy float32 / int32; fixed split (seed 0)."""
-  if name == "digits":
-    from sklearn.datasets import load_digits
-    X, y = load_digits(return_X_y=True)
-    X = X / 16.0
+def load(name: str, n_max: int, *, public_rows: int = 1000) -> dict:
+  """``{"test", "tune", "public", "pool"}: (X float32, y int32)`` of one data set; fixed split."""
+  if name == "mnist":
+    ds = data_lib.load_mnist(seed=0)
+    Xtr, ytr = ds.X_train, ds.y_train
+    parts = {"test": (ds.X_test, ds.y_test), "tune": (Xtr[:500], ytr[:500]),
+             "public": (Xtr[-public_rows:], ytr[-public_rows:]),
+             "pool": (Xtr[500:len(ytr) - public_rows], ytr[500:len(ytr) - public_rows])}
   else:
-    from sklearn.datasets import make_classification
-    X, y = make_classification(n_samples=rows or 20_000, n_features=64, n_informative=8,
-                               n_redundant=24, n_classes=10, n_clusters_per_class=1,
-                               class_sep=1.0, random_state=0)
-    X = X / 4.0
-  perm = np.random.default_rng(0).permutation(len(y))
-  n_test, n_tune = round(0.25 * len(y)), round(0.10 * len(y))
-  parts = {"test": perm[:n_test], "tune": perm[n_test:n_test + n_tune],
-           "train": perm[n_test + n_tune:]}
-  return {k: (X[i].astype(np.float32), y[i].astype(np.int32)) for k, i in parts.items()}
+    if name == "generated":
+      from sklearn.datasets import make_classification
+      X, y = make_classification(n_samples=n_max + 8000, n_features=64, n_informative=8,
+                                 n_redundant=24, n_classes=10, n_clusters_per_class=1,
+                                 class_sep=1.0, random_state=0)
+      X = X / 4.0
+      sizes = (5000, 2000, 1000)
+    else:
+      ds = data_lib.load_digits(seed=0) if name == "digits" else data_lib.load_npz(name, seed=0)
+      X = np.concatenate([ds.X_train, ds.X_test])
+      y = np.concatenate([ds.y_train, ds.y_test])
+      sizes = ((360, 180, 100) if name == "digits" else
+               (round(0.2 * len(y)), round(0.1 * len(y)), min(1000, round(0.1 * len(y)))))
+    perm = np.random.default_rng(0).permutation(len(y))
+    cuts = np.cumsum(sizes)
+    parts = {"test": perm[:cuts[0]], "tune": perm[cuts[0]:cuts[1]],
+             "public": perm[cuts[1]:cuts[2]], "pool": perm[cuts[2]:]}
+    parts = {k: (X[i], y[i]) for k, i in parts.items()}
+  return {k: (np.asarray(X, np.float32), np.asarray(y, np.int32)) for k, (X, y) in parts.items()}
 
 
 @functools.lru_cache(maxsize=None)
-def init_fn(in_dim: int, sizes: tuple[int, ...]):
-  """The model's ``key -> params`` (one object per shape, so compilations are reused)."""
-  return functools.partial(demo.init_mlp, sizes=(in_dim, *sizes, 10))
+def model_fns(model: str, in_dim: int, classes: int):
+  """``(init_fn, loss_fn, logits_fn)`` of a model (one object per shape, so compilations are
+  reused): the MLPs of ``dpjax.demo`` (a list of dense layers), or ``cnn``, a Flax NNX CNN on
+  square single-channel images given as flat rows (the notebook's: two 3×3 stride-2 convolutions
+  with 8 and 16 channels, tanh, then a dense layer; 9,098 parameters on MNIST), whose params are
+  the NNX ``State`` of ``nnx.split`` (trained by the routes outside ``DENSE_ROUTES``)."""
+  if model != "cnn":
+    return (functools.partial(demo.init_mlp, sizes=(in_dim, *MODELS[model], classes)),
+            demo.example_loss, demo.mlp_logits)
+  from flax import nnx        # an examples/test dependency, imported only for the CNN
+  import optax
+  side = int(round(in_dim ** 0.5))
+  if side * side != in_dim:
+    raise ValueError(f"the cnn model takes square images as flat rows; d = {in_dim} is not a "
+                     "square.")
+  flat = 16 * (-(-(-(-side // 2)) // 2)) ** 2       # two stride-2 'SAME' convolutions
+
+  class CNN(nnx.Module):
+    def __init__(self, rngs):
+      self.conv1 = nnx.Conv(1, 8, (3, 3), strides=2, rngs=rngs)
+      self.conv2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs)
+      self.dense = nnx.Linear(flat, classes, rngs=rngs)
+
+    def __call__(self, x):
+      h = jnp.tanh(self.conv1(x.reshape(-1, side, side, 1)))
+      h = jnp.tanh(self.conv2(h))
+      return self.dense(h.reshape(h.shape[0], -1))
+
+  graphdef = nnx.split(CNN(nnx.Rngs(0)))[0]
+
+  def init(key):
+    return nnx.split(CNN(nnx.Rngs(key)))[1]
+
+  def logits(params, x):
+    out = nnx.merge(graphdef, params)(jnp.atleast_2d(x))
+    return out if x.ndim == 2 else out[0]
+
+  def loss(params, example):
+    x, y = example
+    return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y)
+  return init, loss, logits
 
 
-@jax.jit
-def _accuracy(params, X, y):
-  return jax.vmap(lambda p: demo.accuracy(p, X, y))(params)
+@functools.partial(jax.jit, static_argnums=0)
+def _accuracy(logits_fn, params, X, y):
+  return jax.vmap(lambda p: jnp.mean(jnp.argmax(logits_fn(p, X), axis=-1) == y))(params)
 
 
 def oracle_name(every: int) -> str:
@@ -122,21 +182,35 @@ def is_oracle(row: str) -> bool:
   return row.startswith("oracle_every")
 
 
+def public_name(m: int) -> str:
+  """The row name of the public gradient route with m public examples."""
+  return f"public_gradient_subspace_m{m}"
+
+
 def noise_multiplier(epsilon: float, sampling_prob: float, steps: int) -> float:
   """σ of T Poisson-sampled Gaussian steps at (ε, DELTA), add/remove-one, PLD accountant."""
   return experiments.noise_multiplier(epsilon, DELTA, sampling_prob, steps, "pld")
 
 
-def run_route(route, data, *, sizes, epsilon, settings, keys, lrs, chunk,
-              route_settings=ROUTE_SETTINGS):
-  """Test/tuning accuracies of ``route`` for each (key, lr) by ``dpjax.experiments.train_route``;
-  keys are run in chunks of ``chunk`` (padded) so that tuning and evaluation share one
+def run_route(route, data, *, n, model, epsilon, steps, batch, keys, lrs, chunk,
+              route_settings=ROUTE_SETTINGS, public_rows=0):
+  """Test/tuning accuracies of ``route`` for each (key, lr), the run's σ, its private row count
+  and the seconds; keys run in chunks of ``chunk`` (padded) so tuning and evaluation share one
   compilation."""
-  X, y = data["train"]
-  public = None
-  if route in experiments.PUBLIC_ROUTES:
-    n_public = round(PUBLIC_FRACTION * len(y))
-    public, X, y = X[:n_public], X[n_public:], y[n_public:]
+  X, y = data["pool"]
+  kwargs = {}
+  if route == "public_gradient_subspace":
+    kwargs["public_data"] = tuple(a[:public_rows] for a in data["public"])
+  if route == "public_subspace":
+    kwargs["public_inputs"] = data["public"][0]
+  X, y = X[:n], y[:n]
+  classes = int(max(y.max(), *(data[s][1].max() for s in ("test", "tune")))) + 1
+  model_init, loss_fn, logits_fn = model_fns(model, X.shape[1], classes)
+  # Ranks capped at what the public rows and the model allow (a user's small data set).
+  p = sum(x.size for x in jax.tree_util.tree_leaves(jax.eval_shape(model_init, keys[0])))
+  route_settings = dataclasses.replace(
+      route_settings, public_rank=min(route_settings.public_rank, *data["public"][0].shape),
+      public_gradient_rank=min(route_settings.public_gradient_rank, public_rows or p, p))
   total = len(keys)
   pad = (-total) % chunk
   keys = jnp.concatenate([keys, jnp.stack([keys[0]] * pad)]) if pad else keys
@@ -145,14 +219,14 @@ def run_route(route, data, *, sizes, epsilon, settings, keys, lrs, chunk,
   start = time.perf_counter()
   for i in range(0, len(keys), chunk):
     run = experiments.train_route(route, keys[i:i + chunk], lrs[i:i + chunk], (X, y),
-                                  init_fn=init_fn(X.shape[1], tuple(sizes)),
-                                  loss_fn=demo.example_loss, epsilon=epsilon, delta=DELTA,
-                                  steps=settings["steps"],
-                                  expected_batch_size=settings["batch"], public_inputs=public,
-                                  settings=route_settings)
+                                  init_fn=model_init,
+                                  loss_fn=loss_fn, epsilon=epsilon, delta=DELTA,
+                                  steps=steps, expected_batch_size=min(batch, len(y)),
+                                  settings=route_settings, **kwargs)
     for split in ("tune", "test"):
-      out[split].append(np.asarray(_accuracy(run.params, *map(jnp.asarray, data[split]))))
-  return ({s: np.concatenate(v)[:total] for s, v in out.items()}, run.noise_multiplier,
+      out[split].append(np.asarray(_accuracy(logits_fn, run.params,
+                                             *map(jnp.asarray, data[split]))))
+  return ({s: np.concatenate(v)[:total] for s, v in out.items()}, run.noise_multiplier, len(y),
           time.perf_counter() - start)
 
 
@@ -166,161 +240,280 @@ def paired_interval(diffs: np.ndarray) -> tuple[float, list[float]]:
   return mean, [float(lo), float(hi)]
 
 
+def _jobs(routes, args, route_settings):
+  """(row name, route, [(settings, public rows)] candidates tuned over)."""
+  jobs = []
+  for route in routes:
+    if route == "public_gradient_subspace":
+      jobs += [(public_name(m), route, [(route_settings, m)]) for m in args.public_rows]
+    elif route == "private_input_subspace":
+      jobs.append((route, route, [
+          (dataclasses.replace(route_settings, input_rank=k, input_epsilon_fraction=f), 0)
+          for k, f in itertools.product(args.pca_ranks, args.pca_fractions)]))
+    else:
+      jobs.append((route, route, [(route_settings, 0)]))
+  jobs += [(oracle_name(every), "oracle_subspace",
+            [(dataclasses.replace(route_settings, oracle_refresh=every), 0)])
+           for every in args.oracle_refresh]
+  return jobs
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true",
-                      help="5 seeds, 2 tuning seeds, 3 learning rates (the full run: 20, 3, 6)")
-  parser.add_argument("--seeds", type=int, default=None, help="paired evaluation seeds")
-  parser.add_argument("--tuning-seeds", type=int, default=None)
+                      help="one cell per axis: the first data set's smallest default n, ε = 2, "
+                           "softmax, 3 seeds, 1 tuning seed, 3 learning rates, k = 60, f = 0.2")
+  parser.add_argument("--data", nargs="+", default=["mnist", "generated"],
+                      help=f"data sets: {', '.join(DATASETS)} or a PATH.npz (X (n, d), integer y)")
+  parser.add_argument("--n", type=int, nargs="+", default=None,
+                      help="private training-row counts (nested subsets of the pool); default "
+                           "per data set: " + "; ".join(f"{k} {v}" for k, v in DEFAULT_N.items()))
+  parser.add_argument("--seeds", type=int, default=None, help="paired evaluation seeds (4)")
+  parser.add_argument("--tuning-seeds", type=int, default=None, help="(1)")
   parser.add_argument("--learning-rates", type=float, nargs="+", default=None,
-                      help="the Adam learning-rate grid, the same for every route")
-  parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0])
-  parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
-  parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-  parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
-  parser.add_argument("--steps", type=int, default=None, help="override T (both data sets)")
-  parser.add_argument("--rows", type=int, default=None,
-                      help="rows of the generated data set (default 20,000)")
-  parser.add_argument("--gep-edge-scale", type=float, default=None,
-                      help="turn on gep_trajectory's noise-edge rank rule at this scale "
-                           "(RouteSettings.gep_edge_scale; default off: rank 8)")
-  parser.add_argument("--gep-two-sided", action="store_true",
-                      help="gep_trajectory's bases get an output-side factor too "
-                           "(RouteSettings.gep_two_sided: embedding UᵀGV)")
-  parser.add_argument("--oracle-refresh", type=int, nargs="*", default=[],
-                      help="add the NOT private oracle_subspace ablation, one row "
-                           "oracle_every<R> per refresh period R (steps)")
-  parser.add_argument("--oracle-rank", type=int, default=ROUTE_SETTINGS.oracle_rank,
-                      help="the oracle's rank r per weight matrix (left and right)")
+                      help="the Adam grid, the same for every route (0.01 0.03 0.1 0.3)")
+  parser.add_argument("--epsilons", type=float, nargs="+", default=None, help="(1 2 4 8)")
+  parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
+                      help="(softmax mlp_small)")
+  parser.add_argument("--routes", nargs="+", default=None, choices=ROUTES,
+                      help=f"default {' '.join(DEFAULT_ROUTES)}; dp_sgd always runs")
+  parser.add_argument("--public-rows", type=int, nargs="+", default=None,
+                      help="public examples of the public gradient route, one row each (100 1000)")
+  parser.add_argument("--pca-ranks", type=int, nargs="+", default=None,
+                      help="the DP-PCA route's ranks k, tuned (16 32 60)")
+  parser.add_argument("--pca-fractions", type=float, nargs="+", default=None,
+                      help="the DP-PCA route's shares f of ε (stand-alone ε_s = f·ε), tuned "
+                           "(0.1 0.3)")
+  parser.add_argument("--steps", type=int, default=None, help="override T")
+  parser.add_argument("--batch", type=int, default=None, help="override the expected batch L")
+  parser.add_argument("--oracle-refresh", type=int, nargs="*", default=None,
+                      help="the NOT private oracle ablation, one row per refresh period (10)")
   parser.add_argument("--json", type=str, default=None)
-  parser.add_argument("--plot", type=str, default=None, help="PNG of accuracy against ε")
+  parser.add_argument("--plot", type=str, default=None, help="PNG prefix: PREFIX_<data>.png")
+  parser.add_argument("--write-crossover", type=str, default=None,
+                      help="merge the crossover summary (n* per data set, model, ε, route) into "
+                           "this JSON file (dpjax/_data/crossover.json for the main job)")
   args = parser.parse_args(argv)
-  route_settings = dataclasses.replace(ROUTE_SETTINGS, gep_edge_scale=args.gep_edge_scale,
-                                       gep_two_sided=args.gep_two_sided)
-  seeds = args.seeds or (5 if args.quick else 20)
-  tuning_seeds = args.tuning_seeds or (2 if args.quick else 3)
-  lrs_grid = np.asarray(args.learning_rates or ([0.01, 0.03, 0.1] if args.quick
-                                                else [0.005, 0.01, 0.02, 0.05, 0.1, 0.2]))
-  routes = [r for r in ROUTES if r in args.routes]
+  quick = args.quick
+  args.seeds = args.seeds or (3 if quick else 4)
+  args.tuning_seeds = args.tuning_seeds or 1
+  args.learning_rates = args.learning_rates or ([0.03, 0.1, 0.3] if quick
+                                                else [0.01, 0.03, 0.1, 0.3])
+  args.epsilons = args.epsilons or ([2.0] if quick else [1.0, 2.0, 4.0, 8.0])
+  args.models = args.models or (["softmax"] if quick else ["softmax", "mlp_small"])
+  args.public_rows = args.public_rows or ([1000] if quick else [100, 1000])
+  args.pca_ranks = args.pca_ranks or ([60] if quick else [16, 32, 60])
+  args.pca_fractions = args.pca_fractions or ([0.2] if quick else [0.1, 0.3])
+  args.oracle_refresh = [10] if args.oracle_refresh is None else args.oracle_refresh
+  if quick and len(args.data) > 1:
+    args.data = args.data[:1]
+  routes = [r for r in ROUTES if r in (args.routes or DEFAULT_ROUTES)]
   if "dp_sgd" not in routes:
     routes.insert(1 if "non_private" in routes else 0, "dp_sgd")
-  # (row name, route, settings): the routes, then the oracle ablation (not private).
-  jobs = [(r, r, route_settings) for r in routes] + [
-      (oracle_name(every), "oracle_subspace",
-       dataclasses.replace(route_settings, oracle_rank=args.oracle_rank, oracle_refresh=every))
-      for every in args.oracle_refresh]
-  chunk = len(lrs_grid) * tuning_seeds
-  print(f"seeds={seeds} tuning seeds={tuning_seeds} learning rates={lrs_grid.tolist()} "
+  jobs = _jobs(routes, args, ROUTE_SETTINGS)
+  lrs_grid = np.asarray(args.learning_rates)
+  print(f"seeds={args.seeds} tuning seeds={args.tuning_seeds} learning rates={lrs_grid.tolist()} "
         f"δ={DELTA} accountant=PLD neighboring=add/remove-one", flush=True)
-
+  wall = time.perf_counter()
   summary, details = {}, {}
-  for dataset in args.datasets:
-    data = load(dataset, args.rows)
-    settings = dict(SETTINGS[dataset])
-    if args.steps:
-      settings["steps"] = args.steps
-    for model in args.models:
-      sizes = MODELS[model]
-      for eps in args.epsilons:
-        name = f"{dataset}/{model}/eps={eps:g}"
-        tune_keys = jnp.stack([jax.random.key(10_000 + s) for s in range(tuning_seeds)
-                               for _ in lrs_grid])
-        tune_lrs = np.tile(lrs_grid, tuning_seeds)
-        eval_keys = jnp.stack([jax.random.key(s) for s in range(seeds)])
-        rows = {}
-        for row, route, row_settings in jobs:
-          if route == "non_private" and eps != args.epsilons[0]:
-            rows[row] = details[f"{dataset}/{model}/eps={args.epsilons[0]:g}"][row]
-            continue
-          tuned, _, t_tune = run_route(route, data, sizes=sizes, epsilon=eps, settings=settings,
-                                       keys=tune_keys, lrs=tune_lrs, chunk=chunk,
-                                       route_settings=row_settings)
-          by_lr = tuned["tune"].reshape(tuning_seeds, len(lrs_grid)).mean(axis=0)
-          best = float(lrs_grid[int(np.argmax(by_lr))])
-          acc, sigma, t_eval = run_route(route, data, sizes=sizes, epsilon=eps,
-                                         settings=settings, keys=eval_keys,
-                                         lrs=np.full(seeds, best), chunk=chunk,
-                                         route_settings=row_settings)
-          rows[row] = {"test": acc["test"].tolist(), "learning_rate": best,
-                       "tuning_accuracy": float(by_lr.max()),
-                       "tuning_grid": dict(zip(map(float, lrs_grid), map(float, by_lr))),
-                       "noise_multiplier": sigma, "seconds": t_tune + t_eval}
-          print(f"  {name:28s} {row:22s} lr={best:<6g} σ={sigma:.3f} "
-                f"median acc={np.median(acc['test']):.3f} ({t_tune + t_eval:.0f} s)", flush=True)
-        details[name] = rows
-        base = np.asarray(rows["dp_sgd"]["test"])
-        summary[name] = {}
-        for route, r in rows.items():
-          acc = np.asarray(r["test"])
-          diff, ci = paired_interval(acc - base)
-          summary[name][route] = {"acc": float(np.median(acc)), "mean": float(np.mean(acc)),
-                                  "diff": diff, "ci": ci, "learning_rate": r["learning_rate"],
-                                  "tuning_accuracy": r["tuning_accuracy"],
-                                  "private": route not in NOT_PRIVATE and not is_oracle(route)}
+  for dataset in args.data:
+    key_name = os.path.basename(dataset) if dataset.endswith(".npz") else dataset
+    grid = args.n or (QUICK_N if quick else DEFAULT_N).get(dataset)
+    data = load(dataset, max(grid) if grid else 0, public_rows=max(args.public_rows))
+    pool = len(data["pool"][1])
+    grid = sorted({min(n, pool) for n in (grid or [pool])})
+    steps, batch = STEPS.get(dataset, (400, 256))
+    steps, batch = args.steps or steps, args.batch or batch
+    for n, model, eps in itertools.product(grid, args.models, args.epsilons):
+      name = f"{key_name}/n={n}/{model}/eps={eps:g}"
+      eval_keys = jnp.stack([jax.random.key(s) for s in range(args.seeds)])
+      tune_keys = jnp.stack([jax.random.key(10_000 + s) for s in range(args.tuning_seeds)
+                             for _ in lrs_grid])
+      tune_lrs = np.tile(lrs_grid, args.tuning_seeds)
+      chunk = max(len(tune_lrs), args.seeds)
+      rows = {}
+      for row, route, candidates in jobs:
+        if route == "public_gradient_subspace" and candidates[0][1] > len(data["public"][1]):
+          continue                         # fewer public rows than asked for (digits)
+        if model == "cnn" and route in experiments.DENSE_ROUTES:
+          continue                         # acts on a first dense layer: not the CNN's
+        if route == "non_private" and eps != args.epsilons[0]:
+          rows[row] = details[f"{key_name}/n={n}/{model}/eps={args.epsilons[0]:g}"][row]
+          continue
+        common = dict(n=n, model=model, epsilon=eps, steps=steps, batch=batch, chunk=chunk)
+        best, seconds = None, 0.0
+        for settings, m in candidates:     # the tuning: every candidate × the lr grid
+          tuned, _, _, t = run_route(route, data, keys=tune_keys, lrs=tune_lrs,
+                                     route_settings=settings, public_rows=m, **common)
+          seconds += t
+          by_lr = tuned["tune"].reshape(args.tuning_seeds, len(lrs_grid)).mean(axis=0)
+          i = int(np.argmax(by_lr))
+          if best is None or by_lr[i] > best[0]:
+            best = (float(by_lr[i]), float(lrs_grid[i]), settings, m)
+        tuning_acc, lr, settings, m = best
+        acc, sigma, n_private, t = run_route(route, data, keys=eval_keys,
+                                             lrs=np.full(args.seeds, lr),
+                                             route_settings=settings, public_rows=m, **common)
+        seconds += t
+        rows[row] = {"test": acc["test"].tolist(), "learning_rate": lr,
+                     "tuning_accuracy": tuning_acc, "noise_multiplier": sigma,
+                     "n_private": n_private, "seconds": seconds}
+        if route == "private_input_subspace":
+          rows[row].update(rank=settings.input_rank,
+                           pca_fraction=settings.input_epsilon_fraction,
+                           pca_noise_multiplier=experiments.input_basis_event(
+                               settings.input_epsilon_fraction * eps,
+                               settings.input_delta_fraction * DELTA).noise_multiplier)
+        if route == "public_gradient_subspace":
+          rows[row]["public_rows"] = m
+        print(f"  {name:36s} {row:30s} lr={lr:<5g} σ={sigma:.3f} "
+              f"median acc={np.median(acc['test']):.3f} ({seconds:.0f} s)", flush=True)
+      details[name] = rows
+      base = np.asarray(rows["dp_sgd"]["test"])
+      summary[name] = {}
+      for row, r in rows.items():
+        acc = np.asarray(r["test"])
+        diff, ci = paired_interval(acc - base)
+        summary[name][row] = {"acc": float(np.median(acc)), "mean": float(np.mean(acc)),
+                              "diff": diff, "ci": ci, "learning_rate": r["learning_rate"],
+                              "tuning_accuracy": r["tuning_accuracy"],
+                              "private": row not in NOT_PRIVATE and not is_oracle(row)}
   _mark_wins(summary)
-  report = {"config": {"seeds": seeds, "tuning_seeds": tuning_seeds,
+  crossover = crossovers(summary)
+  report = {"config": {"seeds": args.seeds, "tuning_seeds": args.tuning_seeds,
                        "learning_rates": lrs_grid.tolist(), "delta": DELTA,
                        "accountant": "pld", "neighboring": "add_or_remove_one",
-                       "settings": SETTINGS if not args.steps else
-                       {k: {**s, "steps": args.steps} for k, s in SETTINGS.items()},
-                       "route_settings": dataclasses.asdict(route_settings),
-                       "public_fraction": PUBLIC_FRACTION},
-            "summary": summary, "details": details}
+                       "data": args.data, "epsilons": args.epsilons, "models": args.models,
+                       "public_rows": args.public_rows, "pca_ranks": args.pca_ranks,
+                       "pca_fractions": args.pca_fractions, "steps": args.steps,
+                       "batch": args.batch, "route_settings": dataclasses.asdict(ROUTE_SETTINGS),
+                       "wall_seconds": time.perf_counter() - wall},
+            "summary": summary, "crossover": crossover, "details": details}
   _print_table(summary)
+  _print_crossover(crossover)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=1)
   if args.plot:
     _plot(summary, args.plot)
+  if args.write_crossover:
+    write_crossover(crossover, args.write_crossover)
   return report
+
+
+def write_crossover(crossover: dict, path: str) -> None:
+  """Merges ``crossover`` into the JSON file at ``path`` (cells of this run replace the same
+  (data set, model, ε) cells there), without the per-n detail."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      merged = json.load(f)
+  except FileNotFoundError:
+    merged = {}
+  for dataset, models in crossover.items():
+    for model, epss in models.items():
+      for eps, routes in epss.items():
+        merged.setdefault(dataset, {}).setdefault(model, {})[eps] = {
+            route: {k: v for k, v in c.items() if k != "by_n"} for route, c in routes.items()}
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(merged, f, indent=1, sort_keys=True)
+
+
+def _cell(name: str) -> tuple[str, int, str, str]:
+  dataset, n, model, eps = name.rsplit("/", 3)
+  return dataset, int(n.split("=")[1]), model, eps.split("=")[1]
 
 
 def _mark_wins(summary: dict) -> None:
   """``wins``: a private route other than dp_sgd, interval above zero and mean accuracy above the
-  best dp_sgd over all models."""
+  best dp_sgd over all models at that (data set, n, ε)."""
   best = {}
   for name, rows in summary.items():
-    dataset, _, eps = name.split("/")
-    best[(dataset, eps)] = max(best.get((dataset, eps), 0.0), rows["dp_sgd"]["mean"])
+    dataset, n, _, eps = _cell(name)
+    best[(dataset, n, eps)] = max(best.get((dataset, n, eps), 0.0), rows["dp_sgd"]["mean"])
   for name, rows in summary.items():
-    dataset, _, eps = name.split("/")
+    dataset, n, _, eps = _cell(name)
     for route, r in rows.items():
       r["wins"] = bool(r["private"] and route != "dp_sgd" and r["ci"][0] > 0
-                       and r["mean"] > best[(dataset, eps)])
-      r["vs_best_dp_sgd"] = r["mean"] - best[(dataset, eps)]
+                       and r["mean"] > best[(dataset, n, eps)])
+      r["vs_best_dp_sgd"] = r["mean"] - best[(dataset, n, eps)]
+
+
+def crossovers(summary: dict) -> dict:
+  """``{data: {model: {ε: {route: {"n_star", "n_wins", "n_max", "diff_at_n_max", "ci_at_n_max",
+  "vs_best_dp_sgd_at_n_max", "by_n"}}}}}``: n* the smallest n where the route wins (None: none up
+  to n_max), ``n_wins`` every n where it wins (a public subspace can win at small n only: DP-SGD's
+  noise shrinks with n, the public basis's error does not)."""
+  out: dict = {}
+  for name in sorted(summary, key=lambda s: _cell(s)[1]):
+    dataset, n, model, eps = _cell(name)
+    for route, r in summary[name].items():
+      if route == "dp_sgd":
+        continue
+      c = out.setdefault(dataset, {}).setdefault(model, {}).setdefault(eps, {}).setdefault(
+          route, {"n_star": None, "n_wins": [], "by_n": {}})
+      c["by_n"][str(n)] = {"diff": r["diff"], "ci": r["ci"], "wins": r["wins"],
+                           "vs_best_dp_sgd": r["vs_best_dp_sgd"]}
+      if r["wins"]:
+        c["n_wins"].append(n)
+        c["n_star"] = c["n_wins"][0]
+      c.update(n_max=n, diff_at_n_max=r["diff"], ci_at_n_max=r["ci"],
+               vs_best_dp_sgd_at_n_max=r["vs_best_dp_sgd"])
+  return out
 
 
 def _print_table(summary: dict) -> None:
-  print(f"\n{'setting':28s} {'route':22s} {'median':>7s} {'diff':>7s} {'95% CI':>17s} "
+  print(f"\n{'setting':36s} {'route':30s} {'median':>7s} {'diff':>7s} {'95% CI':>17s} "
         f"{'vs best':>8s} {'lr':>6s}  wins")
   for name, rows in summary.items():
     for route, r in rows.items():
-      print(f"{name:28s} {route:22s} {r['acc']:7.3f} {r['diff']:+7.3f} "
+      print(f"{name:36s} {route:30s} {r['acc']:7.3f} {r['diff']:+7.3f} "
             f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] {r['vs_best_dp_sgd']:+8.3f} "
             f"{r['learning_rate']:6g}  {'yes' if r['wins'] else ''}")
 
 
-def _plot(summary: dict, path: str) -> None:
+def _print_crossover(crossover: dict) -> None:
+  print(f"\n{'data':12s} {'model':10s} {'ε':>3s} {'route':30s} n*")
+  for dataset, models in crossover.items():
+    for model, epss in models.items():
+      for eps, routes in epss.items():
+        for route, c in routes.items():
+          if route in NOT_PRIVATE or is_oracle(route):
+            continue
+          verdict = (f"wins at n = {c['n_wins']} of {sorted(map(int, c['by_n']))}"
+                     if c["n_star"] is not None else
+                     f"none up to n = {c['n_max']} (diff {c['diff_at_n_max']:+.3f}, "
+                     f"vs best dp_sgd {c['vs_best_dp_sgd_at_n_max']:+.3f})")
+          print(f"{dataset:12s} {model:10s} {eps:>3s} {route:30s} {verdict}")
+
+
+def _plot(summary: dict, prefix: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  groups = sorted({name.rsplit("/", 1)[0] for name in summary})
-  fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
-  for ax, group in zip(axes[0], groups):
-    names = sorted((n for n in summary if n.startswith(group + "/")),
-                   key=lambda n: float(n.rsplit("=", 1)[1]))
-    eps = [float(n.rsplit("=", 1)[1]) for n in names]
-    for route in summary[names[0]]:
-      acc = [summary[n][route]["acc"] for n in names]
-      ax.plot(eps, acc, marker="o", label=route)
-    ax.set_title(group)
-    ax.set_xlabel("ε (δ = 1e-5)")
-    ax.set_ylabel("median test accuracy")
-  axes[0][0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  crossover = crossovers(summary)
+  for dataset, models in crossover.items():
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), squeeze=False)
+    for ax, (model, epss) in zip(axes[0], models.items()):
+      colours = {}
+      for i, (eps, routes) in enumerate(sorted(epss.items(), key=lambda e: float(e[0]))):
+        style = ("-", "--", ":", "-.")[i % 4]
+        for route, c in routes.items():
+          if route in NOT_PRIVATE:
+            continue
+          ns = sorted(map(int, c["by_n"]))
+          diffs = [c["by_n"][str(n)]["diff"] for n in ns]
+          colour = "0.6" if is_oracle(route) else colours.setdefault(route, f"C{len(colours)}")
+          ax.plot(ns, diffs, style, marker="o", color=colour, label=f"{route} ε={eps}")
+      ax.axhline(0.0, color="k", lw=0.8)
+      ax.set_xscale("log")
+      ax.set_title(f"{dataset} / {model}")
+      ax.set_xlabel("private training rows n")
+      ax.set_ylabel("accuracy − dp_sgd (paired mean)")
+    axes[0][0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}_{dataset.replace('/', '_')}.png", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The main job: private training on real data, every gradient-subspace route, one total (ε, δ).
 
-    python -m dpjax.demo                       # digits, ε = 2, δ = 1e-5
+    python -m dpjax.demo                       # MNIST-10k (bundled), ε = 2, δ = 1e-5
     python -m dpjax.demo --json results.json --plot accuracy.png
+    python -m dpjax.demo --data digits         # scikit-learn's 8×8 digits
     python -m dpjax.demo --data my.npz         # arrays X (n, d) and integer y (n,)
 
 Methods (every DP one at the same total (ε, δ) under add/remove-one, every release accounted:
@@ -12,13 +13,16 @@ the private subspace's cost and the learning-rate tuning included). Routes that 
 * ``dp_sgd``: privately tuned DP-SGD — Poisson sampling, normalised per-example clipping, Gaussian noise
   in all p parameters, Adam, an EMA of the iterates (``dpjax.experiments.train_route``, a research
   harness on ``dpjax.sgd``'s public API: ``dp_noise`` built from the clipped-gradient sum).
-* ``dp_sgd_denoise``: ``dp_sgd`` then low-rank denoising of each layer's noisy update
-  (post-processing; docs/algorithms.md §6.3).
+* ``dp_sgd_denoise`` (not in the default set, ``--methods`` runs it): ``dp_sgd`` then low-rank
+  denoising of each layer's noisy update (post-processing; docs/algorithms.md §6.3). At the
+  defaults its shrinkage threshold removes the signal with the noise (0.585 against dp_sgd's
+  0.933 on digits), so it is left out of the default set rather than shown as a route.
 * ``gep_trajectory``: no public data; the first layer's gradients split before clipping into a
   rank-8 embedding and a residual (GEP), the basis taken from the released updates (free; §6.4).
-* ``private_input_subspace``: no public data; the first layer's noise in the top-k eigenvectors
-  of Analyze Gauss's noisy second moment of the training rows' inputs, paying
-  ``(--subspace-epsilon-fraction·ε, 0.1·δ)`` out of the total (docs/algorithms.md §6.5).
+* ``private_input_subspace``: no public data; Abadi et al.'s DP-PCA: the first layer trained in
+  the top-k eigenvectors of Analyze Gauss's noisy second moment of the training rows scaled to
+  unit norm, the release at a stand-alone ``(--subspace-epsilon-fraction·ε, 0.1·δ)`` composed
+  with the steps by the accountant (docs/algorithms.md §6.5).
 * ``subspace_dp_sgd_private``: a rank-k subspace of the flattened per-example gradients learned
   with DPASE, paying (ε_s, δ_s) out of the total (``dpjax.sgd.train_dp_sgd``); if DPASE returns
   ⊥, the run continues as plain DP-SGD with the remaining budget, and the table says ⊥.
@@ -54,13 +58,17 @@ failed with its error, and the table, the JSON and the plot are still written. E
 has a ``status`` ("ok", "not_runnable" or "failed") and a ``note``.
 
 The table states the neighboring relation, each method's subspace rank, σ, released learning
-rate and number of tuning runs, and which method won (the highest mean test accuracy over the seeds; one or a few
-seeds are an illustration — ``benchmarks/gradient_subspace.py`` gives paired intervals).
+rate and number of tuning runs, and which method won (the highest mean test accuracy over the
+seeds; one or a few seeds are an illustration — ``benchmarks/gradient_subspace.py`` gives paired
+intervals). After it, one line per route from the crossover study
+(``benchmarks/gradient_subspace.py``, its summary shipped as ``dpjax/_data/crossover.json``):
+"wins from n ≈ … at this ε" or "does not win up to n = …", for the study's cell nearest to this
+run (data set, model, ε), or that the study has no such cell.
 
 Exit status: 0 when every run finished or was reported not runnable; 1 when a run failed.
 
-Features are scaled by a public constant (1/16 for digits' pixels); no statistic of the private
-data is used unprivately.
+Features are scaled by a public constant (1/255 for MNIST's pixels, 1/16 for digits'); no
+statistic of the private data is used unprivately.
 """
 
 from __future__ import annotations
@@ -97,6 +105,12 @@ METHODS = (("non_private", "route"), ("dp_sgd", "route"), ("dp_sgd_denoise", "ro
            ("subspace_dp_sgd_private", "private"),
            ("public_subspace", "route"), ("subspace_dp_sgd_public", "public"))
 PUBLIC_METHODS = ("public_subspace", "subspace_dp_sgd_public")
+# The default set: dp_sgd_denoise is left out (broken at the defaults; see the module docstring).
+DEFAULT_METHODS = tuple(m for m, _ in METHODS if m != "dp_sgd_denoise")
+DATASETS = ("mnist", "digits")   # --data: one of these, or a path to an .npz
+# The crossover study's names of the demo's data sets and models (--hidden 32 is its mlp_small).
+_STUDY_DATA = {"mnist10k": "mnist", "digits": "digits"}
+_STUDY_MODELS = {32: "mlp_small", 128: "mlp_large"}
 # The share of δ spent on the private subspace (train_dp_sgd's subspace_delta_fraction).
 SUBSPACE_DELTA_FRACTION = 0.1
 TUNING_FRACTION = 0.1      # share of the training rows held back to score the tuning's runs
@@ -259,10 +273,12 @@ def _init_fn(sizes: tuple[int, ...]):
 def run(args) -> dict:
   """Plans, tunes, trains and reports the methods (see the module docstring); ``args`` as
   parsed by :func:`main`. Returns the report that ``--json`` writes."""
-  if args.data:
-    ds = data_lib.load_npz(args.data, seed=0)
-  else:
+  if args.data == "mnist":
+    ds = data_lib.load_mnist(seed=0)
+  elif args.data == "digits":
     ds = data_lib.load_digits(seed=0)
+  else:
+    ds = data_lib.load_npz(args.data, seed=0)
   n_all, d = ds.X_train.shape
   # Fixed, seeded splits of the training rows: a tuning split (learning rates only), then a
   # public split out of the rest (public only because this experiment says so).
@@ -352,6 +368,10 @@ def run(args) -> dict:
     return "private", released
 
   results, summary = [], {}
+  routes = [r for r in routes if r.method in args.methods]
+  if "dp_sgd_denoise" not in args.methods and progress:
+    print("dp_sgd_denoise is not in the default set (its shrinkage removes the signal at the "
+          "defaults); --methods dp_sgd_denoise ... runs it", file=sys.stderr)
   for route in routes:
     base = {"method": route.method, "epsilon": None, "delta": None, "test_accuracy": None,
             "subspace_ok": None, "status": "ok", "note": None, "n_private": route.n_private,
@@ -392,7 +412,10 @@ def run(args) -> dict:
             "epsilon": args.epsilon, "delta": args.delta,
             "subspace_epsilon_fraction": args.subspace_epsilon_fraction,
             "learning_rates": grid, "tuning": _tuning_report(tuning, fixed_lr),
+            "methods": [m for m, _ in METHODS if m in args.methods],
             "winner": _winner(summary),
+            "crossover": crossover_lines(ds.name, args.hidden, args.epsilon,
+                                         [r.method for r in routes]),
             "privacy_note": _privacy_note(int(n_train), int(n_public), int(n_tune),
                                           args.epsilon, args.delta),
             "summary": summary, "results": results}
@@ -409,6 +432,65 @@ def run(args) -> dict:
     print(f"{len(failed)} run(s) failed (status 'failed' above); the other runs are reported "
           "as usual.", file=sys.stderr)
   return report
+
+
+def _study() -> dict:
+  """The crossover study's summary (``dpjax/_data/crossover.json``; {} if absent)."""
+  from importlib import resources   # pylint: disable=import-outside-toplevel
+  try:
+    with (resources.files("dpjax") / "_data" / "crossover.json").open("r",
+                                                                      encoding="utf-8") as f:
+      return json.load(f)
+  except FileNotFoundError:          # pragma: no cover - an installation without package data
+    return {}
+
+
+def crossover_lines(dataset: str, hidden: int, epsilon: float, methods) -> dict:
+  """``{method: line}`` from the crossover study for the cell nearest this run: the study's
+  data set (MNIST-10k or digits; none for a user's data), its MLP of this width (else its
+  softmax) and the largest ε it measured at or below this one (else the smallest above).
+  A route the study measured says "wins from n ≈ N at ε = E (model M)" (it wins at every
+  measured n from N on), "wins at n ≈ N1, N2 (not at n = N) …" (a public subspace can win at
+  small n only) or "does not win up to n = N at ε = E (model M): X points vs the best dp_sgd";
+  others say why there is no line."""
+  study = _study().get(_STUDY_DATA.get(dataset, ""), {})
+  if not study:
+    return {m: f"the crossover study has no measurements on {dataset}" for m in methods
+            if m not in ("non_private", "dp_sgd")}
+  model = _STUDY_MODELS.get(hidden)
+  model = model if model in study else "softmax" if "softmax" in study else sorted(study)[0]
+  eps_all = sorted(study[model], key=float)
+  below = [e for e in eps_all if float(e) <= epsilon * (1 + 1e-9)]
+  eps = below[-1] if below else eps_all[0]
+  rows = study[model][eps]
+  lines = {}
+  for m in methods:
+    if m in ("non_private", "dp_sgd"):
+      continue
+    names = [r for r in rows if r == m or r.startswith(m + "_m")]
+    if m == "subspace_dp_sgd_public":   # PDP-SGD: the study's public gradient route
+      names = [r for r in rows if r.startswith("public_gradient_subspace_m")]
+    if not names:
+      lines[m] = f"not measured by the crossover study (ε = {eps}, {model})"
+      continue
+    parts = []
+    for name in names:
+      c = rows[name]
+      label = name if name != m else ""
+      wins = c.get("n_wins") or ([] if c["n_star"] is None else [c["n_star"]])
+      if wins and wins[-1] == c["n_max"] and c["n_star"] is not None:
+        parts.append(f"{label} wins from n ≈ {c['n_star']:,} at ε = {eps} ({model})".strip())
+      elif wins:
+        at = ", ".join(f"{n:,}" for n in wins)
+        parts.append(f"{label} wins at n ≈ {at} (not at n = {c['n_max']:,}: "
+                     f"{100 * c['vs_best_dp_sgd_at_n_max']:+.1f} points vs the best dp_sgd) at "
+                     f"ε = {eps} ({model})".strip())
+      else:
+        parts.append(f"{label} does not win up to n = {c['n_max']:,} at ε = {eps} ({model}): "
+                     f"{100 * c['vs_best_dp_sgd_at_n_max']:+.1f} points vs the best dp_sgd"
+                     .strip())
+    lines[m] = "; ".join(parts)
+  return lines
 
 
 def tuning_plan(grid) -> accounting.HyperparameterTuning | None:
@@ -502,6 +584,11 @@ def _print_table(report: dict) -> None:
     label = "seed" if len(seeds) == 1 else "seeds"
     print(textwrap.fill(f"{method} ({label} {', '.join(seeds)}, {status}): {note}", width=100,
                         subsequent_indent="    ", break_on_hyphens=False))
+  if report.get("crossover"):
+    print("crossover study (benchmarks/gradient_subspace.py; docs/algorithms.md §6.5.1):")
+    for method, line in report["crossover"].items():
+      print(textwrap.fill(f"  {method}: {line}", width=100, subsequent_indent="    ",
+                          break_on_hyphens=False))
   won = report["winner"]
   if won is None:
     print("won: no DP method finished")
@@ -526,6 +613,8 @@ def _plot(report: dict, path: str) -> None:
   methods = [m for m, _ in METHODS]
   accs = {m: [r["test_accuracy"] for r in report["results"]
               if r["method"] == m and r["status"] == "ok"] for m in methods}
+  bottom = {m: sum(r["subspace_ok"] is False for r in report["results"] if r["method"] == m)
+            for m in methods}
   done = [m for m in methods if accs[m]]
   fig, ax = plt.subplots(figsize=(7.5, 4.2))
   means = [float(np.mean(accs[m])) for m in done]
@@ -534,8 +623,13 @@ def _plot(report: dict, path: str) -> None:
   ax.bar(range(len(done)), means, yerr=err, capsize=3,
          color=["tab:gray" if m == "non_private" else "tab:orange" if m in PUBLIC_METHODS
                 else "tab:blue" for m in done])
+  for i, m in enumerate(done):     # the seeds themselves, and ⊥ where a subspace was ⊥
+    ax.plot([i] * len(accs[m]), accs[m], "k.", ms=4)
+    if bottom[m]:
+      ax.annotate(f"⊥ ×{bottom[m]}", (i, means[i]), ha="center", va="bottom", fontsize=8,
+                  color="tab:red")
   ax.set_xticks(range(len(done)), done, rotation=30, ha="right")
-  ax.set_ylabel("test accuracy (mean, range over seeds)")
+  ax.set_ylabel("test accuracy (mean, range and dots: seeds)")
   ax.set_title(f"{report['dataset']}: total ε = {report['epsilon']:g}, "
                f"δ = {report['delta']:.0e}")
   if means:
@@ -560,8 +654,12 @@ def main(argv=None) -> dict:
   parser.add_argument("--k", type=int, default=16, help="subspace dimension (default 16)")
   parser.add_argument("--seeds", type=int, default=1, help="number of seeds (default 1)")
   parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-  parser.add_argument("--data", type=str, default=None,
-                      help="an .npz with arrays X (n, d) and integer y (n,) instead of digits")
+  parser.add_argument("--data", type=str, default="mnist",
+                      help="mnist (default: the bundled MNIST-10k), digits, or an .npz with "
+                           "arrays X (n, d) and integer y (n,)")
+  parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                      choices=[m for m, _ in METHODS],
+                      help="the methods to run (default: all but dp_sgd_denoise)")
   parser.add_argument("--json", type=str, default=None, help="write the results to this path")
   parser.add_argument("--plot", type=str, default=None,
                       help="write a PNG of each method's test accuracy")

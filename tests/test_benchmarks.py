@@ -108,48 +108,68 @@ def test_covariance_accuracy_options(tmp_path):
   assert summary["learn_covariance_required_n"]["5,1"] < 0.6 * 2 * summary["required_n"]["5,1"]
 
 
-@pytest.mark.slow(reason="the gradient-subspace benchmark's options (routes' training programs "
-                         "compile per data set and model)")
+@pytest.mark.slow(reason="the gradient-subspace crossover study's options (routes' training "
+                         "programs compile per data set, n and model)")
 def test_gradient_subspace_options(tmp_path):
-  """Every option at toy sizes (3 steps, 2 seeds, one model per call, as many tuning runs as
-  evaluation runs so each route compiles once); the JSON has the documented summary schema
-  and wins rule. It tests that the options work, not the results."""
+  """Every option at toy sizes (3 steps, 2 seeds, as many tuning runs as evaluation runs so each
+  route compiles once per cell); the JSON has the documented summary and crossover schema and
+  the wins rule. It tests that the options work, not the results."""
   pytest.importorskip("matplotlib")
   pytest.importorskip("sklearn")
-  path, plot = tmp_path / "out.json", tmp_path / "acc.png"
+  rng = np.random.default_rng(0)
+  user = tmp_path / "mine.npz"
+  np.savez(user, X=rng.random((900, 6)).astype(np.float32), y=rng.integers(0, 3, 900))
+  path, plot = tmp_path / "out.json", tmp_path / "fig"
   bench = _load("gradient_subspace")
   out = bench.main(
-      ["--quick", "--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.05", "0.1",
-       "--epsilons", "1", "2", "--datasets", "digits", "generated", "--rows", "600",
-       "--models", "softmax", "--steps", "3", "--json", str(path), "--plot", str(plot)])
+      ["--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.05", "0.1",
+       "--epsilons", "1", "2", "--data", "digits", str(user), "--n", "200", "400",
+       "--models", "softmax", "--steps", "3", "--batch", "64", "--public-rows", "50",
+       "--pca-ranks", "2", "4", "--pca-fractions", "0.2", "--routes", "non_private", "dp_sgd",
+       "private_input_subspace", "public_gradient_subspace", "public_subspace",
+       "--oracle-refresh", "2", "--json", str(path), "--plot", str(plot),
+       "--write-crossover", str(tmp_path / "crossover.json")])
   saved = json.loads(path.read_text())
   assert saved["summary"] == json.loads(json.dumps(out["summary"]))
-  for dataset in ("digits", "generated"):
-    for eps in ("1", "2"):
-      rows = saved["summary"][f"{dataset}/softmax/eps={eps}"]
-      assert set(rows) == set(bench.ROUTES)
-      assert rows["dp_sgd"]["diff"] == 0 and not rows["dp_sgd"]["wins"]
-      for route, r in rows.items():
-        assert 0 <= r["acc"] <= 1 and r["ci"][0] <= r["diff"] <= r["ci"][1]
-        assert r["learning_rate"] in (0.05, 0.1)
-        assert r["private"] == (route != "non_private")
-        assert r["wins"] == (route not in ("dp_sgd", "non_private") and r["ci"][0] > 0
-                             and r["vs_best_dp_sgd"] > 0)
-  assert [r for r in bench.ROUTES if "public" in r] == ["public_subspace"]
+  rows_expected = {"non_private", "dp_sgd", "private_input_subspace",
+                   "public_gradient_subspace_m50", "public_subspace", "oracle_every2"}
+  for dataset in ("digits", "mine.npz"):
+    for n in (200, 400):
+      for eps in ("1", "2"):
+        rows = saved["summary"][f"{dataset}/n={n}/softmax/eps={eps}"]
+        assert set(rows) == rows_expected
+        assert rows["dp_sgd"]["diff"] == 0 and not rows["dp_sgd"]["wins"]
+        for route, r in rows.items():
+          assert 0 <= r["acc"] <= 1 and r["ci"][0] <= r["diff"] <= r["ci"][1]
+          assert r["learning_rate"] in (0.05, 0.1)
+          assert r["private"] == (route != "non_private" and not route.startswith("oracle"))
+          assert r["wins"] == (r["private"] and route != "dp_sgd" and r["ci"][0] > 0
+                               and r["vs_best_dp_sgd"] > 0)
+        detail = saved["details"][f"{dataset}/n={n}/softmax/eps={eps}"]
+        assert all(d["n_private"] == n for d in detail.values())
+        pca = detail["private_input_subspace"]
+        assert pca["rank"] in (2, 4) and pca["pca_fraction"] == 0.2
+        assert pca["pca_noise_multiplier"] > 0
+        assert detail["public_gradient_subspace_m50"]["public_rows"] == 50
+    for route, c in saved["crossover"][dataset]["softmax"]["2"].items():
+      assert c["n_max"] == 400 and set(c["by_n"]) == {"200", "400"}
+      wins = sorted(int(n) for n, b in c["by_n"].items() if b["wins"])
+      assert c["n_star"] == (min(wins) if wins else None) and c["n_wins"] == wins
+    assert (tmp_path / f"fig_{dataset}.png").stat().st_size > 0
+  shipped = json.loads((tmp_path / "crossover.json").read_text())
+  assert set(shipped) == {"digits", "mine.npz"}
+  assert shipped["digits"]["softmax"]["1"]["private_input_subspace"]["n_max"] == 400
+  assert "by_n" not in shipped["digits"]["softmax"]["1"]["private_input_subspace"]
   # Paired seeds: the non-private route's test accuracies are shared across ε.
   d = saved["details"]
-  assert d["digits/softmax/eps=1"]["non_private"] == d["digits/softmax/eps=2"]["non_private"]
-  assert plot.stat().st_size > 0
-  sub = bench.main(["--seeds", "2", "--tuning-seeds", "1", "--learning-rates", "0.05", "0.1",
-                    "--epsilons", "2", "--datasets", "digits", "--models", "mlp_small",
-                    "--routes", "gep_trajectory", "--steps", "3", "--gep-edge-scale", "0.5",
-                    "--gep-two-sided", "--oracle-refresh", "1", "2", "--oracle-rank", "2"])
-  rows = sub["summary"]["digits/mlp_small/eps=2"]
-  assert set(rows) == {"dp_sgd", "gep_trajectory", "oracle_every1", "oracle_every2"}
-  assert sub["config"]["route_settings"]["gep_edge_scale"] == 0.5
-  assert sub["config"]["route_settings"]["gep_two_sided"] is True
-  for name in ("oracle_every1", "oracle_every2"):   # the ablation is not private: never a win
-    assert not rows[name]["private"] and not rows[name]["wins"]
+  assert (d["digits/n=200/softmax/eps=1"]["non_private"]
+          == d["digits/n=200/softmax/eps=2"]["non_private"])
+  quick = bench.main(["--quick", "--data", "digits", "--steps", "3", "--routes", "dp_sgd",
+                      "gep_trajectory", "dp_sgd_denoise", "--oracle-refresh"])
+  assert set(quick["summary"]["digits/n=1157/softmax/eps=2"]) == {
+      "dp_sgd", "gep_trajectory", "dp_sgd_denoise"}
+  assert "public_subspace" not in bench.DEFAULT_ROUTES
+  assert "dp_sgd_denoise" not in bench.DEFAULT_ROUTES
 
 
 @pytest.mark.slow(reason="the synthetic-data benchmark's options and its NumPy PMM baseline")

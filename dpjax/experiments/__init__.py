@@ -9,11 +9,11 @@ run, under add/remove-one, for the routes of :data:`ROUTES`; the diagnostic rout
 For your own training loop use :func:`dpjax.sgd.dp_sgd_plan`.
 """
 
-from dpjax.experiments.routes import (DIAGNOSTIC_ROUTES, PUBLIC_ROUTES, ROUTES, RouteRun,
-                                      RouteSettings, RunKeys, first_layer_bases,
-                                      gep_edge_noise_std, noise_multiplier, route_rank, run_keys,
-                                      train_route)
+from dpjax.experiments.routes import (DENSE_ROUTES, DIAGNOSTIC_ROUTES, INPUT_SCALINGS,
+                                      PUBLIC_ROUTES, ROUTES, RouteRun, RouteSettings, RunKeys,
+                                      first_layer_bases, gep_edge_noise_std, input_basis_event,
+                                      noise_multiplier, route_rank, run_keys, train_route)
 
-__all__ = ["DIAGNOSTIC_ROUTES", "PUBLIC_ROUTES", "ROUTES", "RouteRun", "RouteSettings", "RunKeys",
-           "first_layer_bases", "gep_edge_noise_std", "noise_multiplier", "route_rank",
-           "run_keys", "train_route"]
+__all__ = ["DENSE_ROUTES", "DIAGNOSTIC_ROUTES", "INPUT_SCALINGS", "PUBLIC_ROUTES", "ROUTES",
+           "RouteRun", "RouteSettings", "RunKeys", "first_layer_bases", "gep_edge_noise_std",
+           "input_basis_event", "noise_multiplier", "route_rank", "run_keys", "train_route"]

@@ -27,20 +27,30 @@ multiplier σ and are accounted as DP-SGD (:func:`dpjax.accounting.plan_dpsgd_bu
   the same σ. The basis is :func:`dpjax.sgd.trajectory_bases` of an EMA of the RELEASED updates,
   refreshed periodically inside the program (:func:`dpjax.sgd.update_bases` with
   ``check=False``): a function of releases already paid for (post-processing, free). §6.4.
-* ``private_input_subspace`` (no public data): the first layer's noise lives in the top
-  ``input_rank`` eigenvectors of Analyze Gauss's noisy second moment of the private rows' inputs
-  (:func:`dpjax.sgd.private_input_basis` with continuous noise, add/remove-one, rows clipped to
-  the public ``input_clip_norm``, at a stand-alone ``(ε_s, δ_s) = (input_epsilon_fraction·ε,
-  input_delta_fraction·δ)``; one release per run, from its own stream of the run's key,
-  :func:`run_keys`), used after clipping as ``public_subspace`` uses its basis (the noise scaled
-  by the released basis's norm bound ν, computed on the host by :func:`dpjax.sgd.update_bases`).
-  The release's event, ``GaussianDpEvent(z_s)``, is composed with the T steps by the accountant
-  (:func:`dpjax.accounting.plan_dpsgd_budget`), so the total is (ε, δ) and DP-SGD's σ is barely
-  above plain DP-SGD's (Abadi et al. 2016 composed their DP-PCA the same way). §6.5.
+* ``private_input_subspace`` (no public data): DP-PCA of the inputs as Abadi et al. (2016, §5)
+  do it. The private rows' inputs are scaled to unit norm (``input_scaling="unit"``, a public
+  per-row map; ``"clip"`` clips them to ``input_clip_norm`` instead) and their second moment is
+  released by Analyze Gauss with continuous noise under add/remove-one
+  (:func:`dpjax.sgd.private_input_basis`, one release per run from its own stream of the run's
+  key, :func:`run_keys`); its top-``input_rank`` eigenvectors B ``(d, k)`` are a release. The
+  first layer is then TRAINED IN THAT BASIS: the model sees ``Bᵀx`` (k features), its first
+  kernel is ``(k, h)`` (initialised as ``√(d/k)·Bᵀ W₀`` from ``init_fn``'s ``W₀``, which keeps
+  He scaling), so per-example gradients are clipped and noised in the k·h coordinates only, and
+  the returned kernel is ``B W_k`` (d-space: the model takes raw x). The release's σ_p is set by
+  its stand-alone ``(input_epsilon_fraction·ε, input_delta_fraction·δ)`` (the PCA's share of the
+  noise, a public choice), and its ``GaussianDpEvent(σ_p)`` is composed with the T steps by the
+  accountant (:func:`dpjax.accounting.plan_dpsgd_budget`), so the total is (ε, δ) and DP-SGD's σ
+  is barely above plain DP-SGD's (Abadi et al. composed their DP-PCA the same way). §6.5.
 * ``public_subspace`` (public data): the first layer's noise lives in the top principal
   directions of the public rows' inputs (:func:`dpjax.sgd.public_input_basis`; ``dp_noise``'s
   ``"layers"`` release, after clipping; the basis is public, so its norm bound is a public fact).
   The public rows must not be among ``data``.
+* ``public_gradient_subspace`` (public data; PDP-SGD, Zhou, Wu & Banerjee 2021): every
+  ``public_gradient_refresh`` steps, V ``(p, k)`` = the top-``public_gradient_rank`` right
+  singular vectors of the PUBLIC examples' per-example gradients at the current parameters
+  (:func:`dpjax.sgd.public_gradient_subspace`, all parameters flattened); each released noisy
+  gradient (``dp_sgd``'s release) is projected to ``V Vᵀ g̃``: post-processing of a DP release by
+  a public basis. The public examples ``public_data`` must not be among ``data``.
 
 A diagnostic that is NOT private (:data:`DIAGNOSTIC_ROUTES`, not in :data:`ROUTES`):
 
@@ -70,18 +80,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 from dpjax import _validation as v
 from dpjax import accounting, linalg, sgd
-from dpjax.sgd import noise, per_example, sampling
+from dpjax.sgd import noise, per_example, sampling, sources
 
-__all__ = ["DIAGNOSTIC_ROUTES", "PUBLIC_ROUTES", "ROUTES", "RouteRun", "RouteSettings", "RunKeys",
-           "first_layer_bases", "gep_edge_noise_std", "input_basis_event", "noise_multiplier",
-           "route_rank", "run_keys", "train_route"]
+__all__ = ["DENSE_ROUTES", "DIAGNOSTIC_ROUTES", "INPUT_SCALINGS", "PUBLIC_ROUTES", "ROUTES",
+           "RouteRun", "RouteSettings", "RunKeys", "first_layer_bases", "gep_edge_noise_std",
+           "input_basis_event", "noise_multiplier", "route_rank", "run_keys", "train_route"]
 
 ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private_input_subspace",
-          "public_subspace")
-PUBLIC_ROUTES = ("public_subspace",)
+          "public_subspace", "public_gradient_subspace")
+PUBLIC_ROUTES = ("public_subspace", "public_gradient_subspace")
+# Routes that act on the first dense layer (a list of dense layers); the others train any params
+# pytree (a Flax NNX State, Linen params, an Equinox partition, plain dicts).
+DENSE_ROUTES = ("gep_trajectory", "private_input_subspace", "public_subspace", "oracle_subspace")
+INPUT_SCALINGS = ("unit", "clip")
 DIAGNOSTIC_ROUTES = ("oracle_subspace",)   # not private: see the module docstring
 
 
@@ -108,14 +123,22 @@ class RouteSettings:
     gep_two_sided: the trajectory bases get an output-side factor too
       (:class:`dpjax.sgd.TwoSidedBasis` of the top left and right singular vectors): the
       embedding is ``UᵀGV`` (r × r) and the rest goes to the residual.
-    input_rank: rank of ``private_input_subspace``'s basis (≤ the number of input features).
+    input_rank: rank k of ``private_input_subspace``'s basis (≤ the number of input features;
+      Abadi et al. used 60 on MNIST).
     input_epsilon_fraction: the basis release's stand-alone ε as a share of ε (it sets the
       basis's noise; composed with the steps by the accountant it costs DP-SGD far less;
       PROPOSED 0.1; in (0, 1)).
     input_delta_fraction: its stand-alone δ as a share of δ (PROPOSED 0.1; in (0, 1)).
-    input_clip_norm: the public row-norm bound C_x of Analyze Gauss (rows above it are scaled
-      down for the basis only; PROPOSED 4, about the norm of a digits row scaled to [0, 1]).
+    input_scaling: the public per-row map applied to the inputs for the basis release only:
+      ``"unit"`` (default; Abadi et al.) scales every row to norm 1 (C_x = 1; a zero row stays
+      0), ``"clip"`` clips rows to ``input_clip_norm``.
+    input_clip_norm: with ``input_scaling="clip"``, the public row-norm bound C_x of Analyze
+      Gauss (rows above it are scaled down for the basis only; PROPOSED 4, about the norm of a
+      digits row scaled to [0, 1]).
     public_rank: rank of the public input subspace.
+    public_gradient_rank: k of ``public_gradient_subspace``'s basis of the flattened gradients
+      (≤ the public examples and ≤ p; PROPOSED 32).
+    public_gradient_refresh: steps between its recomputations (PROPOSED 10; 1: every step).
     oracle_rank: r of ``oracle_subspace``'s left and right bases (capped at each matrix's sides;
       r ≥ both sides of every matrix reproduces ``dp_sgd``).
     oracle_refresh: steps between ``oracle_subspace``'s recomputations of its bases (1: fresh
@@ -136,8 +159,11 @@ class RouteSettings:
   input_rank: int = 16
   input_epsilon_fraction: float = 0.1
   input_delta_fraction: float = 0.1
+  input_scaling: str = "unit"
   input_clip_norm: float = 4.0
   public_rank: int = 16
+  public_gradient_rank: int = 32
+  public_gradient_refresh: int = 10
   oracle_rank: int = 3
   oracle_refresh: int = 1
 
@@ -154,7 +180,8 @@ class RouteRun(NamedTuple):
       ``gep_trajectory`` (released-only, post-processing; with ``gep_two_sided`` a
       :class:`dpjax.sgd.TwoSidedBasis` of stacked factors), the public basis for
       ``public_subspace``, the released Analyze Gauss bases ``(K, d, rank)`` for
-      ``private_input_subspace``, else None.
+      ``private_input_subspace``, else None (``public_gradient_subspace``'s ``(p, k)`` bases
+      change every refresh and are not kept).
     epsilon, delta: the guarantee of ONE run (add/remove-one; None for ``non_private``) — or,
       with ``tuning``, of the tuning's one released run (the best of a drawn number of runs).
     num_runs: K, the runs trained (one per key) on the same rows.
@@ -178,6 +205,7 @@ def route_rank(route: str, settings: RouteSettings = RouteSettings()) -> int | N
   """The first layer's subspace rank of ``route`` (None where the noise is in all p)."""
   return {"gep_trajectory": settings.gep_rank, "public_subspace": settings.public_rank,
           "private_input_subspace": settings.input_rank,
+          "public_gradient_subspace": settings.public_gradient_rank,
           "oracle_subspace": settings.oracle_rank}.get(route)
 
 
@@ -311,24 +339,22 @@ def _transforms(route, sigma, batch, basis_bytes, shapes, settings, loss_fn):
     return ()
   key = jax.random.key(0)
   grad_fns = _grad_fns(route, loss_fn, settings)
-  template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
+  template = _template(shapes)
 
   def noise_for(grad_fn, bases=None):
     return sgd.dp_noise(grad_fn, noise_multiplier=sigma, expected_batch_size=batch, key=key,
                         bases=bases)
 
-  in_dim = dict(shapes[0])["w"][0]
-  if route in ("dp_sgd", "oracle_subspace"):
+  # private_input_subspace trains its first layer in the released basis (a k-input model: its
+  # noise is in all of that model's coordinates); public_gradient_subspace projects this release.
+  if route in ("dp_sgd", "oracle_subspace", "private_input_subspace", "public_gradient_subspace"):
     return (noise_for(grad_fns[0]),)
   if route == "dp_sgd_denoise":
     # The released noise per entry of the averaged update: σΔ/L (Δ = C, the grad sum's bound).
     level = sigma * grad_fns[0].l2_norm_bound / batch
     return (optax.chain(noise_for(grad_fns[0]),
                         sgd.low_rank_denoise(level, decay=settings.denoise_decay)),)
-  if route == "private_input_subspace":
-    # A public placeholder; each run's released basis and its noise std replace it (host).
-    return (noise_for(grad_fns[0], first_layer_bases(
-        template, np.eye(in_dim, settings.input_rank, dtype=np.float32))),)
+  in_dim = dict(shapes[0])["w"][0]
   if route == "public_subspace":
     basis = np.frombuffer(basis_bytes, np.float32).reshape(in_dim, settings.public_rank)
     return (noise_for(grad_fns[0], first_layer_bases(template, basis)),)
@@ -365,24 +391,76 @@ def _project_top(updates, reference, rank):
           for i, layer in enumerate(updates)]
 
 
+def _into_basis(params, basis):
+  """A list of dense layers whose first kernel ``W₀ (d, h)`` becomes ``√(d/k)·Bᵀ W₀ (k, h)``,
+  the kernel of a model that takes ``Bᵀx`` (``basis`` B ``(d, k)`` orthonormal; the factor keeps
+  an init of variance c/d at c/k, He's scaling for k inputs)."""
+  d, k = basis.shape
+  w = math.sqrt(d / k) * linalg.matmul(basis.T.astype(params[0]["w"].dtype), params[0]["w"])
+  return [{**params[0], "w": w}, *params[1:]]
+
+
+def _from_basis(params, basis):
+  """The inverse map for the returned model: first kernel ``B W_k (d, h)`` (takes raw x)."""
+  w = linalg.matmul(basis.astype(params[0]["w"].dtype), params[0]["w"])
+  return [{**params[0], "w": w}, *params[1:]]
+
+
+def _public_projection(loss_fn, public, rank):
+  """``public_gradient_subspace``'s refresh ``(params, previous, exact) -> (p, rank)``: the top-
+  ``rank`` right singular vectors of the public examples' flattened per-example gradients G at
+  ``params`` — exactly (:func:`dpjax.sgd.public_gradient_subspace`) when ``exact``, else by two
+  steps of subspace iteration ``orth(Gᵀ G V)`` warm-started at the previous basis (PDP-SGD's power
+  method; 2·m·p·rank flops instead of an SVD). The previous basis is kept if the result is not
+  finite: public data, so the branch reveals nothing private."""
+  def exact(params, previous):
+    result = sgd.public_gradient_subspace(loss_fn, params, public, k=rank)
+    return jnp.where(result.ok, result.basis.astype(previous.dtype), previous)
+
+  def power(params, previous):
+    G = sources.flat_per_example_grads(loss_fn, params, public).astype(previous.dtype)
+    G = G / jnp.maximum(jnp.max(jnp.abs(G)), jnp.finfo(G.dtype).tiny)   # scale-safe Gram
+    basis = previous
+    for _ in range(2):
+      basis = jnp.linalg.qr(linalg.matmul(G.T, linalg.matmul(G, basis)))[0]
+    return jnp.where(jnp.all(jnp.isfinite(basis)), basis, previous)
+
+  def refresh(params, previous, first):
+    return jax.lax.cond(first, exact, power, params, previous)
+  return refresh
+
+
+def _project_flat(updates, basis):
+  """``V Vᵀ g`` of the flattened update (``basis`` V ``(p, k)``)."""
+  flat, unravel = ravel_pytree(updates)
+  return unravel(linalg.matmul(basis, linalg.matmul(basis.T, flat)))
+
+
 @functools.partial(jax.jit, static_argnames=("grad_fns", "txs", "route", "init_fn", "steps",
-                                             "selection", "settings"))
-def _train(keys, lrs, X, y, states, edge_std, run_states, *, grad_fns, txs, route, init_fn,
-           steps, selection, settings):
-  """The runs, one after another (``lax.map``); ``run_states``: per-run noise states stacked
-  over the runs (``private_input_subspace``'s released bases), else None."""
+                                             "selection", "settings", "loss_fn"))
+def _train(keys, lrs, X, y, states, edge_std, run_data, public, *, grad_fns, txs, route,
+           init_fn, steps, selection, settings, loss_fn):
+  """The runs, one after another (``lax.map``). ``run_data``: ``private_input_subspace``'s
+  per-run ``(Bᵀx rows (K, N, k), B (K, d, k))``, else None; ``public``: the public examples of
+  ``public_gradient_subspace``, else None."""
   batch = selection.expected_batch_size
   ema = settings.weight_ema
-  data = (X, y)
 
-  def one(key, lr, run_state):
+  def one(key, lr, run):
     k_init, k_noise, k_sample, _ = run_keys(key)
     params = init_fn(k_init)
+    data = (X, y)
+    if run is not None:      # trained in this run's released basis: the model sees Bᵀx
+      data = (run[0], y)
+      params = _into_basis(params, run[1])
     noise_states = [_with_key(st, k) for st, k in
                     zip(states, jax.random.split(k_noise, max(1, len(states))))]
-    if run_state is not None:   # this run's released basis and its noise std (host)
-      noise_states[0] = _with_key(run_state, noise.noise_state(noise_states[0]).key)
     adam = optax.adam(lr)
+    public_basis = None
+    if route == "public_gradient_subspace":
+      refresh = _public_projection(loss_fn, public, settings.public_gradient_rank)
+      public_basis = jnp.zeros((ravel_pytree(params)[0].size,
+                                settings.public_gradient_rank), jnp.float32)
 
     def dp_step(grad_sum, tx, filter_decay=None, extra=lambda s: (), oracle=False):
       def body(carry, k):
@@ -399,6 +477,10 @@ def _train(keys, lrs, X, y, states, edge_std, run_states, *, grad_fns, txs, rout
                   microbatch_size=selection.microbatch_size)),
               lambda: filt)
           g = _project_top(g, filt, settings.oracle_rank)
+        if public_basis is not None:   # PDP-SGD: the release projected on public gradients
+          filt = jax.lax.cond(t % settings.public_gradient_refresh == 0,
+                              lambda: refresh(params, filt, t == 0), lambda: filt)
+          g = _project_flat(g, filt)
         updates, opt = adam.update(g, opt, params)
         params = optax.apply_updates(params, updates)
         if filter_decay is not None:   # an EMA of RELEASED updates only
@@ -407,14 +489,15 @@ def _train(keys, lrs, X, y, states, edge_std, run_states, *, grad_fns, txs, rout
         return (params, opt, noise_state, filt, _average(params, avg, t, ema), t + 1), None
       return body
 
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    zeros = (jax.tree_util.tree_map(jnp.zeros_like, params) if public_basis is None
+             else public_basis)
     carry = (params, adam.init(params), noise_states[0] if txs else None, zeros, params,
              jnp.int32(0))
     if route != "gep_trajectory":
       carry, _ = jax.lax.scan(dp_step(grad_fns[0], txs[0] if txs else None,
                                       oracle=route == "oracle_subspace"), carry,
                               jax.random.split(k_sample, steps))
-      return carry[4], None
+      return (carry[4] if run is None else _from_basis(carry[4], run[1])), None
     warm_steps = max(1, round(settings.gep_warmup * steps))
     period = max(1, (steps - warm_steps) // settings.gep_refreshes)
     periods = max(1, (steps - warm_steps) // period)
@@ -441,15 +524,34 @@ def _train(keys, lrs, X, y, states, edge_std, run_states, *, grad_fns, txs, rout
 
   # Runs one after another inside the program (lax.map), not vmapped: on XLA:CPU (jaxlib
   # 0.10.2) a vmapped while_loop (the Poisson sum) next to an SVD in one scan body deadlocked.
-  return jax.lax.map(lambda a: one(*a), (keys, lrs, run_states))
+  return jax.lax.map(lambda a: one(*a), (keys, lrs, run_data))
 
 
-def _shapes(params) -> tuple:
-  """A hashable description of a list of dense layers ``[{"w": (a, b), "b": (b,)}, ...]``."""
+class _Tree(NamedTuple):
+  """The hashable description of a params pytree that is not a list of dense layers."""
+  treedef: Any
+  leaves: tuple
+
+
+def _template(shapes):
+  """float32 zeros shaped as :func:`_shapes` describes."""
+  if isinstance(shapes, _Tree):
+    return jax.tree_util.tree_unflatten(shapes.treedef,
+                                        [jnp.zeros(s, jnp.float32) for s in shapes.leaves])
+  return [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
+
+
+def _shapes(params, route: str = "dense") -> tuple:
+  """A hashable description of a list of dense layers ``[{"w": (a, b), "b": (b,)}, ...]``, or for
+  a route outside :data:`DENSE_ROUTES` of any params pytree (a :class:`_Tree`)."""
   if not (isinstance(params, (list, tuple)) and params
           and all(isinstance(layer, dict) and "w" in layer for layer in params)):
-    raise ValueError("the routes train a list of dense layers [{'w': (a, b), 'b': (b,)}, ...]; "
-                     f"init_fn returned {type(params).__name__}.")
+    if route not in DENSE_ROUTES and jax.tree_util.tree_leaves(params):
+      leaves, treedef = jax.tree_util.tree_flatten(params)
+      return _Tree(treedef, tuple(tuple(jnp.shape(x)) for x in leaves))
+    raise ValueError("the routes train a list of dense layers [{'w': (a, b), 'b': (b,)}, ...] "
+                     f"({', '.join(DENSE_ROUTES)} act on the first one; the others take any "
+                     f"params pytree); init_fn returned {type(params).__name__}.")
   if jnp.ndim(params[0]["w"]) != 2:
     raise ValueError(f"the first layer's 'w' must be a matrix, got shape "
                      f"{jnp.shape(params[0]['w'])}.")
@@ -457,27 +559,35 @@ def _shapes(params) -> tuple:
                for layer in params)
 
 
-def _private_input_states(keys, X, state, template, eps_s, delta_s, settings, event):
+def _unit_rows(X: np.ndarray) -> np.ndarray:
+  """Each row scaled to norm 1 (a zero row stays 0): a public per-row map (float64, host)."""
+  X = np.asarray(X, np.float64)
+  norms = np.linalg.norm(X, axis=1, keepdims=True)
+  return np.divide(X, norms, out=np.zeros_like(X), where=norms > 0)
+
+
+def _private_input_bases(keys, X, eps_s, delta_s, settings, event):
   """One Analyze Gauss release per run (:func:`dpjax.sgd.private_input_basis` from the run's
-  ``subspace`` stream, continuous noise: the Gaussian ``event`` σ was calibrated with) swapped
-  into ``state`` by :func:`dpjax.sgd.update_bases` (host: checks the basis and scales the noise
-  std to σΔ·max(1, ν̂)); returns the K states stacked over the runs."""
-  swapped = []
+  ``subspace`` stream, continuous noise: the Gaussian ``event`` σ was calibrated with), on the
+  rows scaled by ``settings.input_scaling``; returns ``(Bᵀx rows (K, N, k), B (K, d, k))``,
+  float32, the projections of the raw rows the model trains on."""
+  unit = settings.input_scaling == "unit"
+  rows = _unit_rows(X) if unit else X
+  clip = 1.0 if unit else settings.input_clip_norm
+  bases = []
   for key in keys:
-    release = sgd.private_input_basis(
-        run_keys(key).subspace, X, settings.input_rank, epsilon=eps_s, delta=delta_s,
-        clip_norm=settings.input_clip_norm, secure=False)
+    release = sgd.private_input_basis(run_keys(key).subspace, rows, settings.input_rank,
+                                      epsilon=eps_s, delta=delta_s, clip_norm=clip, secure=False)
     if release.dp_event != event:            # the accounted release is the one made
       raise RuntimeError(f"the release is {release.dp_event}, σ was calibrated for {event}.")
-    basis = np.asarray(release.basis, np.float32)
-    swapped.append(noise.noise_state(sgd.update_bases(
-        state, bases=first_layer_bases(template, basis))))
-  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *swapped)
+    bases.append(np.asarray(release.basis, np.float32))
+  bases = np.stack(bases)
+  return np.einsum("nd,kdr->knr", np.asarray(X, np.float32), bases), bases
 
 
 def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: Callable,
                 loss_fn: Callable, epsilon: float | None, delta: float | None, steps: int,
-                expected_batch_size: int, public_inputs=None,
+                expected_batch_size: int, public_inputs=None, public_data=None,
                 settings: RouteSettings = RouteSettings(),
                 accountant: str = "pld",
                 tuning: accounting.HyperparameterTuning | None = None) -> RouteRun:
@@ -494,10 +604,10 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   releases; the noise reads Δ from the route's grad sum — GEP's two clipped parts are noised at
   σ times their joint sensitivity √2; the trajectory bases read released updates only; the
   public basis reads ``public_inputs`` only; ``private_input_subspace``'s basis is an Analyze
-  Gauss release at ``(ε_s, δ_s)`` — calibrated for the replace-one sensitivity 2C_x², so also
-  ``(ε_s, δ_s)``-DP under add/remove-one, whose sensitivity is C_x² — and the SGD steps are
-  calibrated to ``(ε − ε_s, δ − δ_s)``: the total is ``(ε, δ)`` by basic (adaptive)
-  composition). ``oracle_subspace`` (:data:`DIAGNOSTIC_ROUTES`) is NOT private: its bases read
+  Gauss release (add/remove-one, sensitivity C_x² on the scaled rows) whose
+  ``GaussianDpEvent`` the accountant composes with the steps to a total ``(ε, δ)``, and the model
+  trained in that basis is post-processing of it; ``public_gradient_subspace``'s bases read
+  ``public_data`` only). ``oracle_subspace`` (:data:`DIAGNOSTIC_ROUTES`) is NOT private: its bases read
   all of ``data``.
 
   The guarantee is per run. The K runs are K releases of the same rows: releasing all of them,
@@ -515,13 +625,17 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     keys: ``(K,)`` typed PRNG keys, one per run.
     learning_rates: ``(K,)`` Adam learning rates, one per run.
     data: ``(X (N, d) float32, y (N,) int)``, the private rows.
-    init_fn: ``key -> params``, a list of dense layers ``[{"w": (a, b), "b": (b,)}, ...]`` whose
-      first ``w`` takes the inputs (``a = d``); pass the same object to reuse the compilation.
+    init_fn: ``key -> params``: for :data:`DENSE_ROUTES` a list of dense layers
+      ``[{"w": (a, b), "b": (b,)}, ...]`` whose first ``w`` takes the inputs (``a = d``); for the
+      other routes any params pytree (a Flax NNX ``State``, Linen params, ...; traceable in the
+      key). Pass the same object to reuse the compilation.
     loss_fn: ``loss_fn(params, (x, y)) -> ()`` for one example.
     epsilon, delta: the total budget (ignored, may be None, for ``non_private``).
     steps: T.
     expected_batch_size: L (``L ≤ N``).
     public_inputs: ``(n_pub, d)`` public rows for ``public_subspace`` (disjoint from ``data``).
+    public_data: ``(X_pub (m, d), y_pub (m,))`` public examples for
+      ``public_gradient_subspace`` (disjoint from ``data``; ``m ≥ public_gradient_rank``).
     settings: the routes' hyperparameters.
     accountant: ``"pld"`` or ``"rdp"``.
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning` (above; needs
@@ -533,11 +647,14 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     guarantee and what all K cost together).
 
   Raises:
-    ValueError: an unknown route, mismatched keys and learning rates, a public route without
-      ``public_inputs`` (or a private one with them), a model that is not a list of dense layers,
+    ValueError: an unknown route, mismatched keys and learning rates, ``public_subspace``
+      without ``public_inputs`` or ``public_gradient_subspace`` without ``public_data`` (or
+      another route with them; bad shapes, a rank above the public examples or above p), for
+      :data:`DENSE_ROUTES` a model that is not a list of dense layers,
       bad sizes, ``settings.gep_edge_scale`` not None and not > 0, ``settings.oracle_rank`` or
       ``settings.oracle_refresh`` < 1; for ``private_input_subspace`` ``settings.input_rank``
-      outside ``[1, d]``, a fraction outside (0, 1) or ``input_clip_norm`` not > 0.
+      outside ``[1, d]``, a fraction outside (0, 1), ``input_scaling`` not in
+      :data:`INPUT_SCALINGS` or ``input_clip_norm`` not > 0.
       With ``tuning``: a bad mean or shape, ``accountant="pld"``, or ``private_input_subspace``.
     TypeError: ``settings.oracle_rank``, ``settings.oracle_refresh`` or ``settings.input_rank``
       not an integer; ``tuning`` not a :class:`dpjax.accounting.HyperparameterTuning`.
@@ -556,13 +673,15 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   if keys.shape[:1] != lrs.shape or not np.all(np.isfinite(lrs) & (lrs > 0)):
     raise ValueError(f"keys {keys.shape} and learning_rates {lrs.shape} must pair up, with "
                      "learning rates > 0.")
-  if (route in PUBLIC_ROUTES) != (public_inputs is not None):
-    raise ValueError(f"public_inputs is needed by {PUBLIC_ROUTES} and only by them.")
-  shapes = _shapes(jax.eval_shape(init_fn, keys[0]))
-  if dict(shapes[0])["w"][0] != d:
+  if (route == "public_subspace") != (public_inputs is not None):
+    raise ValueError("public_inputs is needed by public_subspace and only by it.")
+  if (route == "public_gradient_subspace") != (public_data is not None):
+    raise ValueError("public_data is needed by public_gradient_subspace and only by it.")
+  shapes = _shapes(jax.eval_shape(init_fn, keys[0]), route)
+  if not isinstance(shapes, _Tree) and dict(shapes[0])["w"][0] != d:
     raise ValueError(f"the first layer takes {dict(shapes[0])['w'][0]} inputs, data has {d}.")
   basis = np.zeros((d, settings.public_rank), np.float32)
-  if route in PUBLIC_ROUTES:
+  if route == "public_subspace":
     public_inputs = np.asarray(public_inputs, np.float32)
     if public_inputs.ndim != 2 or public_inputs.shape[1] != d:
       raise ValueError(f"public_inputs must be (n_pub, {d}), got {public_inputs.shape}.")
@@ -570,6 +689,16 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
       raise ValueError(f"public_rank={settings.public_rank} exceeds the public rows' "
                        f"{public_inputs.shape}.")
     basis = sgd.public_input_basis(public_inputs, settings.public_rank)
+  if route == "public_gradient_subspace":
+    X_pub, y_pub = (np.asarray(a) for a in public_data)
+    if X_pub.ndim != 2 or X_pub.shape[1] != d or y_pub.shape != X_pub.shape[:1]:
+      raise ValueError(f"public_data must be (X_pub (m, {d}), y_pub (m,)), got shapes "
+                       f"{X_pub.shape} and {y_pub.shape}.")
+    p = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(_template(shapes)))
+    v.check_int(settings.public_gradient_rank, "settings.public_gradient_rank", low=1,
+                high=min(len(y_pub), p))
+    v.check_int(settings.public_gradient_refresh, "settings.public_gradient_refresh", low=1)
+    public_data = (jnp.asarray(X_pub, jnp.float32), jnp.asarray(y_pub))
   v.check_int(settings.oracle_rank, "settings.oracle_rank", low=1)
   v.check_int(settings.oracle_refresh, "settings.oracle_refresh", low=1)
   scale = settings.gep_edge_scale
@@ -581,6 +710,9 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     for name in ("input_epsilon_fraction", "input_delta_fraction"):
       if not 0.0 < float(getattr(settings, name)) < 1.0:
         raise ValueError(f"settings.{name} must lie in (0, 1), got {getattr(settings, name)}.")
+    if settings.input_scaling not in INPUT_SCALINGS:
+      raise ValueError(f"settings.input_scaling must be one of {INPUT_SCALINGS}, got "
+                       f"{settings.input_scaling!r}.")
     v.check_positive(settings.input_clip_norm, "settings.input_clip_norm")
   # The basis's stand-alone (ε_s, δ_s) (private_input_subspace only); its Gaussian event is
   # composed with the SGD steps by the accountant.
@@ -599,21 +731,24 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   edge_std = jnp.float32(0.0 if route != "gep_trajectory" else (1.0 if scale is None else scale)
                          * gep_edge_noise_std(float(sigma), batch, settings))
   static = dataclasses.replace(settings, gep_edge_scale=None if scale is None else 1.0)
+  run_data = None
+  if private_input:      # the model trained in the basis: its first kernel is (k, h)
+    run_data = _private_input_bases(keys, X, eps_s, delta_s, settings, sub_event)
+    first = dict(shapes[0])
+    first["w"] = (settings.input_rank, first["w"][1])
+    shapes = (tuple(sorted(first.items())), *shapes[1:])
   txs = _transforms(route, float(sigma), batch, basis.tobytes(), shapes, static, loss_fn)
-  template = [{name: jnp.zeros(shape, jnp.float32) for name, shape in layer} for layer in shapes]
+  template = _template(shapes)
   states = tuple(tx.init(template) for tx in txs)
-  run_states = None
-  if private_input:
-    run_states = _private_input_states(keys, X, states[0], template, eps_s, delta_s, settings,
-                                       sub_event)
   params, bases = _train(keys, jnp.asarray(lrs), jnp.asarray(X, jnp.float32), jnp.asarray(y),
-                         states, edge_std, run_states,
+                         states, edge_std, run_data, public_data,
                          grad_fns=_grad_fns(route, loss_fn, static), txs=txs, route=route,
-                         init_fn=init_fn, steps=steps, selection=selection, settings=static)
-  if route in PUBLIC_ROUTES:
+                         init_fn=init_fn, steps=steps, selection=selection, settings=static,
+                         loss_fn=loss_fn)
+  if route == "public_subspace":
     bases = jnp.asarray(basis)
   elif private_input:
-    bases = run_states.bases[0]["w"]
+    bases = jnp.asarray(run_data[1])
   guarantee = {} if route == "non_private" else _run_guarantee(
       float(epsilon), float(delta), len(lrs), sigma, batch / n, steps, accountant, tuning,
       private=route in ROUTES)
