@@ -397,6 +397,8 @@ def test_public_gradient_refresh_is_the_public_gradients_top_subspace(data):
   np.testing.assert_allclose(exact @ (exact.T @ flat), flat, atol=1e-5)
 
 
+@pytest.mark.slow(reason="the public gradient route learns (60 steps); by default "
+                         "test_routes_outside_the_dense_ones_train_any_params_pytree trains it")
 def test_public_gradient_route_learns_at_dp_sgds_noise(data):
   """The public gradient route releases dp_sgd's sum at dp_sgd's σ (the projection is
   post-processing), trains on the private rows only, is deterministic per key and learns the toy
