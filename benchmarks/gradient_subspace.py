@@ -4,6 +4,8 @@
         [--n N ...] [--epsilons ε ...] [--models softmax mlp_small mlp_large]
         [--routes ...] [--public-rows m ...] [--pca-ranks k ...] [--pca-fractions f ...]
         [--oracle-refresh R ...] [--json PATH] [--plot PREFIX] [--write-crossover PATH]
+    python benchmarks/gradient_subspace.py --merge A.json B.json ... [--json PATH] [--plot PREFIX]
+        [--write-crossover PATH]
 
 The crossover study (issue 37). For each data set, training-set size n (nested subsets of one
 private pool), ε (δ = 1e-5) and model, every route is tuned on a tuning split and run on paired
@@ -13,7 +15,10 @@ zero AND mean accuracy above the best ``dp_sgd`` over the models at that n and �
 n_max" with the miss at n_max. ``--plot PREFIX`` writes ``PREFIX_<data>.png``: difference vs n,
 one panel per model, one line per route and ε, the NOT private oracle's difference as its ceiling.
 ``--write-crossover PATH`` merges the crossover summary into the JSON at PATH (the main job reads
-``dpjax/_data/crossover.json`` for its "wins from n ≈ …" lines).
+``dpjax/_data/crossover.json`` for its "wins from n ≈ …" lines). ``--merge A.json B.json …``
+runs nothing: it unites the cells of ``--json`` reports of a grid run in pieces (n*, the wins and
+the figure are derived from the whole: a route wins only above the best dp_sgd over every model
+of the merged reports at that n and ε).
 
 Routes (``dpjax.experiments.train_route``, a research harness on ``dpjax.sgd``; every DP route at
 the same total (ε, δ) under add/remove-one, by one PLD accountant):
@@ -124,48 +129,15 @@ def load(name: str, n_max: int, *, public_rows: int = 1000) -> dict:
   return {k: (np.asarray(X, np.float32), np.asarray(y, np.int32)) for k, (X, y) in parts.items()}
 
 
-@functools.lru_cache(maxsize=None)
 def model_fns(model: str, in_dim: int, classes: int):
-  """``(init_fn, loss_fn, logits_fn)`` of a model (one object per shape, so compilations are
-  reused): the MLPs of ``dpjax.demo`` (a list of dense layers), or ``cnn``, a Flax NNX CNN on
-  square single-channel images given as flat rows (the notebook's: two 3×3 stride-2 convolutions
-  with 8 and 16 channels, tanh, then a dense layer; 9,098 parameters on MNIST), whose params are
-  the NNX ``State`` of ``nnx.split`` (trained by the routes outside ``DENSE_ROUTES``)."""
-  if model != "cnn":
-    return (functools.partial(demo.init_mlp, sizes=(in_dim, *MODELS[model], classes)),
-            demo.example_loss, demo.mlp_logits)
-  from flax import nnx        # an examples/test dependency, imported only for the CNN
-  import optax
-  side = int(round(in_dim ** 0.5))
-  if side * side != in_dim:
-    raise ValueError(f"the cnn model takes square images as flat rows; d = {in_dim} is not a "
-                     "square.")
-  flat = 16 * (-(-(-(-side // 2)) // 2)) ** 2       # two stride-2 'SAME' convolutions
-
-  class CNN(nnx.Module):
-    def __init__(self, rngs):
-      self.conv1 = nnx.Conv(1, 8, (3, 3), strides=2, rngs=rngs)
-      self.conv2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs)
-      self.dense = nnx.Linear(flat, classes, rngs=rngs)
-
-    def __call__(self, x):
-      h = jnp.tanh(self.conv1(x.reshape(-1, side, side, 1)))
-      h = jnp.tanh(self.conv2(h))
-      return self.dense(h.reshape(h.shape[0], -1))
-
-  graphdef = nnx.split(CNN(nnx.Rngs(0)))[0]
-
-  def init(key):
-    return nnx.split(CNN(nnx.Rngs(key)))[1]
-
-  def logits(params, x):
-    out = nnx.merge(graphdef, params)(jnp.atleast_2d(x))
-    return out if x.ndim == 2 else out[0]
-
-  def loss(params, example):
-    x, y = example
-    return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y)
-  return init, loss, logits
+  """``(init_fn, loss_fn, logits_fn)`` of a model: the MLPs of ``dpjax.demo`` (a list of dense
+  layers), or ``cnn``, the main job's Flax NNX CNN on square single-channel images given as flat
+  rows (``dpjax.demo.cnn_model``: two 3×3 stride-2 convolutions with 8 and 16 channels, tanh,
+  then a dense layer; 9,098 parameters on MNIST), whose params are the NNX ``State`` (trained by
+  the routes outside ``DENSE_ROUTES``). One object per shape, so compilations are reused."""
+  if model == "cnn":
+    return tuple(demo.cnn_model(in_dim, classes))[:3]
+  return tuple(demo.mlp_model((in_dim, *MODELS[model], classes)))[:3]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -294,7 +266,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--write-crossover", type=str, default=None,
                       help="merge the crossover summary (n* per data set, model, ε, route) into "
                            "this JSON file (dpjax/_data/crossover.json for the main job)")
+  parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                      help="run nothing: merge these --json reports (a grid run in pieces), "
+                           "then print, --json, --plot and --write-crossover the whole")
   args = parser.parse_args(argv)
+  if args.merge:
+    summary, details, configs = merge_reports(args.merge)
+    return finish(summary, details, {"merged": args.merge, "configs": configs}, args)
   quick = args.quick
   args.seeds = args.seeds or (3 if quick else 4)
   args.tuning_seeds = args.tuning_seeds or 1
@@ -379,17 +357,36 @@ def main(argv=None) -> dict:
                               "diff": diff, "ci": ci, "learning_rate": r["learning_rate"],
                               "tuning_accuracy": r["tuning_accuracy"],
                               "private": row not in NOT_PRIVATE and not is_oracle(row)}
-  _mark_wins(summary)
-  crossover = crossovers(summary)
-  report = {"config": {"seeds": args.seeds, "tuning_seeds": args.tuning_seeds,
+  config = {"seeds": args.seeds, "tuning_seeds": args.tuning_seeds,
                        "learning_rates": lrs_grid.tolist(), "delta": DELTA,
                        "accountant": "pld", "neighboring": "add_or_remove_one",
                        "data": args.data, "epsilons": args.epsilons, "models": args.models,
                        "public_rows": args.public_rows, "pca_ranks": args.pca_ranks,
                        "pca_fractions": args.pca_fractions, "steps": args.steps,
                        "batch": args.batch, "route_settings": dataclasses.asdict(ROUTE_SETTINGS),
-                       "wall_seconds": time.perf_counter() - wall},
-            "summary": summary, "crossover": crossover, "details": details}
+                       "wall_seconds": time.perf_counter() - wall}
+  return finish(summary, details, config, args)
+
+
+def merge_reports(paths) -> tuple[dict, dict, list]:
+  """``(summary, details, configs)`` of the JSON reports at ``paths`` (a grid run in pieces):
+  their cells' rows united, a later file's row replacing an earlier one's of the same name."""
+  summary, details, configs = {}, {}, []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      report = json.load(f)
+    for part, into in ((report["summary"], summary), (report["details"], details)):
+      for name, rows in part.items():
+        into.setdefault(name, {}).update(rows)
+    configs.append(report["config"])
+  return summary, details, configs
+
+
+def finish(summary: dict, details: dict, config, args) -> dict:
+  """Marks the wins, derives the crossover, prints, and writes what the options ask for."""
+  _mark_wins(summary)
+  crossover = crossovers(summary)
+  report = {"config": config, "summary": summary, "crossover": crossover, "details": details}
   _print_table(summary)
   _print_crossover(crossover)
   if args.json:

@@ -1,9 +1,19 @@
 """The main job: private training on real data, every gradient-subspace route, one total (ε, δ).
 
-    python -m dpjax.demo                       # MNIST-10k (bundled), ε = 2, δ = 1e-5
+    python -m dpjax.demo                       # MNIST-10k (bundled), MLP and CNN, ε = 2
     python -m dpjax.demo --json results.json --plot accuracy.png
     python -m dpjax.demo --data digits         # scikit-learn's 8×8 digits
     python -m dpjax.demo --data my.npz         # arrays X (n, d) and integer y (n,)
+
+Models (``--models``, default both): ``mlp``, one tanh hidden layer of ``--hidden`` units;
+``cnn``, a Flax NNX CNN for square single-channel images given as flat rows (two 3×3 stride-2
+convolutions with 8 and 16 channels, tanh, a dense layer: 9,098 parameters on MNIST; needs
+``flax``, ``pip install "dpjax[examples]"``), trained as any params pytree. Every method runs on
+each model, except that the routes acting on a first dense layer (``gep_trajectory``,
+``private_input_subspace``, ``public_subspace``) are reported as not runnable on the CNN, with
+the reason, as is every method on a model that cannot be built (a CNN on non-square rows, or
+without Flax). Each result row names its ``model``; the summary, the winner and the crossover
+lines are given per model.
 
 Methods (every DP one at the same total (ε, δ) under add/remove-one, every release accounted:
 the private subspace's cost and the learning-rate tuning included). Routes that use public data have
@@ -28,7 +38,15 @@ the private subspace's cost and the learning-rate tuning included). Routes that 
   ⊥, the run continues as plain DP-SGD with the remaining budget, and the table says ⊥.
 * ``public_subspace``: the first layer's noise in the top-k principal directions of a public
   split's inputs (``--public-fraction`` of the rows, left out of this route's private rows).
-* ``subspace_dp_sgd_public``: a rank-k subspace of the flattened gradients of that public split.
+* ``public_gradient_subspace``: PDP-SGD (Zhou et al. 2021), the crossover study's public route:
+  DP-SGD's noisy gradient projected on the top-32 right singular vectors of the public split's
+  per-example gradients, refreshed every 10 steps by warm-started subspace iteration
+  (``dpjax.experiments.train_route``).
+* ``subspace_dp_sgd_public`` (not in the default set, ``--methods`` runs it): the same idea through
+  ``dpjax.sgd.train_dp_sgd(subspace="public")``: a rank-``--k`` subspace of the public split's
+  flattened gradients by an exact SVD every ``--refresh-every`` steps. At the defaults it trailed
+  dp_sgd by 15 points on the MLP (0.721 against 0.867 on MNIST) and took the longest (77 s of
+  the MLP's 185 s): ``public_gradient_subspace`` takes its place.
 
 Tuning, accounted: 10% of the rows are held back as a tuning split, never trained on, that
 scores runs; it is public by this experiment's construction (its rows get no protection). The
@@ -79,9 +97,10 @@ import json
 import math
 import sys
 import textwrap
+import time
 import traceback
 import warnings
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -103,16 +122,23 @@ __all__ = ["main", "run"]
 METHODS = (("non_private", "route"), ("dp_sgd", "route"), ("dp_sgd_denoise", "route"),
            ("gep_trajectory", "route"), ("private_input_subspace", "route"),
            ("subspace_dp_sgd_private", "private"),
-           ("public_subspace", "route"), ("subspace_dp_sgd_public", "public"))
-PUBLIC_METHODS = ("public_subspace", "subspace_dp_sgd_public")
-# The default set: dp_sgd_denoise is left out (broken at the defaults; see the module docstring).
-DEFAULT_METHODS = tuple(m for m, _ in METHODS if m != "dp_sgd_denoise")
+           ("public_subspace", "route"), ("public_gradient_subspace", "route"),
+           ("subspace_dp_sgd_public", "public"))
+PUBLIC_METHODS = ("public_subspace", "public_gradient_subspace", "subspace_dp_sgd_public")
+# The default set leaves out dp_sgd_denoise (broken at the defaults) and subspace_dp_sgd_public
+# (superseded by public_gradient_subspace); see the module docstring.
+DEFAULT_METHODS = tuple(m for m, _ in METHODS
+                        if m not in ("dp_sgd_denoise", "subspace_dp_sgd_public"))
 DATASETS = ("mnist", "digits")   # --data: one of these, or a path to an .npz
+MODELS = ("mlp", "cnn")          # --models: build_model's names
 # The crossover study's names of the demo's data sets and models (--hidden 32 is its mlp_small).
 _STUDY_DATA = {"mnist10k": "mnist", "digits": "digits"}
 _STUDY_MODELS = {32: "mlp_small", 128: "mlp_large"}
 # The share of δ spent on the private subspace (train_dp_sgd's subspace_delta_fraction).
 SUBSPACE_DELTA_FRACTION = 0.1
+# The default learning-rate grid: two points (with two seeds and both models the main job fits
+# ~10 minutes on 2 CPU cores); the output says so, and --learning-rates takes a finer grid.
+LEARNING_RATES = (0.01, 0.03)
 TUNING_FRACTION = 0.1      # share of the training rows held back to score the tuning's runs
 ACCOUNTANT = "pld"         # the methods run once per seed (not tuned)
 TUNING_ACCOUNTANT = "rdp"  # the privately tuned methods (only RDP repeats an event)
@@ -120,7 +146,7 @@ TUNING_SEED = 10_000       # non_private's tuning runs
 # Methods tuned privately (their runs are T sampled Gaussian steps, an RDP curve to repeat); the
 # other DP methods compose a private subspace release into their budget and run untuned.
 TUNED_PRIVATELY = ("dp_sgd", "dp_sgd_denoise", "gep_trajectory", "public_subspace",
-                   "subspace_dp_sgd_public")
+                   "public_gradient_subspace", "subspace_dp_sgd_public")
 
 
 def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
@@ -157,7 +183,78 @@ def adam(learning_rate: float) -> optax.GradientTransformation:
 
 @jax.jit
 def accuracy(params, X: jax.Array, y: jax.Array) -> jax.Array:
+  """Test accuracy of :func:`mlp_logits`' network on ``X (n, d)``, ``y (n,)``."""
   return jnp.mean(jnp.argmax(mlp_logits(params, X), axis=-1) == y)
+
+
+class Model(NamedTuple):
+  """A model of the main job: ``init(key) -> params``, ``loss(params, (x (d,), y ())) ->
+  scalar`` (the per-example loss DP-SGD clips), ``logits(params, X (B, d)) -> (B, classes)``;
+  ``dense_first_layer``: whether its first layer is a dense kernel ``(d, h)`` (the routes in
+  ``dpjax.experiments.DENSE_ROUTES`` act on it)."""
+  init: Callable
+  loss: Callable
+  logits: Callable
+  dense_first_layer: bool
+
+
+@functools.lru_cache(maxsize=None)
+def mlp_model(sizes: tuple[int, ...]) -> Model:
+  """The tanh MLP with layer sizes ``sizes`` (``(d, classes)``: softmax regression) as a
+  :class:`Model` (one object per shape, so compilations are reused)."""
+  return Model(functools.partial(init_mlp, sizes=sizes), example_loss, mlp_logits, True)
+
+
+@functools.lru_cache(maxsize=None)
+def cnn_model(d: int, classes: int) -> Model:
+  """A Flax NNX CNN on square single-channel images given as flat rows ``x (d,)``, ``d = s²``:
+  two 3×3 stride-2 'SAME' convolutions with 8 and 16 channels, tanh, then a dense layer
+  (9,098 parameters on 28×28 MNIST); its params are the NNX ``State`` of ``nnx.split``, trained
+  as any params pytree. One object per shape (compilations are reused).
+
+  Raises:
+    ValueError: ``d`` is not a square.
+    ImportError: Flax is not installed (``pip install "dpjax[examples]"``).
+  """
+  side = math.isqrt(d)
+  if side * side != d:
+    raise ValueError(f"the cnn takes square images as flat rows; d = {d} is not a square")
+  try:
+    from flax import nnx  # pylint: disable=import-outside-toplevel  # an examples dependency
+  except ImportError as exc:
+    raise ImportError('the cnn model needs Flax: pip install "dpjax[examples]"') from exc
+  flat = 16 * (-(-(-(-side // 2)) // 2)) ** 2       # two stride-2 'SAME' convolutions
+
+  class CNN(nnx.Module):
+    def __init__(self, rngs):
+      self.conv1 = nnx.Conv(1, 8, (3, 3), strides=2, rngs=rngs)
+      self.conv2 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs)
+      self.dense = nnx.Linear(flat, classes, rngs=rngs)
+
+    def __call__(self, x):
+      h = jnp.tanh(self.conv1(x.reshape(-1, side, side, 1)))
+      h = jnp.tanh(self.conv2(h))
+      return self.dense(h.reshape(h.shape[0], -1))
+
+  graphdef = nnx.split(CNN(nnx.Rngs(0)))[0]
+
+  def init(key):
+    return nnx.split(CNN(nnx.Rngs(key)))[1]
+
+  def logits(params, x):
+    out = nnx.merge(graphdef, params)(jnp.atleast_2d(x))
+    return out if x.ndim == 2 else out[0]
+
+  def loss(params, example):
+    x, y = example
+    return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y)
+  return Model(init, loss, logits, False)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def model_accuracy(logits_fn, params, X: jax.Array, y: jax.Array) -> jax.Array:
+  """Accuracy of ``logits_fn(params, X)`` on ``X (n, d)``, ``y (n,)``."""
+  return jnp.mean(jnp.argmax(logits_fn(params, X), axis=-1) == y)
 
 
 class Route(NamedTuple):
@@ -183,7 +280,8 @@ def num_params(sizes: tuple[int, ...]) -> int:
 
 def plan_routes(*, n_train: int, n_public: int, p: int, k: int, epsilon: float, delta: float,
                 batch_size: int, gamma: float, subspace_epsilon_fraction: float,
-                d: int | None = None, dataset: str = "the data") -> list[Route]:
+                d: int | None = None, dataset: str = "the data",
+                dense_first_layer: bool = True, model: str = "mlp") -> list[Route]:
   """Plans the methods of :data:`METHODS` before any training, from public quantities only.
 
   Each method is checked the way its trainer would check it: the expected batch size against
@@ -208,6 +306,9 @@ def plan_routes(*, n_train: int, n_public: int, p: int, k: int, epsilon: float, 
     subspace_epsilon_fraction: the share of ε spent on the private subspace.
     d: number of input features (None: not checked).
     dataset: the data set's name, for the notes.
+    dense_first_layer: whether the model's first layer is a dense kernel; if not, the routes
+      that act on one (``dpjax.experiments.DENSE_ROUTES``) cannot run.
+    model: the model's name, for the notes.
 
   Returns:
     One :class:`Route` per method, in the order of :data:`METHODS`.
@@ -218,7 +319,10 @@ def plan_routes(*, n_train: int, n_public: int, p: int, k: int, epsilon: float, 
     public = method in PUBLIC_METHODS
     n = n_rest if public else n_train
     note = None
-    if batch_size > n:
+    if method in experiments.DENSE_ROUTES and not dense_first_layer:
+      note = (f"the route acts on a first dense layer; the {model}'s first layer is not one "
+              "(a convolution)")
+    elif batch_size > n:
       note = (f"the expected batch size {batch_size} exceeds the {n} "
               f"{'training' if method == 'non_private' else 'private training'} rows")
     elif source in ("private", "public") and k > p:
@@ -264,15 +368,24 @@ def _dpase_note(n: int, p: int, k: int, *, epsilon: float, delta: float, gamma: 
   return note + f"; --subspace-epsilon-fraction {lo / 100:.2f} or more would let it run"
 
 
-@functools.lru_cache(maxsize=None)
-def _init_fn(sizes: tuple[int, ...]):
-  """``key -> params`` for :func:`init_mlp` (one object per shape: compilations are reused)."""
-  return functools.partial(init_mlp, sizes=sizes)
+def build_model(name: str, d: int, classes: int, hidden: int) -> Model:
+  """The main job's model ``name`` (:data:`MODELS`) for ``d`` features and ``classes`` classes:
+  ``"mlp"``, :func:`mlp_model` with one tanh hidden layer of ``hidden`` units; ``"cnn"``,
+  :func:`cnn_model`.
+
+  Raises:
+    ValueError: ``"cnn"`` on non-square ``d``; ImportError: ``"cnn"`` without Flax.
+  """
+  if name == "mlp":
+    return mlp_model((d, hidden, classes))
+  if name == "cnn":
+    return cnn_model(d, classes)
+  raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
 
 
 def run(args) -> dict:
-  """Plans, tunes, trains and reports the methods (see the module docstring); ``args`` as
-  parsed by :func:`main`. Returns the report that ``--json`` writes."""
+  """Plans, tunes, trains and reports the methods for each model (see the module docstring);
+  ``args`` as parsed by :func:`main`. Returns the report that ``--json`` writes."""
   if args.data == "mnist":
     ds = data_lib.load_mnist(seed=0)
   elif args.data == "digits":
@@ -291,11 +404,6 @@ def run(args) -> dict:
   X, y = np.asarray(ds.X_train, np.float32), np.asarray(ds.y_train)
   splits = {"tune": (X[tune], y[tune]), "test": (np.asarray(ds.X_test, np.float32),
                                                  np.asarray(ds.y_test))}
-  sizes = (d, args.hidden, ds.num_classes)
-  routes = plan_routes(n_train=n_train, n_public=n_public, p=num_params(sizes), k=args.k,
-                       epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size,
-                       gamma=args.gamma, subspace_epsilon_fraction=args.subspace_epsilon_fraction,
-                       d=d, dataset=ds.name)
   settings = experiments.RouteSettings(clip_norm=args.clip_norm, public_rank=args.k,
                                        input_rank=args.k,
                                        input_epsilon_fraction=args.subspace_epsilon_fraction,
@@ -305,11 +413,13 @@ def run(args) -> dict:
   fixed_lr = sorted(grid)[len(grid) // 2]           # the untuned methods' rate: public
   seed_keys = [jax.random.key(seed) for seed in range(args.seeds)]
   progress = not args.no_progress
+  methods = [m for m, _ in METHODS if m in args.methods]
+  left_out = [m for m, _ in METHODS if m not in DEFAULT_METHODS and m not in args.methods]
+  if left_out and progress:
+    print(f"{' and '.join(left_out)}: not in the default set (see --help); --methods ... runs "
+          "them", file=sys.stderr)
 
-  def accuracies(params_list, split):
-    return [float(accuracy(p, *map(jnp.asarray, splits[split]))) for p in params_list]
-
-  def train(route, keys, lrs, tuned=None):
+  def train(model, route, keys, lrs, tuned=None):
     """Runs of one method: ``(params list, σ, rank, [(ε, δ, subspace_ok, notes)] per run)``;
     ``tuned``: the HyperparameterTuning each run belongs to (None: a run released alone)."""
     public = route.method in PUBLIC_METHODS
@@ -318,10 +428,14 @@ def run(args) -> dict:
     accountant = ACCOUNTANT if tuned is None else TUNING_ACCOUNTANT
     if route.subspace == "route":
       out = experiments.train_route(route.method, jnp.stack(keys), lrs, data,
-                                    init_fn=_init_fn(sizes), loss_fn=example_loss,
+                                    init_fn=model.init, loss_fn=model.loss,
                                     epsilon=args.epsilon, delta=args.delta, steps=args.steps,
                                     expected_batch_size=args.batch_size,
-                                    public_inputs=X[pub] if public else None,
+                                    public_inputs=(X[pub] if route.method == "public_subspace"
+                                                   else None),
+                                    public_data=((X[pub], y[pub])
+                                                 if route.method == "public_gradient_subspace"
+                                                 else None),
                                     settings=settings, accountant=accountant, tuning=tuned)
       params = [jax.tree_util.tree_map(lambda x, i=i: x[i], out.params) for i in range(len(keys))]
       budget = (None, None) if route.method == "non_private" else (out.epsilon, out.delta)
@@ -332,7 +446,7 @@ def run(args) -> dict:
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = training.train_dp_sgd(
-            k_train, example_loss, init_mlp(k_init, sizes), data, adam(float(lr)),
+            k_train, model.loss, model.init(k_init), data, adam(float(lr)),
             epsilon=args.epsilon, delta=args.delta, steps=args.steps,
             expected_batch_size=args.batch_size, clip_norm=args.clip_norm,
             subspace=route.subspace, k=args.k, public_data=(X[pub], y[pub]) if public else None,
@@ -347,64 +461,94 @@ def run(args) -> dict:
                    [str(w.message) for w in caught]))
     return params, sigma, args.k, info
 
-  def seed_runs(route):
+  def seed_runs(model, route, accuracies):
     """``(kind, [(params, lr, runs, σ, rank, info)] per seed)``: the released run of each seed."""
     if route.method == "non_private":
-      tuned, *_ = train(route, [jax.random.key(TUNING_SEED)] * len(grid), grid)
+      tuned, *_ = train(model, route, [jax.random.key(TUNING_SEED)] * len(grid), grid)
       lr = grid[int(np.argmax(accuracies(tuned, "tune")))]
-      params, sigma, rank, info = train(route, seed_keys, [lr] * args.seeds)
+      params, sigma, rank, info = train(model, route, seed_keys, [lr] * args.seeds)
       return "non_private", [(p, lr, len(grid), sigma, rank, i) for p, i in zip(params, info)]
     if tuning is None or route.method not in TUNED_PRIVATELY:
-      params, sigma, rank, info = train(route, seed_keys, [fixed_lr] * args.seeds)
+      params, sigma, rank, info = train(model, route, seed_keys, [fixed_lr] * args.seeds)
       return "fixed", [(p, fixed_lr, 1, sigma, rank, i) for p, i in zip(params, info)]
     released = []
     for key in seed_keys:   # Papernot–Steinke: K drawn, rates drawn, only the best released
       keys, lrs = tuning_runs(key, tuning, grid)
-      runs = [train(route, [k], [lr], tuning) for k, lr in zip(keys, lrs)]
+      runs = [train(model, route, [k], [lr], tuned=tuning) for k, lr in zip(keys, lrs)]
       scores = accuracies([r[0][0] for r in runs], "tune")
       best = int(np.argmax(scores))
       params, sigma, rank, info = runs[best]
       released.append((params[0], lrs[best], len(keys), sigma, rank, info[0]))
     return "private", released
 
-  results, summary = [], {}
-  routes = [r for r in routes if r.method in args.methods]
-  if "dp_sgd_denoise" not in args.methods and progress:
-    print("dp_sgd_denoise is not in the default set (its shrinkage removes the signal at the "
-          "defaults); --methods dp_sgd_denoise ... runs it", file=sys.stderr)
-  for route in routes:
-    base = {"method": route.method, "epsilon": None, "delta": None, "test_accuracy": None,
-            "subspace_ok": None, "status": "ok", "note": None, "n_private": route.n_private,
-            "rank": None, "noise_multiplier": None, "learning_rate": None, "tuning": None,
-            "runs": None, "accountant": None}
-    if route.note is not None:
-      print(f"{route.method}: not runnable: {route.note}", file=sys.stderr)
-      results += [{**base, "seed": s, "status": "not_runnable", "note": route.note}
-                  for s in range(args.seeds)]
-      continue
-    if progress:
-      print(f"{route.method}: {args.seeds} seed(s)", file=sys.stderr)
+  results, summary, winners, crossover = [], {}, {}, {}
+  for model_name in args.models:
+    base_row = {"model": model_name, "epsilon": None, "delta": None, "test_accuracy": None,
+                "subspace_ok": None, "status": "ok", "note": None, "rank": None,
+                "noise_multiplier": None, "learning_rate": None, "tuning": None, "runs": None,
+                "accountant": None}
     try:
-      kind, released = seed_runs(route)
-      accs = accuracies([r[0] for r in released], "test")
-    except Exception as exc:  # pylint: disable=broad-except  # isolate methods; record the error
-      traceback.print_exc()
-      note = f"{type(exc).__name__}: {exc}"
-      print(f"{route.method}: FAILED ({note}); carrying on", file=sys.stderr)
-      results += [{**base, "seed": s, "status": "failed", "note": note}
-                  for s in range(args.seeds)]
-      continue
-    accountant = {"non_private": None, "fixed": ACCOUNTANT, "private": TUNING_ACCOUNTANT}[kind]
-    summary[route.method] = {"mean_test_accuracy": float(np.mean(accs)), "tuning": kind,
-                             "accountant": accountant}
-    for seed, (acc, (_, lr, runs, sigma, rank, (eps, delta, ok, notes))) in enumerate(
-        zip(accs, released)):
-      for note in notes:
-        print(f"  note: {note}", file=sys.stderr)
-      results.append({**base, "seed": seed, "epsilon": eps, "delta": delta,
-                      "test_accuracy": acc, "subspace_ok": ok, "note": " ".join(notes) or None,
-                      "rank": rank, "noise_multiplier": sigma, "learning_rate": lr,
-                      "tuning": kind, "runs": runs, "accountant": accountant})
+      model = build_model(model_name, d, ds.num_classes, args.hidden)
+      p = sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(
+          jax.eval_shape(model.init, jax.random.key(0))))
+    except (ValueError, ImportError) as exc:   # a public fact of these settings: not runnable
+      model, note = None, f"the {model_name} model cannot be built: {exc}"
+      routes = [Route(m, s, None if m == "non_private" else
+                      n_train - n_public if m in PUBLIC_METHODS else n_train, note)
+                for m, s in METHODS]
+    if model is not None:
+      routes = plan_routes(n_train=n_train, n_public=n_public, p=p, k=args.k,
+                           epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size,
+                           gamma=args.gamma,
+                           subspace_epsilon_fraction=args.subspace_epsilon_fraction, d=d,
+                           dataset=ds.name, dense_first_layer=model.dense_first_layer,
+                           model=model_name)
+
+    def accuracies(params_list, split, model=model):
+      return [float(model_accuracy(model.logits, p, *map(jnp.asarray, splits[split])))
+              for p in params_list]
+
+    summary[model_name] = {}
+    for route in (r for r in routes if r.method in args.methods):
+      base = {"method": route.method, **base_row, "n_private": route.n_private}
+      if route.note is not None:
+        print(f"{model_name}/{route.method}: not runnable: {route.note}", file=sys.stderr)
+        results += [{**base, "seed": s, "status": "not_runnable", "note": route.note}
+                    for s in range(args.seeds)]
+        continue
+      if progress:
+        print(f"{model_name}/{route.method}: {args.seeds} seed(s)", file=sys.stderr)
+      start = time.perf_counter()
+      try:
+        kind, released = seed_runs(model, route, accuracies)
+        accs = accuracies([r[0] for r in released], "test")
+      except Exception as exc:  # pylint: disable=broad-except  # isolate methods; record it
+        traceback.print_exc()
+        note = f"{type(exc).__name__}: {exc}"
+        print(f"{model_name}/{route.method}: FAILED ({note}); carrying on", file=sys.stderr)
+        results += [{**base, "seed": s, "status": "failed", "note": note}
+                    for s in range(args.seeds)]
+        continue
+      accountant = {"non_private": None, "fixed": ACCOUNTANT,
+                    "private": TUNING_ACCOUNTANT}[kind]
+      summary[model_name][route.method] = {
+          "mean_test_accuracy": float(np.mean(accs)), "min_test_accuracy": float(np.min(accs)),
+          "max_test_accuracy": float(np.max(accs)), "seeds": len(accs), "tuning": kind,
+          "accountant": accountant, "seconds": time.perf_counter() - start}
+      for seed, (acc, (_, lr, runs, sigma, rank, (eps, delta, ok, notes))) in enumerate(
+          zip(accs, released)):
+        for note in notes:
+          print(f"  note: {note}", file=sys.stderr)
+        results.append({**base, "seed": seed, "epsilon": eps, "delta": delta,
+                        "test_accuracy": acc, "subspace_ok": ok,
+                        "note": " ".join(notes) or None, "rank": rank,
+                        "noise_multiplier": sigma, "learning_rate": lr, "tuning": kind,
+                        "runs": runs, "accountant": accountant})
+    winners[model_name] = _winner(summary[model_name])
+    dense_first = model.dense_first_layer if model is not None else model_name != "cnn"
+    applicable = [m for m in methods if dense_first or m not in experiments.DENSE_ROUTES]
+    crossover[model_name] = crossover_lines(ds.name, study_model(model_name, args.hidden),
+                                            args.epsilon, applicable)
 
   report = {"dataset": ds.name, "n_train": int(n_train), "n_tune": int(n_tune),
             "n_test": int(ds.X_test.shape[0]), "n_public": int(n_public), "k": args.k,
@@ -412,10 +556,8 @@ def run(args) -> dict:
             "epsilon": args.epsilon, "delta": args.delta,
             "subspace_epsilon_fraction": args.subspace_epsilon_fraction,
             "learning_rates": grid, "tuning": _tuning_report(tuning, fixed_lr),
-            "methods": [m for m, _ in METHODS if m in args.methods],
-            "winner": _winner(summary),
-            "crossover": crossover_lines(ds.name, args.hidden, args.epsilon,
-                                         [r.method for r in routes]),
+            "models": list(args.models), "methods": methods, "winner": winners,
+            "crossover": crossover,
             "privacy_note": _privacy_note(int(n_train), int(n_public), int(n_tune),
                                           args.epsilon, args.delta),
             "summary": summary, "results": results}
@@ -445,19 +587,24 @@ def _study() -> dict:
     return {}
 
 
-def crossover_lines(dataset: str, hidden: int, epsilon: float, methods) -> dict:
+def study_model(model: str, hidden: int) -> str | None:
+  """The crossover study's name of the main job's ``model`` (``"mlp"`` with ``hidden`` units:
+  ``mlp_small`` for 32, ``mlp_large`` for 128, else None; ``"cnn"``: ``cnn``)."""
+  return "cnn" if model == "cnn" else _STUDY_MODELS.get(hidden)
+
+
+def crossover_lines(dataset: str, model: str | None, epsilon: float, methods) -> dict:
   """``{method: line}`` from the crossover study for the cell nearest this run: the study's
-  data set (MNIST-10k or digits; none for a user's data), its MLP of this width (else its
-  softmax) and the largest ε it measured at or below this one (else the smallest above).
-  A route the study measured says "wins from n ≈ N at ε = E (model M)" (it wins at every
-  measured n from N on), "wins at n ≈ N1, N2 (not at n = N) …" (a public subspace can win at
-  small n only) or "does not win up to n = N at ε = E (model M): X points vs the best dp_sgd";
-  others say why there is no line."""
+  data set (MNIST-10k or digits; none for a user's data), its ``model`` (a study model name,
+  :func:`study_model`; else, or if the study has no such cell, its softmax) and the largest ε
+  it measured at or below this one (else the smallest above). A route the study measured says
+  "wins from n ≈ N at ε = E (model M)" (it wins at every measured n from N on), "wins at
+  n ≈ N1, N2 (not at n = N) …" (a public subspace can win at small n only) or "does not win up to
+  n = N at ε = E (model M): X points vs the best dp_sgd"; others say why there is no line."""
   study = _study().get(_STUDY_DATA.get(dataset, ""), {})
   if not study:
     return {m: f"the crossover study has no measurements on {dataset}" for m in methods
             if m not in ("non_private", "dp_sgd")}
-  model = _STUDY_MODELS.get(hidden)
   model = model if model in study else "softmax" if "softmax" in study else sorted(study)[0]
   eps_all = sorted(study[model], key=float)
   below = [e for e in eps_all if float(e) <= epsilon * (1 + 1e-9)]
@@ -468,8 +615,6 @@ def crossover_lines(dataset: str, hidden: int, epsilon: float, methods) -> dict:
     if m in ("non_private", "dp_sgd"):
       continue
     names = [r for r in rows if r == m or r.startswith(m + "_m")]
-    if m == "subspace_dp_sgd_public":   # PDP-SGD: the study's public gradient route
-      names = [r for r in rows if r.startswith("public_gradient_subspace_m")]
     if not names:
       lines[m] = f"not measured by the crossover study (ε = {eps}, {model})"
       continue
@@ -555,6 +700,12 @@ def _print_table(report: dict) -> None:
         f"{report['delta']:g}), add/remove-one, tuning included")
   print(textwrap.fill("privacy: " + report["privacy_note"], width=100, break_on_hyphens=False))
   tuning = report["tuning"]
+  grid = report["learning_rates"]
+  reduced = (" (the default grid has two points, fewer than a study would tune over, to keep the "
+             "main job near 10 minutes on 2 CPU cores; --learning-rates takes more)"
+             if tuple(grid) == LEARNING_RATES else "")
+  print(textwrap.fill(f"learning rates: {', '.join(f'{lr:g}' for lr in grid)}{reduced}",
+                      width=100, break_on_hyphens=False))
   if "mean_runs" in tuning:
     print(textwrap.fill(
         f"tuning: {', '.join(tuning['tuned_methods'])} are tuned privately ({tuning['method']}; "
@@ -562,8 +713,8 @@ def _print_table(report: dict) -> None:
         f"best on the tuning split released); the other DP methods run once at lr "
         f"{tuning['fixed_learning_rate']:g} (PLD accountant).", width=100,
         break_on_hyphens=False))
-  header = (f"{'method':<25}{'rank':>5}{'sigma':>7}{'lr':>7}{'runs':>5}{'seed':>5}{'epsilon':>9}"
-            f"{'delta':>9}{'test acc':>9}  {'subspace':<9}status")
+  header = (f"{'model':<6}{'method':<25}{'rank':>5}{'sigma':>7}{'lr':>7}{'runs':>5}{'seed':>5}"
+            f"{'epsilon':>9}{'delta':>9}{'test acc':>9}  {'subspace':<9}status")
   print(header)
   print("-" * len(header))
   notes = {}
@@ -576,30 +727,38 @@ def _print_table(report: dict) -> None:
     acc = "-" if r["test_accuracy"] is None else f"{r['test_accuracy']:.4f}"
     ok = {None: "-", True: "ok", False: "⊥"}[r["subspace_ok"]]
     runs = "-" if r["runs"] is None else str(r["runs"])
-    print(f"{r['method']:<25}{rank:>5}{sigma:>7}{lr:>7}{runs:>5}{r['seed']:>5}{eps:>9}{delta:>9}"
-          f"{acc:>9}  {ok:<9}{r['status']}")
+    print(f"{r['model']:<6}{r['method']:<25}{rank:>5}{sigma:>7}{lr:>7}{runs:>5}{r['seed']:>5}"
+          f"{eps:>9}{delta:>9}{acc:>9}  {ok:<9}{r['status']}")
     if r["note"] is not None:
-      notes.setdefault((r["method"], r["status"], r["note"]), []).append(str(r["seed"]))
-  for (method, status, note), seeds in notes.items():
+      notes.setdefault((r["model"], r["method"], r["status"], r["note"]), []).append(
+          str(r["seed"]))
+  for (model, method, status, note), seeds in notes.items():
     label = "seed" if len(seeds) == 1 else "seeds"
-    print(textwrap.fill(f"{method} ({label} {', '.join(seeds)}, {status}): {note}", width=100,
-                        subsequent_indent="    ", break_on_hyphens=False))
-  if report.get("crossover"):
-    print("crossover study (benchmarks/gradient_subspace.py; docs/algorithms.md §6.5.1):")
-    for method, line in report["crossover"].items():
-      print(textwrap.fill(f"  {method}: {line}", width=100, subsequent_indent="    ",
-                          break_on_hyphens=False))
-  won = report["winner"]
-  if won is None:
-    print("won: no DP method finished")
-  elif won["method"] == "dp_sgd" or won["vs_dp_sgd"] is None:
-    print(f"won: {won['method']} (mean test accuracy {won['mean_test_accuracy']:.4f}); no "
-          "route beat tuned DP-SGD here")
-  else:
-    seeds = len({r["seed"] for r in report["results"]})
-    print(f"won: {won['method']} (mean test accuracy {won['mean_test_accuracy']:.4f}, "
-          f"{won['vs_dp_sgd']:+.4f} against tuned dp_sgd over {seeds} seed(s); "
-          "benchmarks/gradient_subspace.py gives paired intervals)")
+    print(textwrap.fill(f"{model}/{method} ({label} {', '.join(seeds)}, {status}): {note}",
+                        width=100, subsequent_indent="    ", break_on_hyphens=False))
+  for model in report["models"]:
+    if report["summary"].get(model):
+      print(f"{model}: test accuracy, mean [min, max] over the seeds; wall time per method:")
+      for method, m in report["summary"][model].items():
+        print(f"  {method:<25}{m['mean_test_accuracy']:.4f} [{m['min_test_accuracy']:.4f}, "
+              f"{m['max_test_accuracy']:.4f}] over {m['seeds']} seed(s), {m['seconds']:.0f} s")
+    if report["crossover"].get(model):
+      print(f"{model}: crossover study (benchmarks/gradient_subspace.py; docs/algorithms.md "
+            "§6.5.1):")
+      for method, line in report["crossover"][model].items():
+        print(textwrap.fill(f"  {method}: {line}", width=100, subsequent_indent="    ",
+                            break_on_hyphens=False))
+    won = report["winner"][model]
+    if won is None:
+      print(f"{model}: won: no DP method finished")
+    elif won["method"] == "dp_sgd" or won["vs_dp_sgd"] is None:
+      print(f"{model}: won: {won['method']} (mean test accuracy "
+            f"{won['mean_test_accuracy']:.4f}); no route beat tuned DP-SGD here")
+    else:
+      seeds = len({r["seed"] for r in report["results"]})
+      print(f"{model}: won: {won['method']} (mean test accuracy "
+            f"{won['mean_test_accuracy']:.4f}, {won['vs_dp_sgd']:+.4f} against tuned dp_sgd over "
+            f"{seeds} seed(s); benchmarks/gradient_subspace.py gives paired intervals)")
 
 
 def _plot(report: dict, path: str) -> None:
@@ -610,31 +769,34 @@ def _plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
   except ImportError as exc:  # pragma: no cover
     raise ImportError('--plot needs matplotlib: pip install "dpjax[examples]".') from exc
-  methods = [m for m, _ in METHODS]
-  accs = {m: [r["test_accuracy"] for r in report["results"]
-              if r["method"] == m and r["status"] == "ok"] for m in methods}
-  bottom = {m: sum(r["subspace_ok"] is False for r in report["results"] if r["method"] == m)
+  models = report["models"]
+  fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.4), squeeze=False)
+  for ax, model in zip(axes[0], models):
+    rows = [r for r in report["results"] if r["model"] == model]
+    methods = [m for m, _ in METHODS]
+    accs = {m: [r["test_accuracy"] for r in rows if r["method"] == m and r["status"] == "ok"]
             for m in methods}
-  done = [m for m in methods if accs[m]]
-  fig, ax = plt.subplots(figsize=(7.5, 4.2))
-  means = [float(np.mean(accs[m])) for m in done]
-  err = [[mean - min(accs[m]) for m, mean in zip(done, means)],
-         [max(accs[m]) - mean for m, mean in zip(done, means)]]
-  ax.bar(range(len(done)), means, yerr=err, capsize=3,
-         color=["tab:gray" if m == "non_private" else "tab:orange" if m in PUBLIC_METHODS
-                else "tab:blue" for m in done])
-  for i, m in enumerate(done):     # the seeds themselves, and ⊥ where a subspace was ⊥
-    ax.plot([i] * len(accs[m]), accs[m], "k.", ms=4)
-    if bottom[m]:
-      ax.annotate(f"⊥ ×{bottom[m]}", (i, means[i]), ha="center", va="bottom", fontsize=8,
-                  color="tab:red")
-  ax.set_xticks(range(len(done)), done, rotation=30, ha="right")
-  ax.set_ylabel("test accuracy (mean, range and dots: seeds)")
-  ax.set_title(f"{report['dataset']}: total ε = {report['epsilon']:g}, "
-               f"δ = {report['delta']:.0e}")
-  if means:
-    ax.set_ylim(max(0.0, min(means) - 0.1), 1.0)
-  ax.grid(axis="y", alpha=0.3)
+    bottom = {m: sum(r["subspace_ok"] is False for r in rows if r["method"] == m)
+              for m in methods}
+    done = [m for m in methods if accs[m]]
+    means = [float(np.mean(accs[m])) for m in done]
+    err = [[mean - min(accs[m]) for m, mean in zip(done, means)],
+           [max(accs[m]) - mean for m, mean in zip(done, means)]]
+    ax.bar(range(len(done)), means, yerr=err, capsize=3,
+           color=["tab:gray" if m == "non_private" else "tab:orange" if m in PUBLIC_METHODS
+                  else "tab:blue" for m in done])
+    for i, m in enumerate(done):     # the seeds themselves, and ⊥ where a subspace was ⊥
+      ax.plot([i] * len(accs[m]), accs[m], "k.", ms=4)
+      if bottom[m]:
+        ax.annotate(f"⊥ ×{bottom[m]}", (i, means[i]), ha="center", va="bottom", fontsize=8,
+                    color="tab:red")
+    ax.set_xticks(range(len(done)), done, rotation=30, ha="right")
+    ax.set_ylabel("test accuracy (mean, range and dots: seeds)")
+    ax.set_title(f"{report['dataset']}, {model}: total ε = {report['epsilon']:g}, "
+                 f"δ = {report['delta']:.0e}")
+    if means:
+      ax.set_ylim(max(0.0, min(means) - 0.1), 1.0)
+    ax.grid(axis="y", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -652,7 +814,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--epsilon", type=float, default=2.0, help="total ε (default 2.0)")
   parser.add_argument("--delta", type=float, default=1e-5, help="total δ (default 1e-5)")
   parser.add_argument("--k", type=int, default=16, help="subspace dimension (default 16)")
-  parser.add_argument("--seeds", type=int, default=1, help="number of seeds (default 1)")
+  parser.add_argument("--seeds", type=int, default=2,
+                      help="number of seeds; the table gives the spread over them (default 2)")
   parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
   parser.add_argument("--data", type=str, default="mnist",
                       help="mnist (default: the bundled MNIST-10k), digits, or an .npz with "
@@ -660,6 +823,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                       choices=[m for m, _ in METHODS],
                       help="the methods to run (default: all but dp_sgd_denoise)")
+  parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
+                      help="mlp (one tanh hidden layer of --hidden units) and/or cnn (a Flax NNX "
+                           "CNN for square images, needs flax; its routes: those that take any "
+                           "params pytree) (default: both)")
   parser.add_argument("--json", type=str, default=None, help="write the results to this path")
   parser.add_argument("--plot", type=str, default=None,
                       help="write a PNG of each method's test accuracy")
@@ -667,9 +834,10 @@ def main(argv=None) -> dict:
                       help="expected batch size (default 128)")
   parser.add_argument("--clip-norm", type=float, default=1.0,
                       help="per-example clip norm (default 1.0)")
-  parser.add_argument("--learning-rates", type=float, nargs="+", default=[0.01, 0.03, 0.1],
+  parser.add_argument("--learning-rates", type=float, nargs="+", default=list(LEARNING_RATES),
                       help="Adam learning rates; each method takes the best on the tuning split "
-                           "(default 0.01 0.03 0.1)")
+                           "(default 0.01 0.03: two points keep the main job near 10 minutes on "
+                           "2 CPU cores)")
   parser.add_argument("--hidden", type=int, default=32, help="hidden units of the MLP (default 32)")
   parser.add_argument("--public-fraction", type=float, default=0.1,
                       help="share of the training rows marked public for the public methods "
@@ -680,8 +848,9 @@ def main(argv=None) -> dict:
                       help="share of ε spent on each private subspace, DPASE's and "
                            "private_input_subspace's (default 0.25); if DPASE cannot run at this "
                            "share, that method is reported as not runnable")
-  parser.add_argument("--refresh-every", type=int, default=5,
-                      help="recompute the public subspace every this many steps (free; default 5)")
+  parser.add_argument("--refresh-every", type=int, default=10,
+                      help="subspace_dp_sgd_public recomputes its public subspace every this "
+                           "many steps (free; default 10)")
   parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
   args = parser.parse_args(argv)
   if not (math.isfinite(args.epsilon) and args.epsilon > 0):

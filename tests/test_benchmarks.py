@@ -164,10 +164,28 @@ def test_gradient_subspace_options(tmp_path):
   d = saved["details"]
   assert (d["digits/n=200/softmax/eps=1"]["non_private"]
           == d["digits/n=200/softmax/eps=2"]["non_private"])
+  quick_path = tmp_path / "quick.json"
   quick = bench.main(["--quick", "--data", "digits", "--steps", "3", "--routes", "dp_sgd",
-                      "gep_trajectory", "dp_sgd_denoise", "--oracle-refresh"])
+                      "gep_trajectory", "dp_sgd_denoise", "--oracle-refresh", "--models",
+                      "softmax", "mlp_small", "mlp_large", "cnn", "--json", str(quick_path)])
   assert set(quick["summary"]["digits/n=1157/softmax/eps=2"]) == {
       "dp_sgd", "gep_trajectory", "dp_sgd_denoise"}
+  # The CNN (a Flax NNX State) takes the pytree routes only; gep acts on a first dense layer.
+  assert set(quick["summary"]["digits/n=1157/cnn/eps=2"]) == {"dp_sgd", "dp_sgd_denoise"}
+  assert set(quick["summary"]["digits/n=1157/mlp_large/eps=2"]) == {
+      "dp_sgd", "gep_trajectory", "dp_sgd_denoise"}
+  # --merge: the pieces' cells united, the crossover derived from the whole, nothing run.
+  merged_path = tmp_path / "merged.json"
+  merged = bench.main(["--merge", str(path), str(quick_path), "--json", str(merged_path),
+                       "--plot", str(tmp_path / "merged"), "--write-crossover",
+                       str(tmp_path / "merged_crossover.json")])
+  assert set(merged["summary"]) == set(saved["summary"]) | set(quick["summary"])
+  digits = merged["crossover"]["digits"]
+  assert set(digits["softmax"]["2"]["private_input_subspace"]["by_n"]) == {"200", "400"}
+  assert set(digits["softmax"]["2"]["gep_trajectory"]["by_n"]) == {"1157"}
+  assert digits["cnn"]["2"]["dp_sgd_denoise"]["n_max"] == 1157
+  assert json.loads(merged_path.read_text())["config"]["merged"] == [str(path), str(quick_path)]
+  assert (tmp_path / "merged_digits.png").stat().st_size > 0
   assert "public_subspace" not in bench.DEFAULT_ROUTES
   assert "dp_sgd_denoise" not in bench.DEFAULT_ROUTES
 
