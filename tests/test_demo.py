@@ -22,13 +22,16 @@ from dpjax.sgd import training
 METHODS = {"non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private_input_subspace",
            "subspace_dp_sgd_private", "public_subspace", "public_gradient_subspace",
            "subspace_dp_sgd_public"}
-ROW_KEYS = {"model", "method", "epsilon", "delta", "test_accuracy", "subspace_ok", "seed", "status", "note",
+ROW_KEYS = {"model", "method", "epsilon", "delta", "test_accuracy", "subspace_ok", "seed",
+            "status", "note",
             "n_private", "rank", "noise_multiplier", "learning_rate", "tuning", "runs",
             "accountant"}
 REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "steps", "neighboring",
-               "epsilon", "delta", "subspace_epsilon_fraction", "learning_rates", "tuning",
+               "input_rank", "epsilon", "delta", "subspace_epsilon_fraction", "learning_rates",
+               "tuning",
                "winner", "privacy_note", "summary", "results", "models", "methods", "crossover"}
-RANKS = {"gep_trajectory": 8, "private_input_subspace": "k", "subspace_dp_sgd_private": "k",
+RANKS = {"gep_trajectory": 8, "private_input_subspace": "input_rank",
+         "subspace_dp_sgd_private": "k",
          "public_subspace": "k", "public_gradient_subspace": 32,
          "subspace_dp_sgd_public": "k"}
 
@@ -112,7 +115,7 @@ def _check_schema(report, *, epsilon, delta):
       assert 0.0 <= r["test_accuracy"] <= 1.0
       assert r["learning_rate"] in report["learning_rates"]
       rank = RANKS.get(r["method"])
-      assert r["rank"] == (report["k"] if rank == "k" else rank)
+      assert r["rank"] == (report[rank] if rank in ("k", "input_rank") else rank)
       assert (r["noise_multiplier"] == 0) == (r["method"] == "non_private")
       # Every DP method's (ε, δ) covers its learning-rate choice: tuned privately (RDP,
       # Papernot–Steinke: σ meets (ε, δ) for the repeat-and-select event, recomputed here by
@@ -192,7 +195,8 @@ def test_demo_epsilon_1_finishes_and_writes_json_and_plot(tmp_path):
                          "rest written; by default only planning and option checks run")
 def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp_path,
                                                                   monkeypatch, capsys):
-  # --data, --delta, --k, --seeds, --steps, --batch-size, --clip-norm, --learning-rates, --hidden,
+  # --data, --delta, --k, --input-rank, --seeds, --steps, --batch-size, --clip-norm,
+  # --learning-rates, --hidden,
   # --public-fraction, --gamma, --subspace-epsilon-fraction, --refresh-every, --json, --plot and
   # progress bars on (the ε = 1 run passes --no-progress). In process: the monkeypatched
   # failure needs the same interpreter.
@@ -206,6 +210,7 @@ def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp
   monkeypatch.setattr(training, "train_dp_sgd", flaky)
   out, plot = tmp_path / "r.json", tmp_path / "acc.png"
   report = demo.main(["--data", str(user_data), "--epsilon", "4", "--delta", "1e-6", "--k", "3",
+                      "--input-rank", "4",
                       "--seeds", "2", "--steps", "3", "--batch-size", "32", "--clip-norm", "0.5",
                       "--learning-rates", "0.05", "0.1", "--hidden", "8",
                       "--public-fraction", "0.2", "--gamma", "1e-4",
@@ -215,6 +220,7 @@ def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp
   written = json.loads(out.read_text(encoding="utf-8"))
   assert written == json.loads(json.dumps(report))
   assert written["n_train"] == 360 and written["n_public"] == 72 and written["k"] == 3
+  assert written["input_rank"] == 4
   assert written["learning_rates"] == [0.05, 0.1]
   assert written["steps"] == 3 and written["delta"] == 1e-6
   assert written["subspace_epsilon_fraction"] == 0.5
@@ -286,6 +292,8 @@ def test_plan_reports_dpase_not_runnable_with_the_reason_and_a_feasible_share():
     (dict(k=20), "public_subspace", "the public split has 15 rows, fewer than k=20"),
     (dict(k=12, d=10), "public_subspace", "k=12 exceeds the d=10 input features"),
     (dict(k=12, d=10), "private_input_subspace", "k=12 exceeds the d=10 input features"),
+    (dict(k=4, d=10, input_rank=11), "private_input_subspace",
+     "k=11 exceeds the d=10 input features"),
 ])
 def test_plan_names_the_reason_a_route_cannot_run(kwargs, method, expected):
   settings = dict(n_train=150, n_public=15, p=2410, k=4, epsilon=50.0, delta=1e-5,
@@ -298,7 +306,8 @@ def test_plan_names_the_reason_a_route_cannot_run(kwargs, method, expected):
     ["--epsilon", "0"], ["--epsilon", "nan"], ["--delta", "1.5"], ["--k", "0"],
     ["--seeds", "0"], ["--steps", "0"], ["--batch-size", "0"], ["--clip-norm", "0"],
     ["--learning-rates", "0.1", "-1"], ["--hidden", "0"], ["--public-fraction", "1"],
-    ["--gamma", "-1"], ["--subspace-epsilon-fraction", "0"], ["--refresh-every", "0"],
+    ["--gamma", "-1"], ["--input-rank", "0"], ["--subspace-epsilon-fraction", "0"],
+    ["--refresh-every", "0"],
     ["--methods", "adam"], ["--models", "rnn"],
 ])
 def test_demo_rejects_bad_options(argv):
@@ -380,7 +389,8 @@ def test_demo_at_default_settings_learns_privately(tmp_path):
   300 steps, 2 seeds, the default method set): every method that applies runs, private training
   learns — far above the 10% of chance, DP-SGD and the routes within ~20 points of the
   non-private model (measured 2026-11-29, means over 2 seeds: MLP non-private 0.938, dp_sgd
-  0.867, the routes 0.763–0.853; CNN non-private 0.949, dp_sgd 0.881, the routes 0.833–0.864) —
+  0.867, the routes 0.763–0.853; CNN non-private 0.949, dp_sgd 0.881, the routes
+  0.833–0.864) —
   within its budget, with the spread over the seeds, DPASE's ⊥ shown, the winner named per
   model and each route's crossover line."""
   report, printed = _run_cli(["--no-progress"], tmp_path / "r.json")
