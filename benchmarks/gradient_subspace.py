@@ -491,8 +491,8 @@ def _plot(summary: dict, prefix: str) -> None:
   crossover = crossovers(summary)
   for dataset, models in crossover.items():
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), squeeze=False)
+    colours = {}                       # one colour per route across the panels
     for ax, (model, epss) in zip(axes[0], models.items()):
-      colours = {}
       for i, (eps, routes) in enumerate(sorted(epss.items(), key=lambda e: float(e[0]))):
         style = ("-", "--", ":", "-.")[i % 4]
         for route, c in routes.items():
@@ -507,7 +507,8 @@ def _plot(summary: dict, prefix: str) -> None:
       ax.set_title(f"{dataset} / {model}")
       ax.set_xlabel("private training rows n")
       ax.set_ylabel("accuracy − dp_sgd (paired mean)")
-    axes[0][0].legend(fontsize=6, ncol=2)
+    for ax in axes[0]:
+      ax.legend(fontsize=5, ncol=2)
     fig.tight_layout()
     fig.savefig(f"{prefix}_{dataset.replace('/', '_')}.png", dpi=110)
     plt.close(fig)
