@@ -5,6 +5,7 @@ into a few runs to keep the file fast.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -58,13 +59,26 @@ def user_data(tmp_path_factory):
   return path
 
 
-def _run_cli(args, json_path, *, expect_exit=0):
+def _user_env():
+  """The environment a user runs the main job in: without the suite's fast-compile settings
+  (tests/conftest.py), which make a full-length run's compute several times slower."""
+  env = dict(os.environ)
+  env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+  flags = env.get("XLA_FLAGS", "").replace("--xla_cpu_use_fusion_emitters=false", "").strip()
+  if flags:
+    env["XLA_FLAGS"] = flags
+  else:
+    env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _run_cli(args, json_path, *, expect_exit=0, env=None):
   """``python -m dpjax.demo ARGS`` in its own process, as a user runs it: returns the written
   report and the captured stdout. (In-process runs late in the full suite twice crashed their
   xdist worker inside XLA's compiler, never reproduced alone: a separate process keeps one
   crash from taking other tests' results with it, and its stderr shows what happened.)"""
   proc = subprocess.run([sys.executable, "-m", "dpjax.demo", *args, "--json", str(json_path)],
-                        capture_output=True, text=True, timeout=1800, check=False)
+                        capture_output=True, text=True, timeout=1800, check=False, env=env)
   assert proc.returncode == expect_exit, (proc.returncode, proc.stderr[-4000:])
   return json.loads(json_path.read_text(encoding="utf-8")), proc.stdout
 
@@ -393,7 +407,7 @@ def test_demo_at_default_settings_learns_privately(tmp_path):
   0.833–0.864) —
   within its budget, with the spread over the seeds, DPASE's ⊥ shown, the winner named per
   model and each route's crossover line."""
-  report, printed = _run_cli(["--no-progress"], tmp_path / "r.json")
+  report, printed = _run_cli(["--no-progress"], tmp_path / "r.json", env=_user_env())
   assert report["dataset"] == "mnist10k" and report["models"] == ["mlp", "cnn"]
   assert set(report["methods"]) == set(demo.DEFAULT_METHODS)
   rows = {(r["model"], r["method"], r["seed"]): r for r in report["results"]}
