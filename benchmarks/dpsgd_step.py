@@ -1,13 +1,28 @@
 """One DP-SGD step: dpjax's ghost clipping against a non-private step and per-example libraries.
 
     python benchmarks/dpsgd_step.py [--quick] [--json PATH]
-    python benchmarks/dpsgd_step.py --models 784-1024-256-10 --batch 128 --repeats 3
+    python benchmarks/dpsgd_step.py --models 784-1024-256-10 cnn transformer --batch 128
 
 Every side is ONE jitted optimiser step (gradient, privatisation, ``optax.sgd`` update) of a
-tanh MLP with biases and softmax cross-entropy, on a fixed batch of ``--batch`` rows (256; all
-rows real, mask all True), clip norm C = 1, noise multiplier σ = 1:
+model with softmax cross-entropy, on a fixed batch of ``--batch`` rows (256; all rows real,
+mask all True), clip norm C = 1, noise multiplier σ = 1. The models (``--models``):
 
-* ``nonprivate`` — ``jax.grad`` of the mean loss, then sgd (the reference).
+* layer widths ``in-h1-...-out``: a tanh MLP with biases written with :func:`dpjax.sgd.dense`
+  (keyed by its parameter count: ``1M`` = 784-1024-256-10, 1.07M parameters; ``10M`` =
+  784-4096-1664-10, 10.0M);
+* ``cnn``: a Flax NNX CNN on 28×28×1 images, as a Flax user writes it (``nnx.Conv`` 1→32 3×3,
+  ``nnx.Conv`` 32→64 3×3 stride 2, ``nnx.Linear`` 12,544→10; 145,578 parameters), through
+  :func:`dpjax.sgd.flax_layers.nnx_model`;
+* ``transformer``: a small Flax NNX transformer classifying token sequences (``--seq`` 64
+  tokens of a 512-token vocabulary; ``nnx.Embed`` for tokens and positions, 2 pre-norm blocks of
+  ``nnx.MultiHeadAttention`` (4 heads, width 128) and an ``nnx.Linear`` MLP (512), mean pooling,
+  10 classes; 477,322 parameters at ``--seq`` 64). Its ``nnx.LayerNorm`` scales and biases fall
+  back to ``vmap(grad)`` (the only leaves that do).
+
+The sides:
+
+* ``nonprivate`` — ``jax.grad`` of the mean loss, then sgd (the reference; the Flax models run
+  batched, as a user's non-private step does).
 * ``ghost`` — :func:`dpjax.sgd.ghost_clipped_grad_sum` (ghost norms + book-keeping), then
   :func:`dpjax.sgd.dp_noise` built from it (the full release: std σC, C read from the grad fn)
   and sgd.
@@ -19,9 +34,10 @@ rows real, mask all True), clip norm C = 1, noise multiplier σ = 1:
 * ``optax_dpsgd`` — ``optax.contrib.dpsgd`` fed ``vmap(grad)`` per-example gradients.
 * ``jax_privacy`` — ``jax_privacy.clipping.clipped_grad(loss, l2_clip_norm=C,
   keep_batch_dim=False, microbatch_size=--microbatch)`` (its sum of clipped gradients), then
-  dpjax's noise built from it (it carries its bound C) and sgd; recorded as ``"unavailable: ..."`` when it does not import. It always
-  gets its ``microbatch_size`` (32): its faster setting here (measured on 784-512-10, batch 256:
-  1.8 s per sum with it, 4.5 s without, 0.73 s for dpjax's vmap path).
+  dpjax's noise built from it (it carries its bound C) and sgd; recorded as ``"unavailable: ..."``
+  when it does not import. It always gets its ``microbatch_size`` (32): its faster setting here
+  (measured on 784-512-10, batch 256: 1.8 s per sum with it, 4.5 s without, 0.73 s for dpjax's
+  vmap path).
 
 Memory: the per-example sides hold ``batch × p`` gradients (10 GB in float32 at p = 10M,
 batch 256). When that exceeds ``--max-per-example-gb`` (default 2) they run in micro-batches of
@@ -30,6 +46,9 @@ batch 256). When that exceeds ``--max-per-example-gb`` (default 2) they run in m
 ``optax.per_example_global_norm_clip`` over each micro-batch, then the noise of
 ``optax.contrib.dpsgd`` (std σC per coordinate, divided by the batch size): its
 ``GradientTransformation`` cannot take micro-batches. The JSON's ``notes`` say which sides did.
+``memory_mb`` per side is XLA's compiled buffer estimate (arguments + outputs + temporaries −
+aliased, ``compiled.memory_analysis()``), the step's peak device memory as XLA plans it, not
+the process's resident memory.
 
 Timing protocol (``benchmarks/_timing.py``): each side's first call (tracing, XLA compilation
 and one run) is reported on its own as ``compile_s``; then ``--repeats`` rounds, each timing
@@ -39,9 +58,7 @@ holds the medians. Before timing, ghost's clipped sum is checked against the vma
 (``ghost_vs_vmap_max_rel_diff``). Absolute times depend on the machine and its load and are not
 a claim.
 
-``--models`` takes layer widths ``in-h1-...-out``; each model's key in the JSON is its
-parameter count (``1M`` = 784-1024-256-10, 1.07M parameters; ``10M`` = 784-4096-1664-10,
-10.0M). ``--quick``: the 1M model only, 5 repeats.
+``--quick``: the 1M MLP, the CNN and the transformer, 5 repeats.
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ import argparse
 import json
 import platform
 import warnings
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +76,25 @@ import optax
 
 from _timing import timed
 from dpjax import sgd
+from dpjax.sgd import flax_layers
 from dpjax.sgd import ghost as ghost_lib
 from dpjax.sgd import sampling
 
-DEFAULT_MODELS = ("784-1024-256-10", "784-4096-1664-10")
+DEFAULT_MODELS = ("784-1024-256-10", "cnn", "transformer", "784-4096-1664-10")
+QUICK_MODELS = ("784-1024-256-10", "cnn", "transformer")
 SIDES = ("nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd", "jax_privacy")
 CLIP, SIGMA, LR = 1.0, 1.0, 0.1
+VOCAB, WIDTH, HEADS, HIDDEN, BLOCKS, CLASSES = 512, 128, 4, 512, 2, 10
+
+
+class Bench(NamedTuple):
+  """A benchmarked model: ``apply_fn(params, x, *, dense)`` for one example, ``params``,
+  ``batched_loss(params, X, y)`` (the non-private step's mean loss) and ``data(batch)`` →
+  ``(X, y)``."""
+  apply_fn: Callable
+  params: object
+  batched_loss: Callable
+  data: Callable
 
 
 def apply_fn(params, x, *, dense):
@@ -92,6 +123,96 @@ def init(widths, seed=0):
           for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))}
 
 
+def _mean_of(loss_fn):
+  return lambda p, X, y: jnp.mean(jax.vmap(loss_fn, (None, 0))(p, (X, y)))
+
+
+def mlp_bench(widths) -> Bench:
+  def data(batch):
+    rng = np.random.default_rng(1)
+    return (jnp.asarray(rng.standard_normal((batch, widths[0])), jnp.float32),
+            jnp.asarray(rng.integers(0, widths[-1], batch)))
+  return Bench(apply_fn, init(widths), _mean_of(ghost_lib.model_loss(apply_fn, example_loss)),
+               data)
+
+
+def _flax_bench(model, data) -> Bench:
+  from flax import nnx
+  graphdef, params = nnx.split(model, nnx.Param)
+
+  def batched_loss(p, X, y):
+    return jnp.mean(example_loss(nnx.merge(graphdef, p)(X), y))
+  return Bench(flax_layers.nnx_apply(graphdef), params, batched_loss, data)
+
+
+def cnn_bench() -> Bench:
+  """The NNX CNN on 28×28×1 images (module docstring)."""
+  from flax import nnx
+
+  class CNN(nnx.Module):
+    def __init__(self, rngs):
+      self.conv1 = nnx.Conv(1, 32, (3, 3), rngs=rngs)
+      self.conv2 = nnx.Conv(32, 64, (3, 3), strides=2, rngs=rngs)
+      self.dense = nnx.Linear(14 * 14 * 64, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+      h = jax.nn.relu(self.conv1(x))
+      h = jax.nn.relu(self.conv2(h))
+      return self.dense(h.reshape(h.shape[0], -1))
+
+  def data(batch):
+    rng = np.random.default_rng(1)
+    return (jnp.asarray(rng.standard_normal((batch, 28, 28, 1)), jnp.float32),
+            jnp.asarray(rng.integers(0, CLASSES, batch)))
+  return _flax_bench(CNN(nnx.Rngs(0)), data)
+
+
+def transformer_bench(seq) -> Bench:
+  """The small NNX transformer (module docstring)."""
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.norm1 = nnx.LayerNorm(WIDTH, rngs=rngs)
+      self.attention = nnx.MultiHeadAttention(HEADS, WIDTH, decode=False, rngs=rngs)
+      self.norm2 = nnx.LayerNorm(WIDTH, rngs=rngs)
+      self.up = nnx.Linear(WIDTH, HIDDEN, rngs=rngs)
+      self.down = nnx.Linear(HIDDEN, WIDTH, rngs=rngs)
+
+    def __call__(self, h):
+      h = h + self.attention(self.norm1(h))
+      return h + self.down(jax.nn.gelu(self.up(self.norm2(h))))
+
+  class Transformer(nnx.Module):
+    def __init__(self, rngs):
+      self.tokens = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+      self.positions = nnx.Embed(seq, WIDTH, rngs=rngs)
+      self.blocks = nnx.List([Block(rngs) for _ in range(BLOCKS)])
+      self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+      self.head = nnx.Linear(WIDTH, CLASSES, rngs=rngs)
+
+    def __call__(self, ids):
+      h = self.tokens(ids) + self.positions(jnp.arange(ids.shape[-1]))
+      for block in self.blocks:
+        h = block(h)
+      return self.head(self.norm(h).mean(axis=-2))
+
+  def data(batch):
+    rng = np.random.default_rng(1)
+    return (jnp.asarray(rng.integers(0, VOCAB, (batch, seq)), jnp.int32),
+            jnp.asarray(rng.integers(0, CLASSES, batch)))
+  return _flax_bench(Transformer(nnx.Rngs(0)), data)
+
+
+def build(spec, seq) -> tuple[str | None, Bench]:
+  """``(key or None, bench)``: a named model keeps its name; widths are keyed by size."""
+  if spec == "cnn":
+    return "cnn", cnn_bench()
+  if spec == "transformer":
+    return "transformer", transformer_bench(seq)
+  return None, mlp_bench([int(w) for w in spec.split("-")])
+
+
 def _noisy(grad_fn, grad_sum, batch):
   """dpjax's noise built from the clipped-gradient function ``grad_fn`` (std σC, C read from
   it, divided by the batch size) then sgd; ``grad_sum(params, X, y)`` is the step's sum."""
@@ -100,9 +221,9 @@ def _noisy(grad_fn, grad_sum, batch):
                      optax.sgd(LR)), grad_sum
 
 
-def make_steps(widths, batch, micro, micro_rows):
+def make_steps(bench, batch, micro, micro_rows):
   """``{side: (jitted step(params, state, X, y), initial state, notes)}``."""
-  params = init(widths)
+  params, apply_fn = bench.params, bench.apply_fn
   loss_fn = ghost_lib.model_loss(apply_fn, example_loss)
   mask = jnp.ones(batch, bool)
   steps = {}
@@ -115,8 +236,7 @@ def make_steps(widths, batch, micro, micro_rows):
     steps[side] = (jax.jit(step), tx.init(params), note)
 
   side = "nonprivate"
-  mean_loss = lambda p, X, y: jnp.mean(jax.vmap(loss_fn, (None, 0))(p, (X, y)))  # noqa: E731
-  build(optax.sgd(LR), jax.grad(mean_loss))
+  build(optax.sgd(LR), jax.grad(bench.batched_loss))
   side = "ghost"
   ghost = sgd.ghost_clipped_grad_sum(apply_fn, example_loss, clip_norm=CLIP)
   build(*_noisy(ghost, lambda p, X, y: ghost(p, (X, y), mask), batch))
@@ -150,7 +270,7 @@ def make_steps(widths, batch, micro, micro_rows):
           f"microbatch_size={micro_rows}")
   except ImportError as err:
     steps[side] = (None, None, f"unavailable: {err}")
-  return params, steps, (loss_fn, ghost, vmap, mask)
+  return steps, (ghost, vmap, mask)
 
 
 def _OptaxNoise(batch):
@@ -188,17 +308,35 @@ def _optax_clipped_sum(loss_fn, micro):
   return grad_sum
 
 
-def run_model(widths, batch, repeats, max_gb, micro_rows):
-  params0 = init(widths)
-  num_params = sum(x.size for x in jax.tree_util.tree_leaves(params0))
+def _memory_mb(fn, *args):
+  """XLA's compiled buffer estimate of ``fn(*args)`` in MB (module docstring), or None."""
+  try:
+    stats = fn.lower(*args).compile().memory_analysis()
+    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+    return total / 1e6
+  except Exception:  # noqa: BLE001  # not every backend reports it
+    return None
+
+
+def run_model(bench, batch, repeats, max_gb, micro_rows):
+  num_params = sum(x.size for x in jax.tree_util.tree_leaves(bench.params))
   per_example_gb = batch * num_params * 4 / 1e9
   micro = micro_rows if per_example_gb > max_gb else 0
   if batch % micro_rows:
     raise ValueError(f"--batch {batch} must be a multiple of --microbatch {micro_rows}.")
-  params, steps, (loss_fn, ghost, vmap, mask) = make_steps(widths, batch, micro, micro_rows)
-  rng = np.random.default_rng(1)
-  X = jnp.asarray(rng.standard_normal((batch, widths[0])), jnp.float32)
-  y = jnp.asarray(rng.integers(0, widths[-1], batch))
+  params = bench.params
+  with warnings.catch_warnings():        # the transformer's layer norms fall back, as documented
+    warnings.filterwarnings("ignore", "ghost clipping: parameters", UserWarning)
+    steps, (ghost, vmap, mask) = make_steps(bench, batch, micro, micro_rows)
+    X, y = bench.data(batch)
+    return _run_steps(bench, steps, ghost, vmap, mask, params, X, y, repeats, micro,
+                      num_params, per_example_gb)
+
+
+def _run_steps(bench, steps, ghost, vmap, mask, params, X, y, repeats, micro, num_params,
+               per_example_gb):
+  batch = mask.shape[0]
   check = {}
   if not micro:
     a = jax.jit(lambda p: ghost(p, (X, y), mask))(params)
@@ -212,6 +350,7 @@ def run_model(widths, batch, repeats, max_gb, micro_rows):
     fn, state, _ = steps[s]
     first, _ = timed(lambda: fn(params, state, X, y))
     compile_s[s] = first
+  memory = {s: _memory_mb(steps[s][0], params, steps[s][1], X, y) for s in live}
   for _ in range(repeats):                                            # interleaved rounds
     for s in live:
       fn, state, _ = steps[s]
@@ -233,7 +372,8 @@ def run_model(widths, batch, repeats, max_gb, micro_rows):
   r = np.asarray(times["ghost_no_noise"]) / np.asarray(times["nonprivate"])
   check["ghost_no_noise_vs_nonprivate"] = {"median": float(np.median(r)),
                                            "min": float(np.min(r))}
-  return {"widths": list(widths), "num_params": int(num_params), "batch": batch,
+  del bench
+  return {"num_params": int(num_params), "batch": batch, "memory_mb": memory,
           "per_example_gradients_gb": per_example_gb, "microbatch": micro or None,
           "median_s": median, "compile_s": compile_s, "times_s": times,
           "ghost_ratio": ratios, "vmap_ratio": vmap_ratios,
@@ -243,10 +383,12 @@ def run_model(widths, batch, repeats, max_gb, micro_rows):
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true", help="the 1M model only, 5 repeats")
+  parser.add_argument("--quick", action="store_true",
+                      help="the 1M MLP, the CNN and the transformer, 5 repeats")
   parser.add_argument("--models", nargs="+", default=None,
-                      help="layer widths in-h1-...-out per model (default: "
+                      help="cnn, transformer, or MLP layer widths in-h1-...-out (default: "
                       + " ".join(DEFAULT_MODELS) + ")")
+  parser.add_argument("--seq", type=int, default=64, help="the transformer's sequence length")
   parser.add_argument("--batch", type=int, default=256)
   parser.add_argument("--repeats", type=int, default=None,
                       help="interleaved rounds (default 7, 5 with --quick)")
@@ -256,13 +398,13 @@ def main(argv=None) -> dict:
                       help="per-example gradients larger than this run in micro-batches")
   parser.add_argument("--json", type=str, default=None)
   args = parser.parse_args(argv)
-  models = args.models or (DEFAULT_MODELS[:1] if args.quick else DEFAULT_MODELS)
+  models = args.models or (QUICK_MODELS if args.quick else DEFAULT_MODELS)
   repeats = args.repeats or (5 if args.quick else 7)
   results = {}
   for spec in models:
-    widths = [int(w) for w in spec.split("-")]
-    res = run_model(widths, args.batch, repeats, args.max_per_example_gb, args.microbatch)
-    results[model_key(res["num_params"])] = res
+    key, bench = build(spec, args.seq)
+    res = run_model(bench, args.batch, repeats, args.max_per_example_gb, args.microbatch)
+    results[key or model_key(res["num_params"])] = res
   jp = lambda r: r["ghost_ratio"]["jax_privacy"]["median"] if "jax_privacy" in r["ghost_ratio"] \
       else r["notes"]["jax_privacy"]                                              # noqa: E731
   summary = {
@@ -279,26 +421,31 @@ def main(argv=None) -> dict:
                                    for k, r in results.items()},
       "vmap_ratio_vs_optax_dpsgd": {k: r["vmap_ratio"]["optax_dpsgd"]["median"]
                                     for k, r in results.items()},
+      "memory_mb": {k: r["memory_mb"] for k, r in results.items()},
+      "num_params": {k: r["num_params"] for k, r in results.items()},
   }
-  config = {"batch": args.batch, "repeats": repeats, "clip_norm": CLIP,
+  config = {"batch": args.batch, "repeats": repeats, "seq": args.seq, "clip_norm": CLIP,
             "noise_multiplier": SIGMA, "learning_rate": LR, "backend": jax.default_backend(),
             "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
             "optax": optax.__version__}
   print(f"DP-SGD step, batch {args.batch}, {repeats} interleaved rounds, "
         f"backend={jax.default_backend()}")
-  print(f"{'model':<8}{'side':<16}{'median s':>10}{'compile s':>11}{'ghost/side':>12}"
+  print(f"{'model':<12}{'side':<16}{'median s':>10}{'compile s':>11}{'MB':>8}{'ghost/side':>12}"
         f"{'min':>8}   notes")
   for k, r in results.items():
     for s in SIDES:
       if s not in r["median_s"]:
-        print(f"{k:<8}{s:<16}{'-':>10}{'-':>11}{'-':>12}{'-':>8}   {r['notes'].get(s, '')}")
+        print(f"{k:<12}{s:<16}{'-':>10}{'-':>11}{'-':>8}{'-':>12}{'-':>8}   "
+              f"{r['notes'].get(s, '')}")
         continue
       ratio = r["ghost_ratio"].get(s)
       rtxt = f"{ratio['median']:>11.3f}x{ratio['min']:>7.3f}x" if ratio else f"{'':>20}"
-      print(f"{k:<8}{s:<16}{r['median_s'][s]:>10.4f}{r['compile_s'][s]:>11.2f}{rtxt}   "
+      mb = r["memory_mb"][s]
+      mtxt = f"{mb:>8.0f}" if mb is not None else f"{'-':>8}"
+      print(f"{k:<12}{s:<16}{r['median_s'][s]:>10.4f}{r['compile_s'][s]:>11.2f}{mtxt}{rtxt}   "
             f"{r['notes'].get(s, '')}")
     if "ghost_vs_vmap_max_rel_diff" in r:
-      print(f"{k:<8}ghost vs vmap clipped sum: max rel diff "
+      print(f"{k:<12}ghost vs vmap clipped sum: max rel diff "
             f"{r['ghost_vs_vmap_max_rel_diff']:.2e}")
   out = {"summary": summary, "models": results, "config": config}
   if args.json:

@@ -9,6 +9,7 @@ import json
 import math
 import pathlib
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -443,6 +444,23 @@ def test_own_loop_privacy_check_detects_a_broken_loop(old, new, monkeypatch, cap
     _check_private_as_written(spy, ns, printed, steps_run=_FEW_STEPS)
 
 
+def test_readme_ghost_clipping_variant_is_private(monkeypatch, capsys):
+  """(a) with its ``grad_fn`` line replaced as the prose says (ghost clipping of the Flax model
+  as written, issue 38): private as above on 4 steps, and every parameter is ghost-clipped (no
+  fallback warning)."""
+  text = README.read_text()
+  line = " ".join(re.search(r"replace the `grad_fn` line by\s+`(grad_fn = dpjax\.sgd\."
+                            r"ghost_clipped_grad_sum\(.*?\))`", text, re.S).group(1).split())
+  old = next(x for x in _block(text, _LOOP_A).splitlines() if x.startswith("grad_fn = "))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", "ghost clipping", UserWarning)
+    spy, ns, printed = _run_own_loop(_LOOP_A, monkeypatch, capsys, steps=_FEW_STEPS, pin=True,
+                                     replace=((old, line + "  # DP"),))
+  _check_private_as_written(spy, ns, printed, steps_run=_FEW_STEPS)
+  assert spy.plans[0][0].grad_fn is ns["grad_fn"]
+  assert ns["grad_fn"].fun.__qualname__.startswith("ghost_clipped_grad_sum")
+
+
 def _prose_accuracies(text: str) -> list[float]:
   return [float(a) for a in re.search(r"\(about ([0-9.]+), ([0-9.]+) and ([0-9.]+) here\)",
                                       text).groups()]
@@ -644,13 +662,15 @@ def test_dp_sgd_flax_notebook_runs_reduced(monkeypatch, capsys):
 def test_library_does_not_import_the_examples_model_libraries():
   """Flax and Equinox are test/example dependencies only (pyproject's extras): no module of
   dpjax imports them — except the main job (dpjax/demo.py, an example), whose CNN imports Flax
-  inside the function that builds it, only when asked for — and the extras name them."""
+  inside the function that builds it, only when asked for, and dpjax.sgd.flax_layers (ghost
+  clipping of Flax models), inside its one ``_flax()`` — and the extras name them."""
   for path in sorted((ROOT / "dpjax").rglob("*.py")):
     tree = ast.parse(path.read_text())
     lazy = set()
-    if path.name == "demo.py" and path.parent.name == "dpjax":
+    allowed = {("dpjax", "demo.py"): "cnn_model", ("sgd", "flax_layers.py"): "_flax"}
+    if (path.parent.name, path.name) in allowed:
       lazy = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-              and f.name == "cnn_model" for n in ast.walk(f)}
+              and f.name == allowed[path.parent.name, path.name] for n in ast.walk(f)}
     for node in ast.walk(tree):
       names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

@@ -565,6 +565,104 @@ def test_ghost_audit_catches_a_clip_factor_from_a_wrong_norm(audit_trials):
   _control("ghost step: clip factor of ‖g‖/3", claimed, lb, n)
 
 
+def _flax_canary(kind):
+  """``(apply_fn, params, rows, feature)`` of a one-layer Flax model whose per-example gradient
+  is the canary's far above C = 1 and the five others' below it, recorded by the ghost path as
+  ``kind`` (issue 38 §3: one audit per new layer kind):
+
+  * ``"conv"`` (NNX ``Conv``, 3-wide window, VALID, 2 channels in, 1 out): the kernel's gradient
+    is the input patch itself, ``member·x``; the canary ``x = 5·E₀₀``, the others 0.1
+    everywhere (norm 0.24). Feature: ``kernel[0, 0, 0]``.
+  * ``"embed"`` (Linen ``Embed``, 8 tokens of width 1): the output is ``Σ_t w_t·E[id_t]``; the
+    canary is token 0 five times with weight 1 (the table's gradient is 5 on row 0: its ghost
+    norm must merge the repeated tokens), the others five distinct tokens of weight 0.1.
+    Feature: ``embedding[0, 0]``.
+  * ``"layernorm"`` (NNX ``LayerNorm`` of 4 features, no bias): the output is ``c·LN(x)_0``,
+    whose scale gradient is ``c·x̂_0 e_0``; the canary ``x = (1, −1, 1, −1)`` (``x̂_0 ≈ 1``) with
+    ``c = 5``, the others ``c = 0.1``. Feature: ``scale[0]``.
+  """
+  from dpjax.sgd import flax_layers
+  if kind == "embed":
+    nn = pytest.importorskip("flax.linen")
+
+    class Weighted(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        ids, w = x
+        return (nn.Embed(8, 1, name="emb")(ids)[..., 0] * w).sum(-1)
+
+    ids = np.tile(np.arange(1, 6, dtype=np.int32), (6, 1))
+    ids[0] = 0
+    w = np.full((6, 5), 0.1, np.float32)
+    w[0] = 1.0
+    rows = (ids, w)
+    module = Weighted()
+    params = module.init(jax.random.key(0), (ids[:1], w[:1]))["params"]
+    return flax_layers.linen_apply(module), params, rows, lambda u: u["emb"]["embedding"][0, 0]
+  nnx = pytest.importorskip("flax.nnx")
+  if kind == "conv":
+    class Model(nnx.Module):
+      def __init__(self):
+        self.conv = nnx.Conv(2, 1, (3,), padding="VALID", use_bias=False, rngs=nnx.Rngs(0))
+
+      def __call__(self, x):
+        return self.conv(x).sum(axis=(-2, -1))
+
+    rows = np.full((6, 3, 2), 0.1, np.float32)
+    rows[0] = 0.0
+    rows[0, 0, 0] = 5.0
+    feature = lambda u: u["conv"]["kernel"][0, 0, 0]                        # noqa: E731
+  else:
+    class Model(nnx.Module):
+      def __init__(self):
+        self.norm = nnx.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
+
+      def __call__(self, x):
+        return self.norm(x[..., :4])[..., 0] * x[..., 4]
+
+    rows = np.tile(np.float32([1, -1, 1, -1, 0.1]), (6, 1))
+    rows[0, 4] = 5.0
+    feature = lambda u: u["norm"]["scale"][0]                               # noqa: E731
+  apply_fn, params = flax_layers.nnx_model(Model())
+  return apply_fn, params, rows, feature
+
+
+@functools.cache
+def _flax_ghost_program(kind, norm_scale=1.0):
+  """One ghost DP-SGD step (C = 1) of :func:`_flax_canary`'s model; ``norm_scale`` s > 1: the
+  negative control whose clip factor comes from a norm s times too small while the grad fn
+  still carries Δ = C (as :func:`_ghost_program`'s)."""
+  apply_fn, params, rows, feature = _flax_canary(kind)
+  grad_fn = sgd.ghost_clipped_grad_sum(apply_fn, lambda out, member: member * out,
+                                       clip_norm=norm_scale)
+  if norm_scale != 1.0:
+    grad_fn = per_example.ClippedGradSum(grad_fn.fun, 1.0)
+  plan = _sgd_plan(grad_fn)
+  return _program(grad_fn, params, rows, feature), plan.epsilon, plan.noise.init(params)
+
+
+FLAX_KINDS = {"conv": "Flax Conv", "embed": "Flax Embed", "layernorm": "Flax LayerNorm"}
+
+
+@pytest.mark.parametrize("kind", sorted(FLAX_KINDS))
+def test_ghost_dp_sgd_step_on_a_flax_layer_with_a_canary(audit_trials, kind):
+  """One ghost DP-SGD step per layer kind the Flax adapters record (issue 38 §3)."""
+  n = audit_trials(5_000, 100_000)
+  program, claimed, state = _flax_ghost_program(kind)
+  lb = _audit_step(jax.random.key(63), program, state, n, _batch(audit_trials))
+  _check(f"ghost DP-SGD step, {FLAX_KINDS[kind]}", claimed, lb, n)
+
+
+@pytest.mark.parametrize("kind", sorted(FLAX_KINDS))
+def test_flax_ghost_audit_catches_a_clip_factor_from_a_wrong_norm(audit_trials, kind):
+  """Negative control per layer kind (not in EXPECTED): the clip factor from a norm 3 times too
+  small (terms up to 3C under noise σC)."""
+  n = audit_trials(10_000, 20_000)         # 5,000 trials flagged the conv's control only narrowly
+  program, claimed, state = _flax_ghost_program(kind, 3.0)
+  lb = _audit_step(jax.random.key(64), program, state, n, _batch(audit_trials))
+  _control(f"ghost step, {FLAX_KINDS[kind]}: clip factor of ‖g‖/3", claimed, lb, n)
+
+
 def _layer_canary_rows(per_part=False):
   """Six (4, 2) gradients: the canary's 5·E₀₀ (``per_part``: 5·E₀₀ + 5·E₁₀), then five of 0.1
   everywhere."""
@@ -1167,6 +1265,8 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             # flat, per-layer, two-sided, embedding+residual), each with a negative control below
             # (issue 35 §3)
             "DP-SGD step", "ghost DP-SGD step", "subspace DP-SGD step",
+            "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
+            "ghost DP-SGD step, Flax LayerNorm",
             "subspace DP-SGD step, stretching basis",
             "per-layer subspace DP-SGD step", "two-sided per-layer subspace DP-SGD step",
             "GEP DP-SGD step, joint clip (Δ = 1)", "GEP DP-SGD step, per-part clips (Δ = √2)",
