@@ -11,13 +11,13 @@ mask all True), clip norm C = 1, noise multiplier σ = 1. The models (``--models
   (keyed by its parameter count: ``1M`` = 784-1024-256-10, 1.07M parameters; ``10M`` =
   784-4096-1664-10, 10.0M);
 * ``cnn``: a Flax NNX CNN on 28×28×1 images, as a Flax user writes it (``nnx.Conv`` 1→32 3×3,
-  ``nnx.Conv`` 32→64 3×3 stride 2, ``nnx.Linear`` 12,544→10; 145,578 parameters), through
+  ``nnx.Conv`` 32→64 3×3 stride 2, ``nnx.Linear`` 12,544→10; 144,266 parameters), through
   :func:`dpjax.sgd.flax_layers.nnx_model`;
 * ``transformer``: a small Flax NNX transformer classifying token sequences (``--seq`` 64
   tokens of a 512-token vocabulary; ``nnx.Embed`` for tokens and positions, 2 pre-norm blocks of
   ``nnx.MultiHeadAttention`` (4 heads, width 128) and an ``nnx.Linear`` MLP (512), mean pooling,
-  10 classes; 477,322 parameters at ``--seq`` 64). Its ``nnx.LayerNorm`` scales and biases fall
-  back to ``vmap(grad)`` (the only leaves that do).
+  10 classes; 471,818 parameters at ``--seq`` 64). Every parameter of each model is clipped
+  by ghost norms (no ``vmap(grad)`` fallback; the run fails on the fallback warning).
 
 The sides:
 
@@ -52,7 +52,10 @@ the process's resident memory.
 
 Timing protocol (``benchmarks/_timing.py``): each side's first call (tracing, XLA compilation
 and one run) is reported on its own as ``compile_s``; then ``--repeats`` rounds, each timing
-every side once in turn (interleaved, so all see the same machine load). The ratios are per
+every side once in turn (interleaved, so all see the same machine load); a short step is run
+``calls_per_sample`` times in a row per sample (as many as make about 0.2 s of that side's
+step, at most 50; their mean is the sample), as one 10 ms call is at the mercy of the scheduler
+(the 1M MLP's ratio ranged 1.08–1.41 over single-call runs). The ratios are per
 round, ``ghost_r / other_r`` (< 1: ghost faster), summarised by median and min; ``summary``
 holds the medians. Before timing, ghost's clipped sum is checked against the vmap path's
 (``ghost_vs_vmap_max_rel_diff``). Absolute times depend on the machine and its load and are not
@@ -84,6 +87,7 @@ DEFAULT_MODELS = ("784-1024-256-10", "cnn", "transformer", "784-4096-1664-10")
 QUICK_MODELS = ("784-1024-256-10", "cnn", "transformer")
 SIDES = ("nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd", "jax_privacy")
 CLIP, SIGMA, LR = 1.0, 1.0, 0.1
+MIN_SAMPLE_S = 0.2     # a timed sample repeats a short step to last about this long
 VOCAB, WIDTH, HEADS, HIDDEN, BLOCKS, CLASSES = 512, 128, 4, 512, 2, 10
 
 
@@ -326,8 +330,8 @@ def run_model(bench, batch, repeats, max_gb, micro_rows):
   if batch % micro_rows:
     raise ValueError(f"--batch {batch} must be a multiple of --microbatch {micro_rows}.")
   params = bench.params
-  with warnings.catch_warnings():        # the transformer's layer norms fall back, as documented
-    warnings.filterwarnings("ignore", "ghost clipping: parameters", UserWarning)
+  with warnings.catch_warnings():        # every leaf is ghost-clipped: a fallback is an error
+    warnings.filterwarnings("error", "ghost clipping: parameters", UserWarning)
     steps, (ghost, vmap, mask) = make_steps(bench, batch, micro, micro_rows)
     X, y = bench.data(batch)
     return _run_steps(bench, steps, ghost, vmap, mask, params, X, y, repeats, micro,
@@ -351,10 +355,19 @@ def _run_steps(bench, steps, ghost, vmap, mask, params, X, y, repeats, micro, nu
     first, _ = timed(lambda: fn(params, state, X, y))
     compile_s[s] = first
   memory = {s: _memory_mb(steps[s][0], params, steps[s][1], X, y) for s in live}
+  calls = {}
+  for s in live:
+    fn, state, _ = steps[s]
+    calls[s] = int(np.clip(round(MIN_SAMPLE_S / timed(lambda: fn(params, state, X, y))[0]), 1,
+                           50))
+
+  def sample(fn, state, k):
+    return [fn(params, state, X, y) for _ in range(k)]
+
   for _ in range(repeats):                                            # interleaved rounds
     for s in live:
       fn, state, _ = steps[s]
-      times[s].append(timed(lambda: fn(params, state, X, y))[0])
+      times[s].append(timed(lambda: sample(fn, state, calls[s]))[0] / calls[s])
   median = {s: float(np.median(times[s])) for s in live}
   for s in live:
     compile_s[s] = max(compile_s[s] - median[s], 0.0)
@@ -374,6 +387,7 @@ def _run_steps(bench, steps, ghost, vmap, mask, params, X, y, repeats, micro, nu
                                            "min": float(np.min(r))}
   del bench
   return {"num_params": int(num_params), "batch": batch, "memory_mb": memory,
+          "calls_per_sample": calls,
           "per_example_gradients_gb": per_example_gb, "microbatch": micro or None,
           "median_s": median, "compile_s": compile_s, "times_s": times,
           "ghost_ratio": ratios, "vmap_ratio": vmap_ratios,

@@ -321,6 +321,25 @@ def test_dpsgd_step_options(tmp_path):
   assert set(big["median_s"]) >= {"nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd"}
 
 
+@pytest.mark.slow(reason="the Flax CNN and transformer through every side of the step "
+                         "benchmark (compiles ~12 programs)")
+def test_dpsgd_step_flax_models(tmp_path):
+  """The named Flax models at tiny sizes: keyed by name, ghost checked against the vmap path,
+  memory reported per side."""
+  path = tmp_path / "out.json"
+  _load("dpsgd_step").main(["--models", "cnn", "transformer", "--seq", "8", "--batch", "8",
+                            "--repeats", "1", "--microbatch", "4", "--json", str(path)])
+  saved = json.loads(path.read_text())
+  for key in ("ratio_vs_nonprivate", "ratio_vs_jax_privacy", "memory_mb", "num_params"):
+    assert set(saved["summary"][key]) == {"cnn", "transformer"}
+  assert saved["summary"]["num_params"]["cnn"] == 144_266
+  assert saved["config"]["seq"] == 8
+  for model in saved["models"].values():
+    assert model["ghost_vs_vmap_max_rel_diff"] < 1e-4
+    assert all(m is None or m > 0 for m in model["memory_mb"].values())
+    assert all(1 <= c <= 50 for c in model["calls_per_sample"].values())
+
+
 @pytest.mark.slow(reason="four learn_gaussian runs at its minimum n (1.7·10⁶ rows); "
                          "tests/ashtiani_liaw runs it at small n")
 def test_learn_gaussian_at_its_minimum_n_on_the_model_data_answers_accurately():

@@ -32,6 +32,11 @@ statistics: ``BatchNorm`` mixes the examples of a batch and is not supported).
 
 Flax is an optional dependency (``pip install "dpjax[examples]"``), imported when a function
 here is first called.
+
+Equinox models are not intercepted: its idiom for a sequence, ``jax.vmap(self.linear)(x)``
+(``eqx.nn.MultiheadAttention``'s projections too), calls the layer inside an inner ``vmap``,
+where no tap can be taken at ``apply_fn``'s top level, so its layers would fall back anyway;
+write such a model's layers with :func:`dpjax.sgd.ghost.layer` (any JAX model can).
 """
 
 from __future__ import annotations

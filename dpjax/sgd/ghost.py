@@ -197,7 +197,9 @@ def layer(dense: Callable, kind, params, x, forward: Callable):
   :class:`ScaleLayer`) says
   which exact identity gives its per-example gradient from its input ``x`` and the gradient at
   its output, and must describe ``forward`` (``forward``'s gradient with respect to ``w`` must
-  be that identity's). With the plain :func:`dense` (a non-private step, evaluation) this is
+  be that identity's). A kind that does not describe ``forward`` gives a wrong gradient, not a
+  privacy loss: each example's term is the block computed by the kind's identity from the
+  recorded ``x`` and output gradient, and its clip factor comes from that block's norm. With the plain :func:`dense` (a non-private step, evaluation) this is
   ``forward(params, x)``; given the ``dense`` that :func:`ghost_clipped_grad_sum` passes to
   ``apply_fn``, the call is recorded. :mod:`dpjax.sgd.flax_layers` calls it for Flax layers.
 
