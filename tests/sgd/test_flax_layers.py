@@ -304,8 +304,8 @@ def test_apply_fn_is_the_model_and_leaves_it_untouched():
 
 def test_deterministic_and_inside_a_poisson_step():
   """Same inputs, same sum; the grad fn carries C and runs inside the sampled clipped sum."""
-  apply_fn, params = _nnx(_Transformer)
-  ids, y = _tokens(6, 8)
+  apply_fn, params = _nnx(_CNN)
+  ids, y = _images(6, 8)
   grad_fn = sgd.ghost_clipped_grad_sum(apply_fn, _xent, clip_norm=C)
   assert grad_fn.l2_norm_bound == C
   f = jax.jit(grad_fn)
