@@ -334,11 +334,11 @@ def run_model(bench, batch, repeats, max_gb, micro_rows):
     warnings.filterwarnings("error", "ghost clipping: parameters", UserWarning)
     steps, (ghost, vmap, mask) = make_steps(bench, batch, micro, micro_rows)
     X, y = bench.data(batch)
-    return _run_steps(bench, steps, ghost, vmap, mask, params, X, y, repeats, micro,
-                      num_params, per_example_gb)
+    return _run_steps(steps, ghost, vmap, mask, params, X, y, repeats, micro, num_params,
+                      per_example_gb)
 
 
-def _run_steps(bench, steps, ghost, vmap, mask, params, X, y, repeats, micro, num_params,
+def _run_steps(steps, ghost, vmap, mask, params, X, y, repeats, micro, num_params,
                per_example_gb):
   batch = mask.shape[0]
   check = {}
@@ -385,7 +385,6 @@ def _run_steps(bench, steps, ghost, vmap, mask, params, X, y, repeats, micro, nu
   r = np.asarray(times["ghost_no_noise"]) / np.asarray(times["nonprivate"])
   check["ghost_no_noise_vs_nonprivate"] = {"median": float(np.median(r)),
                                            "min": float(np.min(r))}
-  del bench
   return {"num_params": int(num_params), "batch": batch, "memory_mb": memory,
           "calls_per_sample": calls,
           "per_example_gradients_gb": per_example_gb, "microbatch": micro or None,

@@ -20,15 +20,19 @@ layer                                          per-example gradient (ghost norm,
 one feature group, no mask; padding ``SAME``,  (:class:`dpjax.sgd.ghost.ConvLayer`, the unfold
 ``VALID``, explicit or ``CAUSAL``)             identity)
 ``nn.Embed`` / ``nnx.Embed`` (``__call__``)    token rows (:class:`dpjax.sgd.ghost.EmbedLayer`)
+``LayerNorm``, ``RMSNorm``, ``GroupNorm``      scale (and bias) on the normalised input x̂, the
+(Linen and NNX; feature axis last, a scale,    layer's own output at unit scale and zero bias
+no ``axis_name``)                              (:class:`dpjax.sgd.ghost.ScaleLayer`)
 =============================================  =================================================
 
-Everything else — layer norms' scales, a ``Conv`` with ``CIRCULAR`` padding or a mask, a
-custom ``dot_general``, an embedding also used by ``attend`` (weight tying), subclasses of
-these layers, parameters read directly — gets its per-example gradients by ``vmap(grad)``
-restricted to those leaves (``ghost_clipped_grad_sum`` warns which), with the global norm over
-all leaves. Privacy is :func:`dpjax.sgd.ghost_clipped_grad_sum`'s (each example's term has norm
-≤ C, add/remove-one sensitivity C); the model must treat examples independently (no batch
-statistics: ``BatchNorm`` mixes the examples of a batch and is not supported).
+Everything else — a ``Conv`` with ``CIRCULAR`` or ``REFLECT`` padding, a mask or feature
+groups, a custom ``dot_general``, an embedding also used by ``attend`` (weight tying),
+subclasses of these layers, parameters read directly — gets its per-example gradients by
+``vmap(grad)`` restricted to those leaves (``ghost_clipped_grad_sum`` warns which), with the
+global norm over all leaves. Privacy is :func:`dpjax.sgd.ghost_clipped_grad_sum`'s (each
+example's term has norm ≤ C, add/remove-one sensitivity C); the model must treat examples
+independently (no batch statistics: ``BatchNorm`` mixes the examples of a batch and is not
+supported).
 
 Flax is an optional dependency (``pip install "dpjax[examples]"``), imported when a function
 here is first called.
@@ -158,7 +162,8 @@ def linen_apply(module, *, batched: bool = True, collections=None,
   ``apply_fn(params, x) = module.apply({"params": params, **collections}, x[None],
   method=method)[0]`` for ONE example ``x`` (``batched=True``: the module is written for
   batches; ``False``: ``module.apply(..., x)``). On the ghost path the module's ``nn.Dense``,
-  ``nn.DenseGeneral``, ``nn.Conv`` and ``nn.Embed`` calls are intercepted
+  ``nn.DenseGeneral``, ``nn.Conv``, ``nn.Embed``, ``nn.LayerNorm``, ``nn.RMSNorm`` and
+  ``nn.GroupNorm`` calls are intercepted
   (``flax.linen.intercept_methods``) and recorded with their exact per-example-gradient
   identities (module docstring's table); other parameters fall back to ``vmap(grad)``.
 
@@ -258,9 +263,10 @@ def nnx_apply(graphdef, *states, batched: bool = True) -> Callable:
 
   ``apply_fn(params, x) = nnx.merge(graphdef, params, *states)(x[None])[0]`` for ONE example
   (``batched=False``: ``(...)(x)``). On the ghost path the merged copy's ``nnx.Linear``,
-  ``nnx.LinearGeneral`` (so ``nnx.MultiHeadAttention``'s projections), ``nnx.Conv`` and
-  ``nnx.Embed`` layers are recorded with their exact identities (module docstring); other
-  parameters fall back to ``vmap(grad)``. Changes the model makes to its state in a call are
+  ``nnx.LinearGeneral`` (so ``nnx.MultiHeadAttention``'s projections), ``nnx.Conv``,
+  ``nnx.Embed``, ``nnx.LayerNorm``, ``nnx.RMSNorm`` and ``nnx.GroupNorm`` layers are recorded
+  with their exact identities (module docstring); other parameters fall back to
+  ``vmap(grad)``. Changes the model makes to its state in a call are
   discarded (``states`` are constants: no batch statistics, no dropout RNG streams).
 
   Args:

@@ -185,21 +185,18 @@ class ScaleLayer(NamedTuple):
     return (jnp.reshape(x, (x.shape[0], -1, w_shape[-1])),
             jnp.reshape(delta, (delta.shape[0], -1, w_shape[-1])))
 
-  def kernel(self, total, w_shape):
-    return jnp.reshape(total, w_shape)
-
 
 def layer(dense: Callable, kind, params, x, forward: Callable):
   """Calls a layer of a known kind so :func:`ghost_clipped_grad_sum` can clip it by ghost norms.
 
   ``forward(params, x)`` is the layer's own computation (a Flax module's, with its dtypes and
   precision); ``kind`` (:class:`DenseLayer`, :class:`ConvLayer`, :class:`EmbedLayer` or
-  :class:`ScaleLayer`) says
-  which exact identity gives its per-example gradient from its input ``x`` and the gradient at
-  its output, and must describe ``forward`` (``forward``'s gradient with respect to ``w`` must
-  be that identity's). A kind that does not describe ``forward`` gives a wrong gradient, not a
-  privacy loss: each example's term is the block computed by the kind's identity from the
-  recorded ``x`` and output gradient, and its clip factor comes from that block's norm. With the plain :func:`dense` (a non-private step, evaluation) this is
+  :class:`ScaleLayer`) says which exact identity gives its per-example gradient from its input
+  ``x`` and the gradient at its output, and must describe ``forward`` (``forward``'s gradient
+  with respect to ``w`` must be that identity's). A kind that does not describe ``forward``
+  gives a wrong gradient, not a privacy loss: each example's term is the block computed by the
+  kind's identity from the recorded ``x`` and output gradient, and its clip factor comes from
+  that block's norm. With the plain :func:`dense` (a non-private step, evaluation) this is
   ``forward(params, x)``; given the ``dense`` that :func:`ghost_clipped_grad_sum` passes to
   ``apply_fn``, the call is recorded. :mod:`dpjax.sgd.flax_layers` calls it for Flax layers.
 
@@ -260,8 +257,9 @@ class _Plan:
   """Which parameter leaves the ghost path covers, found by tracing one example abstractly.
 
   ``calls[j] = (w, b, out, kind)``: the j-th recorded layer call's covered leaf indices
-  (None: not covered), its output's shape and its kind; ``uncovered``: leaves used otherwise (per-example gradients
-  by ``vmap(grad)``); ``unused``: leaves the loss does not depend on (zero gradient).
+  (None: not covered), its output's shape and its kind; ``uncovered``: leaves used otherwise
+  (per-example gradients by ``vmap(grad)``); ``unused``: leaves the loss does not depend on
+  (zero gradient).
   """
   calls: tuple
   uncovered: tuple
@@ -664,8 +662,9 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
   :func:`layer`; a Flax model through :func:`dpjax.sgd.flax_layers.nnx_model` or
   :func:`~dpjax.sgd.flax_layers.linen_apply`, unchanged); the loss: ``example_loss(outputs,
   y) -> scalar``. A parameter leaf is clipped by ghost norms when exactly one recorded layer
-  call receives it (as ``w`` or ``b``, unchanged) and nothing else reads it; every other leaf the loss depends on (weight tying, a
-  layer norm's scale, an embedding table, a ``dense`` called inside a ``lax.scan`` /
+  call receives it (as ``w`` or ``b``, unchanged) and nothing else reads it; every other leaf
+  the loss depends on (weight tying, a layer norm's scale or an embedding table used without
+  :func:`layer`, a ``dense`` called inside a ``lax.scan`` /
   ``lax.cond`` / ``lax.while_loop`` body, ``jax.checkpoint``, a nested ``jax.jit`` or an inner
   ``vmap``, whether the body closes over the parameters or receives them) gets its per-example
   gradients by ``vmap(grad)`` restricted to those leaves (exact, slower; a ``UserWarning``
