@@ -1,4 +1,4 @@
-"""The main job: private training on real data, every gradient-subspace route, one total (ε, δ).
+"""The main job: private training on real data, every gradient-subspace route, one (ε, δ) per run.
 
     python -m dpjax.demo                       # MNIST-10k (bundled), MLP and CNN, ε = 2
     python -m dpjax.demo --json results.json --plot accuracy.png
@@ -15,7 +15,7 @@ the reason, as is every method on a model that cannot be built (a CNN on non-squ
 without Flax). Each result row names its ``model``; the summary, the winner and the crossover
 lines are given per model.
 
-Methods (every DP one at the same total (ε, δ) under add/remove-one, every release accounted:
+Methods (every DP run at the same (ε, δ) under add/remove-one, every release of the run accounted:
 the private subspace's cost and the learning-rate tuning included). Routes that use public data have
 ``public`` in their name.
 
@@ -67,7 +67,12 @@ Who the (ε, δ) protects: the training rows each method trains on; the public r
 other rows only, and their public split is public only because this experiment marks it so (a
 seeded sample of the same data set): its rows get no protection, and neither do the tuning
 split's. Each result row records the number of rows its guarantee covers (``n_private``); the
-report says this in ``privacy_note``.
+report says this in ``privacy_note``. The (ε, δ) is each released run's: the report publishes
+many runs trained on the same rows (seeds × methods × models) and a non-private reference, so
+``composed`` gives the DP runs' total by basic composition (:func:`composed_total`) and says that
+the reference has no guarantee; ``budget`` is "per released run". Each (model, method, seed)
+draws from its own key, one split of the seed's key into one per model and method
+(:func:`run_key`): no two runs share sampling or noise.
 
 The methods are planned before any training, from public quantities only (row counts, p, d, k,
 ε, δ, γ): a method that cannot run at these settings (for example DPASE needing more rows than
@@ -116,7 +121,7 @@ from dpjax._host import host_rng
 from dpjax.sgd import training
 
 # The main job's entry points; the model, optimiser and planning helpers are its own.
-__all__ = ["main", "run"]
+__all__ = ["composed_total", "main", "run", "run_key"]
 
 # The methods, in run order: (name, source). Source "route": dpjax.experiments.train_route (the
 # name is the route); "private" / "public": dpjax.sgd.train_dp_sgd's subspace argument.
@@ -415,7 +420,6 @@ def run(args) -> dict:
   grid = [float(lr) for lr in args.learning_rates]
   tuning = tuning_plan(grid)
   fixed_lr = sorted(grid)[len(grid) // 2]           # the untuned methods' rate: public
-  seed_keys = [jax.random.key(seed) for seed in range(args.seeds)]
   progress = not args.no_progress
   methods = [m for m, _ in METHODS if m in args.methods]
   left_out = [m for m, _ in METHODS if m not in DEFAULT_METHODS and m not in args.methods]
@@ -465,8 +469,9 @@ def run(args) -> dict:
                    [str(w.message) for w in caught]))
     return params, sigma, args.k, info
 
-  def seed_runs(model, route, accuracies):
+  def seed_runs(model_name, model, route, accuracies):
     """``(kind, [(params, lr, runs, σ, rank, info)] per seed)``: the released run of each seed."""
+    seed_keys = [run_key(seed, model_name, route.method) for seed in range(args.seeds)]
     if route.method == "non_private":
       tuned, *_ = train(model, route, [jax.random.key(TUNING_SEED)] * len(grid), grid)
       lr = grid[int(np.argmax(accuracies(tuned, "tune")))]
@@ -524,7 +529,7 @@ def run(args) -> dict:
         print(f"{model_name}/{route.method}: {args.seeds} seed(s)", file=sys.stderr)
       start = time.perf_counter()
       try:
-        kind, released = seed_runs(model, route, accuracies)
+        kind, released = seed_runs(model_name, model, route, accuracies)
         accs = accuracies([r[0] for r in released], "test")
       except Exception as exc:  # pylint: disable=broad-except  # isolate methods; record it
         traceback.print_exc()
@@ -558,7 +563,8 @@ def run(args) -> dict:
             "n_test": int(ds.X_test.shape[0]), "n_public": int(n_public), "k": args.k,
             "input_rank": args.input_rank,
             "steps": args.steps, "neighboring": "ADD_OR_REMOVE_ONE",
-            "epsilon": args.epsilon, "delta": args.delta,
+            "epsilon": args.epsilon, "delta": args.delta, "budget": "per released run",
+            "composed": composed_total(results),
             "subspace_epsilon_fraction": args.subspace_epsilon_fraction,
             "learning_rates": grid, "tuning": _tuning_report(tuning, fixed_lr),
             "models": list(args.models), "methods": methods, "winner": winners,
@@ -643,6 +649,16 @@ def crossover_lines(dataset: str, model: str | None, epsilon: float, methods) ->
   return lines
 
 
+def run_key(seed: int, model: str, method: str) -> jax.Array:
+  """The key of one (model, method, seed) of the main job: ONE split of ``key(seed)`` into a key
+  per (model, method) of every model in :data:`MODELS` and method in :data:`METHODS` (whichever
+  are selected), so no two runs share a stream (issue 49 §3). The method derives everything it
+  draws from it: the tuning's K, rates and run keys (:func:`tuning_runs`), or one run's init,
+  sampling and noise (``experiments.run_keys`` or ``train_dp_sgd``'s)."""
+  keys = jax.random.split(jax.random.key(seed), (len(MODELS), len(METHODS)))
+  return keys[MODELS.index(model), [m for m, _ in METHODS].index(method)]
+
+
 def tuning_plan(grid) -> accounting.HyperparameterTuning | None:
   """The private tuning of a learning-rate grid: K logarithmic with mean ``len(grid)`` (None
   for a single rate: nothing to tune)."""
@@ -685,6 +701,18 @@ def exit_status(report: dict) -> int:
   return int(any(r["status"] == "failed" for r in report["results"]))
 
 
+def composed_total(results) -> dict:
+  """What the whole report releases, composed (issue 49 §4): every DP run it publishes was
+  trained on the same rows, each at its own (ε, δ), so together they are (Σε, Σδ)-DP by basic
+  composition (a bound: their accountants differ, PLD for the untuned runs and RDP for the
+  tuned ones); a non-private reference it publishes has no guarantee at all."""
+  runs = [r for r in results if r["status"] == "ok" and r["epsilon"] is not None]
+  return {"dp_runs": len(runs), "epsilon": float(sum(r["epsilon"] for r in runs)),
+          "delta": float(sum(r["delta"] for r in runs)), "composition": "basic",
+          "non_private_released": any(r["status"] == "ok" and r["method"] == "non_private"
+                                      for r in results)}
+
+
 def _privacy_note(n_train: int, n_public: int, n_tune: int, epsilon: float,
                   delta: float) -> str:
   share = n_public / n_train
@@ -701,8 +729,16 @@ def _privacy_note(n_train: int, n_public: int, n_tune: int, epsilon: float,
 def _print_table(report: dict) -> None:
   print(f"\n{report['dataset']}: n_train={report['n_train']} (public split "
         f"{report['n_public']}), n_tune={report['n_tune']}, n_test={report['n_test']}, "
-        f"steps={report['steps']}; total (ε, δ) = ({report['epsilon']:g}, "
-        f"{report['delta']:g}), add/remove-one, tuning included")
+        f"steps={report['steps']}; (ε, δ) = ({report['epsilon']:g}, "
+        f"{report['delta']:g}) per released run, add/remove-one, tuning included")
+  total = report["composed"]
+  reference = (", and the non-private reference with no guarantee"
+               if total["non_private_released"] else "")
+  print(textwrap.fill(
+      f"the report: {total['dp_runs']} DP runs on the same rows, together (ε, δ) ≤ "
+      f"({total['epsilon']:.4g}, {total['delta']:.3g}) by basic composition{reference}; each "
+      "run illustrates one budget of its own, the report as a whole is not released under "
+      "it", width=100, break_on_hyphens=False))
   print(textwrap.fill("privacy: " + report["privacy_note"], width=100, break_on_hyphens=False))
   tuning = report["tuning"]
   grid = report["learning_rates"]
@@ -719,7 +755,7 @@ def _print_table(report: dict) -> None:
         f"{tuning['fixed_learning_rate']:g} (PLD accountant).", width=100,
         break_on_hyphens=False))
   header = (f"{'model':<6}{'method':<25}{'rank':>5}{'sigma':>7}{'lr':>7}{'runs':>5}{'seed':>5}"
-            f"{'epsilon':>9}{'delta':>9}{'test acc':>9}  {'subspace':<9}status")
+            f"{'eps/run':>9}{'delta/run':>10}{'test acc':>9}  {'subspace':<9}status")
   print(header)
   print("-" * len(header))
   notes = {}
@@ -733,7 +769,7 @@ def _print_table(report: dict) -> None:
     ok = {None: "-", True: "ok", False: "⊥"}[r["subspace_ok"]]
     runs = "-" if r["runs"] is None else str(r["runs"])
     print(f"{r['model']:<6}{r['method']:<25}{rank:>5}{sigma:>7}{lr:>7}{runs:>5}{r['seed']:>5}"
-          f"{eps:>9}{delta:>9}{acc:>9}  {ok:<9}{r['status']}")
+          f"{eps:>9}{delta:>10}{acc:>9}  {ok:<9}{r['status']}")
     if r["note"] is not None:
       notes.setdefault((r["model"], r["method"], r["status"], r["note"]), []).append(
           str(r["seed"]))

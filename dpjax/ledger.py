@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import dp_accounting
+import jax
+import jax.numpy as jnp
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
@@ -14,7 +17,7 @@ from dpjax._core.deprecation import renamed_argument, renamed_attribute
 from dpjax import accounting
 from dpjax.accounting import ACCOUNTANTS, PrivacySpend, dpsgd_event, quiet_rdp_logs
 
-__all__ = ["BudgetExceededError", "LedgerEntry", "PrivacyLedger", "with_ledger"]
+__all__ = ["BudgetExceededError", "LedgerEntry", "PrivacyLedger", "check_untraced", "with_ledger"]
 
 
 class BudgetExceededError(ValueError):
@@ -182,15 +185,48 @@ _LEDGER_DOC = """
   ``dp_event`` under its relation before the result is returned; a result that would overspend
   the ledger raises :class:`dpjax.ledger.BudgetExceededError` and is never returned (nothing is
   recorded). The check runs after the learner has computed its result (the refused result is
-  discarded: no privacy is lost, the computation is).
+  discarded: no privacy is lost, the computation is). A call with ``ledger=`` inside
+  ``jax.jit``, ``jax.vmap`` or any other transformation raises ``TypeError`` (a traced call
+  runs once per trace, not once per release): call the learner without it there and record
+  each release outside, ``ledger.record(result)`` once per release.
 """
+
+
+def _traced(*trees) -> bool:
+  """Whether a JAX transformation is tracing this call: a leaf of ``trees`` is a tracer (``vmap``
+  and ``grad`` trace the arguments), or a fresh constant is (``jit`` stages every operation)."""
+  # An iterator (a streamed row source) is a leaf, not a tree: it is never traced.
+  leaves = jax.tree_util.tree_leaves(trees, is_leaf=lambda x: isinstance(x, Iterator))
+  return any(isinstance(x, jax.core.Tracer) for x in leaves + [jnp.zeros((), jnp.int8)])
+
+
+def check_untraced(name: str, *trees) -> None:
+  """Raises ``TypeError`` when a release that records in a ledger is being traced.
+
+  A ledger records in Python, once per call it sees: under ``jax.jit`` that is once per trace
+  (three calls, one record) and under ``jax.vmap`` one record for a batch of releases. Every
+  learner that takes ``ledger=`` calls this with its array arguments before recording.
+
+  Args:
+    name: the learner, for the message.
+    trees: its arguments (any pytrees; a tracer among their leaves means a transformation).
+
+  Raises:
+    TypeError: inside ``jax.jit``, ``jax.vmap``, ``jax.grad``, ``lax.map`` or another
+      transformation.
+  """
+  if _traced(*trees):
+    raise _traced_error(name)
 
 
 def with_ledger(learner):
   """Gives a learner a keyword argument ``ledger=`` (see ``_LEDGER_DOC``): the one way every
   dpjax learner records its release. The wrapped function keeps its name, docstring (with the
-  ledger paragraph appended) and signature (plus ``ledger``); it stays traceable (the ledger
-  reads only the result's static ε, δ and event)."""
+  ledger paragraph appended) and signature (plus ``ledger``); without ``ledger`` it is as
+  traceable as the learner. With it the call must not be traced: recording is a side effect in
+  Python, so under ``jax.jit`` it would happen once per trace (three calls, one record) and under
+  ``jax.vmap`` once for a batch of releases; such a call raises ``TypeError`` before the learner
+  runs."""
   signature = inspect.signature(learner)
   if "ledger" in signature.parameters:
     raise TypeError(f"{learner.__name__} already takes a ledger.")
@@ -199,8 +235,11 @@ def with_ledger(learner):
   def wrapped(*args, ledger: PrivacyLedger | None = None, **kwargs):
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
       raise TypeError(f"ledger must be a dpjax.ledger.PrivacyLedger, got {type(ledger).__name__}.")
+    if ledger is not None:
+      check_untraced(learner.__name__, args, kwargs)
     result = learner(*args, **kwargs)
     if ledger is not None:
+      check_untraced(learner.__name__, result)
       ledger.record(result, label=learner.__name__)
     return result
 
@@ -210,3 +249,12 @@ def with_ledger(learner):
   wrapped.__signature__ = signature.replace(parameters=params[:at] + [parameter] + params[at:])
   wrapped.__doc__ = (learner.__doc__ or "").rstrip() + _LEDGER_DOC
   return wrapped
+
+
+def _traced_error(name: str) -> TypeError:
+  return TypeError(
+      f"{name}(..., ledger=...) was called inside a JAX transformation (jax.jit, jax.vmap, "
+      "jax.grad, lax.map, ...). A ledger records in Python, once per call it sees: under jit "
+      "that is once per trace, not once per release, and under vmap one record for a whole "
+      "batch of releases. Call it without ledger= inside the transformation and record outside "
+      "it, once per release: ledger.record(result) (n times for a vmap over n keys).")

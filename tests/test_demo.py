@@ -28,7 +28,8 @@ ROW_KEYS = {"model", "method", "epsilon", "delta", "test_accuracy", "subspace_ok
             "n_private", "rank", "noise_multiplier", "learning_rate", "tuning", "runs",
             "accountant"}
 REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "steps", "neighboring",
-               "input_rank", "epsilon", "delta", "subspace_epsilon_fraction", "learning_rates",
+               "input_rank", "epsilon", "delta", "budget", "composed",
+               "subspace_epsilon_fraction", "learning_rates",
                "tuning",
                "winner", "privacy_note", "summary", "results", "models", "methods", "crossover"}
 RANKS = {"gep_trajectory": 8, "private_input_subspace": "input_rank",
@@ -120,6 +121,14 @@ def _check_schema(report, *, epsilon, delta):
     assert set(report["crossover"][model]) == set(report["methods"]) - {"non_private",
                                                                         "dp_sgd"} - skip
   assert report["neighboring"] == "ADD_OR_REMOVE_ONE"
+  # (ε, δ) is per released run; the report's DP runs together, by basic composition (issue 49).
+  assert report["budget"] == "per released run"
+  dp_runs = [r for r in report["results"] if r["status"] == "ok" and r["epsilon"] is not None]
+  assert report["composed"] == {
+      "dp_runs": len(dp_runs), "epsilon": pytest.approx(sum(r["epsilon"] for r in dp_runs)),
+      "delta": pytest.approx(sum(r["delta"] for r in dp_runs)), "composition": "basic",
+      "non_private_released": any(r["status"] == "ok" and r["method"] == "non_private"
+                                  for r in report["results"])}
   assert sorted(m for m in METHODS if "public" in m) == sorted(demo.PUBLIC_METHODS)
   tuned = len(report["learning_rates"]) > 1
   for r in report["results"]:
@@ -200,6 +209,7 @@ def test_demo_epsilon_1_finishes_and_writes_json_and_plot(tmp_path):
   assert "status" in printed and "public only because this experiment" in " ".join(
       printed.split())
   assert "tuning included" in printed and "add/remove-one" in printed and "won: " in printed
+  assert "per released run" in printed and "by basic composition" in " ".join(printed.split())
   assert "tuned privately" in " ".join(printed.split())      # the table's text is wrapped
   assert "not_runnable" in printed
   assert "crossover study" in printed

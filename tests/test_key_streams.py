@@ -84,24 +84,28 @@ class KeyRecorder:
       self.consumed[k] += 1
       self.sites[k].append(site)
 
-  def boundary(self, module, name):
-    """``module.name(key, ...)`` counts as one consumption of ``key`` (what it does inside is
-    not recorded): for code that stages its sampling abstractly even when run eagerly
-    (``custom_vmap``), whose keys the recorder cannot read."""
+  def boundary(self, module, name, key_arg=0):
+    """``module.name(..., key, ...)`` (``key`` its ``key_arg``-th positional argument) counts as
+    one consumption of ``key`` (what it does inside is not recorded): for code that stages its
+    sampling abstractly even when run eagerly (``custom_vmap``), whose keys the recorder cannot
+    read, or a jitted training run's keys."""
     original = getattr(module, name)
 
-    def recorded(key, *args, **kwargs):
-      self._consume(key, name)
+    def recorded(*args, **kwargs):
+      self._consume(args[key_arg], name)
       self.inside += 1
       try:
-        return original(key, *args, **kwargs)
+        return original(*args, **kwargs)
       finally:
         self.inside -= 1
 
     return module, name, recorded
 
   @contextlib.contextmanager
-  def active(self, boundaries=()):
+  def active(self, boundaries=(), eager: bool = True):
+    """Records within; ``eager`` runs everything op by op (``jax.disable_jit``) so every key is
+    concrete, else only what runs outside jitted programs is recorded (a program's keys are
+    abstract there): with ``boundaries`` around the programs, what each run is handed."""
     split, fold_in, bits = _prng.random_split, _prng.random_fold_in, _prng.random_bits
     host_rng = dpjax._host.host_rng
 
@@ -125,12 +129,12 @@ class KeyRecorder:
 
     patches = [(_prng, "random_split", split_rec), (_prng, "random_fold_in", fold_rec),
                (_prng, "random_bits", bits_rec), (dpjax._host, "host_rng", host_rec),
-               *(self.boundary(module, name) for module, name in boundaries)]
+               *(self.boundary(*b) for b in boundaries)]
     originals = [getattr(module, name) for module, name, _ in patches]
     try:
       for module, name, fn in patches:
         setattr(module, name, fn)
-      with jax.disable_jit():
+      with jax.disable_jit() if eager else contextlib.nullcontext():
         yield self
     finally:
       for (module, name, _), original in zip(patches, originals):
@@ -307,3 +311,42 @@ LEARNERS = [
 def test_each_release_has_its_own_stream(name, learner):
   recorder = _record(learner, BOUNDARIES.get(name, ()))
   assert recorder.problems() == [], name
+
+
+# ------------------------------------------------------------------------- the main job
+
+
+# The main job's trainers as boundaries: every key a method hands to a training run is consumed by
+# that run (what the run derives inside is the routes' and train_dp_sgd's own streams, checked
+# above).
+MAIN_JOB_BOUNDARIES = [(experiments, "train_route", 1), (demo.training, "train_dp_sgd", 0)]
+
+
+MAIN_JOB = ["--data", "digits", "--steps", "1", "--seeds", "2", "--no-progress", "--models",
+            "mlp", "--learning-rates", "0.01", "0.03", "--methods", "dp_sgd", "gep_trajectory",
+            "private_input_subspace", "subspace_dp_sgd_private", "public_subspace",
+            "public_gradient_subspace"]
+
+
+def _main_job_problems(tmp_path) -> list[str]:
+  recorder = KeyRecorder()
+  with recorder.active(MAIN_JOB_BOUNDARIES, eager=False):
+    demo.main(MAIN_JOB + ["--json", str(tmp_path / "report.json")])
+  assert recorder.consumed, "nothing was recorded"
+  return recorder.problems()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_main_job_gives_each_model_method_and_seed_its_own_stream(tmp_path):
+  """Issue 49 §3: before, the tuned methods all started from tuning_runs(key(seed)) (dp_sgd,
+  gep_trajectory, public_subspace and public_gradient_subspace got identical init, sampling and
+  noise keys) and private_input_subspace's run_keys(key(seed)) shared the tuning's rate draw."""
+  assert _main_job_problems(tmp_path) == []
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_main_job_check_catches_the_shared_seed_key(tmp_path, monkeypatch):
+  """Negative control: every method from ``key(seed)``, as before the fix."""
+  monkeypatch.setattr(demo, "run_key", lambda seed, model, method: jax.random.key(seed))
+  problems = _main_job_problems(tmp_path)
+  assert any("consumed" in p for p in problems), problems

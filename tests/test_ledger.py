@@ -69,3 +69,83 @@ def test_dpase_and_training_record_into_a_ledger():
     sgd.train_dp_sgd(jax.random.key(3), loss, jnp.zeros(10), (X, y), optax.sgd(0.1),
                      epsilon=2.0, delta=1e-5, steps=3, expected_batch_size=100,
                      clip_norm=1.0, ledger=ledger, accountant="rdp")
+
+
+# --- ledger= under JAX transformations (issue 49 §2) -------------------------------------------
+
+
+def _analyze_gauss(key, X, **kw):
+  import dpjax
+  return dpjax.subspace.analyze_gauss(key, X, epsilon=2.0, delta=1e-6, k=1, clip_norm=1.0,
+                                      secure=False, neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                                      **kw)
+
+
+def _rows():
+  import numpy as np
+  return np.random.default_rng(0).standard_normal((20, 3)).astype(np.float32)
+
+
+def test_a_ledgered_call_under_jit_is_refused_not_recorded_once_per_trace():
+  """Before: three jitted calls at ε = 2 against a budget of 2.5 made one record."""
+  import jax
+  ledger = ledger_lib.PrivacyLedger(2.5, 1e-5)
+  X = _rows()
+  run = jax.jit(lambda key: _analyze_gauss(key, X, ledger=ledger))
+  for i in range(3):
+    with pytest.raises(TypeError, match="transformation"):
+      run(jax.random.key(i))
+  closed = jax.jit(lambda: _analyze_gauss(jax.random.key(0), X, ledger=ledger))
+  with pytest.raises(TypeError, match="once per release"):      # no traced argument at all
+    closed()
+  assert ledger.entries == ()
+  # Recorded outside the transformation, once per release: the second is over the budget.
+  released = jax.jit(lambda key: _analyze_gauss(key, X))(jax.random.key(0))
+  ledger.record(released)
+  with pytest.raises(ledger_lib.BudgetExceededError):
+    ledger.record(jax.jit(lambda key: _analyze_gauss(key, X))(jax.random.key(1)))
+  assert len(ledger.entries) == 1
+
+
+def test_a_ledgered_call_under_vmap_is_refused_not_one_record_for_many_releases():
+  """Before: a vmap over five keys made one record for five releases."""
+  import jax
+  ledger = ledger_lib.PrivacyLedger(20.0, 1e-5)
+  X = _rows()
+  keys = jax.random.split(jax.random.key(0), 5)
+  with pytest.raises(TypeError, match="transformation"):
+    jax.vmap(lambda key: _analyze_gauss(key, X, ledger=ledger))(keys)
+  assert ledger.entries == ()
+  results = jax.vmap(lambda key: _analyze_gauss(key, X))(keys)
+  for _ in range(keys.shape[0]):
+    ledger.record(results)
+  five = dp_accounting.rdp.RdpAccountant().compose(
+      dp_accounting.ComposedDpEvent([results.dp_event] * 5)).get_epsilon(1e-5)
+  assert len(ledger.entries) == 5 and ledger.spent.epsilon == pytest.approx(five, rel=1e-9)
+
+
+def test_a_ledgered_eager_call_records_once_per_call():
+  import jax
+  ledger = ledger_lib.PrivacyLedger(2.5, 1e-5)
+  X = _rows()
+  _analyze_gauss(jax.random.key(0), X, ledger=ledger)
+  with pytest.raises(ledger_lib.BudgetExceededError):
+    _analyze_gauss(jax.random.key(1), X, ledger=ledger)
+  assert len(ledger.entries) == 1 and ledger.spent.epsilon <= 2.0
+
+
+@pytest.mark.filterwarnings("ignore:DPASE")
+def test_dpase_with_a_ledger_is_refused_under_jit_and_vmap():
+  """DPASE and DPASEB record without the with_ledger wrapper; the same refusal applies."""
+  import jax
+  import numpy as np
+  import dpjax
+  X = np.random.default_rng(0).standard_normal((400, 4)).astype(np.float32)
+  ledger = ledger_lib.PrivacyLedger(100.0, 1e-3, neighboring=NeighboringRelation.REPLACE_ONE)
+  dpase = lambda key: dpjax.subspace.dpase(key, X, epsilon=1.0, delta=1e-6, k=1,   # noqa: E731
+                                           gamma=1.0, ledger=ledger)
+  with pytest.raises(TypeError, match="transformation"):
+    jax.vmap(dpase)(jax.random.split(jax.random.key(0), 3))
+  with pytest.raises(TypeError, match="transformation"):
+    jax.jit(dpase)(jax.random.key(0))
+  assert ledger.entries == ()

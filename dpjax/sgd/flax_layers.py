@@ -12,7 +12,8 @@ with the kind whose exact identity gives its per-example gradient:
 layer                                          per-example gradient (ghost norm, book-keeping)
 =============================================  =================================================
 ``nn.Dense`` / ``nnx.Linear``                  dense (:class:`dpjax.sgd.ghost.DenseLayer`):
-                                               ``‖x‖‖δ‖`` for a vector; Gram (T² < a·b) or
+                                               ``‖x‖‖δ‖`` for a vector; Gram (T² < a·b: a
+                                               proven upper bound of the norm) or
                                                direct for a sequence
 ``nn.DenseGeneral`` / ``nnx.LinearGeneral``    the same with the contracted axes flattened
 (contracting trailing axes, no batch axes)

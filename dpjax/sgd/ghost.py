@@ -5,9 +5,11 @@ For a dense layer ``z = x W + b`` the gradient of ONE example's loss is ``x_iᵀ
 (T, b)`` the gradient at its output (T = 1 for a vector input). So its squared norm is
 ``‖x_i‖²‖δ_i‖²`` when T = 1, and ``⟨x_i x_iᵀ, δ_i δ_iᵀ⟩`` (T² < a·b) or ``‖x_iᵀ δ_i‖²_F`` for a
 sequence, without forming the ``(B, a, b)`` per-example gradients (Goodfellow 2015; Li et al.
-2022's ghost norm). Book-keeping (Bu et al. 2023) keeps every layer's ``(x_i, δ_i)`` from ONE
-forward and ONE backward pass, so after the clip factors ``c_i`` are known the clipped sum of a
-layer is one matmul, ``Σ_i c_i mask_i x_iᵀ δ_i``: no second backward pass.
+2022's ghost norm; on the Gram route the clip uses a proven upper bound of the norm that covers
+its rounding, docs/algorithms.md §6.1.1). Book-keeping (Bu et al. 2023) keeps every layer's
+``(x_i, δ_i)`` from ONE forward and ONE backward pass, so after the clip factors ``c_i`` are
+known the clipped sum of a layer is one matmul, ``Σ_i c_i mask_i x_iᵀ δ_i``: no second backward
+pass.
 
 The model is written once with its dense layers passed in, ``apply_fn(params, x, *, dense)``,
 so no global state is needed: the user's own training calls it with :func:`dense`, and
@@ -65,6 +67,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import _validation as v
 from dpjax import linalg
@@ -454,12 +457,11 @@ def _dense_block(xt, dt, ex, ed, out_dtype) -> _Partial:
     # ‖x_iᵀδ_i‖_F = ‖x_i‖‖δ_i‖ exactly, of the same numbers as the term (coef_i x_i)ᵀδ_i.
     norm = jnp.sqrt(_sqnorm(xt)) * jnp.sqrt(_sqnorm(dt))
   else:
-    # Gram route: ‖Σ_t x_tᵀδ_t‖² = ⟨x xᵀ, δ δᵀ⟩, never forming the (a, b) gradient. The norm and
-    # the book-keeping matmul are two float32 evaluations of Σ_t x_tᵀδ_t: see
-    # ghost_clipped_grad_sum's docstring for what the bound covers here.
-    gx = jnp.einsum("nta,nsa->nts", xt, xt, precision=linalg.HIGHEST)
-    gd = jnp.einsum("ntb,nsb->nts", dt, dt, precision=linalg.HIGHEST)
-    norm = jnp.sqrt(jnp.maximum(jnp.sum(gx * gd, axis=(1, 2)), 0))
+    # Gram route: ‖Σ_t x_tᵀδ_t‖² = ⟨x xᵀ, δ δᵀ⟩, never forming the (a, b) gradient. The norm
+    # and the book-keeping matmul are two float evaluations of Σ_t x_tᵀδ_t that can differ by
+    # far more than ‖G‖ when the tokens' gradients cancel, so the "norm" is a proven upper
+    # bound of the term's (_gram_norm_bound; docs/algorithms.md §6.1.1).
+    norm = _gram_norm_bound(xt, dt)
 
   def total(coef, ok):
     keep = ok[:, None, None]
@@ -468,6 +470,62 @@ def _dense_block(xt, dt, ex, ed, out_dtype) -> _Partial:
                            precision=linalg.HIGHEST)
     return per_example.round_toward_zero(summed, out_dtype)
   return _Partial(norm, ex + ed, total, a * width)
+
+
+def _up(value: float, dtype) -> float:
+  """``value`` as a float of ``dtype``, rounded UP (a constant of a proven upper bound)."""
+  out = np.asarray(value, dtype)
+  return out if float(out) >= value else np.nextafter(out, np.asarray(np.inf, dtype))
+
+
+def _gram_norm_bound(xt, dt):
+  """``U (B,)`` ≥ ``‖G‖ + γ_{T+1}·S`` for every input, from the Gram matrices: ``G = Σ_t x_tᵀδ_t``
+  of the rescaled ``xt (B, T, a)``, ``dt (B, T, b)`` (accumulation dtype, ``max|·| < 1``), ``S =
+  Σ_t ‖x_t‖‖δ_t‖`` and ``γ_k = ku/(1 − ku)``, so that the book-keeping term of an example with
+  coefficient ``c`` (``fl(c·x)`` then a float matmul over its T tokens) has norm ≤ ``c·U``.
+
+  With ``P̂, Q̂`` the computed ``x xᵀ``, ``δ δᵀ`` (any summation order: entrywise within
+  ``γ_a ‖x_t‖‖x_s‖``, ``γ_b ‖δ_t‖‖δ_s‖``) and ``ŝ`` their product summed by rows in any order,
+  then over the rows in a fixed tree (within ``γ_{T+λ}Σ|P̂ ⊙ Q̂|``, λ = ⌈log2 T⌉):
+  ``‖G‖² ≤ ŝ + K·S̄² + τ`` with ``K ≈ γ_a + γ_b + γ_{T+λ}``, ``S̄ ≥ S`` from upper bounds of the
+  token norms and τ for results below the float's normal range; every non-negative quantity is
+  inflated by its count of roundings. The proof is docs/algorithms.md §6.1.1. Costs ``O(T(a +
+  b))`` per example beyond the two Gram matrices, whose only consumer stays their product (so
+  XLA:CPU keeps them in one fused loop: 1.1× the unbounded norm's time, against 4× for a bound
+  that also read ``|P̂|``, ``|Q̂|``). Where the tokens do not cancel ``U`` exceeds ``‖G‖`` by
+  ``½K·S²/‖G‖²`` relative, at most about ``½(a + b + T)·T·u`` (0.06% at T = 64, a = b = 128).
+  """
+  dtype = xt.dtype
+  size, steps, a = xt.shape
+  b = dt.shape[-1]
+  info = jnp.finfo(dtype)
+  u, tiny = float(info.eps) / 2, float(info.tiny)
+  if max(a, b, steps * steps) * u >= 0.01:
+    raise ValueError(f"ghost clipping's Gram route needs a, b, T² < {0.01 / u:.0f} in "
+                     f"{dtype.name} (got a = {a}, b = {b}, T = {steps}).")
+
+  def gamma(k):
+    return k * u / (1 - k * u)
+
+  def inflate(k):                   # covers k roundings of a non-negative result, and one more
+    return _up(1 + 2 * (k + 1) * u, dtype)
+
+  def token_norms(v):               # ‖v_t‖ from above (any summation order), then underflow
+    width = v.shape[-1]
+    return jnp.sqrt(jnp.sum(v * v, axis=-1) * inflate(width)
+                    + _up(4 * (width + 1) * tiny, dtype)) * inflate(2)
+
+  gx = jnp.einsum("nta,nsa->nts", xt, xt, precision=linalg.HIGHEST)
+  gd = jnp.einsum("ntb,nsb->nts", dt, dt, precision=linalg.HIGHEST)
+  # Row sums in any order, then a fixed tree over the rows: |ŝ − Σ P̂Q̂| ≤ γ_{T+λ}·Σ|P̂Q̂|.
+  s_hat = per_example.tree_sum(jnp.sum(gx * gd, axis=2))
+  g_sum, g_a, g_b = gamma(steps + per_example.sum_levels(steps)), gamma(a), gamma(b)
+  k = g_sum * (1 + g_a) * (1 + g_b) + g_a * (1 + g_b) + g_b * (1 + g_a) + g_a * g_b
+  s = jnp.sum(token_norms(xt) * token_norms(dt), axis=1)
+  tau = _up((16 * a * b + 16) * steps * steps * tiny, dtype)
+  squared = jnp.maximum(s_hat, 0) + (s * s) * _up(k, dtype) * inflate(steps + 2) + tau
+  term = s * _up(gamma(steps + 1), dtype) * inflate(steps + 1)
+  return (jnp.sqrt(squared) + term) * _up(1 + 8 * u, dtype)
 
 
 def _bias_block(dt, ed, out_dtype) -> _Partial:
@@ -696,16 +754,20 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
   on vector inputs (G = x_iᵀδ_i: the norm is ``‖x_i‖‖δ_i‖`` of the same numbers), for
   sequences on the direct route (T² ≥ a·b: G is formed in float32 and both the norm and the
   term use it; convolutions on it too), for embeddings and normalisations' scales (their G is
-  materialised), for biases and for the leaves that fall back to ``vmap(grad)``. Not proven:
-  sequences on the Gram route (T² < a·b), where the norm comes from ``⟨x xᵀ, δ δᵀ⟩``, a sum
-  over (t, s) of terms of both signs, and the term from another float32 evaluation of
-  ``Σ_t x_tᵀδ_t``. Their relative gap is bounded only by about ``γ·κ²``, with
-  ``κ = Σ_t‖x_t‖‖δ_t‖ / ‖G‖ ≥ 1`` (large when the per-token gradients cancel) and, in the
-  worst case of float32 matmul accumulation, ``γ ≈ (a + b + T²)·2⁻²⁴``: a bound that would
-  cost far more utility than the margin ρ. In practice the rounding errors are random and the
-  gap small (tests: ≤ C on random float16, bfloat16 and float32 sequences); for a proven bound
-  on sequence inputs use :func:`dpjax.sgd.clipped_grad_sum`. Not covered on either path: the
-  rounding of the SUM of the terms in the output dtype.
+  materialised), for biases and for the leaves that fall back to ``vmap(grad)``, and for
+  sequences on the Gram route (T² < a·b; convolutions and attention projections too): there
+  the norm is not ``√⟨x xᵀ, δ δᵀ⟩`` as computed — a float sum over (t, s) of terms of both
+  signs, far below the term's norm when the tokens' gradients cancel (an adversarial example
+  reached 4.6·C before issue 49) — but a proven upper bound ``U ≥ ‖G‖ + γ_{T+1}·Σ_t‖x_t‖‖δ_t‖``
+  of the term's norm, the computed Gram sum plus a rigorous bound of its rounding error
+  (docs/algorithms.md §6.1.1; ``O(T(a + b))`` more work per example, 1.05–1.14× the unbounded
+  norm's time). Where the tokens do not cancel, U exceeds the norm by about
+  ``½(a + b + T)·T·u`` relative at most (measured: 0.06% at T = 64, a = b = 128; 0.4% at
+  T = 128, a = b = 512; the clipped terms are shorter by that); where they cancel, U ≫ ‖G‖
+  and that example's term shrinks. Not covered on any path: the rounding of the SUM of the
+  terms over the batch (on the Gram route an example's cancelling tokens enter the
+  book-keeping matmul at up to ``C/γ_{T+1}`` in magnitude, so their rounding inside the sum is
+  bounded only by ``γ_{B·T}`` of that).
 
   GEP by ghost clipping (``embedding_clip`` and ``residual_clip`` instead of ``clip_norm``):
   the same output as :func:`dpjax.sgd.embedding_residual_grad_sum` of

@@ -161,30 +161,33 @@ def sum_levels(n: int) -> int:
   return levels + max(n - 1, 0).bit_length()
 
 
-def sum_squares(x, scale=None):
-  """``Σ_j (x_j · scale)²`` over the last axis of ``x (..., n)``, in a fixed tree.
+def tree_sum(x, square: bool = False, scale=None):
+  """``Σ_j x_j`` (``square``: ``Σ_j (x_j · scale)²``) over the last axis of ``x (..., n)``, in a
+  fixed tree.
 
   Every addition is explicit, in stages that each add 16 slices of the previous stage in a
   balanced tree (the first stage squares its slices inside the same fused loop, so neither the
-  squares nor a padded copy are materialised), so for these non-negative terms rounded to
-  nearest the result is ≥ the exact sum times ``(1 − u)^λ(n)`` (:func:`sum_levels`,
-  ``⌈log2 n⌉``), whatever XLA does: it does not reassociate explicit additions (no fast-math),
-  and no ``reduce`` is involved, whose order is unspecified (``jnp.sum`` guarantees only
-  ``(1 − u)^(n−1)``).
+  squares nor a padded copy are materialised), so each term passes through at most
+  λ(n) = :func:`sum_levels` ``(n)`` = ``⌈log2 n⌉`` roundings whatever XLA does: it does not
+  reassociate explicit additions (no fast-math), and no ``reduce`` is involved, whose order is
+  unspecified (``jnp.sum`` guarantees only ``n − 1``). Rounded to nearest, the result is within
+  ``γ_λ·Σ_j|x_j|`` of the exact sum (``γ_k = ku/(1 − ku)``), and ``≥ (1 − u)^λ`` times it for
+  non-negative terms (but for results below the float's normal range).
 
   Args:
     x: ``(..., n)`` float array.
+    square: square each term (after ``scale``) before summing.
     scale: None, or a tuple of arrays broadcasting against ``x[..., :1]`` (e.g. ``(..., 1)``;
       powers of two such as :func:`pow2_factors`): each entry is multiplied by them in turn
-      before squaring.
+      before squaring (with ``square`` only).
 
   Returns:
     ``(...)`` array in ``x``'s dtype.
   """
-  def square(v):
+  def first_stage(v):
     for factor in scale or ():
       v = v * factor
-    return jnp.square(v)
+    return jnp.square(v) if square else v
 
   n = x.shape[-1]
   if n == 0:
@@ -192,7 +195,7 @@ def sum_squares(x, scale=None):
   v, first = x, True
   while True:
     n = v.shape[-1]
-    f = square if first else (lambda w: w)
+    f = first_stage if first else (lambda w: w)
     if n <= _FAN_IN:
       return _balanced_sum([f(v[..., j:j + 1]) for j in range(n)])[..., 0]
     m, tail = divmod(n, _FAN_IN)
@@ -200,6 +203,21 @@ def sum_squares(x, scale=None):
     if tail:
       parts.append(_balanced_sum([f(v[..., j:j + 1]) for j in range(_FAN_IN * m, n)]))
     v, first = jnp.concatenate(parts, axis=-1), False
+
+
+def sum_squares(x, scale=None):
+  """``Σ_j (x_j · scale)²`` over the last axis of ``x (..., n)``: :func:`tree_sum` of the
+  squares, so for these non-negative terms rounded to nearest the result is ≥ the exact sum
+  times ``(1 − u)^λ(n)`` (:func:`sum_levels`, ``⌈log2 n⌉``), whatever XLA does.
+
+  Args:
+    x: ``(..., n)`` float array.
+    scale: as :func:`tree_sum`'s.
+
+  Returns:
+    ``(...)`` array in ``x``'s dtype.
+  """
+  return tree_sum(x, square=True, scale=scale)
 
 
 # ------------------------------------------------------------------------ the clip factor

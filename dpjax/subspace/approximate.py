@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax import ledger as ledger_lib
 from dpjax import linalg
 from dpjax.mechanisms import histogram
 from dpjax.results import SubspaceResult
@@ -370,7 +371,7 @@ def dpase(key: jax.Array, rows, *, epsilon: float, delta: float, k: int,
   if source.kind == _CHUNKS:
     streaming.check_memory(params.num_subsets, d, max_bytes)
     block_rows = streaming.block_rows_for(block_rows, n=n, d=d, t=params.num_subsets)
-  _record(ledger, epsilon, delta, partition)
+  _record(ledger, epsilon, delta, partition, (key, rows))
   if source.kind == _ARRAY:
     X = source.rows
     ok, basis, count = _dpase_core(key, X, params, k=k, epsilon=float(epsilon),
@@ -526,9 +527,11 @@ def _plan(n, d, k, dtype, *, epsilon, delta, gamma, num_subsets, num_reference_p
   return params
 
 
-def _record(ledger, epsilon, delta, partition):
-  """Records one DPASE release in ``ledger`` (None: nothing)."""
+def _record(ledger, epsilon, delta, partition, arguments):
+  """Records one DPASE release in ``ledger`` (None: nothing); refused under a transformation of
+  ``arguments`` (:func:`dpjax.ledger.check_untraced`)."""
   if ledger is not None:
+    ledger_lib.check_untraced("dpase", arguments)
     # Random labels hold under both relations, so they fit a ledger of either kind.
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASE",
                             neighboring=(NeighboringRelation.REPLACE_ONE

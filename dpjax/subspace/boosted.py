@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
+from dpjax import ledger as ledger_lib
 from dpjax import linalg
 from dpjax.mechanisms import histogram
 from dpjax.subspace import approximate
@@ -108,6 +109,7 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
                                         noise=noise, **dpase_kwargs)
   solver = approximate.top_k_solver(top_k_method, params.subset_size, d, k)
   if ledger is not None:
+    ledger_lib.check_untraced("dpaseb", key, X)
     ledger.record_approx_dp(float(epsilon), float(delta), label="DPASEB",
                             neighboring=NeighboringRelation.REPLACE_ONE)
   scalars = histogram.histogram_scalars(epsilon, delta, noise=noise)

@@ -37,6 +37,7 @@ from dpjax.ashtiani_liaw.exact_subspace import al_subspace_core, al_subspace_par
 from dpjax.subspace.exact import dpese as dpjax_dpese
 from dpjax.synthetic import pmm as pmm_lib
 from dpjax.synthetic import projection, psmm
+import ghost_adversary
 from helpers import normal, print_audit_table
 
 pytestmark = pytest.mark.audit
@@ -425,11 +426,13 @@ def _program(grad_fn, params, rows, feature, **release) -> _Program:
   return _Program(jax.jit(run), params)
 
 
-def _audit_step(key, program, state, trials, batch, delta=1e-5):
-  """Empirical ε of ``program`` with noise state ``state`` on the canary's neighbours."""
+def _audit_step(key, program, state, trials, batch, extra=(), delta=1e-5):
+  """Empirical ε of ``program`` with noise state ``state`` on the canary's neighbours (``extra``:
+  more of the program's data, after the membership and the state)."""
   with_canary, without = _canary_masks()
-  return audit.audit(key, program.run, (without, state), (with_canary, state), delta=delta,
-                     trials=trials, batch_size=batch).epsilon_lower_bound
+  return audit.audit(key, program.run, (without, state) + tuple(extra),
+                     (with_canary, state) + tuple(extra), delta=delta, trials=trials,
+                     batch_size=batch).epsilon_lower_bound
 
 
 def _linear_rows():
@@ -661,6 +664,85 @@ def test_flax_ghost_audit_catches_a_clip_factor_from_a_wrong_norm(audit_trials, 
   program, claimed, state = _flax_ghost_program(kind, 3.0)
   lb = _audit_step(jax.random.key(64), program, state, n, _batch(audit_trials))
   _control(f"ghost step, {FLAX_KINDS[kind]}: clip factor of ‖g‖/3", claimed, lb, n)
+
+
+def _gram_program():
+  """One ghost DP-SGD step (C = 1) of ``ghost_adversary``'s float32 ``Linear`` model on the Gram
+  route (issue 49 §1): ``run(key, (member, state, rows, targets, direction))``, six rows, the
+  canary first, the feature the update along ``direction``. Returns the program, the plan's
+  claim and the noise state; traced by its first call (under ``ghost_adversary.naive_gram()``
+  for the negative control)."""
+  pytest.importorskip("flax.nnx")
+  from dpjax.sgd import flax_layers
+  apply_fn, params = flax_layers.nnx_model(ghost_adversary._model("linear", jnp.float32))
+
+  def loss(out, target):
+    y_i, member = target
+    return member * ghost_adversary.loss(out, y_i)
+
+  grad_fn = sgd.ghost_clipped_grad_sum(apply_fn, loss, clip_norm=1.0)
+  plan = _sgd_plan(grad_fn)
+
+  def run(key, data):
+    member, state, rows, targets, direction = data
+    state = dataclasses.replace(state, key=key)
+    summed = plan.clipped_sum(params, plan.prepare((rows, (targets, member))),
+                              jax.random.key(0), state)
+    update, _ = plan.noise.update(summed, state, params)
+    return jnp.sum(update["f"]["kernel"] * direction)
+  return _Program(jax.jit(run), params), plan.epsilon, plan.noise.init(params)
+
+
+@functools.cache
+def _gram_canary():
+  """``(rows, targets, direction)`` of the Gram route's audit: the canary is the example, of 640
+  from ``ghost_adversary.cancelling_pairs`` (float32, a residual η‖v‖ in every pair, η from
+  10⁻⁴ to 10⁻³ where the float error of the Gram sum is about ‖G‖²), whose term under the
+  pre-fix norm moves the noise-free step furthest along its exact gradient ``(Σ_t x_t)ᵀy/T``
+  (normalised: ``direction``), measured in the audit's own program and batch (the rounding
+  that the attack exploits depends on both; measured: 8.1·C); five random examples (terms
+  below C) beside it."""
+  rng = np.random.default_rng(11)
+  tokens, width = ghost_adversary.SHAPES["float32"]
+  fill_x = np.float32(rng.standard_normal((5, tokens, width)))
+  fill_y = np.float32(0.01 * rng.standard_normal((5, width)))
+  best = (-np.inf, None)
+  with ghost_adversary.naive_gram():
+    program, _, state = _gram_program()
+    state = dataclasses.replace(state, noise_std=0.0 * state.noise_std)
+    with_canary, without = _canary_masks()
+    for eta in np.geomspace(1e-4, 1e-3, 5):
+      xs = ghost_adversary.cancelling_pairs(rng, 128, 1.0, eta, "float32", residual="all")
+      ys = np.float32(rng.standard_normal((128, width)) * 1e3 / eta)   # every term clipped
+      for x, y in zip(xs, ys):
+        d = np.outer(np.sum(x, axis=0, dtype=np.float64), y.astype(np.float64))
+        data = (np.concatenate([x[None], fill_x]), np.concatenate([y[None], fill_y]),
+                np.float32(d / np.linalg.norm(d)))
+        shift = float(program.run(jax.random.key(0), (with_canary, state) + data)
+                      - program.run(jax.random.key(0), (without, state) + data))
+        if shift > best[0]:
+          best = (shift, data)
+  return best[1]
+
+
+def test_ghost_dp_sgd_step_on_the_adversarial_gram_route_canary(audit_trials):
+  """One ghost DP-SGD step with and without the adversarial search's worst example against the
+  pre-fix Gram norm (issue 49 §1): its term is now within C (before the fix, as the control below,
+  it is 8.1·C)."""
+  n = audit_trials(5_000, 100_000)
+  program, claimed, state = _gram_program()
+  lb = _audit_step(jax.random.key(65), program, state, n, _batch(audit_trials), _gram_canary())
+  _check("ghost DP-SGD step, Gram route, adversarial canary", claimed, lb, n)
+
+
+def test_gram_route_audit_catches_the_norm_without_an_error_bound(audit_trials):
+  """Negative control (not in EXPECTED): the same step clipped by the pre-fix Gram norm."""
+  n = audit_trials(10_000, 20_000)
+  with ghost_adversary.naive_gram():
+    program, claimed, state = _gram_program()
+    lb = _audit_step(jax.random.key(66), program, state, n, _batch(audit_trials),
+                     _gram_canary())
+  _control("ghost step, Gram route: norm without its error bound", claimed, lb, n)
 
 
 def _layer_canary_rows(per_part=False):
@@ -1267,6 +1349,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "DP-SGD step", "ghost DP-SGD step", "subspace DP-SGD step",
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",
+            "ghost DP-SGD step, Gram route, adversarial canary",
             "subspace DP-SGD step, stretching basis",
             "per-layer subspace DP-SGD step", "two-sided per-layer subspace DP-SGD step",
             "GEP DP-SGD step, joint clip (Δ = 1)", "GEP DP-SGD step, per-part clips (Δ = √2)",
