@@ -36,8 +36,10 @@ class PrivacyLedger:
   """A running record of releases under one neighboring relation, with a hard budget.
 
   Releases described by a ``dp_accounting`` event (DP-SGD, Gaussian, Laplace) are composed by the
-  accountant; approximate-DP releases with no event (DPASE, the stability histogram, GAP-MAX)
-  are composed with them by basic composition. The running guarantee is
+  accountant — PLD by default, as the plan and the learners calibrate, or RDP where PLD cannot
+  compose the events (a tuning's repeat-and-select event; ``spent_accountant`` says which) —
+  and approximate-DP releases with no event (DPASE, the stability histogram, GAP-MAX) are
+  composed with them by basic composition. The running guarantee is
 
       ε = Σ ε_approx + ε_accountant(δ − Σ δ_approx),   δ = the declared δ
 
@@ -56,7 +58,10 @@ class PrivacyLedger:
     epsilon, delta: the budget.
     neighboring: the ``dp_accounting.NeighboringRelation`` every recorded guarantee must hold
       under: ``ADD_OR_REMOVE_ONE`` (default; DP-SGD's) or ``REPLACE_ONE``.
-    accountant: ``"rdp"`` (default) or ``"pld"``, for the recorded ``dp_accounting`` events.
+    accountant: ``"pld"`` (default; RDP for events PLD cannot compose) or ``"rdp"``, for the
+      recorded ``dp_accounting`` events. A DP-SGD plan calibrated by another accountant is
+      booked as its (ε, δ) (:func:`dpjax.sgd.plan.record_budget`), so a (ε, δ) ledger accepts a
+      (ε, δ) plan either way.
   """
 
   neighbouring = renamed_attribute("neighboring", "neighbouring")
@@ -64,7 +69,7 @@ class PrivacyLedger:
   def __init__(self, epsilon: float, delta: float, *,
                neighboring: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE,
                neighbouring: NeighboringRelation | None = None,
-               accountant: str = "rdp"):
+               accountant: str = "pld"):
     self.epsilon = v.check_epsilon(epsilon)
     self.delta = v.check_delta(delta)
     neighboring = renamed_argument(neighboring, neighbouring, new="neighboring",
@@ -156,14 +161,32 @@ class PrivacyLedger:
                        f"release stated under {neighboring.name} must be converted first.")
 
   def _add(self, entry: LedgerEntry) -> PrivacySpend:
-    total = self._total(self._entries + [entry])
+    entries = self._entries + [entry]
+    total = self._total(entries)
     if total.epsilon > self.epsilon * (1 + 1e-9) or total.delta > self.delta * (1 + 1e-9):
+      what = (f"its event {entry.event!r}" if entry.kind == "dp_event" else
+              f"its (ε={entry.epsilon:.4g}, δ={entry.delta:.3g})")
       raise BudgetExceededError(
-          f"release {entry.label!r} refused: it would bring the total to "
-          f"(ε={total.epsilon:.4g}, δ={total.delta:.3g}), over the budget "
-          f"(ε={self.epsilon:.4g}, δ={self.delta:.3g}).")
+          f"release {entry.label!r} refused: {what} would bring the total to "
+          f"(ε={total.epsilon:.4g}, δ={total.delta:.3g}), composed by the "
+          f"{self._accountant_for(entries)} accountant (and basic composition for (ε, δ) "
+          f"releases), over the budget (ε={self.epsilon:.4g}, δ={self.delta:.3g}).")
     self._entries.append(entry)
     return total
+
+  @property
+  def spent_accountant(self) -> str:
+    """The accountant :attr:`spent` composes the recorded events with: the ledger's, or RDP where
+    PLD cannot compose them."""
+    return self._accountant_for(self._entries)
+
+  def _accountant_for(self, entries) -> str:
+    events = [e.event for e in entries if e.kind == "dp_event"]
+    parts = accounting.split_event(accounting.compose_events(*events)) if events else None
+    if parts is None or not parts.accountable or self.accountant == "rdp":
+      return self.accountant
+    composed = dp_accounting.ComposedDpEvent(list(parts.accountable))
+    return "pld" if accounting.make_accountant("pld").supports(composed) else "rdp"
 
   @quiet_rdp_logs()
   def _total(self, entries) -> PrivacySpend:
@@ -175,7 +198,8 @@ class PrivacyLedger:
     parts = accounting.split_event(composed)
     if not parts.accountable:
       return PrivacySpend(parts.epsilon, parts.delta, self.neighboring)
-    return PrivacySpend(accounting.event_epsilon(composed, self.delta, accountant=self.accountant),
+    return PrivacySpend(accounting.event_epsilon(composed, self.delta,
+                                                 accountant=self._accountant_for(entries)),
                         self.delta, self.neighboring)
 
 

@@ -106,7 +106,7 @@ def test_a_plan_takes_the_private_basis_result_and_the_ledger_records_both():
   basis = sgd.private_input_basis(jax.random.key(1), X, 2, epsilon=0.2, delta=1e-6,
                                   clip_norm=2.0, secure=False)
   assert isinstance(basis.dp_event, dp_accounting.GaussianDpEvent)
-  ledger = PrivacyLedger(1.0, DELTA)
+  ledger = PrivacyLedger(1.0, DELTA, accountant="rdp")        # the plan's accountant
   plan = sgd.dp_sgd_plan(sgd.clipped_grad_sum(_loss, clip_norm=1.0), num_examples=400,
                          expected_batch_size=20, steps=50, key=jax.random.key(0), epsilon=1.0,
                          delta=DELTA, accountant="rdp", subspace_event=basis, ledger=ledger)

@@ -9,7 +9,7 @@ from dpjax import ledger as ledger_lib
 
 
 def test_ledger_total_equals_dp_accounting_for_the_same_events():
-  ledger = ledger_lib.PrivacyLedger(3.0, 1e-5)
+  ledger = ledger_lib.PrivacyLedger(3.0, 1e-5, accountant="rdp")
   ledger.record_approx_dp(0.5, 1e-6, label="subspace")
   ledger.record_dpsgd(noise_multiplier=1.2, sampling_prob=0.02, steps=200)
   ledger.record_event(dp_accounting.GaussianDpEvent(20.0), label="a released mean")
@@ -119,7 +119,7 @@ def test_a_ledgered_call_under_vmap_is_refused_not_one_record_for_many_releases(
   results = jax.vmap(lambda key: _analyze_gauss(key, X))(keys)
   for _ in range(keys.shape[0]):
     ledger.record(results)
-  five = dp_accounting.rdp.RdpAccountant().compose(
+  five = dp_accounting.pld.PLDAccountant().compose(
       dp_accounting.ComposedDpEvent([results.dp_event] * 5)).get_epsilon(1e-5)
   assert len(ledger.entries) == 5 and ledger.spent.epsilon == pytest.approx(five, rel=1e-9)
 
@@ -149,3 +149,48 @@ def test_dpase_with_a_ledger_is_refused_under_jit_and_vmap():
   with pytest.raises(TypeError, match="transformation"):
     jax.jit(dpase)(jax.random.key(0))
   assert ledger.entries == ()
+
+
+
+# --- one accountant: the ledger books what was calibrated (issue 50 §4) ---------------------
+
+
+def _linear_loss(w, example):
+  x, y = example
+  return (x @ w - y) ** 2
+
+
+def _plan(**kw):
+  import jax
+  from dpjax import sgd
+  return sgd.dp_sgd_plan(sgd.clipped_grad_sum(_linear_loss, clip_norm=1.0), num_examples=400,
+                         expected_batch_size=20, steps=50, key=jax.random.key(0), **kw)
+
+
+@pytest.mark.parametrize("ledger_accountant", ["pld", "rdp"])
+def test_a_ledger_accepts_a_plan_of_its_own_budget_and_refuses_one_more_step(ledger_accountant):
+  """Before: a (2, 1e-5) ledger (RDP by default) refused a (2, 1e-5) plan (PLD by default),
+  booking it at ε = 2.479 with an error that did not say why. Now both default to PLD, and a
+  plan calibrated by another accountant is booked as its (ε, δ)."""
+  ledger = ledger_lib.PrivacyLedger(2.0, 1e-5, accountant=ledger_accountant)
+  plan = _plan(epsilon=2.0, delta=1e-5, ledger=ledger)               # PLD, the default
+  assert plan.accountant == "pld" and ledger.spent.epsilon <= 2.0 * (1 + 1e-9)
+  with pytest.raises(ledger_lib.BudgetExceededError,
+                     match=f"by the {ledger_accountant} accountant"):
+    ledger.record_dpsgd(noise_multiplier=plan.noise_multiplier, sampling_prob=20 / 400, steps=1)
+  assert len(ledger.entries) == 1
+
+
+def test_the_default_ledger_composes_by_pld_and_by_rdp_where_pld_cannot():
+  ledger = ledger_lib.PrivacyLedger(50.0, 1e-5)
+  assert ledger.accountant == "pld"
+  steps = accounting.dpsgd_event(1.0, 0.01, 100)
+  ledger.record_event(steps)
+  assert ledger.spent_accountant == "pld"
+  assert ledger.spent.epsilon == pytest.approx(
+      dp_accounting.pld.PLDAccountant().compose(steps).get_epsilon(1e-5), rel=1e-9)
+  tuned = accounting.tuning_event(steps, accounting.HyperparameterTuning(3.0, 0.0))
+  ledger.record_event(tuned)                                  # PLD cannot compose it
+  assert ledger.spent_accountant == "rdp"
+  assert ledger.spent.epsilon == pytest.approx(dp_accounting.rdp.RdpAccountant().compose(
+      dp_accounting.ComposedDpEvent([steps, tuned])).get_epsilon(1e-5), rel=1e-9)

@@ -3,9 +3,10 @@ clipped-gradient function, Poisson batch selection, one noise transform and the 
 
 A user meets these names; the modules hold the rest (``dpjax.sgd.per_example``, ``.ghost``,
 ``.flax_layers``, ``.gep``, ``.noise``, ``.bases``, ``.sampling``, ``.sources``,
-``.distributed``, ``.denoise``, ``.averaging``, ``.plan``, ``.training``).
+``.distributed``, ``.denoise``, ``.averaging``, ``.plan``, ``.training``, ``.aggregate``).
 """
 
+from dpjax.sgd.aggregate import dp_aggregate
 from dpjax.sgd.averaging import averaged_params, iterate_average
 from dpjax.sgd.bases import TwoSidedBasis, bases_like, trajectory_bases
 from dpjax.sgd.denoise import low_rank_denoise
@@ -21,8 +22,8 @@ from dpjax.sgd.sources import (private_gradient_subspace, private_input_basis,
 from dpjax.sgd.training import train_dp_sgd
 
 __all__ = ["DPSGDPlan", "TwoSidedBasis", "averaged_params", "bases_like", "clipped_grad_sum",
-           "data_mesh", "dense", "dp_noise", "dp_sgd_plan", "embedding_residual_grad_sum",
-           "ghost_clipped_grad_sum", "iterate_average", "linen_apply", "low_rank_denoise",
+           "data_mesh", "dense", "dp_aggregate", "dp_noise", "dp_sgd_plan",
+           "embedding_residual_grad_sum", "ghost_clipped_grad_sum", "iterate_average", "linen_apply", "low_rank_denoise",
            "nnx_apply", "nnx_model",
            "private_gradient_subspace", "private_input_basis", "public_gradient_subspace",
            "public_input_basis", "train_dp_sgd", "trajectory_bases", "update_bases"]

@@ -367,6 +367,15 @@ def _clip_one(tree, clip_norm: float, clipping: str = "clip",
   return jax.tree_util.tree_map(scale, tree)
 
 
+def batch_size(grads, name: str = "grads") -> int:
+  """B, the leading axis every leaf of a per-example pytree shares.
+
+  Raises:
+    ValueError: no leaves; leaves without a shared leading axis (e.g. already averaged).
+  """
+  return _check_batched(grads, name)
+
+
 def _check_batched(grads, name: str) -> int:
   leaves = jax.tree_util.tree_leaves(grads)
   if not leaves:

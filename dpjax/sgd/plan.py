@@ -40,7 +40,7 @@ import optax
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
-from dpjax import accounting
+from dpjax import accounting, results
 from dpjax._core.deprecation import renamed_attribute
 from dpjax.sgd import distributed, gep, noise, sampling
 
@@ -59,7 +59,9 @@ class DPSGDPlan:
     noise_multiplier: σ.
     steps: T, the steps the budget covers.
     budget: the :class:`dpjax.accounting.DPSGDBudget` (ε, δ under add/remove-one).
-    dp_event: the ``dp_accounting`` event of the T steps (None for σ = 0).
+    dp_event: the ``dp_accounting`` event of everything the plan releases: a private subspace
+      release composed with the T sampled steps (the tuning's repeat-and-select event with
+      ``tuning``; ``NonPrivateDpEvent`` for σ = 0). ``epsilon`` is computed from it.
     accountant: ``"pld"`` or ``"rdp"``.
     mesh: optional ``jax.sharding.Mesh`` the examples are sharded over (data parallelism).
     data_axis: the mesh axis of the examples.
@@ -82,9 +84,10 @@ class DPSGDPlan:
 
   neighbouring = renamed_attribute("neighboring", "neighbouring")
 
-  @property
+  @functools.cached_property
   def epsilon(self) -> float:
-    return self.budget.epsilon
+    """ε at ``delta`` of :attr:`dp_event`, by the plan's accountant (and nothing else)."""
+    return accounting.event_epsilon(self.dp_event, self.delta, accountant=self.accountant)
 
   @property
   def delta(self) -> float:
@@ -245,7 +248,11 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
     delta: total δ ∈ (0, 1).
     noise_multiplier: σ ≥ 0 instead of ``epsilon`` (σ = 0: no privacy, ε = ∞; for tests).
     basis: optional flat basis ``V (p, k)``; bases: optional per-layer bases (required by GEP's
-      grad sum); see :func:`dpjax.sgd.dp_noise`.
+      grad sum); see :func:`dpjax.sgd.dp_noise`. A private release may stand for a basis (the
+      result of :func:`dpjax.sgd.private_input_basis` or any subspace learner, under
+      add/remove-one): its basis is used and its ``dp_event`` composed into the plan, so a
+      private basis cannot be used without its cost (⊥ is refused); a public basis is a plain
+      array.
     subspace_epsilon, subspace_delta: a private basis's cost by number, composed into the total
       (basic composition, add/remove-one).
     subspace_event: a private basis's ``dp_accounting`` event instead (its result's
@@ -290,6 +297,7 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
     raise ValueError("tuning with a ledger: a plan is one run of the tuning, whose cost is the "
                      "whole tuning's; record accounting.tuning_event(...) in the ledger once.")
   subspace_event = _subspace_event(subspace_event)
+  basis, bases, subspace_event = _released_bases(basis, bases, subspace_event)
   if epsilon is not None:
     budget = accounting.plan_dpsgd_budget(
         v.check_positive(epsilon, "epsilon"), delta, sampling_prob=q, steps=steps,
@@ -304,13 +312,43 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
   transform = noise.dp_noise(grad_fn, noise_multiplier=sigma,
                              expected_batch_size=selection.expected_batch_size, key=key,
                              basis=basis, bases=bases, tol=tol)
-  event = accounting.dpsgd_event(sigma, q, steps) if sigma > 0 else None
   if ledger is not None:
-    record_budget(ledger.copy(), budget)      # check the whole plan first, then record it
-    record_budget(ledger, budget)
+    record_budget(ledger.copy(), budget, accountant)   # check the whole plan, then record it
+    record_budget(ledger, budget, accountant)
   return DPSGDPlan(grad_fn=grad_fn, batch_selection=selection, noise=transform,
-                   noise_multiplier=sigma, steps=steps, budget=budget, dp_event=event,
+                   noise_multiplier=sigma, steps=steps, budget=budget, dp_event=budget.dp_event,
                    accountant=accountant, mesh=mesh, data_axis=data_axis)
+
+
+def _released_bases(basis, bases, subspace_event):
+  """``(basis, bases, subspace_event)`` with any private release given as a basis source (a
+  result with a ``dp_event``, e.g. :func:`dpjax.sgd.private_input_basis`'s) replaced by its basis
+  and its event composed into ``subspace_event``: a private basis cannot lose its cost."""
+  events = []
+
+  def unwrap(x):
+    if not isinstance(x, results.SubspaceResult):
+      return x
+    if x.neighboring not in (None, NeighboringRelation.ADD_OR_REMOVE_ONE):
+      raise ValueError(f"the basis release is stated under {x.neighboring.name}; DP-SGD "
+                       "composes under add/remove-one (release it under ADD_OR_REMOVE_ONE).")
+    if not bool(x.ok):
+      raise ValueError("the basis release returned ⊥ (its cost is spent; its basis is zeros): "
+                       "train without it, or release it again with more rows or budget.")
+    if not isinstance(x.dp_event, dp_accounting.NoOpDpEvent):
+      events.append(x.dp_event)
+    return x.basis
+
+  is_result = lambda x: isinstance(x, results.SubspaceResult)                # noqa: E731
+  basis = unwrap(basis)
+  if bases is not None:
+    bases = jax.tree_util.tree_map(unwrap, bases, is_leaf=is_result)
+  if not events:
+    return basis, bases, subspace_event
+  if subspace_event is not None:
+    raise ValueError("a basis given as its release carries its own event: pass it as the "
+                     "basis (its cost is composed in) or give subspace_event, not both.")
+  return basis, bases, accounting.compose_events(*events) if len(events) > 1 else events[0]
 
 
 def _subspace_event(subspace_event):
@@ -328,10 +366,19 @@ def _subspace_event(subspace_event):
   return event
 
 
-def record_budget(ledger, budget: accounting.DPSGDBudget) -> None:
+def record_budget(ledger, budget: accounting.DPSGDBudget, accountant: str | None = None) -> None:
   """Records a DP-SGD budget in a :class:`dpjax.ledger.PrivacyLedger`: its subspace release (its
   event) and its T steps (the DP-SGD event); refused, recording nothing, if over budget. Pass
-  ``ledger.copy()`` to check a plan before anything runs."""
+  ``ledger.copy()`` to check a plan before anything runs.
+
+  ``accountant``: the one σ was calibrated with. When it is not the ledger's, the plan is booked
+  as its (ε, δ) (an explicit conversion: the ledger's accountant would certify another ε for
+  the same events, so a (2, 1e-5) plan calibrated by PLD would not fit a (2, 1e-5) RDP ledger)."""
+  if accountant is not None and accountant != ledger.accountant and budget.noise_multiplier > 0:
+    ledger.record_approx_dp(budget.epsilon, budget.delta,
+                            label=f"DP-SGD plan, its (ε, δ) by the {accountant} accountant",
+                            neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
+    return
   if not isinstance(budget.subspace_event, dp_accounting.NoOpDpEvent):
     ledger.record_event(budget.subspace_event,
                         label="private subspace (composed into the DP-SGD plan)",

@@ -209,7 +209,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                                         accountant=accountant, tuning=tuning)
   if ledger is not None:
     # Check the whole plan against the ledger before anything runs (the subspace included).
-    plan_lib.record_budget(ledger.copy(), budget)
+    plan_lib.record_budget(ledger.copy(), budget, accountant)
 
   basis, subspace_ok = None, None
   if subspace == "private":

@@ -15,6 +15,7 @@ import functools
 import math
 from typing import Any, Callable, NamedTuple
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -549,6 +550,44 @@ def _ghost_program(norm_scale=1.0):
   plan = _sgd_plan(grad_fn)
   program = _program(grad_fn, params, _linear_rows(), lambda u: u["l"]["w"][0, 0])
   return program, plan.epsilon, plan.noise.init(params)
+
+
+@functools.cache
+def _aggregate_program(noise_multiplier):
+  """One update of :func:`dpjax.sgd.dp_aggregate` (C = 1) on six per-example gradients: the
+  canary 5·e_0 (clipped to e_0) and five of 0.1 in R^8; the neighbour zeroes the canary's
+  gradient (a fixed batch of 6: the mean's divisor is public). Feature: coordinate 0."""
+  tx = sgd.dp_aggregate(1.0, noise_multiplier, key=jax.random.key(0))
+  rows = _linear_rows()
+  state = tx.init(np.zeros(8, np.float32))
+
+  def run(key, member):
+    updates, _ = tx.update(rows * member[:, None], dataclasses.replace(state, key=key))
+    return updates[0]
+  return jax.jit(run)
+
+
+def _aggregate_claim(sigma=1.0, delta=1e-5):
+  from dpjax import accounting
+  return accounting.event_epsilon(dp_accounting.GaussianDpEvent(sigma), delta, accountant="pld")
+
+
+def test_optax_compatible_aggregate_with_a_canary(audit_trials):
+  """dp_aggregate (issue 50 §6): one Gaussian release of the clipped sum, σ = 1, Δ = C."""
+  n = audit_trials(5_000, 100_000)
+  with_canary, without = _canary_masks()
+  lb = audit.audit(jax.random.key(67), _aggregate_program(1.0), without, with_canary,
+                   delta=1e-5, trials=n, batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _check("optax-compatible DP aggregate", _aggregate_claim(), lb, n)
+
+
+def test_aggregate_audit_catches_a_third_of_the_noise(audit_trials):
+  """Negative control (not in EXPECTED): the same release with σ/3 while σ is claimed."""
+  n = audit_trials(10_000, 20_000)
+  with_canary, without = _canary_masks()
+  lb = audit.audit(jax.random.key(68), _aggregate_program(1.0 / 3.0), without, with_canary,
+                   delta=1e-5, trials=n, batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _control("dp_aggregate: noise σ/3", _aggregate_claim(), lb, n)
 
 
 def test_ghost_dp_sgd_step_with_a_canary(audit_trials):
@@ -1350,6 +1389,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",
             "ghost DP-SGD step, Gram route, adversarial canary",
+            "optax-compatible DP aggregate",
             "subspace DP-SGD step, stretching basis",
             "per-layer subspace DP-SGD step", "two-sided per-layer subspace DP-SGD step",
             "GEP DP-SGD step, joint clip (Δ = 1)", "GEP DP-SGD step, per-part clips (Δ = √2)",

@@ -4,6 +4,7 @@ L cannot disagree); the whole Poisson sample summed in one call; step and run (d
 
 import dataclasses
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,7 +216,7 @@ def test_noise_multiplier_instead_of_epsilon_certifies_the_budget():
       0.25 + accounting.dpsgd_epsilon(2.0, 40 / N, 5, 1e-5 - 1e-7, accountant="pld"))
   assert shared.delta == pytest.approx(1e-5)
   free = _plan(noise_multiplier=0.0)                    # σ = 0: no privacy, for tests
-  assert free.epsilon == float("inf") and free.dp_event is None
+  assert free.epsilon == float("inf") and free.dp_event == dp_accounting.NonPrivateDpEvent()
 
 
 def test_a_private_subspace_cost_is_composed_into_the_total():
@@ -229,7 +230,7 @@ def test_a_private_subspace_cost_is_composed_into_the_total():
 
 
 def test_a_ledger_is_checked_before_anything_runs_then_records_the_plan():
-  ledger = PrivacyLedger(1.0, 1e-5)                            # RDP, as the plans below
+  ledger = PrivacyLedger(1.0, 1e-5, accountant="rdp")         # RDP, as the plans below
   kw = dict(noise_multiplier=2.0, steps=5, accountant="rdp", subspace_epsilon=0.1,
             subspace_delta=1e-7)
   plan = _plan(ledger=ledger, **kw)
@@ -321,3 +322,62 @@ def test_a_function_without_a_sensitivity_is_refused():
                                l2_norm_bound=float("nan"))
   with pytest.raises(ValueError, match="l2_norm_bound"):
     _plan(forged, epsilon=1.0)
+
+
+# --- one event per plan (issue 50 §1) ---------------------------------------------------------
+
+
+def _pld(event, delta):
+  return dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(delta)
+
+
+def test_the_plans_event_is_everything_it_releases_and_its_epsilon_comes_from_it():
+  """Before: plan.dp_event covered the T steps only (a subspace share of 0.2 was missing from
+  it) while plan.epsilon counted it. Each ε is recomputed here by dp_accounting directly."""
+  q, T = 40 / N, 5
+  steps = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(2.0)), T)
+  plain = _plan(noise_multiplier=2.0)
+  assert plain.dp_event == steps
+  assert plain.epsilon == pytest.approx(_pld(steps, 1e-5), rel=1e-9)
+  shared = _plan(noise_multiplier=2.0, subspace_epsilon=0.2, subspace_delta=1e-7)
+  assert shared.dp_event == shared.budget.dp_event == dp_accounting.ComposedDpEvent(
+      (accounting.EpsilonDeltaDpEvent(0.2, 1e-7), steps))
+  assert shared.epsilon == pytest.approx(0.2 + _pld(steps, 1e-5 - 1e-7), rel=1e-9)
+  gauss = dp_accounting.GaussianDpEvent(30.0)
+  composed = _plan(noise_multiplier=2.0, subspace_event=gauss)
+  assert composed.dp_event == dp_accounting.ComposedDpEvent((gauss, steps))
+  assert composed.epsilon == pytest.approx(_pld(composed.dp_event, 1e-5), rel=1e-9)
+  tuning = accounting.HyperparameterTuning(3.0, 0.0)
+  tuned = _plan(noise_multiplier=2.0, accountant="rdp", tuning=tuning)
+  direct = dp_accounting.rdp.RdpAccountant().compose(
+      accounting.tuning_event(steps, tuning)).get_epsilon(1e-5)
+  assert tuned.dp_event == accounting.tuning_event(steps, tuning)
+  assert tuned.epsilon == pytest.approx(direct, rel=1e-9)
+  calibrated = _plan(epsilon=2.0, subspace_epsilon=0.2, subspace_delta=1e-7)
+  assert calibrated.epsilon == pytest.approx(2.0, rel=1e-4) and calibrated.epsilon <= 2.0 + 1e-9
+
+
+def test_a_private_basis_given_as_its_release_brings_its_cost():
+  """Before: the release object as a basis gave an unrelated structure error, and its basis
+  array without subspace_event left plan.epsilon at 2.00 though the basis spent more. Now the
+  release composes its own event; ⊥ and a second event are refused."""
+  release = sgd.private_input_basis(jax.random.key(3), np.asarray(X), 2, epsilon=0.5,
+                                    delta=1e-7, clip_norm=3.0, secure=False)
+  assert bool(release.ok)
+  params = jnp.zeros(D)
+  by_release = _plan(noise_multiplier=2.0, basis=release)
+  by_event = _plan(noise_multiplier=2.0, basis=release.basis, subspace_event=release)
+  forgotten = _plan(noise_multiplier=2.0, basis=release.basis)           # the slip, by array
+  assert by_release.dp_event == by_event.dp_event
+  assert by_release.epsilon == pytest.approx(by_event.epsilon, rel=1e-12)
+  assert by_release.epsilon > forgotten.epsilon                           # its cost is counted
+  state = by_release.noise.init(params)
+  np.testing.assert_array_equal(noise.noise_state(state).bases, release.basis)
+  layered = _plan(noise_multiplier=2.0, bases=release)                    # a per-layer leaf
+  assert layered.dp_event == by_event.dp_event
+  with pytest.raises(ValueError, match="not both"):
+    _plan(noise_multiplier=2.0, basis=release, subspace_event=release)
+  failed = dataclasses.replace(release, ok=jnp.asarray(False))
+  with pytest.raises(ValueError, match="⊥"):
+    _plan(noise_multiplier=2.0, basis=failed)
