@@ -500,8 +500,8 @@ def _gram_norm_bound(xt, dt):
   b = dt.shape[-1]
   info = jnp.finfo(dtype)
   u, tiny = float(info.eps) / 2, float(info.tiny)
-  if max(a, b, steps * steps) * u >= 0.01:
-    raise ValueError(f"ghost clipping's Gram route needs a, b, T² < {0.01 / u:.0f} in "
+  if max(a, b, steps) * u >= 0.01:
+    raise ValueError(f"ghost clipping's Gram route needs a, b, T < {0.01 / u:.0f} in "
                      f"{dtype.name} (got a = {a}, b = {b}, T = {steps}).")
 
   def gamma(k):

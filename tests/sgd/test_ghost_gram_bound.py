@@ -100,6 +100,10 @@ def test_ghost_norms_of_a_sequence_model_match_the_vmap_path():
   np.testing.assert_array_less(ghost_n, exact * 1.001)
 
 
-def test_gram_route_refuses_shapes_beyond_its_proof():
+def test_gram_route_refuses_shapes_beyond_its_proof_and_takes_long_sequences():
   with pytest.raises(ValueError, match="Gram route"):
     ghost._gram_norm_bound(jnp.zeros((1, 2, 1 << 18)), jnp.zeros((1, 2, 1)))
+  x = _rescaled(np.random.default_rng(6).standard_normal((1, 1024, 3)))    # T² > 0.01/u
+  bound = np.asarray(ghost._gram_norm_bound(x, x), np.float64)
+  norm, s = _exact(x, x)
+  assert np.all(bound >= norm) and np.all(bound <= norm * 1.01)
