@@ -166,8 +166,8 @@ def tree_sum(x, square: bool = False, scale=None):
   fixed tree.
 
   Every addition is explicit, in stages that each add 16 slices of the previous stage in a
-  balanced tree (the first stage squares its slices inside the same fused loop, so neither the
-  squares nor a padded copy are materialised), so each term passes through at most
+  balanced tree (the first stage scales and squares its slices inside the same fused loop, so
+  neither the squares nor a padded copy are materialised), so each term passes through at most
   λ(n) = :func:`sum_levels` ``(n)`` = ``⌈log2 n⌉`` roundings whatever XLA does: it does not
   reassociate explicit additions (no fast-math), and no ``reduce`` is involved, whose order is
   unspecified (``jnp.sum`` guarantees only ``n − 1``). Rounded to nearest, the result is within
@@ -179,7 +179,7 @@ def tree_sum(x, square: bool = False, scale=None):
     square: square each term (after ``scale``) before summing.
     scale: None, or a tuple of arrays broadcasting against ``x[..., :1]`` (e.g. ``(..., 1)``;
       powers of two such as :func:`pow2_factors`): each entry is multiplied by them in turn
-      before squaring (with ``square`` only).
+      (before squaring, with ``square``).
 
   Returns:
     ``(...)`` array in ``x``'s dtype.
