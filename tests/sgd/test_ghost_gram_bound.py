@@ -24,9 +24,12 @@ def test_adversarial_search_finds_no_term_above_the_clip_norm(dtype):
   assert found.ratio <= 1.0, found[:1] + found[3:]
 
 
-@pytest.mark.parametrize("dtype, at_least", [("float32", 2.0), ("bfloat16", 2.0)])
+@pytest.mark.parametrize("dtype, at_least", [("float32", 1.2), ("bfloat16", 1.2)])
 def test_the_search_breaks_the_norm_without_an_error_bound(dtype, at_least):
-  """Negative control: the same search against the pre-fix norm finds terms far above C."""
+  """Negative control: the same search against the pre-fix norm finds terms above C (measured
+  on this project's machine: 2.6·C in float32 and 3.8·C in bfloat16 with the suite's compile
+  flags, up to 49·C in float32 at XLA's defaults; the threshold leaves room for another CPU's
+  summation order)."""
   with ga.naive_gram():
     found = ga.search(dtypes=(dtype,))
   assert found.ratio > at_least, found[:1] + found[3:]
