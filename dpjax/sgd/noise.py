@@ -61,8 +61,8 @@ RELEASES = ("full", "flat", "layers", "embedding_residual")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["key", "bases", "base_std", "noise_std"],
-                   meta_fields=["release"])
+                   data_fields=["key", "bases", "base_std", "noise_std", "step"],
+                   meta_fields=["release", "steps"])
 @dataclasses.dataclass(frozen=True)
 class NoiseState:
   """The state of :func:`dp_noise` (one type for every release map).
@@ -74,12 +74,17 @@ class NoiseState:
     base_std: float32 scalar ``σΔ`` (rounded up).
     noise_std: float32 scalar ``σΔν`` (rounded up): the std of every released coordinate.
     release: one of :data:`RELEASES` (static).
+    step: int32 scalar, the updates released so far.
+    steps: T, the updates the budget covers (static; None: not limited). An update past T
+      is all NaN (and ``step`` counts on past T): it cannot pass unnoticed.
   """
   key: jax.Array
   bases: Any
   base_std: jax.Array
   noise_std: jax.Array
   release: str = "full"
+  step: Any = 0
+  steps: int | None = None
 
 
 def l2_norm_bound(grad_fn) -> float:
@@ -119,7 +124,8 @@ def _release_of(grad_fn, basis, bases) -> str:
 
 
 def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, key: jax.Array,
-             basis=None, bases=None, tol: float = 1e-3) -> optax.GradientTransformation:
+             basis=None, bases=None, tol: float = 1e-3,
+             steps: int | None = None) -> optax.GradientTransformation:
   """The DP-SGD privatiser for ``grad_fn``'s sums: release map, Gaussian noise, division by L.
 
   ``update(S)``: S is one step's sum of clipped per-example gradients from ``grad_fn`` (over a
@@ -150,6 +156,9 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
       against the params at ``init``); required by GEP's grad sum.
     tol: accepted spectral distance from orthonormality of every basis (a usability check:
       privacy holds for any accepted basis through ν).
+    steps: optional T, the updates the budget covers (:func:`dpjax.sgd.dp_sgd_plan` passes
+      its T): the state counts updates, and every update past T is released as NaN, so a step
+      the budget does not cover cannot pass unnoticed, even inside a user's own jitted loop.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`NoiseState`; updates have the
@@ -165,6 +174,7 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
   sigma = v.check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
   batch = v.check_positive(expected_batch_size, "expected_batch_size")
   tol = v.check_positive(tol, "tol")
+  steps = None if steps is None else v.check_int(steps, "steps", low=1)
   release = _release_of(grad_fn, basis, bases)
   if release == "flat":
     basis = bases_lib.check_basis(basis, tol=tol)
@@ -186,11 +196,16 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
       if release == "layers":
         nu = bases_lib.bases_norm_bound(checked)
     return NoiseState(key, checked, jnp.asarray(base_std, jnp.float32),
-                      jnp.asarray(_noise_std(base_std, nu), jnp.float32), release)
+                      jnp.asarray(_noise_std(base_std, nu), jnp.float32), release,
+                      jnp.zeros((), jnp.int32), steps)
 
   def update_fn(updates, state, params=None):
     del params
-    return _RELEASE_FNS[state.release](updates, state, batch, scales)
+    out, new = _RELEASE_FNS[state.release](updates, state, batch, scales)
+    if state.steps is not None:       # past T: not covered by the budget, so released as NaN
+      over = jnp.asarray(state.step) >= state.steps
+      out = jax.tree_util.tree_map(lambda x: jnp.where(over, jnp.full_like(x, jnp.nan), x), out)
+    return out, dataclasses.replace(new, step=jnp.asarray(state.step, jnp.int32) + 1)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

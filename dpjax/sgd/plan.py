@@ -150,18 +150,33 @@ class DPSGDPlan:
     The plan and the optimiser are static arguments of the jit: build the optimiser once, not
     inside the loop (a new ``optax.adam(...)`` object compiles the step again).
     """
+    self._check_steps_left(opt_state, 1)
     return self._jitted("step")(self, optimizer, params, opt_state, data, key)
 
   def run(self, params, opt_state, data, key: jax.Array, optimizer, *,
           steps: int | None = None):
-    """``steps`` DP-SGD steps (default: all T the budget covers) as one jitted ``lax.scan``,
+    """``steps`` DP-SGD steps (default: all the budget still covers) as one jitted ``lax.scan``,
     the step keys split from ``key``; returns ``(params, opt_state)``.
 
-    Calling it again continues the run: the budget covers T steps in all, and the caller keeps
-    the total at most T.
+    Calling it again continues the run; the budget covers T steps in all, and a call that would
+    go past T raises ``ValueError`` (as :meth:`step` does), before anything runs.
     """
-    steps = self.steps if steps is None else v.check_int(steps, "steps", low=1, high=self.steps)
+    steps = (max(self.steps - self.steps_taken(opt_state), 1) if steps is None
+             else v.check_int(steps, "steps", low=1, high=self.steps))
+    self._check_steps_left(opt_state, steps)
     return self._jitted("run")(self, optimizer, params, opt_state, data, key, steps=steps)
+
+  def steps_taken(self, opt_state) -> int:
+    """The updates released so far with ``opt_state`` (host side; read from the noise state)."""
+    return int(noise.noise_state(opt_state).step)
+
+  def _check_steps_left(self, opt_state, steps: int) -> None:
+    taken = self.steps_taken(opt_state)
+    if taken + steps > self.steps:
+      raise ValueError(
+          f"this plan's budget covers T = {self.steps} steps and {taken} were taken: "
+          f"{steps} more would release updates its (ε, δ) does not cover. Plan a new run (a "
+          "new plan, paid from a new budget) instead of stepping on.")
 
   def update_bases(self, opt_state, *, basis=None, bases=None, tol: float = 1e-3):
     """New bases for the noise (host side; :func:`dpjax.sgd.update_bases`)."""
@@ -221,7 +236,8 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
   Privacy: ``(plan.epsilon, plan.delta)``-DP under add/remove-one of one example for everything
   computed from the T released updates — provided each step draws its sample with
   :meth:`DPSGDPlan.clipped_sum` (or :meth:`~DPSGDPlan.step`, :meth:`~DPSGDPlan.run`) with a
-  fresh key, passes it to the plan's transform, at most T times, and the bases are public, a DP
+  fresh key, passes it to the plan's transform, at most T times (enforced: ``step`` and ``run``
+  refuse a call past T, and an update past T is all NaN), and the bases are public, a DP
   release accounted in ``subspace_event`` or ``subspace_epsilon/delta``, or functions of this
   run's releases. Reason: each step is the sampled Gaussian mechanism with ℓ2-sensitivity
   Δ = ``grad_fn.l2_norm_bound`` times the release map's ν, noise std σΔν (Abadi et al. 2016),
@@ -311,7 +327,7 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
   sigma = budget.noise_multiplier
   transform = noise.dp_noise(grad_fn, noise_multiplier=sigma,
                              expected_batch_size=selection.expected_batch_size, key=key,
-                             basis=basis, bases=bases, tol=tol)
+                             basis=basis, bases=bases, tol=tol, steps=steps)
   if ledger is not None:
     record_budget(ledger.copy(), budget, accountant)   # check the whole plan, then record it
     record_budget(ledger, budget, accountant)

@@ -381,3 +381,51 @@ def test_a_private_basis_given_as_its_release_brings_its_cost():
   failed = dataclasses.replace(release, ok=jnp.asarray(False))
   with pytest.raises(ValueError, match="⊥"):
     _plan(noise_multiplier=2.0, basis=failed)
+
+
+# --- the plan counts its steps (issue 50 §2, the step count) ---------------------------------
+
+
+def test_a_step_past_the_planned_T_is_refused_on_the_host():
+  """Before: plan.step ran 3T times on a T-step plan and plan.run ran twice, in silence."""
+  plan = _plan(noise_multiplier=1.0, steps=3)
+  opt = optax.sgd(0.05)
+  params, data = jnp.zeros(D), plan.prepare(DATA)
+  state = plan.init(params, opt)
+  for k in jax.random.split(jax.random.key(1), 3):
+    params, state = plan.step(params, state, data, k, opt)
+  assert plan.steps_taken(state) == 3 and np.all(np.isfinite(np.asarray(params)))
+  with pytest.raises(ValueError, match="covers T = 3 steps and 3 were taken"):
+    plan.step(params, state, data, jax.random.key(9), opt)
+  fresh = plan.init(jnp.zeros(D), opt)
+  p, s = plan.run(jnp.zeros(D), fresh, data, jax.random.key(2), opt, steps=2)
+  p, s = plan.run(p, s, data, jax.random.key(3), opt)           # the one step left
+  assert plan.steps_taken(s) == 3
+  with pytest.raises(ValueError, match="were taken"):
+    plan.run(p, s, data, jax.random.key(4), opt)                # a second whole run
+
+
+def test_an_update_past_T_in_a_users_own_jitted_step_is_nan():
+  """Inside the user's own jitted loop the host cannot check: the update past T is all NaN
+  (params become NaN) and the state's count says T + 1; the T covered steps are untouched."""
+  plan = _plan(noise_multiplier=1.0, steps=2)
+  tx = plan.transform(optax.sgd(0.05))
+  data = plan.prepare(DATA)
+
+  @jax.jit
+  def step(params, opt_state, key):
+    updates, opt_state = tx.update(plan.clipped_sum(params, data, key), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, state = jnp.zeros(D), tx.init(jnp.zeros(D))
+  for i in range(2):
+    params, state = step(params, state, jax.random.key(10 + i))
+    assert np.all(np.isfinite(np.asarray(params)))               # negative control: within T
+  params, state = step(params, state, jax.random.key(20))
+  assert np.all(np.isnan(np.asarray(params))) and plan.steps_taken(state) == 3
+  unlimited = sgd.dp_noise(sgd.clipped_grad_sum(loss_fn, clip_norm=1.0), noise_multiplier=1.0,
+                           expected_batch_size=40, key=jax.random.key(0))     # no T: no limit
+  s = unlimited.init(jnp.zeros(D))
+  for _ in range(3):
+    out, s = unlimited.update(jnp.ones(D), s)
+  assert np.all(np.isfinite(np.asarray(out)))
