@@ -8,6 +8,8 @@ dpjax's pieces underneath: the float-safe per-example clip
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import optax
 
@@ -68,7 +70,6 @@ def dp_aggregate(l2_norm_clip: float, noise_multiplier: float, key: jax.Array | 
       raise ValueError("give key or its deprecated spelling seed, not both.")
     key = seed
   if key is None:
-    import warnings   # pylint: disable=import-outside-toplevel
     warnings.warn("dp_aggregate without a key uses jax.random.key(0); pass a fresh key per "
                   "training run.", stacklevel=2)
     key = 0

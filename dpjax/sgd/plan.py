@@ -84,10 +84,11 @@ class DPSGDPlan:
 
   neighbouring = renamed_attribute("neighboring", "neighbouring")
 
-  @functools.cached_property
+  @property
   def epsilon(self) -> float:
-    """ε at ``delta`` of :attr:`dp_event`, by the plan's accountant (and nothing else)."""
-    return accounting.event_epsilon(self.dp_event, self.delta, accountant=self.accountant)
+    """ε at ``delta`` of :attr:`dp_event` by the plan's accountant: ``budget.epsilon``, which
+    the calibration computed from that same event (``budget.dp_event``), not a second time."""
+    return self.budget.epsilon
 
   @property
   def delta(self) -> float:
@@ -150,7 +151,7 @@ class DPSGDPlan:
     The plan and the optimiser are static arguments of the jit: build the optimiser once, not
     inside the loop (a new ``optax.adam(...)`` object compiles the step again).
     """
-    self._check_steps_left(opt_state, 1)
+    self._check_steps_left(self.steps_taken(opt_state), 1)
     return self._jitted("step")(self, optimizer, params, opt_state, data, key)
 
   def run(self, params, opt_state, data, key: jax.Array, optimizer, *,
@@ -161,17 +162,18 @@ class DPSGDPlan:
     Calling it again continues the run; the budget covers T steps in all, and a call that would
     go past T raises ``ValueError`` (as :meth:`step` does), before anything runs.
     """
-    steps = (max(self.steps - self.steps_taken(opt_state), 1) if steps is None
+    taken = self.steps_taken(opt_state)
+    steps = (max(self.steps - taken, 1) if steps is None
              else v.check_int(steps, "steps", low=1, high=self.steps))
-    self._check_steps_left(opt_state, steps)
+    self._check_steps_left(taken, steps)
     return self._jitted("run")(self, optimizer, params, opt_state, data, key, steps=steps)
 
   def steps_taken(self, opt_state) -> int:
-    """The updates released so far with ``opt_state`` (host side; read from the noise state)."""
+    """The updates released so far with ``opt_state`` (host side; read from the noise state, so
+    it waits for the step that produced ``opt_state``)."""
     return int(noise.noise_state(opt_state).step)
 
-  def _check_steps_left(self, opt_state, steps: int) -> None:
-    taken = self.steps_taken(opt_state)
+  def _check_steps_left(self, taken: int, steps: int) -> None:
     if taken + steps > self.steps:
       raise ValueError(
           f"this plan's budget covers T = {self.steps} steps and {taken} were taken: "

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from dp_accounting import NeighboringRelation
 
-from dpjax import audit, data, sgd
+from dpjax import accounting, audit, data, sgd
 from dpjax import mechanisms as M
 from dpjax.ashtiani_liaw import calibration as al_calibration
 from dpjax.ashtiani_liaw import covariance as cov_lib
@@ -568,7 +568,6 @@ def _aggregate_program(noise_multiplier):
 
 
 def _aggregate_claim(sigma=1.0, delta=1e-5):
-  from dpjax import accounting
   return accounting.event_epsilon(dp_accounting.GaussianDpEvent(sigma), delta, accountant="pld")
 
 
