@@ -40,7 +40,8 @@ from dpjax._core.deprecation import renamed_attribute
 __all__ = ["DPSGDBudget", "EpsilonDeltaDpEvent", "HyperparameterTuning", "PrivacySpend",
            "analytic_gaussian_sigma", "calibrate_gaussian_composition",
            "calibrate_noise_multiplier", "classic_gaussian_sigma", "compose_basic",
-           "compose_events", "dpsgd_budget", "dpsgd_epsilon", "dpsgd_event", "event_epsilon",
+           "compose_events", "dpsgd_budget", "dpsgd_epsilon", "dpsgd_event", "dpsgd_plan_event",
+           "event_epsilon",
            "gaussian_composition_epsilon", "plan_dpsgd_budget", "rdp_gaussian_sigma",
            "release_event", "split_event", "tuning_event", "tuning_repetitions"]
 
@@ -397,19 +398,24 @@ def _check_sgd(noise_multiplier, sampling_prob, steps) -> tuple[float, float, in
   return noise_multiplier, sampling_prob, steps
 
 
-def dpsgd_event(noise_multiplier: float, sampling_prob: float,
-                steps: int) -> dp_accounting.DpEvent:
-  """The DP-SGD event: ``steps`` self-compositions of a Poisson-sampled Gaussian mechanism.
+def dpsgd_event(noise_multiplier: float, sampling_prob: float, steps: int, *,
+                batch_selection=None) -> dp_accounting.DpEvent:
+  """The DP-SGD event: ``steps`` self-compositions of a sampled Gaussian mechanism.
 
   ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(σ)), T)``: each step includes
   every example independently with probability q and releases the clipped sum (ℓ2-sensitivity
   C under add/remove-one) plus ``N(0, σ²C²)`` noise per coordinate. Meaningful under
-  add/remove-one (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
+  add/remove-one (``NeighboringRelation.ADD_OR_REMOVE_ONE``). With ``batch_selection``, its
+  ``dp_event(GaussianDpEvent(σ))`` is the step instead (the batch selection states its own piece
+  of the argument; :class:`dpjax.sgd.sampling.PoissonSampling`'s is the event above), so every
+  calibration and every plan built from it follows the scheme by itself.
 
   Args:
     noise_multiplier: σ > 0, the Gaussian noise std divided by the clip norm C.
-    sampling_prob: q ∈ (0, 1], each example's inclusion probability per step.
+    sampling_prob: q ∈ (0, 1], each example's inclusion probability per step (must be the
+      ``batch_selection``'s when both are given).
     steps: number of steps T ≥ 1.
+    batch_selection: optional object with ``sampling_prob`` and ``dp_event(step_event)``.
 
   Returns:
     A ``dp_accounting.DpEvent``.
@@ -422,14 +428,41 @@ def dpsgd_event(noise_multiplier: float, sampling_prob: float,
     Abadi et al., CCS 2016; Mironov, Talwar & Zhang 2019.
   """
   noise_multiplier, sampling_prob, steps = _check_sgd(noise_multiplier, sampling_prob, steps)
-  step = dp_accounting.PoissonSampledDpEvent(sampling_prob,
-                                             dp_accounting.GaussianDpEvent(noise_multiplier))
+  gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+  if batch_selection is None:
+    step = dp_accounting.PoissonSampledDpEvent(sampling_prob, gaussian)
+  else:
+    _check_selection(batch_selection, sampling_prob)
+    step = batch_selection.dp_event(gaussian)
   return dp_accounting.SelfComposedDpEvent(step, steps)
+
+
+def _check_selection(batch_selection, sampling_prob: float) -> None:
+  """A batch selection must state its event and agree with the q it is accounted at."""
+  if not callable(getattr(batch_selection, "dp_event", None)):
+    raise TypeError("batch_selection must have a dp_event(step_event) method (e.g. "
+                    f"dpjax.sgd.sampling.PoissonSampling), got {type(batch_selection).__name__}.")
+  if float(batch_selection.sampling_prob) != float(sampling_prob):
+    raise ValueError(f"sampling_prob={sampling_prob} is not the batch selection's "
+                     f"{batch_selection.sampling_prob}.")
+
+
+def _selection_prob(sampling_prob, batch_selection) -> float:
+  """q from ``sampling_prob`` or the batch selection (which must agree when both are given)."""
+  if batch_selection is None:
+    if sampling_prob is None:
+      raise ValueError("give sampling_prob or batch_selection.")
+    return sampling_prob
+  if sampling_prob is None:
+    sampling_prob = batch_selection.sampling_prob
+  _check_selection(batch_selection, sampling_prob)
+  return sampling_prob
 
 
 @quiet_rdp_logs()
 def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, delta: float, *,
-                  accountant: str = "rdp", tuning: HyperparameterTuning | None = None) -> float:
+                  accountant: str = "rdp", tuning: HyperparameterTuning | None = None,
+                  batch_selection=None) -> float:
   """ε of T steps of Poisson-sampled DP-SGD at ``delta``, under add/remove-one.
 
   The figure is exactly ``dp_accounting``'s: the RDP accountant (fast; an upper bound through the
@@ -443,6 +476,7 @@ def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, del
     delta: δ ∈ (0, 1).
     accountant: "rdp" or "pld".
     tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"``).
+    batch_selection: optional batch selection stating each step's event (:func:`dpsgd_event`).
 
   Returns:
     ε ≥ 0 (nats) as a Python float; the run (with ``tuning``: the tuning's selected run) is
@@ -461,7 +495,7 @@ def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, del
   delta = v.check_delta(delta)
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
   tuning = _check_tuning_accountant(tuning, accountant)
-  event = dpsgd_event(noise_multiplier, sampling_prob, steps)
+  event = dpsgd_event(noise_multiplier, sampling_prob, steps, batch_selection=batch_selection)
   if tuning is not None:
     event = tuning_event(event, tuning)
   return float(_accountant(accountant).compose(event).get_epsilon(delta))
@@ -606,7 +640,8 @@ def _check_tuning_accountant(tuning, accountant: str) -> HyperparameterTuning | 
 @quiet_rdp_logs()
 def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampling_prob: float,
                                steps: int, *, accountant: str = "rdp",
-                               tuning: HyperparameterTuning | None = None) -> float:
+                               tuning: HyperparameterTuning | None = None,
+                               batch_selection=None) -> float:
   """The smallest noise multiplier σ whose DP-SGD run is (target_ε, target_δ)-DP (add/remove-one).
 
   ``dp_accounting.calibrate_dp_mechanism`` searches on the host, from a lower end where ε is
@@ -634,6 +669,8 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     steps: T ≥ 1.
     accountant: "rdp" or "pld".
     tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"``).
+    batch_selection: optional batch selection stating each step's event (:func:`dpsgd_event`):
+      σ is calibrated on the event it builds.
 
   Returns:
     σ as a Python float, with ``dpsgd_epsilon(σ, q, T, δ, accountant=..., tuning=...) ≤
@@ -652,8 +689,10 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
   sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
   tuning = _check_tuning_accountant(tuning, accountant)
+  if batch_selection is not None:
+    _check_selection(batch_selection, sampling_prob)
   return _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
-                                     accountant, tuning)
+                                     accountant, tuning, batch_selection)
 
 
 # A pure function of its arguments, and PLD's search takes seconds to minutes at small σ (each ε
@@ -661,19 +700,19 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
 # budget calibrates once.
 @functools.lru_cache(maxsize=256)
 def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps, accountant,
-                                tuning=None):
+                                tuning=None, batch_selection=None):
   def event_at(sigma: float) -> dp_accounting.DpEvent:
-    event = dpsgd_event(sigma, sampling_prob, steps)
+    event = dpsgd_event(sigma, sampling_prob, steps, batch_selection=batch_selection)
     return event if tuning is None else tuning_event(event, tuning)
 
   def eps_at(sigma: float) -> float:
-    return dpsgd_epsilon(sigma, sampling_prob, steps, target_delta, accountant=accountant,
-                         tuning=tuning)
+    return float(_accountant(accountant).compose(event_at(sigma)).get_epsilon(target_delta))
 
   if accountant == "pld":
     # RDP's ε is the looser bound, so PLD's σ lies below RDP's (2–15% below, where measured).
     # The PLD accountant's memory grows without bound as σ → 0: never search below half of it.
-    guess = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps, "rdp")
+    guess = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps, "rdp",
+                                        None, batch_selection)
     lower_ends = sorted({max(guess / 1.25, _SIGMA_FLOOR), max(guess / 2.0, _SIGMA_FLOOR)},
                         reverse=True)
   else:
@@ -819,11 +858,12 @@ def subspace_release_event(subspace_epsilon: float = 0.0, subspace_delta: float 
 
 
 @quiet_rdp_logs()
-def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, steps: int,
-                      subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
+def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | None = None,
+                      steps: int, subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
                       subspace_event: dp_accounting.DpEvent | None = None,
                       accountant: str = "rdp",
-                      tuning: HyperparameterTuning | None = None) -> DPSGDBudget:
+                      tuning: HyperparameterTuning | None = None,
+                      batch_selection=None) -> DPSGDBudget:
   """Calibrates DP-SGD so that it and a private subspace release are together (ε, δ)-DP.
 
   The subspace release is a ``dp_accounting`` event (``subspace_event``, e.g. the ``dp_event`` of
@@ -839,11 +879,13 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
   (docs/algorithms.md §6.2 route (c)). With no subspace this is plain DP-SGD calibration. With
   ``tuning`` (and no subspace), σ is calibrated so that the best of the tuning's random number
   of runs is (ε, δ)-DP (:func:`tuning_event`, RDP): ``sgd_epsilon`` is then the tuning's ε.
+  Every ε here, the calibration's included, is computed from the one event
+  :func:`dpsgd_plan_event` builds (``budget.dp_event`` at the returned σ).
 
   Args:
     epsilon: total ε > 0.
     delta: total δ ∈ (0, 1).
-    sampling_prob: q ∈ (0, 1].
+    sampling_prob: q ∈ (0, 1] (or None with ``batch_selection``).
     steps: T ≥ 1.
     subspace_epsilon: ε_s ∈ [0, ε) of a subspace release given by number.
     subspace_delta: δ_s ∈ [0, δ).
@@ -851,6 +893,9 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
     accountant: "rdp" or "pld".
     tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"`` and no subspace:
       an (ε_s, δ_s) release has no RDP curve to repeat).
+    batch_selection: optional batch selection (``sampling_prob`` and ``dp_event(step_event)``,
+      e.g. :class:`dpjax.sgd.sampling.PoissonSampling`) whose event each step is
+      (:func:`dpsgd_event`); default Poisson sampling at ``sampling_prob``.
 
   Returns:
     :class:`DPSGDBudget`; ``budget.epsilon ≤ epsilon`` and ``budget.delta == delta`` (up to
@@ -878,6 +923,7 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
   if parts.delta >= delta:
     raise ValueError(f"subspace_delta must lie in [0, delta={delta}), got "
                      f"subspace_delta={parts.delta}.")
+  sampling_prob = _selection_prob(sampling_prob, batch_selection)
   sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   tuning = _check_tuning_accountant(tuning, accountant)
   if tuning is not None and not isinstance(sub_event, dp_accounting.NoOpDpEvent):
@@ -886,17 +932,20 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float, ste
   sgd_delta = delta - parts.delta
   if parts.accountable:
     sigma = _calibrate_composed(epsilon - parts.epsilon, sgd_delta, sampling_prob, steps,
-                                accountant, parts.accountable)
+                                accountant, parts.accountable, batch_selection)
   else:
     sigma = calibrate_noise_multiplier(epsilon - parts.epsilon, sgd_delta, sampling_prob, steps,
-                                       accountant=accountant, tuning=tuning)
-  return _budget(sigma, sampling_prob, steps, delta, sub_event, accountant, tuning)
+                                       accountant=accountant, tuning=tuning,
+                                       batch_selection=batch_selection)
+  return _budget(sigma, sampling_prob, steps, delta, sub_event, accountant, tuning,
+                 batch_selection)
 
 
-def dpsgd_budget(noise_multiplier: float, sampling_prob: float, steps: int, delta: float, *,
-                 subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
+def dpsgd_budget(noise_multiplier: float, sampling_prob: float | None, steps: int, delta: float,
+                 *, subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
                  subspace_event: dp_accounting.DpEvent | None = None, accountant: str = "rdp",
-                 tuning: HyperparameterTuning | None = None) -> DPSGDBudget:
+                 tuning: HyperparameterTuning | None = None,
+                 batch_selection=None) -> DPSGDBudget:
   """The budget a GIVEN σ certifies at total ``delta``, a subspace release composed in as in
   :func:`plan_dpsgd_budget` (σ = 0: no privacy, ε = ∞).
 
@@ -905,6 +954,7 @@ def dpsgd_budget(noise_multiplier: float, sampling_prob: float, steps: int, delt
   """
   sigma = v.check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
   delta = v.check_delta(delta)
+  sampling_prob = _selection_prob(sampling_prob, batch_selection)
   sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
   tuning = _check_tuning_accountant(tuning, accountant)
@@ -913,41 +963,62 @@ def dpsgd_budget(noise_multiplier: float, sampling_prob: float, steps: int, delt
     raise ValueError("tuning cannot repeat a subspace release composed by basic composition.")
   if split_event(sub_event).delta >= delta:
     raise ValueError(f"the subspace release's δ must lie below delta={delta}.")
-  return _budget(sigma, sampling_prob, steps, delta, sub_event, accountant, tuning)
+  return _budget(sigma, sampling_prob, steps, delta, sub_event, accountant, tuning,
+                 batch_selection)
+
+
+def dpsgd_plan_event(noise_multiplier: float, sampling_prob: float | None, steps: int, *,
+                     subspace_event: dp_accounting.DpEvent = dp_accounting.NoOpDpEvent(),
+                     tuning: HyperparameterTuning | None = None,
+                     batch_selection=None) -> dp_accounting.DpEvent:
+  """The one event of everything a DP-SGD plan releases, built from its parts: the subspace
+  release(s) composed with T steps of the batch selection's sampled Gaussian step
+  (:func:`dpsgd_event`), the steps wrapped in the tuning's repeat-and-select event with
+  ``tuning``; ``NonPrivateDpEvent`` for σ = 0. :func:`plan_dpsgd_budget` calibrates σ on it and
+  :class:`DPSGDBudget`'s ``dp_event`` is it (add/remove-one).
+
+  Raises:
+    ValueError / TypeError: as :func:`dpsgd_event` (σ < 0 instead of ≤ 0).
+  """
+  sigma = v.check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
+  sampling_prob = _selection_prob(sampling_prob, batch_selection)
+  if sigma <= 0:
+    return dp_accounting.NonPrivateDpEvent()
+  steps_event = dpsgd_event(sigma, sampling_prob, steps, batch_selection=batch_selection)
+  if tuning is not None:
+    steps_event = tuning_event(steps_event, tuning)
+  if isinstance(subspace_event, dp_accounting.NoOpDpEvent):
+    return steps_event
+  return compose_events(subspace_event, steps_event)
 
 
 @quiet_rdp_logs()
-def _budget(sigma, q, steps, delta, sub_event, accountant, tuning) -> DPSGDBudget:
+def _budget(sigma, q, steps, delta, sub_event, accountant, tuning,
+            batch_selection=None) -> DPSGDBudget:
   parts = split_event(sub_event)
   sgd_delta = delta - parts.delta
+  event = dpsgd_plan_event(sigma, q, steps, subspace_event=sub_event, tuning=tuning,
+                           batch_selection=batch_selection)
   if sigma <= 0:
-    steps_event = dp_accounting.NonPrivateDpEvent()
     sgd_epsilon = math.inf
   else:
-    steps_event = dpsgd_event(sigma, q, steps)
-    if tuning is not None:
-      steps_event = tuning_event(steps_event, tuning)
-    if parts.accountable:
-      sgd_epsilon = event_epsilon(compose_events(*parts.accountable, steps_event), sgd_delta,
-                                  accountant=accountant)
-    else:
-      sgd_epsilon = dpsgd_epsilon(sigma, q, steps, sgd_delta, accountant=accountant,
-                                  tuning=tuning)
+    # The accountant's part of the one event: its leaves other than the (ε, δ) ones.
+    sgd_epsilon = event_epsilon(compose_events(*split_event(event).accountable), sgd_delta,
+                                accountant=accountant)
   add_remove = NeighboringRelation.ADD_OR_REMOVE_ONE
   total = compose_basic(PrivacySpend(parts.epsilon, parts.delta, add_remove),
                         PrivacySpend(sgd_epsilon, sgd_delta, add_remove))
-  event = steps_event if isinstance(sub_event, dp_accounting.NoOpDpEvent) else \
-      compose_events(sub_event, steps_event)
   return DPSGDBudget(sigma, q, steps, parts.epsilon, parts.delta, sgd_epsilon, sgd_delta,
                      total.epsilon, total.delta, add_remove, tuning, sub_event, event)
 
 
 @functools.lru_cache(maxsize=64)
 def _calibrate_composed(target_epsilon, target_delta, sampling_prob, steps, accountant,
-                        other: tuple) -> float:
+                        other: tuple, batch_selection=None) -> float:
   """The smallest σ with ``ε(other ∘ T steps) ≤ target`` at ``target_delta`` (accountant's)."""
   def event_at(sigma):
-    return compose_events(*other, dpsgd_event(sigma, sampling_prob, steps))
+    return compose_events(*other, dpsgd_event(sigma, sampling_prob, steps,
+                                              batch_selection=batch_selection))
 
   if not make_accountant(accountant).supports(event_at(1.0)):
     raise ValueError(f"the {accountant!r} accountant cannot compose the subspace event "
@@ -956,7 +1027,7 @@ def _calibrate_composed(target_epsilon, target_delta, sampling_prob, steps, acco
   # The steps alone at the whole target need σ_0; composing another release can only raise ε,
   # so σ ≥ σ_0: bracket from σ_0 upward (dp_accounting widens the upper end as needed).
   low = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
-                                    accountant)
+                                    accountant, None, batch_selection)
   if event_epsilon(event_at(_SIGMA_CEILING), target_delta, accountant=accountant) > \
       target_epsilon:
     raise ValueError(f"no noise_multiplier <= {_SIGMA_CEILING:g} reaches "

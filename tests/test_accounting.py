@@ -83,7 +83,7 @@ def test_pld_calibration_when_the_rdp_start_is_far_above(monkeypatch, inflate):
 
   def inflated_rdp(*args):                   # the PLD search's start, as the cache returns it
     sigma = cached.__wrapped__(*args)
-    return inflate * sigma if args[-1] == "rdp" else sigma
+    return inflate * sigma if args[4] == "rdp" else sigma
 
   seen = _record_pld_sigmas(monkeypatch)
   monkeypatch.setattr(accounting, "_calibrate_noise_multiplier", inflated_rdp)

@@ -175,7 +175,7 @@ class _Spy:
       fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
       fields["noise"] = self._noise(plan.noise)
       if steps is not None:
-        fields["steps"] = min(steps, plan.steps)
+        fields["spy_steps"] = min(steps, plan.steps)
       proxy = _SpyPlan(**fields, spy=self)
       self.plans.append((plan, proxy))
       return proxy
@@ -205,14 +205,15 @@ class _Spy:
       real_calibrate = accounting.calibrate_noise_multiplier
 
       def pinned(target_epsilon, target_delta, sampling_prob, steps, *, accountant="rdp",
-                 tuning=None):
+                 tuning=None, batch_selection=None):
         for (e, d, q, t), sigma in _PINNED_SIGMA.items():
           if (accountant == "pld" and tuning is None and steps == t
               and all(math.isclose(a, b, rel_tol=1e-9) for a, b in
                       ((target_epsilon, e), (target_delta, d), (sampling_prob, q)))):
             return sigma
         return real_calibrate(target_epsilon, target_delta, sampling_prob, steps,
-                              accountant=accountant, tuning=tuning)
+                              accountant=accountant, tuning=tuning,
+                              batch_selection=batch_selection)
 
       monkeypatch.setattr(accounting, "calibrate_noise_multiplier", pinned)
 
@@ -260,15 +261,23 @@ class _Spy:
 class _SpyPlan(DPSGDPlan):
   """The real plan with recording hooks (see :class:`_Spy`); hashed by identity."""
   spy: Any = None
+  spy_steps: int | None = None
   __hash__ = object.__hash__
   __eq__ = object.__eq__
 
-  def clipped_sum(self, params, data, key, opt_state=None):
+  @property
+  def steps(self) -> int:
+    """T as the example sees it (its loop length; the budget still covers the planned T)."""
+    return self.config.steps if self.spy_steps is None else self.spy_steps
+
+  def clipped_sum(self, params, data, opt_state):
+    from dpjax.sgd import noise
     self.spy.saw("private", data)
     if not self.spy.train:                        # the data flow only: zeros of the sum's shape
-      shapes = jax.eval_shape(super().clipped_sum, params, data, key, opt_state)
+      shapes = jax.eval_shape(super().clipped_sum, params, data, opt_state)
       return jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
-    out = super().clipped_sum(params, data, key, opt_state)
+    out = super().clipped_sum(params, data, opt_state)
+    key = noise.step_keys(noise.noise_state(opt_state).key).sample      # the sample's key
     jax.debug.callback(lambda k, s: self.spy.sums.append((np.asarray(k).tobytes(), s)),
                        jax.random.key_data(key), jax.tree_util.tree_leaves(out), ordered=True)
     return out
@@ -277,17 +286,17 @@ class _SpyPlan(DPSGDPlan):
     self.spy.saw("private", data)
     return super().prepare(data)
 
-  def step(self, params, opt_state, data, key, optimizer):
+  def step(self, params, opt_state, data, optimizer):
     self.spy.saw("private", data)
     if not self.spy.train:
       return params, opt_state
-    return super().step(params, opt_state, data, key, optimizer)
+    return super().step(params, opt_state, data, optimizer)
 
-  def run(self, params, opt_state, data, key, optimizer, *, steps=None):
+  def run(self, params, opt_state, data, optimizer, **kwargs):
     self.spy.saw("private", data)
     if not self.spy.train:
       return params, opt_state
-    return super().run(params, opt_state, data, key, optimizer, steps=steps)
+    return super().run(params, opt_state, data, optimizer, **kwargs)
 
 
 # --- The README's "DP-SGD in your own loop" -----------------------------------------------------
@@ -429,17 +438,20 @@ def test_readme_own_loop_example_is_private(heading, monkeypatch, capsys):
                            _LOOP_C: "embedding_residual"}[heading]
 
 
-@pytest.mark.parametrize("old, new", [
-    pytest.param("tx = plan.transform(optax.adam(4e-3))", "tx = optax.adam(4e-3)", id="no-noise"),
-    pytest.param("jax.random.split(jax.random.key(2), plan.steps)",
-                 "[jax.random.key(2)] * plan.steps", id="one-key",
+@pytest.mark.parametrize("replace", [
+    pytest.param((("tx = plan.transform(opt)", "tx = optax.chain(optax.identity(), opt)"),),
+                 id="no-noise"),
+    pytest.param((("opt_state = plan.init(params, opt)", "opt_state = first = plan.init(params, opt)"),
+                  ("plan.clipped_sum(params, (X, y), opt_state)",
+                   "plan.clipped_sum(params, (X, y), first)")), id="one-state",
                  marks=pytest.mark.slow(reason="a second negative control of the spy; the "
                                                "default run keeps the no-noise one"))])
-def test_own_loop_privacy_check_detects_a_broken_loop(old, new, monkeypatch, capsys):
-  """Negative controls: (a) with its sums not noised, or every step drawn with one key, fails
-  the check above."""
+def test_own_loop_privacy_check_detects_a_broken_loop(replace, monkeypatch, capsys):
+  """Negative controls: (a) with its sums not noised (the state's keys never move on), or every
+  step's sample drawn from the first state (the one-key slip's form now that the plan owns the
+  keys), fails the check above."""
   spy, ns, printed = _run_own_loop(_LOOP_A, monkeypatch, capsys, steps=_FEW_STEPS, pin=True,
-                                   replace=((old, new),))
+                                   replace=replace)
   with pytest.raises((AssertionError, ValueError)):
     _check_private_as_written(spy, ns, printed, steps_run=_FEW_STEPS)
 
@@ -484,11 +496,11 @@ def test_readme_own_loop_example_as_written(heading, monkeypatch, capsys):
 
 def _private_basis_variant(text: str) -> tuple[tuple[str, str], ...]:
   """(b)'s "without public rows" sentence, applied to (b)'s code as the sentence says."""
-  basis = " ".join(re.search(r"`(release = dpjax\.sgd\.private_input_basis\(.*?\.basis)`", text,
-                             re.S).group(1).split())
-  share = re.search(r"add `(subspace_event=[^`]*)` to\s+`dp_sgd_plan`", text).group(1)
-  return (("U = dpjax.sgd.public_input_basis(mnist.X_train[7_500:], 16)", basis + "  #"),
-          ("bases=bases,", f"bases=bases, {share},"))
+  release = " ".join(re.search(r"`(release = dpjax\.sgd\.private_input_basis\(.*?\))`,", text,
+                               re.S).group(1).split())
+  assert re.search(r"put `release` where\s+`U` goes", text)
+  return (("U = dpjax.sgd.public_input_basis(mnist.X_train[7_500:], 16)",
+           release + "; U = release  #"),)
 
 
 @pytest.mark.slow(reason="(b) with a private basis as its prose says: Analyze Gauss's exact "
@@ -512,7 +524,7 @@ def test_readme_private_input_basis_variant(monkeypatch, capsys):
   assert (budget.subspace_epsilon, budget.subspace_delta) == (0.0, 0.0)   # no ε split
   assert budget.sgd_delta == pytest.approx(1e-5) and plan.delta == pytest.approx(1e-5)
   assert plan.epsilon <= 2.0 * (1 + 1e-9)
-  assert ns["U"].shape == (784, 16)
+  assert ns["release"].basis.shape == (784, 16)
   sigmas = re.search(r"σ is ([0-9.]+) instead of \(b\)'s ([0-9.]+) \(an ε split, 0\.2 off the\s+"
                      r"total, would have given ([0-9.]+)\)", text).groups()
   after, plain, split = map(float, sigmas)

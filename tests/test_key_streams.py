@@ -29,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 try:                                   # jax >= 0.10 (the random package)
@@ -229,6 +230,24 @@ def _gep_noise():
     _, state = tx.update(sums, state, params)
 
 
+def _plan_steps():
+  """Two steps of a DP-SGD plan with GEP's release (issue 50 §2): each step's Poisson sample,
+  embedding noise and residual noise from one split of the state's key into named purposes
+  (``StepKeys``), the key moved on to the split's ``next``; no key from the user."""
+  params = LINEAR(jax.random.key(16))
+  bases = experiments.first_layer_bases(params, np.eye(D, 2, dtype=np.float32))
+  grad_fn = sgd.embedding_residual_grad_sum(demo.example_loss, embedding_clip=1.0,
+                                            residual_clip=0.5, joint=False)
+  plan = sgd.dp_sgd_plan(grad_fn, num_examples=N, expected_batch_size=8, steps=2,
+                         noise_multiplier=1.0, accountant="rdp", key=jax.random.key(17),
+                         bases=bases, microbatch_size=8)
+  opt = optax.sgd(0.1)
+  state = plan.init(params, opt)
+  data = tuple(jnp.asarray(a) for a in _data())
+  for _ in range(2):
+    params, state = plan.update(params, state, data, opt)
+
+
 def _layer_noise():
   params = [{"w": jnp.zeros((D, 3)), "b": jnp.zeros(3)}]
   tx = sgd.dp_noise(sgd.clipped_grad_sum(demo.example_loss, clip_norm=1.0),
@@ -290,6 +309,7 @@ _SLOW = pytest.mark.slow(reason="key streams of the routes and the composed lear
 LEARNERS = [
     pytest.param("GEP noise (embedding + residual)", _gep_noise),
     pytest.param("per-layer subspace noise", _layer_noise),
+    pytest.param("DP-SGD plan steps (sample, GEP noise)", _plan_steps),
     pytest.param("route private_input_subspace",
                  _route("private_input_subspace", 1, input_rank=2), marks=_SLOW),
     pytest.param("CoinPress mean and covariance (T Gaussian steps each)", _coinpress,

@@ -3,12 +3,13 @@ clipped-gradient function, Poisson batch selection, one noise transform and the 
 
 A user meets these names; the modules hold the rest (``dpjax.sgd.per_example``, ``.ghost``,
 ``.flax_layers``, ``.gep``, ``.noise``, ``.bases``, ``.sampling``, ``.sources``,
-``.distributed``, ``.denoise``, ``.averaging``, ``.plan``, ``.training``, ``.aggregate``).
+``.distributed``, ``.denoise``, ``.averaging``, ``.config``, ``.plan``, ``.training``, ``.aggregate``).
 """
 
 from dpjax.sgd.aggregate import dp_aggregate
 from dpjax.sgd.averaging import averaged_params, iterate_average
 from dpjax.sgd.bases import TwoSidedBasis, bases_like, trajectory_bases
+from dpjax.sgd.config import DPSGDConfig
 from dpjax.sgd.denoise import low_rank_denoise
 from dpjax.sgd.distributed import data_mesh
 from dpjax.sgd.flax_layers import linen_apply, nnx_apply, nnx_model
@@ -21,7 +22,7 @@ from dpjax.sgd.sources import (private_gradient_subspace, private_input_basis,
                                public_gradient_subspace, public_input_basis)
 from dpjax.sgd.training import train_dp_sgd
 
-__all__ = ["DPSGDPlan", "TwoSidedBasis", "averaged_params", "bases_like", "clipped_grad_sum",
+__all__ = ["DPSGDConfig", "DPSGDPlan", "TwoSidedBasis", "averaged_params", "bases_like", "clipped_grad_sum",
            "data_mesh", "dense", "dp_aggregate", "dp_noise", "dp_sgd_plan",
            "embedding_residual_grad_sum", "ghost_clipped_grad_sum", "iterate_average", "linen_apply", "low_rank_denoise",
            "nnx_apply", "nnx_model",

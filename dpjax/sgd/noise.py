@@ -33,16 +33,18 @@ the coefficients of a basis); the floating-point caveat of §1.10 is not address
 as in every DP-SGD library. Bases must be public, DP releases whose cost is composed in, or
 functions of earlier releases of this run (:func:`dpjax.sgd.trajectory_bases`).
 
-Keys: the state's key is split once per update into the next key and the noise's stream(s)
-(GEP: next, embedding, residual), never reused. With every leaf given an identity basis (or a
-flat identity basis) the draws equal the full release's (tested).
+Keys: the state's key is split once per update into named purposes (:class:`StepKeys`: the
+next state's key, the noise, GEP's residual noise, and the step's Poisson sample, which
+:meth:`dpjax.sgd.DPSGDPlan.clipped_sum` draws from the same state before the update), never
+reused; every release map splits alike. With every leaf given an identity basis (or a flat
+identity basis) the draws equal the full release's (tested).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +57,8 @@ from dpjax import linalg
 from dpjax.sgd import bases as bases_lib
 from dpjax.sgd import gep
 
-__all__ = ["RELEASES", "NoiseState", "dp_noise", "l2_norm_bound", "noise_state", "update_bases"]
+__all__ = ["RELEASES", "NoiseState", "StepKeys", "dp_noise", "l2_norm_bound", "noise_state",
+           "step_keys", "update_bases"]
 
 RELEASES = ("full", "flat", "layers", "embedding_residual")
 
@@ -85,6 +88,25 @@ class NoiseState:
   release: str = "full"
   step: Any = 0
   steps: int | None = None
+
+
+class StepKeys(NamedTuple):
+  """One step's streams: one ``split`` of the noise state's key into named purposes.
+
+  ``next`` becomes the state's key after the update; ``noise`` (and GEP's ``residual_noise``)
+  draw the update's Gaussian noise; ``sample`` draws the step's Poisson sample. Nothing else is
+  derived from the state's key (never ``fold_in``: under partitionable threefry
+  ``fold_in(k, i)`` is ``split(k, n)[i]``).
+  """
+  next: jax.Array
+  noise: jax.Array
+  residual_noise: jax.Array
+  sample: jax.Array
+
+
+def step_keys(key: jax.Array) -> StepKeys:
+  """:class:`StepKeys` of a noise state's key (traceable)."""
+  return StepKeys(*jax.random.split(key, len(StepKeys._fields)))
 
 
 def l2_norm_bound(grad_fn) -> float:
@@ -216,7 +238,7 @@ def _noise_std(base_std, nu: float) -> np.float32:
 
 def _full(updates, state, batch, scales):
   del scales
-  next_key, noise_key = jax.random.split(state.key)
+  next_key, noise_key = step_keys(state.key)[:2]
   leaves, treedef = jax.tree_util.tree_flatten(updates)
   keys = jax.random.split(noise_key, len(leaves))
   noisy = [_noised_leaf(g, state.noise_std, k, batch) for g, k in zip(leaves, keys)]
@@ -234,7 +256,7 @@ def _noised_leaf(g, noise_std, key, batch):
 
 def _flat(updates, state, batch, scales):
   del scales
-  next_key, noise_key = jax.random.split(state.key)
+  next_key, noise_key = step_keys(state.key)[:2]
   flat, unravel = ravel_pytree(updates)
   # The released k-vector is computed with V as stored (at least float32), never with V cast
   # down to 16-bit gradients: ν̂ covers V's own values (and a float32 cast), not a 16-bit
@@ -255,7 +277,7 @@ def _coefficient_dtype(g, basis):
 
 def _layers(updates, state, batch, scales):
   del scales
-  next_key, noise_key = jax.random.split(state.key)
+  next_key, noise_key = step_keys(state.key)[:2]
   leaves, treedef = jax.tree_util.tree_flatten(updates)
   leaf_bases = treedef.flatten_up_to(state.bases)
   keys = jax.random.split(noise_key, len(leaves))
@@ -275,10 +297,9 @@ def _layers(updates, state, batch, scales):
 
 def _embedding_residual(updates, state, batch, scales):
   c_e, c_r = scales
-  # One split into named streams (issue 34 §2): the next state's key, the embedding's and the
-  # residual's noise. With JAX's partitionable threefry (the default) split(k, 3)[:2] is
-  # split(k, 2), so the embedding draws are the full release's (identity bases: the same).
-  next_key, noise_key, residual_key = jax.random.split(state.key, 3)
+  # The one split into named streams (StepKeys): the embedding draws from the full release's
+  # noise stream (identity bases: the same draws), the residual from its own.
+  next_key, noise_key, residual_key = step_keys(state.key)[:3]
   emb, treedef = jax.tree_util.tree_flatten(updates["embedding"])
   res = treedef.flatten_up_to(updates["residual"])
   leaf_bases = treedef.flatten_up_to(state.bases)

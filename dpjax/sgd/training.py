@@ -1,5 +1,6 @@
 """A ready-made private training loop over the DP-SGD plan (§6): a thin loop around
-:func:`dpjax.sgd.dp_sgd_plan` for users who do not write their own.
+:class:`dpjax.sgd.DPSGDConfig` (calibrated once) and its plan, for users who do not write
+their own.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting
-from dpjax.sgd import averaging, distributed, per_example, plan as plan_lib, sources
+from dpjax.sgd import averaging, config as config_lib, distributed, per_example, sources
+from dpjax.sgd import plan as plan_lib
 
 __all__ = ["SUBSPACES", "TrainResult", "train_dp_sgd"]
 
@@ -55,8 +57,9 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                  tuning: accounting.HyperparameterTuning | None = None) -> TrainResult:
   """Trains ``params`` with DP-SGD at a total (ε, δ), the subspace's cost included.
 
-  A thin loop over :func:`dpjax.sgd.dp_sgd_plan` (clipping by :func:`dpjax.sgd.clipped_grad_sum`,
-  the plan's :meth:`~dpjax.sgd.DPSGDPlan.step`, its noise): write your own loop with the plan for
+  A thin loop over :class:`dpjax.sgd.DPSGDConfig` (σ calibrated once) and its plan (clipping by
+  :func:`dpjax.sgd.clipped_grad_sum`, the plan's :meth:`~dpjax.sgd.DPSGDPlan.step`, its noise and
+  keys): write your own loop with the plan for
   anything it does not offer (ghost clipping, per-layer bases, GEP). Each step is one jitted
   program: Poisson sampling with rate ``q = L/N`` drawn on the device and
   laid out as fixed-size micro-batches (never truncated), the sum of clipped per-example
@@ -163,10 +166,6 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
   v.check_finite_tree(data, "data")
   if public_data is not None:
     v.check_finite_tree(public_data, "public_data")
-  steps = v.check_int(steps, "steps", low=1)
-  batch = v.check_positive(expected_batch_size, "expected_batch_size")
-  if batch > n:
-    raise ValueError(f"expected_batch_size must be <= the number of examples N={n}, got {batch}.")
   clip_norm = v.check_positive(clip_norm, "clip_norm")
   clipping, stability = per_example.check_clipping(clipping, stability)
   if weight_ema is not None:
@@ -193,23 +192,25 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     if subspace != "public":
       raise ValueError("refresh_every is only supported with subspace='public'.")
     refresh_every = v.check_int(refresh_every, "refresh_every", low=1)
-  q = batch / n
   if mesh is not None:
     distributed.check_mesh(mesh, data_axis)
   if tuning is not None and ledger is not None:
     raise ValueError("tuning with a ledger: one call is one run of the tuning, whose cost is "
                      "the whole tuning's; record accounting.tuning_event(...) in the ledger once "
                      "instead of passing it here.")
-  eval_every = v.check_int(eval_every or steps, "eval_every", low=1)
+  # The privacy settings, validated here and calibrated once (the plan reads the same budget).
+  config = config_lib.DPSGDConfig(
+      num_examples=n, expected_batch_size=expected_batch_size, steps=steps, epsilon=epsilon,
+      delta=delta, accountant=accountant, subspace_epsilon=sub_eps, subspace_delta=sub_delta,
+      tuning=tuning)
+  eval_every = v.check_int(eval_every or config.steps, "eval_every", low=1)
   grad_fn = per_example.clipped_grad_sum(loss_fn, clip_norm=clip_norm, clipping=clipping,
                                          stability=stability)
-  k_subspace, k_noise, k_sample = jax.random.split(key, 3)
-  budget = accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=q, steps=steps,
-                                        subspace_epsilon=sub_eps, subspace_delta=sub_delta,
-                                        accountant=accountant, tuning=tuning)
+  budget = config.calibrate()
   if ledger is not None:
     # Check the whole plan against the ledger before anything runs (the subspace included).
     plan_lib.record_budget(ledger.copy(), budget, accountant)
+  k_subspace, k_plan = jax.random.split(key)
 
   basis, subspace_ok = None, None
   if subspace == "private":
@@ -221,7 +222,7 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                          f"DP-SGD, got {result.neighboring!r}.")
     subspace_ok = bool(result.ok)
     if subspace_ok:
-      basis = result.basis
+      basis = result                    # its event is the config's subspace_event (checked)
     else:
       warnings.warn(
           f"the private gradient subspace (DPASE) returned ⊥; training continues as plain "
@@ -231,19 +232,15 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
     basis = sources.public_gradient_subspace(loss_fn, params, public_data, k=k).basis
     subspace_ok = True
 
-  plan = plan_lib.dp_sgd_plan(grad_fn, num_examples=n, expected_batch_size=batch, steps=steps,
-                              key=k_noise, epsilon=epsilon, delta=delta, basis=basis,
-                              subspace_epsilon=sub_eps, subspace_delta=sub_delta,
-                              accountant=accountant, tuning=tuning,
-                              microbatch_size=microbatch_size, mesh=mesh, data_axis=data_axis,
-                              ledger=ledger)
+  plan = config.make(grad_fn, key=k_plan, basis=basis, microbatch_size=microbatch_size,
+                     mesh=mesh, data_axis=data_axis, ledger=ledger)
   chain = [optimizer] + ([averaging.iterate_average(weight_ema)] if weight_ema else [])
   optimizer = optax.chain(*chain) if len(chain) > 1 else optimizer
   opt_state = plan.init(params, optimizer)
   data = plan.prepare(data)
   history = []
-  for step, step_key in enumerate(_progress(jax.random.split(k_sample, steps), progress)):
-    params, opt_state = plan.step(params, opt_state, data, step_key, optimizer)
+  for step in _progress(range(steps), progress):
+    params, opt_state = plan.step(params, opt_state, data, optimizer)
     if refresh_every is not None and (step + 1) % refresh_every == 0 and step + 1 < steps:
       opt_state = plan.update_bases(
           opt_state, basis=sources.public_gradient_subspace(loss_fn, params, public_data,

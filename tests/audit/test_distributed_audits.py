@@ -50,13 +50,12 @@ states = {"claim": plan.noise.init(params), "control": control.init(params)}
 @jax.jit            # one compiled program: the audit's eager vmap of 4-device ops is slow
 def step(key, inputs):
   # The noise state is an argument, so the claim and the control share one program. q = 1: the
-  # sample is every row whatever its key, so one sample key serves every trial and the sharded
-  # clipped sum runs once, outside the vmap over trials; the noise key is the trial's (the
-  # second half of its split, as when the same key drew the sample too).
+  # sample is every row whatever its key, so the state's own key (the same in every trial)
+  # draws it and the sharded clipped sum runs once, outside the vmap over trials; the noise
+  # key is the trial's.
   rows, state = inputs
-  state = dataclasses.replace(state, key=jax.random.split(key)[1])
-  summed = plan.clipped_sum(params, rows, jax.random.key(1), state)
-  update, _ = plan.noise.update(summed, state, params)
+  summed = plan.clipped_sum(params, rows, state)
+  update, _ = plan.noise.update(summed, dataclasses.replace(state, key=key), params)
   return update[0]
 
 out = {"claimed": plan.epsilon}

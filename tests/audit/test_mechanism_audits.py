@@ -417,12 +417,12 @@ def _program(grad_fn, params, rows, feature, **release) -> _Program:
 
   def run(key, data):
     member, state = data
-    state = dataclasses.replace(state, key=key)
-    # q = 1: the sample is every row whatever its key, so one sample key serves every trial; the
-    # clipped sum, the same in every trial of a dataset, then runs once, outside the vmap over
-    # the trials (a batched sample key doubled the compile time).
-    summed = plan.clipped_sum(params, plan.prepare((rows, member)), jax.random.key(0), state)
-    update, _ = plan.noise.update(summed, state, params)
+    # q = 1: the sample is every row whatever its key, so the state's own key (the same in every
+    # trial) draws it; the clipped sum, the same in every trial of a dataset, then runs once,
+    # outside the vmap over the trials (a batched sample key doubled the compile time). The
+    # noise is drawn with the trial's key.
+    summed = plan.clipped_sum(params, plan.prepare((rows, member)), state)
+    update, _ = plan.noise.update(summed, dataclasses.replace(state, key=key), params)
     return feature(update)
   return _Program(jax.jit(run), params)
 
@@ -723,10 +723,8 @@ def _gram_program():
 
   def run(key, data):
     member, state, rows, targets, direction = data
-    state = dataclasses.replace(state, key=key)
-    summed = plan.clipped_sum(params, plan.prepare((rows, (targets, member))),
-                              jax.random.key(0), state)
-    update, _ = plan.noise.update(summed, state, params)
+    summed = plan.clipped_sum(params, plan.prepare((rows, (targets, member))), state)  # q = 1
+    update, _ = plan.noise.update(summed, dataclasses.replace(state, key=key), params)
     return jnp.sum(update["f"]["kernel"] * direction)
   return _Program(jax.jit(run), params), plan.epsilon, plan.noise.init(params)
 

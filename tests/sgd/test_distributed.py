@@ -64,10 +64,11 @@ def plan(**kw):
 sharded, single = plan(mesh=mesh), plan()
 prepared = sharded.prepare((X, Y))
 assert prepared[0].shape[0] == 1004 and len(prepared[0].sharding.device_set) == 4
-summed = sharded.clipped_sum(jnp.zeros(D), prepared, jax.random.key(3))
+# Both plans hold the same key: the same sample (drawn from the state's key).
+summed = sharded.clipped_sum(jnp.zeros(D), prepared, sharded.init(jnp.zeros(D), optax.sgd(1.0)))
 out["sum_sharded"] = np.asarray(summed).tolist()
-out["sum_single"] = np.asarray(single.clipped_sum(jnp.zeros(D), (X, Y),
-                                                  jax.random.key(3))).tolist()
+out["sum_single"] = np.asarray(single.clipped_sum(
+    jnp.zeros(D), (X, Y), single.init(jnp.zeros(D), optax.sgd(1.0)))).tolist()
 print(json.dumps(out))
 """
 

@@ -79,7 +79,7 @@ def one_step(clip, release, mesh=None):
   plan = make_plan(clip, release, mesh)
   opt = optax.sgd(1.0)
   state = plan.init(PARAMS, opt)
-  new, _ = plan.step(PARAMS, state, plan.prepare((X, Y)), jax.random.key(11), opt)
+  new, _ = plan.step(PARAMS, state, plan.prepare((X, Y)), opt)
   return [np.asarray(b - a, np.float64).ravel().tolist()
           for a, b in zip(jax.tree_util.tree_leaves(PARAMS), jax.tree_util.tree_leaves(new))]
 """
@@ -143,7 +143,7 @@ def _release_noise(clip, release, draws=400):
   plan = _NS["make_plan"](clip, release)
   state = noise.noise_state(plan.init(_NS["PARAMS"], optax.identity()))
   data = plan.prepare((_NS["X"], _NS["Y"]))
-  zero = jax.eval_shape(lambda: plan.clipped_sum(_NS["PARAMS"], data, jax.random.key(0), state))
+  zero = jax.eval_shape(lambda: plan.clipped_sum(_NS["PARAMS"], data, state))
   zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
   batch = plan.batch_selection.expected_batch_size
 

@@ -315,7 +315,7 @@ def test_deterministic_and_inside_a_poisson_step():
   plan = sgd.dp_sgd_plan(grad_fn, num_examples=8, expected_batch_size=4, steps=2,
                          noise_multiplier=1.0, key=jax.random.key(0), delta=1e-5)
   state = plan.noise.init(params)
-  summed = jax.jit(plan.clipped_sum)(params, plan.prepare((ids, y)), jax.random.key(1), state)
+  summed = jax.jit(plan.clipped_sum)(params, plan.prepare((ids, y)), state)
   assert jax.tree_util.tree_structure(summed) == jax.tree_util.tree_structure(params)
 
 

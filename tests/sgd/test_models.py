@@ -110,16 +110,16 @@ def test_a_plan_step_is_the_clipped_sum_plus_noise_of_std_sigma_delta(family):
   params, logits, _ = MODELS[family]()
   loss, data = _loss(logits), _data()
   plan = _plan(dpjax.sgd.clipped_grad_sum(loss, clip_norm=C))
-  got = plan.clipped_sum(params, data, jax.random.key(9))
+  opt = optax.sgd(1.0)
+  opt_state = plan.init(params, opt)
+  got = plan.clipped_sum(params, data, opt_state)
   want = _expected_sum(loss, params, data)
   assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
   for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
 
-  opt = optax.sgd(1.0)
-  opt_state = plan.init(params, opt)
   assert float(noise.noise_state(opt_state).noise_std) == pytest.approx(SIGMA * C, rel=1e-6)
-  new, _ = plan.step(params, opt_state, data, jax.random.key(9), opt)
+  new, _ = plan.step(params, opt_state, data, opt)
   released = jax.tree_util.tree_map(lambda a, b: (a - b) * N, params, new)   # sum + noise
   residual = np.concatenate([np.ravel(r - w) for r, w in zip(jax.tree_util.tree_leaves(released),
                                                               jax.tree_util.tree_leaves(want))])
@@ -141,7 +141,7 @@ def test_per_layer_bases_confine_the_first_layers_release_to_the_input_span(fami
   assert len(chosen) == 1                                   # exactly the first weight
   plan = _plan(dpjax.sgd.clipped_grad_sum(loss, clip_norm=C), bases=bases)
   opt = optax.sgd(1.0)
-  new, _ = plan.step(params, plan.init(params, opt), data, jax.random.key(9), opt)
+  new, _ = plan.step(params, plan.init(params, opt), data, opt)
   U = np.asarray(chosen[0] if layout == "kernel_in_out" else chosen[0].right)
   flat_new = jax.tree_util.tree_leaves(new)
   flat_old = jax.tree_util.tree_leaves(params)
@@ -172,10 +172,10 @@ def test_gep_with_trajectory_bases_runs_on_the_models_params(family):
   opt_state = plan.init(params, opt)
   assert float(noise.noise_state(opt_state).noise_std) == pytest.approx(
       SIGMA * np.sqrt(2), rel=1e-6)
-  new, opt_state = plan.step(params, opt_state, data, jax.random.key(9), opt)
+  new, opt_state = plan.step(params, opt_state, data, opt)
   assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(params)
   assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(new))
   moved = jax.tree_util.tree_map(lambda a, b: a - b, params, new)
   opt_state = plan.update_bases(opt_state, bases=dpjax.sgd.trajectory_bases(moved, 2))
-  new2, _ = plan.step(new, opt_state, data, jax.random.key(10), opt)
+  new2, _ = plan.step(new, opt_state, data, opt)
   assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(new2))

@@ -45,12 +45,13 @@ loss = lambda w, ex: optax.sigmoid_binary_cross_entropy(ex[0] @ w, ex[1])
 plan = sgd.dp_sgd_plan(sgd.clipped_grad_sum(loss, clip_norm=C), num_examples=N,
                        expected_batch_size=L, steps=1, key=jax.random.key(7),
                        noise_multiplier=SIGMA, accountant="rdp", microbatch_size=64, mesh=mesh)
+state = plan.noise.init(jnp.full(D, 0.1))
 @jax.jit
-def step(params, data):
-  summed = plan.clipped_sum(params, data, jax.random.key(3))
-  update, _ = plan.noise.update(summed, plan.noise.init(params))
+def step(params, data, state):
+  summed = plan.clipped_sum(params, data, state)
+  update, _ = plan.noise.update(summed, state)
   return update
-out = step(jnp.full(D, 0.1), data)
+out = step(jnp.full(D, 0.1), data, state)
 # DPASE: each process's rows are all-gathered (the sharded DPASE keeps X on every device), then
 # the subsets' top-k solves are sharded over the devices of both processes.
 from jax.experimental import multihost_utils

@@ -33,6 +33,11 @@ def loss_fn(w, example):
 _masked_sum = jax.jit(sgd.clipped_grad_sum(loss_fn, clip_norm=1.0))
 
 
+def _sample_key(opt_state):
+  """The key the plan draws the next step's Poisson sample with (its state's ``sample``)."""
+  return noise.step_keys(noise.noise_state(opt_state).key).sample
+
+
 def _plan(grad_fn=None, **kw):
   """A plan on the module's data; σ given (no calibration) unless the test asks for ε."""
   grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0) if grad_fn is None else grad_fn
@@ -51,20 +56,21 @@ def test_the_readme_loop_learns_within_its_budget():
   plan = sgd.dp_sgd_plan(grad_fn, epsilon=2.0, delta=1e-5, num_examples=N,
                          expected_batch_size=40, steps=steps, key=jax.random.key(0))
   tx = plan.transform(optax.adam(0.05))
-  opt_state = tx.init(params)
+  opt_state = plan.init(params, optax.adam(0.05))
 
   @jax.jit
-  def step(params, opt_state, step_key):
-    grads = plan.clipped_sum(params, DATA, step_key)
+  def step(params, opt_state):
+    grads = plan.clipped_sum(params, DATA, opt_state)    # the sample's key is the plan's
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  for step_key in jax.random.split(jax.random.key(1), steps):
-    params, opt_state = step(params, opt_state, step_key)
+  for _ in range(steps):
+    params, opt_state = step(params, opt_state)
   assert float(jnp.linalg.norm(params - W_TRUE)) < 0.5          # from ‖W‖ = 7.4 at the start
   assert plan.epsilon <= 2.0 and plan.delta <= 1e-5 * (1 + 1e-12)
   assert plan.budget.neighboring == NeighboringRelation.ADD_OR_REMOVE_ONE
   assert plan.dp_event == accounting.dpsgd_event(plan.noise_multiplier, 40 / N, steps)
+  assert plan.steps_taken(opt_state) == steps
   assert accounting.dpsgd_epsilon(plan.noise_multiplier, 40 / N, steps, 1e-5,
                                   accountant="pld") <= 2.0
 
@@ -80,10 +86,11 @@ def test_clipped_sum_equals_the_host_side_microbatch_layout():
   plan = _plan(grad_fn, expected_batch_size=50, microbatch_size=7)     # many micro-batches
   assert plan.batch_selection.microbatch_size == 7
   params = jnp.ones(D)
-  key = jax.random.key(5)
+  state = plan.init(params, optax.sgd(1.0))
+  key = _sample_key(state)
   mask = np.asarray(sampling.poisson_mask(key, N, 50 / N))
   expected = _masked_sum(params, DATA, jnp.asarray(mask))             # one pass over all rows
-  got = plan.clipped_sum(params, plan.prepare(DATA), key)
+  got = plan.clipped_sum(params, plan.prepare(DATA), state)
   np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
   indices, m = sampling.poisson_microbatches(key, N, 50 / N, 7)
   padded = sampling.accumulate_microbatches(
@@ -99,34 +106,37 @@ def test_a_step_divides_by_the_expected_not_the_realised_batch_size():
   plan = _plan(expected_batch_size=40)
   opt = optax.sgd(1.0)
   params = jnp.ones(D)
-  key = jax.random.key(6)
-  new, _ = plan.step(params, plan.init(params, opt), plan.prepare(DATA), key, opt)
-  mask = np.asarray(sampling.poisson_mask(key, N, 40 / N))
+  state = plan.init(params, opt)
+  new, _ = plan.step(params, state, plan.prepare(DATA), opt)
+  mask = np.asarray(sampling.poisson_mask(_sample_key(state), N, 40 / N))
   summed = np.asarray(_masked_sum(params, DATA, jnp.asarray(mask)), np.float64)
   moved = np.asarray(params - new, np.float64)
   np.testing.assert_allclose(moved, summed / 40.0, rtol=1e-5, atol=1e-6)
   assert mask.sum() != 40 and not np.allclose(moved, summed / mask.sum())
 
 
-def test_run_is_a_loop_of_steps_with_the_split_keys():
-  """``run`` (one lax.scan) = ``step`` over ``split(key, steps)``, the noise stream carried in
-  the optimiser state; a run asks for at most the planned steps."""
-  plan = _plan(noise_multiplier=1.0, accountant="rdp", steps=3)
+def test_run_is_a_loop_of_steps_on_the_plans_own_key_stream():
+  """``run`` (one lax.scan) = ``step`` T times: the samples and the noise come from the key in
+  the optimiser state (one plan, one key: two plans made with the same key agree); a run asks
+  for at most the planned steps."""
+  plan, twin = (_plan(noise_multiplier=1.0, accountant="rdp", steps=3) for _ in range(2))
   opt = optax.sgd(0.05)
   params = jnp.zeros(D)
   data = plan.prepare(DATA)
-  state0 = plan.init(params, opt)
-  key = jax.random.key(7)
-  p, s = params, state0
-  for k in jax.random.split(key, 3):
-    p, s = plan.step(p, s, data, k, opt)
-  run_p, run_s = plan.run(params, state0, data, key, opt)
+  p, s = params, plan.init(params, opt)
+  keys = []
+  for _ in range(3):
+    keys.append(jax.random.key_data(_sample_key(s)))
+    p, s = plan.step(p, s, data, opt)
+  state0 = twin.init(params, opt)
+  with pytest.raises(ValueError, match="steps"):
+    twin.run(params, state0, data, opt, steps=4)
+  run_p, run_s = twin.run(params, state0, data, opt)
   np.testing.assert_allclose(np.asarray(run_p), np.asarray(p), rtol=1e-5, atol=1e-6)
   assert jnp.array_equal(jax.random.key_data(noise.noise_state(run_s).key),
                          jax.random.key_data(noise.noise_state(s).key))
+  assert len({bytes(np.asarray(k)) for k in keys}) == 3        # a fresh sample every step
   assert not np.allclose(np.asarray(p), 0.0)
-  with pytest.raises(ValueError, match="steps"):
-    plan.run(params, state0, data, key, opt, steps=4)
 
 
 def test_prepare_places_the_data_and_checks_the_example_axis():
@@ -141,8 +151,9 @@ def test_prepare_places_the_data_and_checks_the_example_axis():
   with pytest.raises(TypeError, match="optimizer"):
     plan.transform(0.1)
   # clipped_sum checks the same at trace time: q = L/N is planned for N rows.
+  state = plan.init(jnp.zeros(D), optax.sgd(0.1))
   with pytest.raises(ValueError, match="num_examples=400"):
-    jax.eval_shape(lambda d: plan.clipped_sum(jnp.zeros(D), d, jax.random.key(0)),
+    jax.eval_shape(lambda d: plan.clipped_sum(jnp.zeros(D), d, state),
                    (X[:300], DATA[1][:300]))
 
 
@@ -154,7 +165,7 @@ def test_the_noise_is_sigma_times_the_carried_clip_norm():
   zeros = jnp.zeros(2_000)
   state = plan.init(zeros, optax.identity())
   assert float(noise.noise_state(state).noise_std) == pytest.approx(sigma * C)
-  out, _ = plan.noise.update(zeros, plan.noise.init(zeros))
+  out, _ = plan.noise.update(zeros, noise.noise_state(state))
   std = float(jnp.std(out))
   assert abs(std - sigma * C / L) < 0.05 * sigma * C / L
   assert noise.l2_norm_bound(grad_fn) == C and plan.noise_multiplier == sigma
@@ -168,13 +179,13 @@ def test_a_basis_puts_the_noise_in_its_span_and_update_bases_refreshes_it():
   tx = plan.transform(optax.sgd(0.1))
   state = plan.init(jnp.zeros(D), optax.sgd(0.1))
   assert noise.noise_state(state).release == "flat"
-  updates, state = tx.update(plan.clipped_sum(jnp.zeros(D), DATA, jax.random.key(1)), state)
+  updates, state = tx.update(plan.clipped_sum(jnp.zeros(D), DATA, state), state)
   u = np.asarray(updates, np.float64) / -0.1
   Vn = np.asarray(V, np.float64)
   np.testing.assert_allclose(u, Vn @ (Vn.T @ u), atol=1e-5)
   V2 = jnp.asarray(np.linalg.qr(np.asarray(normal(4, (D, 2))))[0])
   state = plan.update_bases(state, basis=V2)
-  updates, _ = tx.update(plan.clipped_sum(jnp.zeros(D), DATA, jax.random.key(2)), state)
+  updates, _ = tx.update(plan.clipped_sum(jnp.zeros(D), DATA, state), state)
   u = np.asarray(updates, np.float64) / -0.1
   Vn = np.asarray(V2, np.float64)
   np.testing.assert_allclose(u, Vn @ (Vn.T @ u), atol=1e-5)
@@ -268,24 +279,32 @@ def test_interoperates_with_jax_privacy_clipped_grad():
   np.testing.assert_allclose(np.asarray(theirs(params, DATA)),
                              np.asarray(ours(params, DATA, jnp.ones(N))), rtol=1e-4, atol=1e-4)
   plan_theirs = _plan(theirs, noise_multiplier=1.0, accountant="rdp")
-  plan_ours = _plan(ours, noise_multiplier=1.0, accountant="rdp")
-  key = jax.random.key(9)
-  np.testing.assert_allclose(np.asarray(plan_theirs.clipped_sum(params, DATA, key)),
-                             np.asarray(plan_ours.clipped_sum(params, DATA, key)),
+  plan_ours = _plan(ours, noise_multiplier=1.0, accountant="rdp")       # the same key
+  opt = optax.sgd(0.01)
+  states = [plan.init(params, opt) for plan in (plan_theirs, plan_ours)]
+  np.testing.assert_allclose(np.asarray(plan_theirs.clipped_sum(params, DATA, states[0])),
+                             np.asarray(plan_ours.clipped_sum(params, DATA, states[1])),
                              rtol=1e-4, atol=1e-4)
   assert theirs.sensitivity(NeighboringRelation.ADD_OR_REMOVE_ONE) == ours.sensitivity()
-  opt = optax.sgd(0.01)
-  steps = [plan.step(params, plan.init(params, opt), plan.prepare(DATA), key, opt)[0]
-           for plan in (plan_theirs, plan_ours)]
+  steps = [plan.step(params, state, plan.prepare(DATA), opt)[0]
+           for plan, state in zip((plan_theirs, plan_ours), states)]
   np.testing.assert_allclose(np.asarray(steps[0]), np.asarray(steps[1]), rtol=1e-4, atol=1e-4)
 
 
-def test_gep_clipped_sum_needs_the_noise_state_for_its_bases():
+def test_gep_clipped_sum_splits_by_the_bases_in_the_noise_state():
+  """GEP's sum splits by the bases the noise state lifts by: swapping the state's bases changes
+  the split (the embedding of a zero-basis direction is empty)."""
   loss = lambda p, ex: loss_fn(p["w"][:, 0], ex)                  # noqa: E731
   fn = sgd.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.5)
   plan = _plan(fn, bases={"w": jnp.eye(D, 2)})
-  with pytest.raises(ValueError, match="opt_state"):
-    plan.clipped_sum({"w": jnp.zeros((D, 1))}, DATA, jax.random.key(0))
+  params = {"w": jnp.zeros((D, 1))}
+  state = plan.init(params, optax.sgd(0.1))
+  first = plan.clipped_sum(params, DATA, state)
+  assert first["embedding"]["w"].shape == (2, 1)
+  other = plan.update_bases(state, bases={"w": jnp.eye(D, 2)[::-1]})
+  second = plan.clipped_sum(params, DATA, other)
+  assert not np.allclose(np.asarray(first["embedding"]["w"]),
+                         np.asarray(second["embedding"]["w"]))
 
 
 # ------------------------------------------------------------------------------- bad arguments
@@ -392,17 +411,19 @@ def test_a_step_past_the_planned_T_is_refused_on_the_host():
   opt = optax.sgd(0.05)
   params, data = jnp.zeros(D), plan.prepare(DATA)
   state = plan.init(params, opt)
-  for k in jax.random.split(jax.random.key(1), 3):
-    params, state = plan.step(params, state, data, k, opt)
+  for _ in range(3):
+    params, state = plan.step(params, state, data, opt)
   assert plan.steps_taken(state) == 3 and np.all(np.isfinite(np.asarray(params)))
   with pytest.raises(ValueError, match="covers T = 3 steps and 3 were taken"):
-    plan.step(params, state, data, jax.random.key(9), opt)
-  fresh = plan.init(jnp.zeros(D), opt)
-  p, s = plan.run(jnp.zeros(D), fresh, data, jax.random.key(2), opt, steps=2)
-  p, s = plan.run(p, s, data, jax.random.key(3), opt)           # the one step left
-  assert plan.steps_taken(s) == 3
+    plan.step(params, state, data, opt)
+  other = _plan(noise_multiplier=1.0, steps=3, key=jax.random.key(1))
+  p, s = other.run(jnp.zeros(D), other.init(jnp.zeros(D), opt), data, opt, steps=2)
+  p, s = other.run(p, s, data, opt)                             # the one step left
+  assert other.steps_taken(s) == 3
   with pytest.raises(ValueError, match="were taken"):
-    plan.run(p, s, data, jax.random.key(4), opt)                # a second whole run
+    other.run(p, s, data, opt)                                  # a second whole run
+  with pytest.raises(RuntimeError, match="started already"):
+    other.init(jnp.zeros(D), opt)                               # a fresh state: refused
 
 
 def test_an_update_past_T_in_a_users_own_jitted_step_is_nan():
@@ -413,15 +434,15 @@ def test_an_update_past_T_in_a_users_own_jitted_step_is_nan():
   data = plan.prepare(DATA)
 
   @jax.jit
-  def step(params, opt_state, key):
-    updates, opt_state = tx.update(plan.clipped_sum(params, data, key), opt_state, params)
+  def step(params, opt_state):
+    updates, opt_state = tx.update(plan.clipped_sum(params, data, opt_state), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  params, state = jnp.zeros(D), tx.init(jnp.zeros(D))
-  for i in range(2):
-    params, state = step(params, state, jax.random.key(10 + i))
+  params, state = jnp.zeros(D), plan.init(jnp.zeros(D), optax.sgd(0.05))
+  for _ in range(2):
+    params, state = step(params, state)
     assert np.all(np.isfinite(np.asarray(params)))               # negative control: within T
-  params, state = step(params, state, jax.random.key(20))
+  params, state = step(params, state)
   assert np.all(np.isnan(np.asarray(params))) and plan.steps_taken(state) == 3
   unlimited = sgd.dp_noise(sgd.clipped_grad_sum(loss_fn, clip_norm=1.0), noise_multiplier=1.0,
                            expected_batch_size=40, key=jax.random.key(0))     # no T: no limit
@@ -429,3 +450,151 @@ def test_an_update_past_T_in_a_users_own_jitted_step_is_nan():
   for _ in range(3):
     out, s = unlimited.update(jnp.ones(D), s)
   assert np.all(np.isfinite(np.asarray(out)))
+
+
+# --- the plan owns its keys; config → calibrate → make (issue 50 §1–§3) -----------------------
+
+
+def test_one_key_to_every_step_cannot_be_expressed():
+  """Before: one key passed to every plan.step ran (accuracy 0.362 against 0.374), the same
+  sample every step. Now the plan takes no per-step key: each form of the slip is refused, and
+  the samples of consecutive steps come from the state's own stream (the negative control:
+  they differ, and the same state gives the same sample)."""
+  plan = _plan(noise_multiplier=1.0, steps=4)
+  opt = optax.sgd(0.05)
+  params, data = jnp.zeros(D), plan.prepare(DATA)
+  state = plan.init(params, opt)
+  key = jax.random.key(1)
+  with pytest.raises(TypeError, match="takes no key"):
+    plan.clipped_sum(params, data, key)
+  with pytest.raises(TypeError, match="without a key"):
+    plan.step(params, state, data, key)
+  with pytest.raises(TypeError):
+    plan.step(params, state, data, key, opt)                     # the old signature
+  with pytest.raises(TypeError, match="without a key"):
+    plan.run(params, state, data, key)
+  masks = []
+  for _ in range(3):
+    masks.append(np.asarray(sampling.poisson_mask(_sample_key(state), N, 40 / N)))
+    params, state = plan.step(params, state, data, opt)
+  assert not np.array_equal(masks[0], masks[1]) and not np.array_equal(masks[1], masks[2])
+  np.testing.assert_array_equal(np.asarray(plan.clipped_sum(params, data, state)),
+                                np.asarray(plan.clipped_sum(params, data, state)))
+
+
+def test_a_stale_state_is_refused_by_step_and_run():
+  """A state older than the plan's last step would replay its keys (the same sample and noise):
+  step and run refuse it on the host; the current state goes on (negative control)."""
+  plan = _plan(noise_multiplier=1.0, steps=4)
+  opt = optax.sgd(0.05)
+  params, data = jnp.zeros(D), plan.prepare(DATA)
+  first = plan.init(params, opt)
+  p, state = plan.step(params, first, data, opt)
+  with pytest.raises(RuntimeError, match="older"):
+    plan.step(params, first, data, opt)
+  with pytest.raises(RuntimeError, match="older"):
+    plan.run(params, first, data, opt, steps=1)
+  p, state = plan.step(p, state, data, opt)
+  assert plan.steps_taken(state) == 2
+
+
+def test_the_config_calibrates_once_and_performance_flags_leave_the_guarantee(monkeypatch):
+  """Before: train_dp_sgd calibrated σ by PLD twice (training.py, then plan.py). Now a config
+  calibrates once, however many plans it makes; micro-batch size, mesh and data axis are set
+  at make and do not touch σ or the event."""
+  calls = []
+  real = accounting.plan_dpsgd_budget
+  monkeypatch.setattr(accounting, "plan_dpsgd_budget",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  config = sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=5, epsilon=2.0,
+                           accountant="rdp")
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  small = config.make(grad_fn, key=jax.random.key(0), microbatch_size=7)
+  large = config.make(grad_fn, key=jax.random.key(1), microbatch_size=64)
+  assert len(calls) == 1
+  assert small.batch_selection.microbatch_size == 7 and large.batch_selection.microbatch_size == 64
+  assert small.dp_event == large.dp_event == config.dp_event()
+  assert small.noise_multiplier == large.noise_multiplier == config.calibrate().noise_multiplier
+  calls.clear()
+  sgd.train_dp_sgd(jax.random.key(2), loss_fn, jnp.zeros(D), DATA, optax.sgd(0.01),
+                   epsilon=2.0, delta=1e-5, steps=2, expected_batch_size=40, clip_norm=1.0,
+                   accountant="rdp")
+  assert len(calls) == 1                                        # train_dp_sgd: once
+
+
+def test_sigma_is_calibrated_on_the_batch_selections_own_event(monkeypatch):
+  """The batch selection states its piece of the event; a scheme with another event changes σ
+  and the plan's event by itself (negative control: Poisson's own event gives the default)."""
+
+  class NoAmplification(sampling.PoissonSampling):
+    def dp_event(self, step_event):                 # as if every step saw every example
+      return step_event
+
+  kw = dict(num_examples=N, expected_batch_size=40, steps=5, epsilon=2.0, accountant="rdp")
+  poisson = sgd.DPSGDConfig(**kw).calibrate()
+  assert poisson.dp_event == accounting.dpsgd_event(poisson.noise_multiplier, 40 / N, 5)
+  monkeypatch.setattr(sgd.DPSGDConfig, "batch_selection",
+                      property(lambda self: NoAmplification(N, 40.0, 41)))
+  unsampled = sgd.DPSGDConfig(**kw).calibrate()
+  assert unsampled.noise_multiplier > 2 * poisson.noise_multiplier
+  assert unsampled.dp_event == dp_accounting.SelfComposedDpEvent(
+      dp_accounting.GaussianDpEvent(unsampled.noise_multiplier), 5)
+  direct = dp_accounting.rdp.RdpAccountant().compose(unsampled.dp_event).get_epsilon(1e-5)
+  assert unsampled.epsilon == pytest.approx(direct, rel=1e-9) and direct <= 2.0 + 1e-9
+
+
+def test_a_release_whose_event_is_not_in_the_config_is_refused_at_make():
+  """σ is calibrated when the config is: a private release handed to make() without its event
+  in the config would go unpaid; it is refused (the config that carries it is accepted)."""
+  release = sgd.private_input_basis(jax.random.key(3), np.asarray(X), 2, epsilon=0.5,
+                                    delta=1e-7, clip_norm=3.0, secure=False)
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  kw = dict(num_examples=N, expected_batch_size=40, steps=5, noise_multiplier=2.0)
+  with pytest.raises(ValueError, match="event in the config"):
+    sgd.DPSGDConfig(**kw).make(grad_fn, key=jax.random.key(0), basis=release)
+  paid = sgd.DPSGDConfig(subspace_event=release, **kw)
+  plan = paid.make(grad_fn, key=jax.random.key(0), basis=release)
+  assert plan.dp_event == dp_accounting.ComposedDpEvent(
+      (release.dp_event, accounting.dpsgd_event(2.0, 40 / N, 5)))
+  with pytest.raises(ValueError, match="exactly one"):
+    sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=5)
+
+
+def test_run_calls_its_hook_between_steps():
+  """A between-steps hook (post-processing of the state; GEP's trajectory refresh is one): every
+  hook_every steps, inside the scan. Here it swaps GEP's bases in after the first step."""
+  loss = lambda p, ex: loss_fn(p["w"][:, 0], ex)                  # noqa: E731
+  fn = sgd.embedding_residual_grad_sum(loss, embedding_clip=1.0, residual_clip=0.5)
+  first, second = jnp.eye(D, 2), jnp.eye(D, 2)[::-1]
+  plan = _plan(fn, noise_multiplier=1.0, steps=3, bases={"w": first})
+  opt = optax.sgd(1.0)
+  data = plan.prepare(DATA)
+  params = {"w": jnp.zeros((D, 1))}
+  state = plan.init(params, opt)
+  hook = lambda params, s: sgd.update_bases(s, bases={"w": second}, check=False)  # noqa: E731
+  p1, s1 = plan.run(params, state, data, opt, steps=1, hook=hook)
+  np.testing.assert_array_equal(np.asarray(noise.noise_state(s1).bases["w"]), np.asarray(second))
+  back = lambda params, s: sgd.update_bases(s, bases={"w": first}, check=False)   # noqa: E731
+  _, s2 = plan.run(p1, s1, data, opt, steps=1, hook=back, hook_every=2)    # not due: no call
+  np.testing.assert_array_equal(np.asarray(noise.noise_state(s2).bases["w"]), np.asarray(second))
+  _, s3 = plan.run(p1, s2, data, opt, steps=1, hook=back)
+  np.testing.assert_array_equal(np.asarray(noise.noise_state(s3).bases["w"]), np.asarray(first))
+
+
+def test_the_states_of_several_plans_vmap_over_one_plans_update():
+  """Runs vectorised over keys: K plans of one config (σ calibrated once), their states
+  stacked, one plan's traceable update vmapped; each run equals its own plan's step."""
+  config = sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=3,
+                           noise_multiplier=1.0)
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  plans = [config.make(grad_fn, key=k) for k in jax.random.split(jax.random.key(5), 3)]
+  opt = optax.sgd(0.05)
+  data = plans[0].prepare(DATA)
+  states = [plan.init(jnp.zeros(D), opt) for plan in plans]
+  stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *states)
+  params = jnp.zeros((3, D))
+  vmapped = jax.jit(jax.vmap(lambda p, s: plans[0].update(p, s, data, opt)))(params, stacked)[0]
+  for i, (plan, state) in enumerate(zip(plans, states)):
+    own = plan.step(jnp.zeros(D), state, data, opt)[0]
+    np.testing.assert_allclose(np.asarray(vmapped[i]), np.asarray(own), rtol=1e-5, atol=1e-6)
+  assert not np.allclose(np.asarray(vmapped[0]), np.asarray(vmapped[1]))

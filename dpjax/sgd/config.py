@@ -1,0 +1,198 @@
+"""DP-SGD's privacy settings, apart from its performance settings: config → calibrate → make
+(docs/algorithms.md §6.0; shaped on ``jax_privacy``'s config, calibration and execution plan).
+
+A :class:`DPSGDConfig` holds everything the guarantee depends on — N, the expected batch size
+L, T, the accountant, a private subspace release, a hyperparameter tuning, and (ε, δ) or σ — and
+nothing else. It calibrates once (:meth:`DPSGDConfig.calibrate`, cached on the object): σ is the
+smallest noise multiplier whose one event, built by :func:`dpjax.accounting.dpsgd_plan_event`
+from these parts and the batch selection's own step event, is (ε, δ)-DP.
+:meth:`DPSGDConfig.make` then binds a clipped-gradient function, the bases and the run's key
+into a :class:`dpjax.sgd.DPSGDPlan`; the micro-batch size, a mesh and its data axis are
+performance flags there that cannot change the guarantee.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import dp_accounting
+import jax
+from dp_accounting import NeighboringRelation
+
+from dpjax import _validation as v
+from dpjax import accounting, results
+from dpjax.sgd import distributed, sampling
+
+__all__ = ["DPSGDConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPSGDConfig:
+  """The privacy-relevant settings of one DP-SGD run (add/remove-one of one example).
+
+  Usage::
+
+      config = dpjax.sgd.DPSGDConfig(num_examples=N, expected_batch_size=256, steps=T,
+                                     epsilon=2.0, delta=1e-5)
+      config.calibrate().noise_multiplier       # σ, computed once for this config
+      plan = config.make(dpjax.sgd.clipped_grad_sum(loss, clip_norm=1.0), key=key)
+
+  Give exactly one of ``epsilon`` (σ calibrated) and ``noise_multiplier`` (σ given; the budget
+  is what the accountant certifies at ``delta``; σ = 0 is no privacy, for tests).
+
+  Attributes:
+    num_examples: N ≥ 1, the private training set's size (public).
+    expected_batch_size: L ∈ (0, N]; the sampling rate is q = L/N.
+    steps: T ≥ 1, the released updates the budget covers.
+    epsilon: total ε > 0, or None.
+    delta: total δ ∈ (0, 1).
+    noise_multiplier: σ ≥ 0, or None.
+    accountant: ``"pld"`` (default) or ``"rdp"``.
+    subspace_event: a private basis release composed into the budget: its ``dp_accounting``
+      event, or the release itself (a result with a ``dp_event`` stated under add/remove-one,
+      e.g. :func:`dpjax.sgd.private_input_basis`'s); stored as the event. A Gaussian release is
+      composed with the steps by the accountant, (ε, δ) ones by basic composition.
+    subspace_epsilon, subspace_delta: a private basis's cost by number instead (basic
+      composition); stored as ``subspace_event``.
+    tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
+      Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP; no subspace).
+
+  Raises (at construction, before anything is calibrated):
+    TypeError: non-integer N or T; a subspace event that is neither an event nor a release.
+    ValueError: neither or both of ``epsilon`` and ``noise_multiplier``; L ∉ (0, N]; bad ε, δ,
+      σ, accountant or tuning; a release stated under another relation; a subspace given both
+      ways.
+  """
+  num_examples: int
+  expected_batch_size: float
+  steps: int
+  epsilon: float | None = None
+  delta: float = 1e-5
+  noise_multiplier: float | None = None
+  accountant: str = "pld"
+  subspace_event: Any = None
+  subspace_epsilon: float = 0.0
+  subspace_delta: float = 0.0
+  tuning: accounting.HyperparameterTuning | None = None
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    selection = sampling.poisson_sampling(self.num_examples, self.expected_batch_size)
+    set_("num_examples", selection.num_examples)
+    set_("expected_batch_size", selection.expected_batch_size)
+    set_("steps", v.check_int(self.steps, "steps", low=1))
+    set_("delta", v.check_delta(self.delta))
+    v.check_choice(self.accountant, "accountant", accounting.ACCOUNTANTS)
+    if (self.epsilon is None) == (self.noise_multiplier is None):
+      raise ValueError("give exactly one of epsilon (σ is calibrated) and noise_multiplier.")
+    if self.epsilon is not None:
+      set_("epsilon", v.check_epsilon(self.epsilon))
+    else:
+      set_("noise_multiplier", v.check_positive(self.noise_multiplier, "noise_multiplier",
+                                                allow_zero=True))
+    event = accounting.subspace_release_event(self.subspace_epsilon, self.subspace_delta,
+                                              release_event(self.subspace_event))
+    set_("subspace_event", event)
+    set_("subspace_epsilon", 0.0)
+    set_("subspace_delta", 0.0)
+    if self.tuning is not None:
+      set_("tuning", accounting.check_tuning(self.tuning))
+
+  @property
+  def neighboring(self) -> NeighboringRelation:
+    """The relation every figure is stated under: add/remove-one."""
+    return NeighboringRelation.ADD_OR_REMOVE_ONE
+
+  @property
+  def batch_selection(self) -> sampling.PoissonSampling:
+    """The batch selection whose ``dp_event`` each step's event is (Poisson sampling at
+    q = L/N; its micro-batch size is a performance flag set by :meth:`make`)."""
+    return sampling.poisson_sampling(self.num_examples, self.expected_batch_size)
+
+  @property
+  def sampling_prob(self) -> float:
+    """q = L/N."""
+    return self.batch_selection.sampling_prob
+
+  def calibrate(self) -> accounting.DPSGDBudget:
+    """The :class:`dpjax.accounting.DPSGDBudget` of this config, computed once (cached on the
+    object): σ, the event of everything the plan releases (``dp_event``,
+    :func:`dpjax.accounting.dpsgd_plan_event`) and its (ε, δ) by the accountant.
+
+    Raises:
+      ValueError: a subspace share at or above the total, an event the accountant cannot
+        compose, tuning with PLD or with a subspace, no σ ≤ 1e4 meeting the target.
+    """
+    return self._budget
+
+  def dp_event(self) -> dp_accounting.DpEvent:
+    """The calibrated event of everything a plan of this config releases."""
+    return self._budget.dp_event
+
+  @functools.cached_property
+  def _budget(self) -> accounting.DPSGDBudget:
+    event = None if isinstance(self.subspace_event, dp_accounting.NoOpDpEvent) else \
+        self.subspace_event
+    common = dict(steps=self.steps, subspace_event=event, accountant=self.accountant,
+                  tuning=self.tuning, batch_selection=self.batch_selection)
+    if self.epsilon is not None:
+      return accounting.plan_dpsgd_budget(self.epsilon, self.delta, **common)
+    return accounting.dpsgd_budget(self.noise_multiplier, None, delta=self.delta, **common)
+
+  def make(self, grad_fn, *, key: jax.Array, basis=None, bases=None,
+           microbatch_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
+           data_axis: str = distributed.DATA_AXIS, ledger=None, tol: float = 1e-3):
+    """A :class:`dpjax.sgd.DPSGDPlan` of this config: one run, whose randomness is ``key``.
+
+    Args:
+      grad_fn: sensitivity-bearing clipped-gradient sum (:mod:`dpjax.sgd.plan`).
+      key: the run's PRNG key: the plan draws every step's Poisson sample and noise from it
+        (:class:`dpjax.sgd.noise.StepKeys`); a second run needs a second plan and key.
+      basis, bases: optional flat basis ``V (p, k)`` or per-layer bases (required by GEP's grad
+        sum); :func:`dpjax.sgd.dp_noise`. A public basis is a plain array. A private release
+        (a result with a ``dp_event``) may stand for its basis only if its event is this
+        config's ``subspace_event`` (σ was calibrated with it); ⊥ is refused.
+      microbatch_size: rows per jitted micro-batch (per device with a mesh); performance only.
+      mesh, data_axis: optional mesh to shard the examples over; performance only.
+      ledger: optional :class:`dpjax.ledger.PrivacyLedger` (add/remove-one): the config's budget
+        is checked against it, then recorded, before the plan exists.
+      tol: accepted spectral distance of bases from orthonormality.
+
+    Raises:
+      TypeError: ``grad_fn`` without an ``l2_norm_bound``; a bad key or mesh.
+      ValueError: bad bases (:func:`dpjax.sgd.dp_noise`); a release whose event is not this
+        config's; ⊥; tuning with a ledger.
+      dpjax.ledger.BudgetExceededError: the config does not fit ``ledger`` (nothing recorded).
+    """
+    from dpjax.sgd import plan as plan_lib   # the plan module builds on this one
+
+    return plan_lib.make_plan(self, grad_fn, key=key, basis=basis, bases=bases,
+                              microbatch_size=microbatch_size, mesh=mesh, data_axis=data_axis,
+                              ledger=ledger, tol=tol)
+
+
+def release_event(release) -> dp_accounting.DpEvent | None:
+  """A subspace release's event: None, an event, or a result's ``dp_event`` (add/remove-one
+  only; ⊥ still costs its event)."""
+  if release is None or isinstance(release, dp_accounting.DpEvent):
+    return release
+  event = getattr(release, "dp_event", None)
+  if event is None:
+    raise TypeError("subspace_event must be a dp_accounting.DpEvent or a result with a "
+                    f"dp_event, got {type(release).__name__}.")
+  check_add_remove(release)
+  return event
+
+
+def check_add_remove(release) -> None:
+  relation = getattr(release, "neighboring", None)
+  if relation not in (None, NeighboringRelation.ADD_OR_REMOVE_ONE):
+    raise ValueError(f"the subspace release is stated under {relation.name}; DP-SGD composes "
+                     "under add/remove-one (release it under ADD_OR_REMOVE_ONE).")
+
+
+def is_release(x) -> bool:
+  """A private release standing for a basis (a :class:`dpjax.results.SubspaceResult`)."""
+  return isinstance(x, results.SubspaceResult)
