@@ -127,8 +127,10 @@ class DPSGDConfig:
     """
     return self._budget
 
+  @property
   def dp_event(self) -> dp_accounting.DpEvent:
-    """The calibrated event of everything a plan of this config releases."""
+    """The calibrated event of everything a plan of this config releases (calibrates on first
+    use, as :meth:`calibrate`)."""
     return self._budget.dp_event
 
   @functools.cached_property

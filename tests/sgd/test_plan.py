@@ -513,7 +513,7 @@ def test_the_config_calibrates_once_and_performance_flags_leave_the_guarantee(mo
   large = config.make(grad_fn, key=jax.random.key(1), microbatch_size=64)
   assert len(calls) == 1
   assert small.batch_selection.microbatch_size == 7 and large.batch_selection.microbatch_size == 64
-  assert small.dp_event == large.dp_event == config.dp_event()
+  assert small.dp_event == large.dp_event == config.dp_event
   assert small.noise_multiplier == large.noise_multiplier == config.calibrate().noise_multiplier
   calls.clear()
   sgd.train_dp_sgd(jax.random.key(2), loss_fn, jnp.zeros(D), DATA, optax.sgd(0.01),
