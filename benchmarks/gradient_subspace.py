@@ -79,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.stats
 
-from dpjax import demo, experiments
+from dpjax import accounting, demo, experiments
 from dpjax import data as data_lib
 
 NOT_PRIVATE = ("non_private",)
@@ -161,7 +161,8 @@ def public_name(m: int) -> str:
 
 def noise_multiplier(epsilon: float, sampling_prob: float, steps: int) -> float:
   """σ of T Poisson-sampled Gaussian steps at (ε, DELTA), add/remove-one, PLD accountant."""
-  return experiments.noise_multiplier(epsilon, DELTA, sampling_prob, steps, "pld")
+  return accounting.calibrate_noise_multiplier(epsilon, DELTA, sampling_prob, steps,
+                                              accountant="pld")
 
 
 def run_route(route, data, *, n, model, epsilon, steps, batch, keys, lrs, chunk,

@@ -11,9 +11,11 @@ For your own training loop use :func:`dpjax.sgd.dp_sgd_plan`.
 
 from dpjax.experiments.routes import (DENSE_ROUTES, DIAGNOSTIC_ROUTES, INPUT_SCALINGS,
                                       PUBLIC_ROUTES, ROUTES, RouteRun, RouteSettings, RunKeys,
-                                      first_layer_bases, gep_edge_noise_std, input_basis_event,
-                                      noise_multiplier, route_rank, run_keys, train_route)
+                                      first_layer_bases, gep_edge_noise_std, gep_refresh,
+                                      input_basis_event, route_plans, route_rank, run_keys,
+                                      train_route)
 
 __all__ = ["DENSE_ROUTES", "DIAGNOSTIC_ROUTES", "INPUT_SCALINGS", "PUBLIC_ROUTES", "ROUTES",
            "RouteRun", "RouteSettings", "RunKeys", "first_layer_bases", "gep_edge_noise_std",
-           "input_basis_event", "noise_multiplier", "route_rank", "run_keys", "train_route"]
+           "gep_refresh", "input_basis_event", "route_plans", "route_rank", "run_keys",
+           "train_route"]

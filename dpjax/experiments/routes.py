@@ -1,14 +1,16 @@
 """Gradient-subspace routes as complete, jitted DP-SGD training programs (a research harness).
 
-NOT dpjax's public API (see :mod:`dpjax.experiments`): it is built on it. One function,
-:func:`train_route`, trains a model of dense layers by one of the routes below for many (key,
-learning rate) pairs in a single compiled program (``lax.map`` over the pairs, ``lax.scan`` over
-the steps). Each route is assembled from ``dpjax.sgd``'s public pieces: a sensitivity-bearing
-clipped-gradient sum (:func:`dpjax.sgd.clipped_grad_sum`, or GEP's
-:func:`dpjax.sgd.embedding_residual_grad_sum`), Poisson batch selection
-(:class:`dpjax.sgd.sampling.PoissonSampling`, summed in micro-batches, never truncated), and the
-one noise transform :func:`dpjax.sgd.dp_noise` built FROM that sum (it reads the sum's bound Δ,
-so clip norm, Δ and noise cannot disagree). The main job (``python -m dpjax.demo``) and
+NOT dpjax's public API (see :mod:`dpjax.experiments`): it is a client of it. One function,
+:func:`train_route`, trains a model by one of the routes below for many (key, learning rate)
+pairs in a single compiled program (``lax.map`` over the pairs, ``lax.scan`` over the steps).
+Every DP route runs on the DP-SGD plan users call: one :class:`dpjax.sgd.DPSGDConfig` per call
+(σ calibrated once), one plan per run (:func:`route_plans`; the run's key, its samples, noise
+and step count are the plan's), the loop ``plan.update`` — the route's clipped-gradient sum,
+Poisson batch selection summed in micro-batches, never truncated, and the plan's noise
+transform built FROM that sum (it reads Δ). The routes' extras are optax transforms chained
+after the noise (denoising, the oracle's and PDP-SGD's projections, GEP's filter of the
+releases) and, for GEP, a between-steps hook (:func:`gep_refresh`, the form of
+:meth:`dpjax.sgd.DPSGDPlan.run`'s ``hook``). The main job (``python -m dpjax.demo``) and
 ``benchmarks/gradient_subspace.py`` both run it.
 
 Routes (:data:`ROUTES`); the DP ones release T Poisson-sampled Gaussian sums at the same noise
@@ -88,7 +90,8 @@ from dpjax.sgd import noise, per_example, sampling, sources
 
 __all__ = ["DENSE_ROUTES", "DIAGNOSTIC_ROUTES", "INPUT_SCALINGS", "PUBLIC_ROUTES", "ROUTES",
            "RouteRun", "RouteSettings", "RunKeys", "first_layer_bases", "gep_edge_noise_std",
-           "input_basis_event", "noise_multiplier", "route_rank", "run_keys", "train_route"]
+           "gep_refresh", "input_basis_event", "route_plans", "route_rank", "run_keys",
+           "train_route"]
 
 ROUTES = ("non_private", "dp_sgd", "dp_sgd_denoise", "gep_trajectory", "private_input_subspace",
           "public_subspace", "public_gradient_subspace")
@@ -248,23 +251,6 @@ def first_layer_bases(params, basis):
   return sgd.bases_like(params, lambda path, _: basis if tuple(path) == first else None)
 
 
-@functools.lru_cache(maxsize=None)
-def noise_multiplier(epsilon: float, delta: float, sampling_prob: float, steps: int,
-                     accountant: str = "pld", subspace_epsilon: float = 0.0,
-                     subspace_delta: float = 0.0,
-                     tuning: accounting.HyperparameterTuning | None = None,
-                     subspace_event=None) -> float:
-  """σ of ``steps`` Poisson-sampled Gaussian releases that, composed with a subspace release
-  (its ``subspace_event``, by the accountant, or ``(ε_s, δ_s)`` by basic composition), are
-  (ε, δ)-DP under add/remove-one; with ``tuning``, σ of each run of a Papernot–Steinke tuning
-  whose released best run is (ε, δ)-DP (RDP)."""
-  return accounting.plan_dpsgd_budget(epsilon, delta, sampling_prob=sampling_prob, steps=steps,
-                                      subspace_epsilon=subspace_epsilon,
-                                      subspace_delta=subspace_delta,
-                                      subspace_event=subspace_event, accountant=accountant,
-                                      tuning=tuning).noise_multiplier
-
-
 def input_basis_event(eps_s: float, delta_s: float) -> dp_accounting.DpEvent:
   """The event of ``private_input_subspace``'s release at a stand-alone (ε_s, δ_s): Analyze
   Gauss with continuous noise under add/remove-one (:func:`dpjax.sgd.private_input_basis` with
@@ -276,32 +262,23 @@ def input_basis_event(eps_s: float, delta_s: float) -> dp_accounting.DpEvent:
 class RunKeys(NamedTuple):
   """The disjoint streams of one run: one ``split`` of the run's key into named purposes.
 
-  ``subspace`` seeds ``private_input_subspace``'s Analyze Gauss release, a release of its own:
-  it must not share randomness with the SGD noise (``noise``), the Poisson samples (``sample``)
-  or the initialisation (``init``). Never derive another stream from the run's key by
-  ``fold_in``: with JAX's partitionable threefry ``fold_in(key, i)`` is ``split(key, n)[i]``.
+  ``plan`` is the key of the run's DP-SGD plan (it draws every step's Poisson sample and noise
+  itself, :class:`dpjax.sgd.noise.StepKeys`; ``non_private`` draws its samples from it);
+  ``gep_plan`` the key of GEP's second plan (the split phase after the warm-up); ``subspace``
+  seeds ``private_input_subspace``'s Analyze Gauss release, a release of its own: it must not
+  share randomness with the plans or the initialisation (``init``). Never derive another stream
+  from the run's key by ``fold_in``: with JAX's partitionable threefry ``fold_in(key, i)`` is
+  ``split(key, n)[i]``.
   """
   init: jax.Array
-  noise: jax.Array
-  sample: jax.Array
+  plan: jax.Array
+  gep_plan: jax.Array
   subspace: jax.Array
 
 
 def run_keys(key: jax.Array) -> RunKeys:
   """:class:`RunKeys` of a run's key (traceable)."""
   return RunKeys(*jax.random.split(key, 4))
-
-
-def _is_noise_state(x):
-  return isinstance(x, noise.NoiseState)
-
-
-def _with_key(state, key):
-  """``state`` with the PRNG key of its :class:`dpjax.sgd.noise.NoiseState` replaced (one stream
-  per run; a chain's other states are kept)."""
-  return jax.tree_util.tree_map(
-      lambda x: dataclasses.replace(x, key=key) if _is_noise_state(x) else x, state,
-      is_leaf=_is_noise_state)
 
 
 def _unclipped_sum(loss_fn):
@@ -328,54 +305,6 @@ def _grad_fns(route, loss_fn, settings):
   if route == "gep_trajectory":
     return (clipped, _gep_grad_sum(loss_fn, settings))
   return (clipped,)
-
-
-@functools.lru_cache(maxsize=None)
-def _transforms(route, sigma, batch, basis_bytes, shapes, settings, loss_fn):
-  """The route's noise transforms, :func:`dpjax.sgd.dp_noise` built from each phase's grad sum
-  (Δ read from it), checked on the host once per configuration, so that repeated calls reuse one
-  compilation. Their key is a placeholder, replaced per run."""
-  if route == "non_private":
-    return ()
-  key = jax.random.key(0)
-  grad_fns = _grad_fns(route, loss_fn, settings)
-  template = _template(shapes)
-
-  def noise_for(grad_fn, bases=None):
-    return sgd.dp_noise(grad_fn, noise_multiplier=sigma, expected_batch_size=batch, key=key,
-                        bases=bases)
-
-  # private_input_subspace trains its first layer in the released basis (a k-input model: its
-  # noise is in all of that model's coordinates); public_gradient_subspace projects this release.
-  if route in ("dp_sgd", "oracle_subspace", "private_input_subspace", "public_gradient_subspace"):
-    return (noise_for(grad_fns[0]),)
-  if route == "dp_sgd_denoise":
-    # The released noise per entry of the averaged update: σΔ/L (Δ = C, the grad sum's bound).
-    level = sigma * grad_fns[0].l2_norm_bound / batch
-    return (optax.chain(noise_for(grad_fns[0]),
-                        sgd.low_rank_denoise(level, decay=settings.denoise_decay)),)
-  in_dim = dict(shapes[0])["w"][0]
-  if route == "public_subspace":
-    basis = np.frombuffer(basis_bytes, np.float32).reshape(in_dim, settings.public_rank)
-    return (noise_for(grad_fns[0], first_layer_bases(template, basis)),)
-  # gep_trajectory: the split's noise is built with a public placeholder basis; the released
-  # trajectory bases replace it inside the trace (update_bases(check=False): the GEP release's
-  # noise σΔ does not depend on the bases).
-  out_dim = dict(shapes[0])["w"][1]
-  rank = min(settings.gep_rank, out_dim)     # trajectory_bases' column count
-  placeholder = np.eye(in_dim, rank, dtype=np.float32)
-  if settings.gep_two_sided:
-    placeholder = sgd.TwoSidedBasis(placeholder, np.eye(out_dim, rank, dtype=np.float32))
-  return (noise_for(grad_fns[0]), noise_for(grad_fns[1], first_layer_bases(template,
-                                                                             placeholder)))
-
-
-def _average(params, avg, t, ema):
-  """The EMA of the iterates, ``β_t = min(β, (1 + t)/(10 + t))`` (as
-  :func:`dpjax.sgd.iterate_average`, which is not used: ``weight_ema = 0`` returns the last
-  iterate here, and this form keeps the routes' numbers)."""
-  decay = jnp.minimum(ema, (1.0 + t) / (10.0 + t))
-  return optax.incremental_update(params, avg, 1.0 - decay)
 
 
 def _project_top(updates, reference, rank):
@@ -436,95 +365,200 @@ def _project_flat(updates, basis):
   return unravel(linalg.matmul(basis, linalg.matmul(basis.T, flat)))
 
 
-@functools.partial(jax.jit, static_argnames=("grad_fns", "txs", "route", "init_fn", "steps",
-                                             "selection", "settings", "loss_fn"))
-def _train(keys, lrs, X, y, states, edge_std, run_data, public, *, grad_fns, txs, route,
-           init_fn, steps, selection, settings, loss_fn):
-  """The runs, one after another (``lax.map``). ``run_data``: ``private_input_subspace``'s
-  per-run ``(Bᵀx rows (K, N, k), B (K, d, k))``, else None; ``public``: the public examples of
-  ``public_gradient_subspace``, else None."""
-  batch = selection.expected_batch_size
-  ema = settings.weight_ema
+class _OracleState(NamedTuple):
+  count: jax.Array
+  reference: Any
 
-  def one(key, lr, run):
-    k_init, k_noise, k_sample, _ = run_keys(key)
-    params = init_fn(k_init)
-    data = (X, y)
-    if run is not None:      # trained in this run's released basis: the model sees Bᵀx
-      data = (run[0], y)
-      params = _into_basis(params, run[1])
-    noise_states = [_with_key(st, k) for st, k in
-                    zip(states, jax.random.split(k_noise, max(1, len(states))))]
-    adam = optax.adam(lr)
-    public_basis = None
-    if route == "public_gradient_subspace":
-      refresh = _public_projection(loss_fn, public, settings.public_gradient_rank)
-      public_basis = jnp.zeros((ravel_pytree(params)[0].size,
-                                settings.public_gradient_rank), jnp.float32)
 
-    def dp_step(grad_sum, tx, filter_decay=None, extra=lambda s: (), oracle=False):
-      def body(carry, k):
-        params, opt, noise_state, filt, avg, t = carry
-        total = selection.clipped_sum(grad_sum, params, data, k, *extra(noise_state))
-        if tx is None:
-          g = jax.tree_util.tree_map(lambda s: s / batch, total)
-        else:
-          g, noise_state = tx.update(total, noise_state, params)
-        if oracle:   # NOT private: filt holds the all-rows mean clipped gradient (see ROUTES)
-          filt = jax.lax.cond(t % settings.oracle_refresh == 0, lambda: jax.tree_util.tree_map(
-              lambda s: s / X.shape[0], sampling.poisson_clipped_sum(
-                  grad_sum, params, data, k, sampling_prob=1.0,
-                  microbatch_size=selection.microbatch_size)),
-              lambda: filt)
-          g = _project_top(g, filt, settings.oracle_rank)
-        if public_basis is not None:   # PDP-SGD: the release projected on public gradients
-          filt = jax.lax.cond(t % settings.public_gradient_refresh == 0,
-                              lambda: refresh(params, filt, t == 0), lambda: filt)
-          g = _project_flat(g, filt)
-        updates, opt = adam.update(g, opt, params)
-        params = optax.apply_updates(params, updates)
-        if filter_decay is not None:   # an EMA of RELEASED updates only
-          filt = jax.tree_util.tree_map(lambda m, x: filter_decay * m + (1 - filter_decay) * x,
-                                        filt, g)
-        return (params, opt, noise_state, filt, _average(params, avg, t, ema), t + 1), None
-      return body
+def _oracle_projection(grad_sum, data, rank: int, refresh: int,
+                       microbatch_size: int) -> optax.GradientTransformation:
+  """``oracle_subspace``'s projection (NOT private: it reads every row of ``data``): each weight
+  matrix's update onto ``U Uᵀ (·) V Vᵀ`` of the all-rows mean clipped gradient at the current
+  params, recomputed every ``refresh`` updates (:func:`_project_top`)."""
+  n = jax.tree_util.tree_leaves(data)[0].shape[0]
 
-    zeros = (jax.tree_util.tree_map(jnp.zeros_like, params) if public_basis is None
-             else public_basis)
-    carry = (params, adam.init(params), noise_states[0] if txs else None, zeros, params,
-             jnp.int32(0))
+  def init(params):
+    return _OracleState(jnp.zeros((), jnp.int32), jax.tree_util.tree_map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None):
+    def fresh():         # q = 1: every row, whatever the (fixed) key
+      total = sampling.poisson_clipped_sum(grad_sum, params, data, jax.random.key(0),
+                                           sampling_prob=1.0, microbatch_size=microbatch_size)
+      return jax.tree_util.tree_map(lambda s: s / n, total)
+    reference = jax.lax.cond(state.count % refresh == 0, fresh, lambda: state.reference)
+    return (_project_top(updates, reference, rank),
+            _OracleState(state.count + 1, reference))
+  return optax.GradientTransformation(init, update)
+
+
+class _BasisState(NamedTuple):
+  count: jax.Array
+  basis: jax.Array
+
+
+def _public_gradient_projection(loss_fn, public, rank: int, every: int, num_params: int
+                                ) -> optax.GradientTransformation:
+  """PDP-SGD's projection of each release onto ``V Vᵀ`` (post-processing by a public basis):
+  V ``(p, rank)`` from the public examples' gradients at the current params, refreshed every
+  ``every`` updates (:func:`_public_projection`; exact at the first)."""
+  refresh = _public_projection(loss_fn, public, rank)
+
+  def init(params):
+    del params
+    return _BasisState(jnp.zeros((), jnp.int32), jnp.zeros((num_params, rank), jnp.float32))
+
+  def update(updates, state, params=None):
+    basis = jax.lax.cond(state.count % every == 0,
+                         lambda: refresh(params, state.basis, state.count == 0),
+                         lambda: state.basis)
+    return _project_flat(updates, basis), _BasisState(state.count + 1, basis)
+  return optax.GradientTransformation(init, update)
+
+
+class _FilterState(NamedTuple):
+  average: Any
+
+
+def _released_filter(decay: float) -> optax.GradientTransformation:
+  """An EMA of the RELEASED updates (passed through unchanged): what GEP's trajectory bases
+  read; post-processing."""
+  def init(params):
+    return _FilterState(jax.tree_util.tree_map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None):
+    del params
+    return updates, _FilterState(jax.tree_util.tree_map(
+        lambda m, x: decay * m + (1 - decay) * x, state.average, updates))
+  return optax.GradientTransformation(init, update)
+
+
+def _filtered(opt_state):
+  """The :func:`_released_filter` average inside a chain's state."""
+  is_filter = lambda x: isinstance(x, _FilterState)                        # noqa: E731
+  found, = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_filter)
+            if is_filter(x)]
+  return found.average
+
+
+def gep_refresh(settings: RouteSettings, edge_std=None):
+  """``gep_trajectory``'s between-steps hook ``(params, opt_state) -> opt_state`` (the form of
+  :meth:`dpjax.sgd.DPSGDPlan.run`'s ``hook``): the first layer's bases from the EMA of the
+  released updates (:func:`dpjax.sgd.trajectory_bases`; the rank rule at ``edge_std`` when
+  ``settings.gep_edge_scale`` is set), swapped into GEP's noise state. A function of releases
+  already paid for: post-processing, free."""
+  def hook(params, opt_state):
+    del params
+    filt = _filtered(opt_state)
+    bases = first_layer_bases(filt, sgd.trajectory_bases(
+        [filt[0]], settings.gep_rank, two_sided=settings.gep_two_sided,
+        noise_std=None if settings.gep_edge_scale is None else edge_std)[0]["w"])
+    return sgd.update_bases(opt_state, bases=bases, check=False)
+  return hook
+
+
+def _optimizer(route, lr, settings, data, public, *, sigma, batch, grad_fn, microbatch_size,
+               num_params, loss_fn):
+  """The route's optax chain after the plan's noise: its extras as transforms (denoising, the
+  oracle's or PDP-SGD's projection, GEP's filter of the releases), Adam at ``lr``, the EMA of
+  the iterates (``settings.weight_ema > 0``). ``lr``, ``data`` and ``public`` may be traced."""
+  parts = []
+  if route == "dp_sgd_denoise":
+    # The released noise per entry of the averaged update: σΔ/L (Δ = C, the grad sum's bound).
+    parts.append(sgd.low_rank_denoise(sigma * grad_fn.l2_norm_bound / batch,
+                                      decay=settings.denoise_decay))
+  elif route == "oracle_subspace":
+    parts.append(_oracle_projection(grad_fn, data, settings.oracle_rank,
+                                    settings.oracle_refresh, microbatch_size))
+  elif route == "public_gradient_subspace":
+    parts.append(_public_gradient_projection(loss_fn, public,
+                                             settings.public_gradient_rank,
+                                             settings.public_gradient_refresh, num_params))
+  elif route == "gep_trajectory":
+    parts.append(_released_filter(settings.gep_filter))
+  parts.append(optax.adam(lr))
+  if settings.weight_ema > 0:
+    parts.append(sgd.iterate_average(settings.weight_ema))
+  return optax.chain(*parts)
+
+
+def _returned(params, opt_state, settings):
+  """The run's returned params: the EMA of the iterates, or the last iterate."""
+  return sgd.averaged_params(opt_state) if settings.weight_ema > 0 else params
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "gep_plan", "route", "steps", "settings",
+                                             "loss_fn"))
+def _train(lrs, X, y, params, states, gep_noise, run_data, public, edge_std, *, plan, gep_plan,
+           route, steps, settings, loss_fn):
+  """The DP runs, one after another (``lax.map``), each a loop of ``plan.update`` (run k's state
+  holds run k's plan key: the K plans of one config share their step code). ``gep_noise``: GEP's
+  second plan's noise states; ``run_data``: ``private_input_subspace``'s per-run ``(Bᵀx rows,
+  B)``, else None; ``public``: the public examples of ``public_gradient_subspace``, else None."""
+  num_params = sum(math.prod(x.shape[1:]) for x in jax.tree_util.tree_leaves(params))
+
+  def one(lr, params, state, gep_state, run):
+    data = (X, y) if run is None else (run[0], y)
+    optimizer = _optimizer(route, lr, settings, data, public, sigma=plan.noise_multiplier,
+                           batch=plan.batch_selection.expected_batch_size, grad_fn=plan.grad_fn,
+                           microbatch_size=plan.batch_selection.microbatch_size,
+                           num_params=num_params, loss_fn=loss_fn)
+
+    def steps_of(p, count):
+      def body(carry, _):
+        return p.update(*carry, data, optimizer), None
+      return lambda carry: jax.lax.scan(body, carry, None, length=count)[0]
+
     if route != "gep_trajectory":
-      carry, _ = jax.lax.scan(dp_step(grad_fns[0], txs[0] if txs else None,
-                                      oracle=route == "oracle_subspace"), carry,
-                              jax.random.split(k_sample, steps))
-      return (carry[4] if run is None else _from_basis(carry[4], run[1])), None
-    warm_steps = max(1, round(settings.gep_warmup * steps))
-    period = max(1, (steps - warm_steps) // settings.gep_refreshes)
-    periods = max(1, (steps - warm_steps) // period)
-    step_keys = jax.random.split(k_sample, warm_steps + periods * period)
-    carry, _ = jax.lax.scan(dp_step(grad_fns[0], txs[0], settings.gep_filter), carry,
-                            step_keys[:warm_steps])
-    # GEP's grad sum splits by the bases held in the noise state (the same ones it lifts by).
-    gep_body = dp_step(grad_fns[1], txs[1], settings.gep_filter,
-                       extra=lambda s: (noise.noise_state(s).bases,))
+      params, state = steps_of(plan, steps)((params, state))
+      out = _returned(params, state, settings)
+      return (out if run is None else _from_basis(out, run[1])), None
+    warm_steps, period, periods = _gep_phases(steps, settings)
+    params, state = steps_of(plan, warm_steps)((params, state))
+    # The split phase: GEP's plan's noise state, the optimiser's states carried on.
+    state = (gep_state,) + tuple(state[1:])
+    hook = gep_refresh(settings, edge_std)
 
-    def period_body(carry, keys):
-      filt = carry[3]
-      # The free refresh: bases from the EMA of released updates, nothing else.
-      bases = first_layer_bases(filt, sgd.trajectory_bases(
-          [filt[0]], settings.gep_rank, two_sided=settings.gep_two_sided,
-          noise_std=None if settings.gep_edge_scale is None else edge_std)[0]["w"])
-      carry = carry[:2] + (sgd.update_bases(carry[2], bases=bases, check=False),) + carry[3:]
-      return jax.lax.scan(gep_body, carry, keys)[0], None
+    def period_body(carry, _):
+      params, state = carry
+      return steps_of(gep_plan, period)((params, hook(params, state))), None
 
-    carry = carry[:2] + (noise_states[1],) + carry[3:]
-    carry, _ = jax.lax.scan(period_body, carry,
-                            step_keys[warm_steps:].reshape(periods, period, *step_keys.shape[1:]))
-    return carry[4], noise.noise_state(carry[2]).bases[0]["w"]
+    (params, state), _ = jax.lax.scan(period_body, (params, state), None, length=periods)
+    return _returned(params, state, settings), noise.noise_state(state).bases[0]["w"]
 
   # Runs one after another inside the program (lax.map), not vmapped: on XLA:CPU (jaxlib
   # 0.10.2) a vmapped while_loop (the Poisson sum) next to an SVD in one scan body deadlocked.
-  return jax.lax.map(lambda a: one(*a), (keys, lrs, run_data))
+  return jax.lax.map(lambda a: one(*a), (lrs, params, states, gep_noise, run_data))
+
+
+def _gep_phases(steps: int, settings: RouteSettings) -> tuple[int, int, int]:
+  """GEP's warm-up steps, refresh period and number of periods (≤ T steps in all)."""
+  warm_steps = max(1, round(settings.gep_warmup * steps))
+  period = max(1, (steps - warm_steps) // settings.gep_refreshes)
+  return warm_steps, period, max(1, (steps - warm_steps) // period)
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "settings", "loss_fn", "selection"))
+def _train_non_private(keys, lrs, X, y, params, *, steps, settings, loss_fn, selection):
+  """``non_private``: the same sampling, optimiser and averaging, unclipped and noiseless (not
+  DP: no plan); each run's samples from its ``plan`` stream."""
+  grad_sum = _unclipped_sum(loss_fn)
+  batch = selection.expected_batch_size
+
+  def one(key, lr, params):
+    optimizer = _optimizer("non_private", lr, settings, None, None, sigma=0.0, batch=batch,
+                           grad_fn=None, microbatch_size=None, num_params=None, loss_fn=loss_fn)
+
+    def body(carry, k):
+      params, state = carry
+      total = selection.clipped_sum(grad_sum, params, (X, y), k)
+      g = jax.tree_util.tree_map(lambda s: s / batch, total)
+      updates, state = optimizer.update(g, state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    (params, state), _ = jax.lax.scan(body, (params, optimizer.init(params)),
+                                      jax.random.split(run_keys(key).plan, steps))
+    return _returned(params, state, settings)
+  return jax.lax.map(lambda a: one(*a), (keys, lrs, params))
 
 
 class _Tree(NamedTuple):
@@ -593,11 +627,12 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
                 tuning: accounting.HyperparameterTuning | None = None) -> RouteRun:
   """Trains one route (see the module docstring) once per (key, learning rate) pair.
 
-  Each run: ``params = init_fn(k_init)``; ``steps`` steps of Poisson sampling (rate ``L/N``)
-  summed in micro-batches (never truncated) by the route's clipped-gradient sum, the route's
-  :func:`dpjax.sgd.dp_noise` (noise σΔν, division by L), Adam; returns the EMA of the iterates.
-  Keys: one split of each run's key into init, noise, sample and subspace streams
-  (:func:`run_keys`).
+  Each run: ``params = init_fn(k_init)``; ``steps`` steps of its plan (:func:`route_plans`):
+  Poisson sampling (rate ``L/N``) summed in micro-batches (never truncated) by the route's
+  clipped-gradient sum, the plan's noise (σΔν, division by L), the route's extras, Adam;
+  returns the EMA of the iterates. Keys: one split of each run's key into init, plan, GEP's
+  second plan and subspace streams (:func:`run_keys`); each plan draws its samples and noise
+  from its own key.
 
   Privacy: every route of :data:`ROUTES` but ``non_private`` is ``(ε, δ)``-DP under add/remove-one
   of a row of ``data`` (σ calibrated by ``accountant`` over ``steps`` Poisson-sampled Gaussian
@@ -723,28 +758,47 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     tuning = accounting.check_tuning(tuning)
     if route == "non_private":
       tuning = None                       # nothing private to tune: the argument is ignored
-  sigma = 0.0 if route == "non_private" else noise_multiplier(
-      float(epsilon), float(delta), batch / n, steps, accountant, tuning=tuning,
-      subspace_event=sub_event)
   selection = sampling.poisson_sampling(n, batch)
-  # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
-  edge_std = jnp.float32(0.0 if route != "gep_trajectory" else (1.0 if scale is None else scale)
-                         * gep_edge_noise_std(float(sigma), batch, settings))
   static = dataclasses.replace(settings, gep_edge_scale=None if scale is None else 1.0)
-  run_data = None
-  if private_input:      # the model trained in the basis: its first kernel is (k, h)
-    run_data = _private_input_bases(keys, X, eps_s, delta_s, settings, sub_event)
-    first = dict(shapes[0])
-    first["w"] = (settings.input_rank, first["w"][1])
-    shapes = (tuple(sorted(first.items())), *shapes[1:])
-  txs = _transforms(route, float(sigma), batch, basis.tobytes(), shapes, static, loss_fn)
-  template = _template(shapes)
-  states = tuple(tx.init(template) for tx in txs)
-  params, bases = _train(keys, jnp.asarray(lrs), jnp.asarray(X, jnp.float32), jnp.asarray(y),
-                         states, edge_std, run_data, public_data,
-                         grad_fns=_grad_fns(route, loss_fn, static), txs=txs, route=route,
-                         init_fn=init_fn, steps=steps, selection=selection, settings=static,
-                         loss_fn=loss_fn)
+  X32, y = jnp.asarray(X, jnp.float32), jnp.asarray(y)
+  streams = [run_keys(key) for key in keys]
+  if route == "non_private":
+    sigma, bases = 0.0, None
+    params = _train_non_private(keys, jnp.asarray(lrs), X32, y,
+                                _stack([init_fn(s.init) for s in streams]), steps=steps,
+                                settings=static, loss_fn=loss_fn, selection=selection)
+  else:
+    # The privacy settings, calibrated once for all K runs (each run is a plan of this config).
+    config = sgd.DPSGDConfig(num_examples=n, expected_batch_size=batch, steps=steps,
+                             epsilon=float(epsilon), delta=float(delta), accountant=accountant,
+                             subspace_event=sub_event, tuning=tuning)
+    sigma = config.calibrate().noise_multiplier
+    # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
+    edge_std = jnp.float32(0.0 if route != "gep_trajectory" else
+                           (1.0 if scale is None else scale)
+                           * gep_edge_noise_std(float(sigma), batch, settings))
+    run_data = None
+    inits = [init_fn(s.init) for s in streams]
+    if private_input:      # the model trained in the basis: its first kernel is (k, h)
+      run_data = _private_input_bases(keys, X, eps_s, delta_s, settings, sub_event)
+      inits = [_into_basis(p, B) for p, B in zip(inits, run_data[1])]
+    plans, gep_plans = route_plans(route, config, streams, inits[0], static, loss_fn, basis)
+    host = [_optimizer(route, lr, static, (X32, y), public_data, sigma=sigma, batch=batch,
+                       grad_fn=plans[0].grad_fn, microbatch_size=plans[0].batch_selection
+                       .microbatch_size, num_params=_num_params(inits[0]), loss_fn=loss_fn)
+            for lr in lrs]
+    states = [plan.init(p, opt) for plan, p, opt in zip(plans, inits, host)]
+    gep_plan, gep_noise = None, None
+    if route == "gep_trajectory":
+      gep_plan = gep_plans[0]
+      gep_noise = _stack([noise.noise_state(p.init(q, opt))
+                          for p, q, opt in zip(gep_plans, inits, host)])
+      warm, period, periods = _gep_phases(steps, static)
+      if warm + period * periods > config.steps:     # pragma: no cover - by construction
+        raise RuntimeError("GEP's two phases would take more steps than the config covers.")
+    params, bases = _train(jnp.asarray(lrs), X32, y, _stack(inits), _stack(states), gep_noise,
+                           run_data, public_data, edge_std, plan=plans[0], gep_plan=gep_plan,
+                           route=route, steps=steps, settings=static, loss_fn=loss_fn)
   if route == "public_subspace":
     bases = jnp.asarray(basis)
   elif private_input:
@@ -754,6 +808,45 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
       private=route in ROUTES)
   return RouteRun(params, float(sigma), route_rank(route, settings), bases, num_runs=len(lrs),
                   **guarantee)
+
+
+def route_plans(route: str, config, streams, params, settings: RouteSettings, loss_fn,
+                basis=None):
+  """The DP-SGD plans of a route's runs, one per run (its ``RunKeys.plan`` key) from ONE config
+  (σ calibrated once): the route's clipped-gradient sum, and the public input basis on the first
+  layer for ``public_subspace``; for ``gep_trajectory`` also the split phase's plans (GEP's grad
+  sum, a public placeholder basis that the released trajectory bases replace in the trace, keys
+  ``RunKeys.gep_plan``). The warm-up and the split take T steps in all, the config's T: one run's
+  releases are T sampled Gaussian steps at σ, as the config accounts them. Returns ``(plans,
+  gep_plans)`` (``gep_plans`` None for the other routes)."""
+  grad_fns = _grad_fns(route, loss_fn, settings)
+  layer_bases = first_layer_bases(params, basis) if route == "public_subspace" else None
+  plans = [config.make(grad_fns[0], key=s.plan, bases=layer_bases) for s in streams]
+  if route != "gep_trajectory":
+    return plans, None
+  placeholder = first_layer_bases(params, _gep_placeholder(_shapes(params), settings))
+  return plans, [config.make(grad_fns[1], key=s.gep_plan, bases=placeholder) for s in streams]
+
+
+def _stack(trees):
+  """The runs' pytrees stacked on a leading axis (``lax.map``'s)."""
+  return jax.tree_util.tree_map(lambda *x: jnp.stack(x), *trees)
+
+
+def _num_params(params) -> int:
+  return sum(math.prod(jnp.shape(x)) for x in jax.tree_util.tree_leaves(params))
+
+
+def _gep_placeholder(shapes, settings):
+  """The public placeholder basis GEP's plan is made with; the released trajectory bases replace
+  it in the trace (``update_bases(check=False)``: the GEP release's noise σΔ does not depend on
+  the bases)."""
+  in_dim, out_dim = dict(shapes[0])["w"]
+  rank = min(settings.gep_rank, out_dim)     # trajectory_bases' column count
+  placeholder = np.eye(in_dim, rank, dtype=np.float32)
+  if settings.gep_two_sided:
+    placeholder = sgd.TwoSidedBasis(placeholder, np.eye(out_dim, rank, dtype=np.float32))
+  return placeholder
 
 
 def _run_guarantee(epsilon, delta, runs, sigma, q, steps, accountant, tuning, *, private):

@@ -58,7 +58,7 @@ from dpjax.sgd import bases as bases_lib
 from dpjax.sgd import gep
 
 __all__ = ["RELEASES", "NoiseState", "StepKeys", "dp_noise", "l2_norm_bound", "noise_state",
-           "step_keys", "update_bases"]
+           "release_of", "step_keys", "update_bases"]
 
 RELEASES = ("full", "flat", "layers", "embedding_residual")
 
@@ -134,7 +134,12 @@ def round_up_float32(value: float) -> np.float32:
   return out
 
 
-def _release_of(grad_fn, basis, bases) -> str:
+def release_of(grad_fn, basis=None, bases=None) -> str:
+  """The release map (one of :data:`RELEASES`) :func:`dp_noise` uses for these arguments.
+
+  Raises:
+    ValueError: as :func:`dp_noise` (both ``basis`` and ``bases``; GEP without ``bases``).
+  """
   if isinstance(grad_fn, gep.EmbeddingResidualGradSum):
     if basis is not None or bases is None:
       raise ValueError("GEP's embedding_residual_grad_sum needs per-layer bases= (the bases it "
@@ -197,7 +202,7 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
   batch = v.check_positive(expected_batch_size, "expected_batch_size")
   tol = v.check_positive(tol, "tol")
   steps = None if steps is None else v.check_int(steps, "steps", low=1)
-  release = _release_of(grad_fn, basis, bases)
+  release = release_of(grad_fn, basis, bases)
   if release == "flat":
     basis = bases_lib.check_basis(basis, tol=tol)
   base_std = round_up_float32(sigma * delta)

@@ -65,10 +65,16 @@ class DPSGDPlan:
     config: the :class:`dpjax.sgd.DPSGDConfig` (privacy settings, calibrated once).
     grad_fn: the clipped-gradient sum (carries Δ as ``l2_norm_bound``).
     batch_selection: the :class:`dpjax.sgd.sampling.PoissonSampling` (N, L, micro-batch size).
+    release: the noise's release map (one of :data:`dpjax.sgd.noise.RELEASES`).
     noise: the optax privatiser (:func:`dpjax.sgd.dp_noise`): release map, noise std σΔν,
       division by L; the run's key, step count and bases live in its state.
     mesh: optional ``jax.sharding.Mesh`` the examples are sharded over (data parallelism).
     data_axis: the mesh axis of the examples.
+
+  Two plans are equal (and hash equal, so a jitted step compiled for one serves the other) when
+  their programs are: the same config, grad fn, batch selection, release map and mesh. Their
+  keys and bases live in the state that :meth:`init` builds, not in the step's code, so the K
+  plans of one config (K runs, K keys) compile once.
 
   Properties read from the config: ``budget``, ``dp_event`` (the event of everything the plan
   releases: a private subspace release composed with the T sampled steps, the tuning's
@@ -78,7 +84,8 @@ class DPSGDPlan:
   config: config_lib.DPSGDConfig
   grad_fn: Any
   batch_selection: sampling.PoissonSampling
-  noise: optax.GradientTransformation
+  release: str
+  noise: optax.GradientTransformation = dataclasses.field(compare=False)
   mesh: jax.sharding.Mesh | None = None
   data_axis: str = distributed.DATA_AXIS
   # Host-side record of the one run: [steps taken] once init has run (not part of the value).
@@ -340,8 +347,9 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
   if ledger is not None:
     record_budget(ledger.copy(), budget, config.accountant)   # check the whole plan first
     record_budget(ledger, budget, config.accountant)
-  return DPSGDPlan(config=config, grad_fn=grad_fn, batch_selection=selection, noise=transform,
-                   mesh=mesh, data_axis=data_axis)
+  return DPSGDPlan(config=config, grad_fn=grad_fn, batch_selection=selection,
+                   release=noise.release_of(grad_fn, basis, bases), noise=transform, mesh=mesh,
+                   data_axis=data_axis)
 
 
 def _leaves(event) -> tuple:

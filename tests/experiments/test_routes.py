@@ -17,7 +17,7 @@ import helpers
 from dpjax import accounting, demo, experiments, sgd, subspace
 from dpjax.experiments import routes
 from dpjax.sgd import bases as bases_lib
-from dpjax.sgd import gep, noise, sampling
+from dpjax.sgd import gep, noise
 
 D, N = 12, 400
 _S = experiments.RouteSettings
@@ -33,6 +33,13 @@ def data():
   X = rng.normal(size=(N, D)).astype(np.float32)
   y = (X[:, 0] > 0).astype(np.int32) + (X[:, 1] > 0.1).astype(np.int32)   # majority 53%
   return X, y
+
+
+def _sigma(epsilon, n, steps, accountant="rdp", subspace_event=None):
+  """σ of the routes' config: DPSGDConfig at (ε, 1e-5), L = 32 of n rows, T steps."""
+  return sgd.DPSGDConfig(num_examples=n, expected_batch_size=32, steps=steps, epsilon=epsilon,
+                         delta=1e-5, accountant=accountant,
+                         subspace_event=subspace_event).calibrate().noise_multiplier
 
 
 def _run(route, data, keys, lrs=None, init=INIT, epsilon=2.0, **kw):
@@ -79,8 +86,7 @@ def test_each_route_runs_stacked_deterministic_per_key(route, data):
   # composed with the steps by the accountant.
   event = (routes.input_basis_event(0.2, 0.1e-5) if route == "private_input_subspace"
            else None)
-  expected = 0.0 if route == "non_private" else routes.noise_multiplier(
-      2.0, 1e-5, 32 / n, 12, "rdp", subspace_event=event)
+  expected = 0.0 if route == "non_private" else _sigma(2.0, n, 12, subspace_event=event)
   assert run.noise_multiplier == expected
   if route == "non_private":
     assert run.epsilon is None and run.all_runs_epsilon is None
@@ -108,7 +114,7 @@ def test_train_route_defaults_to_the_pld_accountant():
 def test_noise_multiplier_meets_the_budget_by_the_pld_accountant(data):
   """σ meets (ε, δ) for q = L/N and T under add/remove-one, and not by much more; train_route
   uses it by default."""
-  sigma = routes.noise_multiplier(2.0, 1e-5, 32 / N, 12)
+  sigma = _sigma(2.0, N, 12, accountant="pld")
   eps = accounting.dpsgd_epsilon(sigma, 32 / N, 12, 1e-5, accountant="pld")
   assert 1.8 < eps <= 2.0
   run = _run("dp_sgd", data, jnp.stack([jax.random.key(0)]), steps=12, accountant="pld")
@@ -125,41 +131,39 @@ def test_dp_sgd_route_learns(data):
   assert float(jnp.mean(acc)) > 0.6
 
 
-def test_trajectory_bases_read_only_released_updates(data):
-  """With noise transforms that release a fixed update whatever they are given, the GEP route's
-  bases (and the params) must not change when the private data change; bases computed from
-  clipped or per-example gradients would. The noise-edge rank rule is on (at an edge far below
-  the release's singular values, so the bases are the plain top-3 ones)."""
+def test_trajectory_bases_read_only_released_updates(data, monkeypatch):
+  """With noise transforms that release a fixed update whatever they are given (the plans' own
+  dp_noise, its output replaced), the GEP route's bases (and the params) must not change when
+  the private data change; bases computed from clipped or per-example gradients would. The
+  noise-edge rank rule is on (the release's singular values are far above the edge, so the
+  bases are the plain top-3 ones)."""
   params = LINEAR(jax.random.key(1))
-  released = jax.tree_util.tree_map(lambda p: helpers.normal(2, p.shape) * 0.01, params)
-  placeholder = routes.first_layer_bases(params, np.eye(D, 3, dtype=np.float32))
+  released = jax.tree_util.tree_map(lambda p: helpers.normal(2, p.shape), params)
+  real = noise.dp_noise
 
-  def fixed_release(state):
-    return optax.GradientTransformation(lambda p: state,
-                                        lambda updates, s, p=None: (released, s))
+  def fixed_release(grad_fn, **kwargs):
+    tx = real(grad_fn, **kwargs)
 
-  zero = jnp.float32(0.0)
-  txs = (fixed_release(noise.NoiseState(jax.random.key(0), None, zero, zero, "full")),
-         fixed_release(noise.NoiseState(jax.random.key(0), placeholder, zero, zero,
-                                        "embedding_residual")))
+    def update(updates, state, params=None):
+      return released, tx.update(updates, state, params)[1]
+    return optax.GradientTransformation(tx.init, update)
+
+  monkeypatch.setattr(noise, "dp_noise", fixed_release)
   settings = experiments.RouteSettings(gep_rank=3, gep_refreshes=2, gep_edge_scale=1.0)
-  edge_std = 1e-4   # the release (0.01·N(0, 1), 12 × 8) has singular values ≫ the edge 6e-4
 
   def bases_after(X, y):
-    _, bases = routes._train(jnp.stack([jax.random.key(3)]), jnp.array([0.05]), X, y,
-                             tuple(tx.init(params) for tx in txs), jnp.float32(edge_std), None,
-                             None, grad_fns=routes._grad_fns("gep_trajectory", demo.example_loss,
-                                                             settings),
-                             txs=txs, route="gep_trajectory", init_fn=LINEAR, steps=10,
-                             selection=sampling.poisson_sampling(N, 32), settings=settings,
-                             loss_fn=demo.example_loss)
-    return np.asarray(bases[0])
+    run = experiments.train_route("gep_trajectory", jnp.stack([jax.random.key(3)]), [0.05],
+                                  (X, y), init_fn=LINEAR, loss_fn=demo.example_loss,
+                                  epsilon=2.0, delta=1e-5, steps=10, expected_batch_size=32,
+                                  accountant="rdp", settings=settings)
+    return np.asarray(run.bases[0])
 
-  X, y = map(jnp.asarray, data)
+  X, y = data
   first = bases_after(X, y)
   np.testing.assert_array_equal(first, bases_after(X[::-1] * 0.5, y[::-1]))
   expected = np.asarray(sgd.trajectory_bases([released[0]], 3)[0]["w"])
   np.testing.assert_allclose(np.abs(first), np.abs(expected), atol=1e-5)
+  assert np.all(np.linalg.norm(first, axis=0) > 0.99)       # every direction above the edge
 
 
 @pytest.mark.parametrize("route, release, delta, nu", [
@@ -169,22 +173,25 @@ def test_trajectory_bases_read_only_released_updates(data):
     ("public_gradient_subspace", "full", 0.7, False),
     ("gep_trajectory", "embedding_residual", np.sqrt(2.0), False)])
 def test_each_routes_noise_reads_its_bound_from_the_routes_grad_sum(route, release, delta, nu):
-  """Every DP route's noise is dpjax.sgd.dp_noise built from the grad sum the program sums with
-  (the same object), so its std is σ·Δ·ν with Δ read from that sum: C for the clipped sums,
-  √2 for GEP's split clipped per part (not C: with Δ passed as C the GEP release would be
-  under-noised by √2), ν the per-layer basis's norm bound. No training: the host-built
-  transforms only."""
+  """Every DP route's plan is made from the grad sum the program sums with (the same object), so
+  its noise std is σ·Δ·ν with Δ read from that sum: C for the clipped sums, √2 for GEP's split
+  clipped per part (not C: with Δ passed as C the GEP release would be under-noised by √2), ν
+  the per-layer basis's norm bound. One plan per run, each with its run's key, all of one config
+  (σ calibrated once). No training: the host-built plans only."""
   settings = experiments.RouteSettings(clip_norm=0.7, gep_rank=3, public_rank=4, input_rank=4)
-  shapes = routes._shapes(jax.eval_shape(LINEAR, jax.random.key(0)))
   template = LINEAR(jax.random.key(0))
   basis = np.linalg.qr(helpers.normal(4, (D, 4)))[0].astype(np.float32)
   sigma = 1.3
-  txs = routes._transforms(route, sigma, 32, basis.tobytes(), shapes, settings,
-                           demo.example_loss)
+  config = sgd.DPSGDConfig(num_examples=N, expected_batch_size=32, steps=5,
+                           noise_multiplier=sigma)
+  streams = [routes.run_keys(jax.random.key(i)) for i in range(2)]
+  plans, gep_plans = routes.route_plans(route, config, streams, template, settings,
+                                        demo.example_loss, basis)
   grad_fns = routes._grad_fns(route, demo.example_loss, settings)
-  tx = txs[-1]                                   # GEP: the split's noise (after the warm-up)
-  state = noise.noise_state(tx.init(template))
+  last = plans if gep_plans is None else gep_plans       # GEP: the split's plan (after warm-up)
+  state = noise.noise_state(last[0].init(template, optax.sgd(0.1)))
   assert state.release == release
+  assert last[0].grad_fn is grad_fns[-1] and plans[0].grad_fn is grad_fns[0]
   assert grad_fns[-1].l2_norm_bound == pytest.approx(delta, rel=1e-12)
   assert isinstance(grad_fns[-1], gep.EmbeddingResidualGradSum) == (release ==
                                                                     "embedding_residual")
@@ -196,8 +203,11 @@ def test_each_routes_noise_reads_its_bound_from_the_routes_grad_sum(route, relea
   expected = sigma * delta * bound
   # Rounded up to float32 twice at most (σΔ, then σΔν): within 2 relative ulps above.
   assert expected <= float(state.noise_std) <= expected * (1 + 2.5e-7)
+  other = noise.noise_state(last[1].init(template, optax.sgd(0.1)))
+  assert not np.array_equal(jax.random.key_data(other.key), jax.random.key_data(state.key))
+  assert all(p.config is config for p in plans + (gep_plans or []))
   if route == "gep_trajectory":                  # the warm-up: plain DP-SGD at Δ = C
-    warm = noise.noise_state(txs[0].init(template))
+    warm = noise.noise_state(plans[0].init(template, optax.sgd(0.1)))
     assert warm.release == "full" and grad_fns[0].l2_norm_bound == pytest.approx(0.7)
     assert sigma * 0.7 <= float(warm.noise_std) <= sigma * 0.7 * (1 + 2.5e-7)
   # The program sums with the very objects the noise was built from (one per configuration).
@@ -407,7 +417,7 @@ def test_public_gradient_route_learns_at_dp_sgds_noise(data):
   settings = experiments.RouteSettings(public_gradient_rank=4, public_gradient_refresh=5)
   run = _run("public_gradient_subspace", data, keys, lrs=np.full(3, 0.2), init=LINEAR,
              steps=60, settings=settings)
-  assert run.noise_multiplier == routes.noise_multiplier(2.0, 1e-5, 32 / (N - 40), 60, "rdp")
+  assert run.noise_multiplier == _sigma(2.0, N - 40, 60)
   for x in jax.tree_util.tree_leaves(run.params):
     np.testing.assert_array_equal(x[0], x[2])
   acc = jax.vmap(lambda p: demo.accuracy(p, *map(jnp.asarray, data)))(run.params)
@@ -491,7 +501,7 @@ def test_a_tuned_route_states_the_tunings_guarantee_and_what_all_runs_cost(data)
   tuning = accounting.HyperparameterTuning(3.0)
   tuned = _run("dp_sgd", data, keys, init=LINEAR, epsilon=0.5, steps=2, tuning=tuning)
   assert tuned.noise_multiplier == accounting.calibrate_noise_multiplier(
-      0.5, 1e-5, 32 / N, 2, tuning=tuning) > routes.noise_multiplier(0.5, 1e-5, 32 / N, 2, "rdp")
+      0.5, 1e-5, 32 / N, 2, tuning=tuning) > _sigma(0.5, N, 2)
   assert (tuned.epsilon, tuned.delta, tuned.num_runs) == (0.5, 1e-5, 2)
   one = accounting.dpsgd_epsilon(tuned.noise_multiplier, 32 / N, 2, 1e-5)
   assert one < 0.5 and tuned.all_runs_epsilon == pytest.approx(2 * one)
@@ -534,8 +544,7 @@ def test_routes_outside_the_dense_ones_train_any_params_pytree(data):
     run = experiments.train_route(route, keys, np.full(3, 0.1), rows, init_fn=init, loss_fn=loss,
                                   epsilon=2.0, delta=1e-5, steps=6, expected_batch_size=32,
                                   accountant="rdp", settings=settings, **public)
-    assert run.noise_multiplier == routes.noise_multiplier(2.0, 1e-5, 32 / len(rows[1]), 6,
-                                                           "rdp")
+    assert run.noise_multiplier == _sigma(2.0, len(rows[1]), 6)
     leaves = jax.tree_util.tree_leaves(run.params)
     assert [x.shape for x in leaves] == [(3, *x.shape) for x in
                                          jax.tree_util.tree_leaves(init(jax.random.key(0)))]

@@ -598,3 +598,26 @@ def test_the_states_of_several_plans_vmap_over_one_plans_update():
     own = plan.step(jnp.zeros(D), state, data, opt)[0]
     np.testing.assert_allclose(np.asarray(vmapped[i]), np.asarray(own), rtol=1e-5, atol=1e-6)
   assert not np.allclose(np.asarray(vmapped[0]), np.asarray(vmapped[1]))
+
+
+def test_plans_of_one_config_share_one_compiled_step():
+  """The K plans of one config (K keys) are equal as programs, so plan.step compiles once for
+  them; their runs still differ (the keys are in the states). A plan with another grad fn or
+  release is another program (negative control)."""
+  config = sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=2, noise_multiplier=1.0)
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  a, b = (config.make(grad_fn, key=jax.random.key(i)) for i in range(2))
+  assert a == b and hash(a) == hash(b) and a is not b
+  assert a != config.make(sgd.clipped_grad_sum(loss_fn, clip_norm=2.0), key=jax.random.key(0))
+  assert a != config.make(grad_fn, key=jax.random.key(0), basis=jnp.eye(D, 2))
+  opt = optax.sgd(0.05)
+  data = a.prepare(DATA)
+  traces = []
+  real = a.update
+  spy = lambda self, *args: traces.append(1) or real.__func__(self, *args)   # noqa: E731
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sgd.DPSGDPlan, "update", spy)
+    pa, _ = a.step(jnp.zeros(D), a.init(jnp.zeros(D), opt), data, opt)
+    pb, _ = b.step(jnp.zeros(D), b.init(jnp.zeros(D), opt), data, opt)
+  assert len(traces) == 1                                   # b's step reused a's compilation
+  assert not np.allclose(np.asarray(pa), np.asarray(pb))    # different keys, different runs
