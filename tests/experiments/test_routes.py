@@ -556,3 +556,23 @@ def test_routes_outside_the_dense_ones_train_any_params_pytree(data):
       experiments.train_route(route, keys, np.full(3, 0.1), data, init_fn=init, loss_fn=loss,
                               epsilon=2.0, delta=1e-5, steps=6, expected_batch_size=32,
                               public_inputs=data[0][:40] if route == "public_subspace" else None)
+
+
+def test_the_routes_step_is_the_plans_update(data, monkeypatch):
+  """Issue 50 §5: the harness has no step loop of its own: every DP route's steps are
+  ``DPSGDPlan.update`` of plans made by ``DPSGDConfig.make`` (one config per call, one plan per
+  run, each plan's own key), and non_private makes none (negative control)."""
+  made, traced = [], []
+  real_make, real_update = sgd.DPSGDConfig.make, sgd.DPSGDPlan.update
+  monkeypatch.setattr(sgd.DPSGDConfig, "make",
+                      lambda self, *a, **k: made.append(self) or real_make(self, *a, **k))
+  monkeypatch.setattr(sgd.DPSGDPlan, "update",
+                      lambda self, *a: traced.append(self) or real_update(self, *a))
+  keys = jnp.stack([jax.random.key(5), jax.random.key(6)])
+  _run("dp_sgd", data, keys, init=LINEAR, epsilon=0.5, steps=2,
+       settings=experiments.RouteSettings(clip_norm=0.3))   # a fresh program: traced here
+  assert len(made) == 2 and made[0] is made[1]                # one config, one plan per run
+  assert traced and all(p.config is made[0] for p in traced)
+  made.clear(), traced.clear()
+  _run("non_private", data, keys, init=LINEAR, steps=2)
+  assert made == [] and traced == []
