@@ -64,7 +64,7 @@ RELEASES = ("full", "flat", "layers", "embedding_residual")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["key", "bases", "base_std", "noise_std", "step"],
+                   data_fields=["key", "bases", "base_std", "noise_std", "step", "origin"],
                    meta_fields=["release", "steps"])
 @dataclasses.dataclass(frozen=True)
 class NoiseState:
@@ -80,6 +80,8 @@ class NoiseState:
     step: int32 scalar, the updates released so far.
     steps: T, the updates the budget covers (static; None: not limited). An update past T
       is all NaN (and ``step`` counts on past T): it cannot pass unnoticed.
+    origin: uint32 key data of the key the state started from (names the run: a plan refuses
+      another run's state); never drawn from.
   """
   key: jax.Array
   bases: Any
@@ -88,6 +90,7 @@ class NoiseState:
   release: str = "full"
   step: Any = 0
   steps: int | None = None
+  origin: Any = None
 
 
 class StepKeys(NamedTuple):
@@ -107,6 +110,12 @@ class StepKeys(NamedTuple):
 def step_keys(key: jax.Array) -> StepKeys:
   """:class:`StepKeys` of a noise state's key (traceable)."""
   return StepKeys(*jax.random.split(key, len(StepKeys._fields)))
+
+
+def key_origin(key: jax.Array) -> jax.Array:
+  """The uint32 data of ``key`` (a typed or legacy key): the name of the run it starts."""
+  data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+  return jnp.asarray(data, jnp.uint32).reshape(-1)
 
 
 def l2_norm_bound(grad_fn) -> float:
@@ -224,7 +233,7 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
         nu = bases_lib.bases_norm_bound(checked)
     return NoiseState(key, checked, jnp.asarray(base_std, jnp.float32),
                       jnp.asarray(_noise_std(base_std, nu), jnp.float32), release,
-                      jnp.zeros((), jnp.int32), steps)
+                      jnp.zeros((), jnp.int32), steps, key_origin(key))
 
   def update_fn(updates, state, params=None):
     del params

@@ -44,6 +44,7 @@ from typing import Any
 
 import dp_accounting
 import jax
+import numpy as np
 import optax
 from dp_accounting import NeighboringRelation
 
@@ -90,6 +91,27 @@ class DPSGDPlan:
   data_axis: str = distributed.DATA_AXIS
   # Host-side record of the one run: [steps taken] once init has run (not part of the value).
   _runs: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+  # What the noise was made for: (σ, T, N, L) and the run's key data (make_plan sets them).
+  _made_for: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
+  _origin: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  def __post_init__(self):
+    if self._made_for is None:
+      return
+    now = (self.noise_multiplier, self.config.steps, self.batch_selection.num_examples,
+           self.batch_selection.expected_batch_size)
+    if now != self._made_for or (self.config.num_examples, self.config.expected_batch_size) \
+        != now[2:]:
+      raise ValueError(
+          f"this plan's noise was made for (σ, T, N, L) = {self._made_for}, its config and batch "
+          f"selection now say {now}: a plan's parts cannot be replaced one by one (the noise would "
+          "not match the budget). Make a new plan from the new config.")
+
+  def __copy__(self):
+    return self          # one run: a copy is the same run (its host record included)
+
+  def __deepcopy__(self, memo):
+    return self
 
   @property
   def budget(self) -> accounting.DPSGDBudget:
@@ -130,26 +152,33 @@ class DPSGDPlan:
 
   def transform(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
     """``optax.chain(plan.noise, optimizer)``: the privatiser, then any optax optimiser
-    (post-processing)."""
+    (post-processing). Its ``init`` is :meth:`init`'s: it starts the plan's one run."""
     _check_optimizer(optimizer)
-    return optax.chain(self.noise, optimizer)
+    chain = optax.chain(self.noise, optimizer)
+
+    def init(params):
+      self._start_run()
+      return chain.init(params)
+    return optax.GradientTransformation(init, chain.update)
 
   def init(self, params, optimizer: optax.GradientTransformation):
     """The optimiser state of :meth:`transform`, which starts this plan's one run (its key
-    stream and step count; checks the bases against ``params``).
+    stream and step count; checks the bases against ``params``). ``plan.transform(opt).init``
+    is the same call.
 
     Raises:
       RuntimeError: the plan's run was started already (a second state would replay its keys:
         the same samples and noise again). Make a new plan, with a new key, from a new budget.
     """
+    return self.transform(optimizer).init(params)
+
+  def _start_run(self) -> None:
     if self._runs:
       raise RuntimeError(
           "this plan's run was started already: a second init would replay its key stream (the "
           "same samples and noise). Make another plan (config.make(..., key=new_key)), paid "
           "from its own budget, for another run.")
-    state = self.transform(optimizer).init(params)
     self._runs.append(0)             # the steps the plan has taken (host side)
-    return state
 
   def _taken(self, steps: int) -> None:
     if self._runs:
@@ -201,7 +230,11 @@ class DPSGDPlan:
   def update(self, params, opt_state, data, optimizer):
     """One DP-SGD step, traceable: :meth:`clipped_sum`, the transform's update, the new
     params; returns ``(params, opt_state)``. The body of :meth:`step` and :meth:`run`, for a
-    user's own ``jit``, ``lax.scan`` or ``vmap`` over the states of several plans."""
+    user's own ``jit``, ``lax.scan`` or ``vmap`` over the states of several plans.
+
+    Nothing here is recorded on the host: the state it is given names the keys, so give it the
+    state the last update returned, once, and under ``vmap`` give every lane its own plan's
+    state (an unbatched state would give every lane the same sample and noise)."""
     summed = self.clipped_sum(params, data, opt_state)
     updates, opt_state = self.transform(optimizer).update(summed, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -217,7 +250,7 @@ class DPSGDPlan:
       ValueError: the budget's T steps were all taken (checked on the host before the step).
     """
     _check_optimizer(optimizer)
-    self._check_steps_left(self.steps_taken(opt_state), 1)
+    self._check_steps_left(opt_state, 1)
     out = self._jitted("step")(self, optimizer, params, opt_state, data)
     self._taken(1)
     return out
@@ -239,7 +272,7 @@ class DPSGDPlan:
     taken = self.steps_taken(opt_state)
     steps = (max(self.steps - taken, 1) if steps is None
              else v.check_int(steps, "steps", low=1, high=self.steps))
-    self._check_steps_left(taken, steps)
+    self._check_steps_left(opt_state, steps)
     every = 1 if hook_every is None else v.check_int(hook_every, "hook_every", low=1)
     if hook is not None and not callable(hook):
       raise TypeError(f"hook must be callable, got {type(hook).__name__}.")
@@ -253,7 +286,14 @@ class DPSGDPlan:
     it waits for the step that produced ``opt_state``)."""
     return int(noise.noise_state(opt_state).step)
 
-  def _check_steps_left(self, taken: int, steps: int) -> None:
+  def _check_steps_left(self, opt_state, steps: int) -> None:
+    state = noise.noise_state(opt_state)
+    taken = int(state.step)
+    if self._origin is not None and (state.origin is None or tuple(
+        int(x) for x in np.asarray(state.origin).reshape(-1)) != self._origin):
+      raise RuntimeError(
+          "this state is another run's (its key is not this plan's): stepping it here would "
+          "replay that run's samples and noise. Pass each plan its own state.")
     if self._runs and taken < self._runs[0]:
       raise RuntimeError(
           f"this state is older than the plan's last step ({taken} steps taken in it, "
@@ -304,11 +344,21 @@ def _run_impl(plan, optimizer, params, opt_state, data, *, steps, hook, hook_eve
   def body(carry, t):
     params, opt_state = plan.update(*carry, data, optimizer)
     if hook is not None:
-      opt_state = jax.lax.cond((t + 1) % hook_every == 0, lambda s: hook(params, s),
-                               lambda s: s, opt_state)
+      opt_state = jax.lax.cond((t + 1) % hook_every == 0,
+                               lambda s: _keep_stream(s, hook(params, s)), lambda s: s, opt_state)
     return (params, opt_state), None
 
   return jax.lax.scan(body, (params, opt_state), jax.numpy.arange(steps))[0]
+
+
+def _keep_stream(before, after):
+  """``after`` (a hook's state) with the noise state's key, step count and origin of
+  ``before``: a between-steps hook may swap bases, never move the run's key stream or count."""
+  old = noise.noise_state(before)
+  return jax.tree_util.tree_map(
+      lambda x: dataclasses.replace(x, key=old.key, step=old.step, origin=old.origin)
+      if isinstance(x, noise.NoiseState) else x, after,
+      is_leaf=lambda x: isinstance(x, noise.NoiseState))
 
 
 def _make_jits():
@@ -347,9 +397,12 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
   if ledger is not None:
     record_budget(ledger.copy(), budget, config.accountant)   # check the whole plan first
     record_budget(ledger, budget, config.accountant)
+  made_for = (budget.noise_multiplier, config.steps, selection.num_examples,
+              selection.expected_batch_size)
+  origin = tuple(int(x) for x in np.asarray(noise.key_origin(key)))
   return DPSGDPlan(config=config, grad_fn=grad_fn, batch_selection=selection,
                    release=noise.release_of(grad_fn, basis, bases), noise=transform, mesh=mesh,
-                   data_axis=data_axis)
+                   data_axis=data_axis, _made_for=made_for, _origin=origin)
 
 
 def _leaves(event) -> tuple:

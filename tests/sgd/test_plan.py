@@ -2,6 +2,7 @@
 L cannot disagree); the whole Poisson sample summed in one call; step and run (docs/algorithms.md
 §6)."""
 
+import copy
 import dataclasses
 
 import dp_accounting
@@ -621,3 +622,81 @@ def test_plans_of_one_config_share_one_compiled_step():
     pb, _ = b.step(jnp.zeros(D), b.init(jnp.zeros(D), opt), data, opt)
   assert len(traces) == 1                                   # b's step reused a's compilation
   assert not np.allclose(np.asarray(pa), np.asarray(pb))    # different keys, different runs
+
+
+# --- an independent adversarial review's findings (issue 50), each a slip now refused ---------
+
+
+def test_the_optax_idiom_of_init_starts_the_same_one_run():
+  """``plan.transform(opt).init`` is ``plan.init``: a second one is refused, and a state it made
+  is guarded by step/run like plan.init's (before: it bypassed every host-side check)."""
+  plan = _plan(noise_multiplier=1.0, steps=3)
+  opt = optax.sgd(0.05)
+  tx = plan.transform(opt)
+  s0 = tx.init(jnp.zeros(D))
+  with pytest.raises(RuntimeError, match="started already"):
+    tx.init(jnp.zeros(D))
+  with pytest.raises(RuntimeError, match="started already"):
+    plan.init(jnp.zeros(D), opt)
+  data = plan.prepare(DATA)
+  p, s1 = plan.step(jnp.zeros(D), s0, data, opt)
+  with pytest.raises(RuntimeError, match="older"):
+    plan.step(jnp.zeros(D), s0, data, opt)
+  plan.step(p, s1, data, opt)                                    # the current state goes on
+
+
+def test_another_plans_state_is_refused():
+  """K plans of one config are equal programs but separate runs: plan B refuses plan A's state
+  (before: B stepped it with A's key, then A stepped it again, the same sample and noise)."""
+  config = sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=3, noise_multiplier=1.0)
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  a, b = (config.make(grad_fn, key=jax.random.key(i)) for i in (1, 2))
+  opt = optax.sgd(0.05)
+  sa, sb = a.init(jnp.zeros(D), opt), b.init(jnp.zeros(D), opt)
+  data = a.prepare(DATA)
+  with pytest.raises(RuntimeError, match="another run's"):
+    b.step(jnp.zeros(D), sa, data, opt)
+  with pytest.raises(RuntimeError, match="another run's"):
+    a.run(jnp.zeros(D), sb, data, opt)
+  a.step(jnp.zeros(D), sa, data, opt)                            # its own state goes on
+
+
+def test_a_plans_parts_cannot_be_replaced_one_by_one():
+  """dataclasses.replace of a plan's config (a smaller ε) kept the old noise while the plan
+  stated the new budget; now the plan checks that its noise was made for its config and batch
+  selection. A deep copy is the same run (its record shared), so a used state stays refused."""
+  config = sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=3, noise_multiplier=1.0)
+  plan = config.make(sgd.clipped_grad_sum(loss_fn, clip_norm=1.0), key=jax.random.key(0))
+  with pytest.raises(ValueError, match="made for"):
+    dataclasses.replace(plan, config=dataclasses.replace(config, noise_multiplier=4.0))
+  with pytest.raises(ValueError, match="made for"):
+    dataclasses.replace(plan, batch_selection=sampling.poisson_sampling(N, 80))
+  opt = optax.sgd(0.05)
+  s0 = plan.init(jnp.zeros(D), opt)
+  plan.step(jnp.zeros(D), s0, plan.prepare(DATA), opt)
+  copied = copy.deepcopy(plan)
+  assert copied is plan
+  with pytest.raises(RuntimeError, match="older"):
+    copied.step(jnp.zeros(D), s0, plan.prepare(DATA), opt)
+
+
+def test_a_hook_cannot_move_the_key_stream_or_the_count():
+  """A hook that rewinds the noise state's key and count (or re-initialises the transform) would
+  replay samples and noise inside the scan: the key, count and origin are kept whatever the
+  hook returns, and a re-init inside a hook is refused."""
+  plan = _plan(noise_multiplier=1.0, steps=4)
+  opt = optax.sgd(0.05)
+  state = plan.init(jnp.zeros(D), opt)
+  data = plan.prepare(DATA)
+  first = noise.noise_state(state)
+  rewind = lambda params, s: jax.tree_util.tree_map(                        # noqa: E731
+      lambda x: dataclasses.replace(x, key=first.key, step=jnp.zeros((), jnp.int32))
+      if isinstance(x, noise.NoiseState) else x, s,
+      is_leaf=lambda x: isinstance(x, noise.NoiseState))
+  _, s2 = plan.run(jnp.zeros(D), state, data, opt, steps=2, hook=rewind)
+  assert plan.steps_taken(s2) == 2
+  assert not np.array_equal(jax.random.key_data(noise.noise_state(s2).key),
+                            jax.random.key_data(first.key))
+  tx = plan.transform(opt)
+  with pytest.raises(RuntimeError, match="started already"):
+    plan.run(jnp.zeros(D), s2, data, opt, steps=1, hook=lambda p, s: tx.init(p))
