@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("accounting", "ashtiani_liaw", "audit", "classic", "coinpress", "data", "ledger",
-                "linalg", "mechanisms", "metrics", "results", "robust_stats", "sgd", "subspace",
-                "synthetic")
+_SUBPACKAGES = ("accounting", "ashtiani_liaw", "audit", "classic", "coinpress", "data", "features",
+                "ledger", "linalg", "mechanisms", "metrics", "results", "robust_stats", "sgd",
+                "subspace", "synthetic")
 # Names re-exported at the top level: {name: the subpackage that defines it}.
 _NAMES = {"DPResult": "results", "ERMResult": "results", "EstimateResult": "results",
           "GaussianResult": "results", "SubspaceResult": "results",
@@ -41,8 +41,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:       # what static tools see: the eager imports this module stands for
-  from dpjax import (accounting, ashtiani_liaw, audit, classic, coinpress, data, ledger, linalg,
-                     mechanisms, metrics, results, robust_stats, sgd, subspace, synthetic)
+  from dpjax import (accounting, ashtiani_liaw, audit, classic, coinpress, data, features, ledger,
+                     linalg, mechanisms, metrics, results, robust_stats, sgd, subspace, synthetic)
   from dpjax.results import (DPResult, ERMResult, EstimateResult, GaussianResult,
                              SubspaceResult, SyntheticDataResult)
   from dpjax.subspace import calibrate_cell_length, dpase, dpase_parameters
