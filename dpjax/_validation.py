@@ -98,13 +98,17 @@ def check_neighboring(value, name: str = "neighboring", choices=None):
   return value
 
 
+def is_key(key) -> bool:
+  """Whether ``key`` is a single JAX PRNG key (typed, or legacy uint32[2])."""
+  return isinstance(key, jax.Array) and (
+      (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ())
+      or (key.dtype == jnp.uint32 and key.shape == (2,)))
+
+
 def check_key(key, name: str = "key") -> jax.Array:
   """Raises ``TypeError`` unless ``key`` is a JAX PRNG key (typed or legacy uint32[2])."""
-  if isinstance(key, jax.Array):
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
-      return key
-    if key.dtype == jnp.uint32 and key.shape == (2,):
-      return key
+  if is_key(key):
+    return key
   raise TypeError(
       f"{name} must be a single JAX PRNG key (jax.random.key(seed) or "
       f"jax.random.PRNGKey(seed)), got {type(key).__name__} "

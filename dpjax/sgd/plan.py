@@ -207,7 +207,7 @@ class DPSGDPlan:
     from :meth:`init` (GEP's grad sum also splits by the bases held in it, so the split and the
     lift always use the same bases).
     """
-    if _is_key(opt_state):
+    if v.is_key(opt_state):
       raise TypeError("clipped_sum(params, data, opt_state): the plan draws every step's sample "
                       "from its own key stream in opt_state; it takes no key.")
     n = self.batch_selection.num_examples
@@ -250,7 +250,8 @@ class DPSGDPlan:
       ValueError: the budget's T steps were all taken (checked on the host before the step).
     """
     _check_optimizer(optimizer)
-    self._check_steps_left(opt_state, 1)
+    state = noise.noise_state(opt_state)
+    self._check_steps_left(state, int(state.step), 1)
     out = self._jitted("step")(self, optimizer, params, opt_state, data)
     self._taken(1)
     return out
@@ -269,10 +270,11 @@ class DPSGDPlan:
     released updates, ``check=False``); traceable, and it must not read ``data``.
     """
     _check_optimizer(optimizer)
-    taken = self.steps_taken(opt_state)
+    state = noise.noise_state(opt_state)
+    taken = int(state.step)                 # one host read of the count
     steps = (max(self.steps - taken, 1) if steps is None
              else v.check_int(steps, "steps", low=1, high=self.steps))
-    self._check_steps_left(opt_state, steps)
+    self._check_steps_left(state, taken, steps)
     every = 1 if hook_every is None else v.check_int(hook_every, "hook_every", low=1)
     if hook is not None and not callable(hook):
       raise TypeError(f"hook must be callable, got {type(hook).__name__}.")
@@ -286,9 +288,9 @@ class DPSGDPlan:
     it waits for the step that produced ``opt_state``)."""
     return int(noise.noise_state(opt_state).step)
 
-  def _check_steps_left(self, opt_state, steps: int) -> None:
-    state = noise.noise_state(opt_state)
-    taken = int(state.step)
+  def _check_steps_left(self, state, taken: int, steps: int) -> None:
+    """Refuses another run's state, a state older than the plan's last step, and steps past T
+    (``state`` the noise state, ``taken`` its count read once on the host)."""
     if self._origin is not None and (state.origin is None or tuple(
         int(x) for x in np.asarray(state.origin).reshape(-1)) != self._origin):
       raise RuntimeError(
@@ -321,13 +323,8 @@ class DPSGDPlan:
     return _make_jits()
 
 
-def _is_key(x) -> bool:
-  return isinstance(x, jax.Array) and (jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) or (
-      x.dtype == jax.numpy.uint32 and x.shape == (2,)))
-
-
 def _check_optimizer(optimizer):
-  if _is_key(optimizer):
+  if v.is_key(optimizer):
     raise TypeError("the plan draws its own keys from its state: call plan.step(params, "
                     "opt_state, data, optimizer) / plan.run(params, opt_state, data, optimizer) "
                     "without a key.")
