@@ -877,8 +877,12 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | No
   alone, which a composition can only raise). The subspace is learned from the same rows and used
   adaptively; adaptive composition holds for both parts. All under add/remove-one
   (docs/algorithms.md §6.2 route (c)). With no subspace this is plain DP-SGD calibration. With
-  ``tuning`` (and no subspace), σ is calibrated so that the best of the tuning's random number
-  of runs is (ε, δ)-DP (:func:`tuning_event`, RDP): ``sgd_epsilon`` is then the tuning's ε.
+  ``tuning``, σ is calibrated so that the best of the tuning's random number of runs is
+  (ε, δ)-DP (:func:`tuning_event`, RDP): ``sgd_epsilon`` is then the tuning's ε; a Gaussian
+  release (``subspace_event`` with an RDP curve) is then composed ONCE, outside the repetition:
+  it must be made before the tuning and shared by all its runs (e.g.
+  :func:`dpjax.features.private_feature_normalization`); a release per run would be repeated
+  with the steps, which this event does not cover.
   Every ε here, the calibration's included, is computed from the one event
   :func:`dpsgd_plan_event` builds (``budget.dp_event`` at the returned σ).
 
@@ -891,8 +895,9 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | No
     subspace_delta: δ_s ∈ [0, δ).
     subspace_event: the subspace release's event instead (stated under add/remove-one).
     accountant: "rdp" or "pld".
-    tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"`` and no subspace:
-      an (ε_s, δ_s) release has no RDP curve to repeat).
+    tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"``; a subspace
+      release only as a Gaussian event, composed once outside the repetition: an (ε_s, δ_s)
+      release has no RDP curve).
     batch_selection: optional batch selection (``sampling_prob`` and ``dp_event(step_event)``,
       e.g. :class:`dpjax.sgd.sampling.PoissonSampling`) whose event each step is
       (:func:`dpsgd_event`); default Poisson sampling at ``sampling_prob``.
@@ -903,8 +908,8 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | No
 
   Raises:
     ValueError: ε ≤ 0, δ ∉ (0, 1), ``ε_s ∉ [0, ε)``, ``δ_s ∉ [0, δ)``, both subspace forms,
-      bad q, T or accountant, ``tuning`` with "pld" or with a subspace, an event the accountant
-      cannot compose, or no σ ≤ 1e4 meets the target.
+      bad q, T or accountant, ``tuning`` with "pld" or with an (ε_s, δ_s) release, an event
+      the accountant cannot compose, or no σ ≤ 1e4 meets the target.
     TypeError: non-numeric arguments, non-integer ``steps``, a subspace event that is not a
       ``dp_accounting.DpEvent``.
 
@@ -926,13 +931,11 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | No
   sampling_prob = _selection_prob(sampling_prob, batch_selection)
   sampling_prob, steps = _check_sgd(1.0, sampling_prob, steps)[1:]
   tuning = _check_tuning_accountant(tuning, accountant)
-  if tuning is not None and not isinstance(sub_event, dp_accounting.NoOpDpEvent):
-    raise ValueError("tuning cannot repeat a subspace release composed by basic composition "
-                     "(an (ε_s, δ_s) guarantee has no RDP curve); tune without it.")
+  _check_tuned_release(tuning, parts)
   sgd_delta = delta - parts.delta
   if parts.accountable:
     sigma = _calibrate_composed(epsilon - parts.epsilon, sgd_delta, sampling_prob, steps,
-                                accountant, parts.accountable, batch_selection)
+                                accountant, parts.accountable, batch_selection, tuning)
   else:
     sigma = calibrate_noise_multiplier(epsilon - parts.epsilon, sgd_delta, sampling_prob, steps,
                                        accountant=accountant, tuning=tuning,
@@ -959,8 +962,7 @@ def dpsgd_budget(noise_multiplier: float, sampling_prob: float | None, steps: in
   v.check_choice(accountant, "accountant", ACCOUNTANTS)
   tuning = _check_tuning_accountant(tuning, accountant)
   sub_event = subspace_release_event(subspace_epsilon, subspace_delta, subspace_event)
-  if tuning is not None and not isinstance(sub_event, dp_accounting.NoOpDpEvent):
-    raise ValueError("tuning cannot repeat a subspace release composed by basic composition.")
+  _check_tuned_release(tuning, split_event(sub_event))
   if split_event(sub_event).delta >= delta:
     raise ValueError(f"the subspace release's δ must lie below delta={delta}.")
   return _budget(sigma, sampling_prob, steps, delta, sub_event, accountant, tuning,
@@ -1012,13 +1014,27 @@ def _budget(sigma, q, steps, delta, sub_event, accountant, tuning,
                      total.epsilon, total.delta, add_remove, tuning, sub_event, event)
 
 
+def _check_tuned_release(tuning, parts: EventParts) -> None:
+  """A tuning repeats the steps only; a release composed with them must have an RDP curve
+  (a Gaussian one: released once, before the tuning, and shared by all its runs)."""
+  if tuning is not None and (parts.epsilon > 0 or parts.delta > 0):
+    raise ValueError("tuning cannot be composed with a subspace release known only by its "
+                     "(ε_s, δ_s) (basic composition has no RDP curve): tune without it, or "
+                     "release it by a Gaussian mechanism whose event the RDP accountant "
+                     "composes.")
+
+
 @functools.lru_cache(maxsize=64)
 def _calibrate_composed(target_epsilon, target_delta, sampling_prob, steps, accountant,
-                        other: tuple, batch_selection=None) -> float:
-  """The smallest σ with ``ε(other ∘ T steps) ≤ target`` at ``target_delta`` (accountant's)."""
+                        other: tuple, batch_selection=None, tuning=None) -> float:
+  """The smallest σ with ``ε(other ∘ T steps) ≤ target`` at ``target_delta`` (accountant's);
+  with ``tuning`` the steps are its repeat-and-select event and ``other`` is composed once,
+  outside the repetition."""
   def event_at(sigma):
-    return compose_events(*other, dpsgd_event(sigma, sampling_prob, steps,
-                                              batch_selection=batch_selection))
+    steps_event = dpsgd_event(sigma, sampling_prob, steps, batch_selection=batch_selection)
+    if tuning is not None:
+      steps_event = tuning_event(steps_event, tuning)
+    return compose_events(*other, steps_event)
 
   if not make_accountant(accountant).supports(event_at(1.0)):
     raise ValueError(f"the {accountant!r} accountant cannot compose the subspace event "
@@ -1027,7 +1043,7 @@ def _calibrate_composed(target_epsilon, target_delta, sampling_prob, steps, acco
   # The steps alone at the whole target need σ_0; composing another release can only raise ε,
   # so σ ≥ σ_0: bracket from σ_0 upward (dp_accounting widens the upper end as needed).
   low = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
-                                    accountant, None, batch_selection)
+                                    accountant, tuning, batch_selection)
   if event_epsilon(event_at(_SIGMA_CEILING), target_delta, accountant=accountant) > \
       target_epsilon:
     raise ValueError(f"no noise_multiplier <= {_SIGMA_CEILING:g} reaches "

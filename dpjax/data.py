@@ -295,13 +295,29 @@ def _load_mnist_full(test_fraction, seed, shape) -> Dataset:
 def load_npz(path: str, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
   """A user's own data from an ``.npz`` file with arrays ``X (n, d)`` and integer ``y (n,)``.
 
-  The features are used as given: scale them with public constants beforehand.
+  ``X`` may also hold grey-level images ``(n, h, w)``, returned as flat rows ``(n, h·w)``
+  (row-major, as :func:`load_mnist`'s). The features are used as given: scale them with public
+  constants beforehand (pixels to [0, 1]: ``X / 255``); ``uint8`` values are refused, since
+  0–255 pixels passed on unscaled are a common slip.
+
+  Raises:
+    ValueError: no ``X`` or ``y``; ``X`` neither 2-D nor 3-D; ``uint8`` ``X``; mismatched rows;
+      NaN/inf; ``test_fraction`` outside [0, 1).
+    TypeError: labels that are not integers.
   """
   with np.load(path) as f:
     if "X" not in f or "y" not in f:
       raise ValueError(f"{path} must contain arrays 'X' and 'y', found {sorted(f.keys())}.")
-    X = np.asarray(f["X"], dtype=np.float32)
+    X = np.asarray(f["X"])
     y = np.asarray(f["y"])
+  if X.dtype == np.uint8:
+    raise ValueError(f"{path}: X is uint8 (0–255 pixels?); scale it by a public constant first, "
+                     "e.g. X.astype(np.float32) / 255.")
+  if X.ndim == 3:
+    X = X.reshape(X.shape[0], -1)
+  elif X.ndim != 2:
+    raise ValueError(f"{path}: X must be rows (n, d) or images (n, h, w), got shape {X.shape}.")
+  X = X.astype(np.float32)
   if not np.issubdtype(y.dtype, np.integer):
     raise TypeError(f"y must hold integer class labels, got dtype={y.dtype}.")
   X = np.asarray(v.check_data(X, "X", min_rows=2))

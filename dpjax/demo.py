@@ -1,19 +1,37 @@
 """The main job: private training on real data, every gradient-subspace route, one (ε, δ) per run.
 
-    python -m dpjax.demo                       # MNIST-10k (bundled), MLP and CNN, ε = 2
+    python -m dpjax.demo                       # full MNIST (bundled), scatnet and mlp, ε = 2
     python -m dpjax.demo --json results.json --plot accuracy.png
+    python -m dpjax.demo --data mnist10k       # the 10,000-digit subset
     python -m dpjax.demo --data digits         # scikit-learn's 8×8 digits
-    python -m dpjax.demo --data my.npz         # arrays X (n, d) and integer y (n,)
+    python -m dpjax.demo --data my.npz         # X (n, d) rows or (n, 28, 28) images, integer y (n,)
 
-Models (``--models``, default both): ``mlp``, one tanh hidden layer of ``--hidden`` units;
-``cnn``, a Flax NNX CNN for square single-channel images given as flat rows (two 3×3 stride-2
-convolutions with 8 and 16 channels, tanh, a dense layer: 9,098 parameters on MNIST; needs
-``flax``, ``pip install "dpjax[examples]"``), trained as any params pytree. Every method runs on
-each model, except that the routes acting on a first dense layer (``gep_trajectory``,
-``private_input_subspace``, ``public_subspace``) are reported as not runnable on the CNN, with
-the reason, as is every method on a model that cannot be built (a CNN on non-square rows, or
-without Flax). Each result row names its ``model``; the summary, the winner and the crossover
-lines are given per model.
+Models (``--models``, default ``scatnet mlp``), each with its own training (:data:`TRAINING`:
+expected batch size, epochs over its private rows, a two-point Adam grid; ``--batch-size``,
+``--steps`` and ``--learning-rates`` override them for every model):
+
+* ``scatnet``: the strongest private pipeline for images (Tramèr & Boneh 2021): softmax
+  regression on the images' scattering features (:func:`dpjax.features.scattering_features`,
+  J = 2, L = 8, per-example group normalisation: 3,969 features for 28×28, a public map that
+  costs no privacy; needs kymatio, ``pip install "dpjax[features]"``; ``--cache-dir`` keeps
+  them). The routes act on its one dense layer: ``private_input_subspace`` is DP-PCA of the
+  scattering features in front of the linear model.
+* ``mlp``: one tanh hidden layer of ``--hidden`` units (1,000, Abadi et al.'s) on the pixels;
+  ``private_input_subspace`` is their DP-PCA of the pixels in front of it.
+* ``cnn`` (``--models cnn``): a Flax NNX CNN for square single-channel images given as flat rows
+  (two 3×3 stride-2 convolutions with 8 and 16 channels, tanh, a dense layer: 9,098 parameters
+  on MNIST; needs ``flax``, ``pip install "dpjax[examples]"``), trained as any params pytree.
+
+Every method runs on each model, except that the routes acting on a first dense layer
+(``gep_trajectory``, ``private_input_subspace``, ``public_subspace``) are reported as not
+runnable on the CNN, with the reason, as is every method on a model that cannot be built (a CNN
+or scattering features on rows that are not square images, or without Flax or kymatio), and a
+method that would hold more than 2 GiB of flattened per-example gradients
+(``subspace_dp_sgd_private`` on full MNIST; :data:`MAX_FLAT_GRADIENT_BYTES`). Each result row
+names its ``model``; the summary, the winner and the crossover lines are given per model, and
+the best private model overall closes the table with every method's distance to it. DP-SGD
+clips the models by ghost norms (their layers are built by :func:`dpjax.sgd.dense` or recorded
+by :func:`dpjax.sgd.nnx_apply`: no per-example gradients; the same sum and bound C).
 
 Methods (every DP run at the same (ε, δ) under add/remove-one, every release of the run accounted:
 the private subspace's cost and the learning-rate tuning included). Routes that use public data have
@@ -38,7 +56,8 @@ the private subspace's cost and the learning-rate tuning included). Routes that 
   with DPASE, paying (ε_s, δ_s) out of the total (``dpjax.sgd.train_dp_sgd``); if DPASE returns
   ⊥, the run continues as plain DP-SGD with the remaining budget, and the table says ⊥.
 * ``public_subspace``: the first layer's noise in the top-k principal directions of a public
-  split's inputs (``--public-fraction`` of the rows, left out of this route's private rows).
+  split's inputs (``--public-fraction`` of the rows, at most ``--public-rows``, left out of
+  this route's private rows).
 * ``public_gradient_subspace``: PDP-SGD (Zhou et al. 2021), the crossover study's public route:
   DP-SGD's noisy gradient projected on the top-32 right singular vectors of the public split's
   per-example gradients, refreshed every 10 steps by warm-started subspace iteration
@@ -91,8 +110,9 @@ run (data set, model, ε), or that the study has no such cell.
 
 Exit status: 0 when every run finished or was reported not runnable; 1 when a run failed.
 
-Features are scaled by a public constant (1/255 for MNIST's pixels, 1/16 for digits'); no
-statistic of the private data is used unprivately.
+Features are scaled by a public constant (1/255 for MNIST's pixels, 1/16 for digits'); the
+scattering map and its normalisation act on each image alone; no statistic of the private data
+is used unprivately.
 """
 
 from __future__ import annotations
@@ -116,9 +136,11 @@ import optax
 from dpjax import accounting
 from dpjax import data as data_lib
 from dpjax import experiments
+from dpjax import features as features_lib
+from dpjax import sgd
 from dpjax import subspace as subspace_lib
 from dpjax._host import host_rng
-from dpjax.sgd import training
+from dpjax.sgd import ghost, training
 
 # The main job's entry points; the model, optimiser and planning helpers are its own.
 __all__ = ["composed_total", "main", "run", "run_key"]
@@ -135,16 +157,41 @@ PUBLIC_METHODS = ("public_subspace", "public_gradient_subspace", "subspace_dp_sg
 # (superseded by public_gradient_subspace); see the module docstring.
 DEFAULT_METHODS = tuple(m for m, _ in METHODS
                         if m not in ("dp_sgd_denoise", "subspace_dp_sgd_public"))
-DATASETS = ("mnist", "digits")   # --data: one of these, or a path to an .npz
-MODELS = ("mlp", "cnn")          # --models: build_model's names
+DATASETS = ("mnist", "mnist10k", "digits")   # --data: one of these, or a path to an .npz
+MODELS = ("scatnet", "mlp", "cnn")            # --models: build_model's names
+DEFAULT_MODELS = ("scatnet", "mlp")           # the CNN runs with --models cnn
+
+
+class TrainingDefaults(NamedTuple):
+  """A model's default training, set on full MNIST: expected batch size L (capped at an eighth
+  of the private rows), epochs over the private rows, Adam's learning-rate grid."""
+  batch_size: int
+  epochs: float
+  learning_rates: tuple[float, ...]
+
+
+class Training(NamedTuple):
+  """A model's training in one main job (:func:`training_plan`): L, T and the grid."""
+  batch_size: int
+  steps: int
+  learning_rates: tuple[float, ...]
+
+
+# Chosen on full MNIST's tuning split (issue 51; docs/algorithms.md §6.5.2): each grid's two
+# rates bracket the best rate at ε = 1 and 2.
+TRAINING = {"scatnet": TrainingDefaults(4096, 40.0, (0.002, 0.004)),
+            "mlp": TrainingDefaults(2048, 15.0, (0.001, 0.003)),
+            "cnn": TrainingDefaults(1024, 10.0, (0.003, 0.01))}
 # The crossover study's names of the demo's data sets and models (--hidden 32 is its mlp_small).
-_STUDY_DATA = {"mnist10k": "mnist", "digits": "digits"}
-_STUDY_MODELS = {32: "mlp_small", 128: "mlp_large"}
+_STUDY_DATA = {"mnist": "mnist_full", "mnist10k": "mnist", "digits": "digits"}
+_STUDY_MODELS = {32: "mlp_small", 128: "mlp_large", 1000: "mlp_1000"}
+# Methods that hold (rows, p) flattened per-example gradients in memory, and the main job's cap
+# on that array (a method above it is reported as not runnable, with its size).
+FLAT_GRADIENT_METHODS = ("subspace_dp_sgd_private", "public_gradient_subspace",
+                         "subspace_dp_sgd_public")
+MAX_FLAT_GRADIENT_BYTES = 2 ** 31
 # The share of δ spent on the private subspace (train_dp_sgd's subspace_delta_fraction).
 SUBSPACE_DELTA_FRACTION = 0.1
-# The default learning-rate grid: two points (with two seeds and both models the main job fits
-# ~10 minutes on 2 CPU cores); the output says so, and --learning-rates takes a finer grid.
-LEARNING_RATES = (0.01, 0.03)
 TUNING_FRACTION = 0.1      # share of the training rows held back to score the tuning's runs
 ACCOUNTANT = "pld"         # the methods run once per seed (not tuned)
 TUNING_ACCOUNTANT = "rdp"  # the privately tuned methods (only RDP repeats an event)
@@ -165,18 +212,18 @@ def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array
   return params
 
 
-def mlp_logits(params, x: jax.Array) -> jax.Array:
-  """Logits of the MLP (tanh hidden layers) for one example ``x (d,)`` or a batch ``(B, d)``."""
+def mlp_logits(params, x: jax.Array, *, dense: Callable = sgd.dense) -> jax.Array:
+  """Logits of the MLP (tanh hidden layers) for one example ``x (d,)`` or a batch ``(B, d)``,
+  its layers built by ``dense`` (so DP-SGD can clip it by ghost norms)."""
   h = x
   for layer in params[:-1]:
-    h = jnp.tanh(h @ layer["w"] + layer["b"])
-  return h @ params[-1]["w"] + params[-1]["b"]
+    h = jnp.tanh(dense(layer, h))
+  return dense(params[-1], h)
 
 
-def example_loss(params, example) -> jax.Array:
-  """Cross-entropy of one example ``(x (d,), y ())``: the per-example loss DP-SGD clips."""
-  x, y = example
-  return optax.softmax_cross_entropy_with_integer_labels(mlp_logits(params, x), y)
+# Cross-entropy of one example ``(x (d,), y ())``: the per-example loss DP-SGD clips; a
+# dpjax.sgd.ghost.ModelLoss, so the routes clip it by ghost norms.
+example_loss = ghost.model_loss(mlp_logits, optax.softmax_cross_entropy_with_integer_labels)
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,6 +249,7 @@ class Model(NamedTuple):
   loss: Callable
   logits: Callable
   dense_first_layer: bool
+  features: str = "pixels"
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,6 +291,7 @@ def cnn_model(d: int, classes: int) -> Model:
       return self.dense(h.reshape(h.shape[0], -1))
 
   graphdef = nnx.split(CNN(nnx.Rngs(0)))[0]
+  apply_fn = sgd.nnx_apply(graphdef)      # one example; its layers recorded for ghost norms
 
   def init(key):
     return nnx.split(CNN(nnx.Rngs(key)))[1]
@@ -251,9 +300,7 @@ def cnn_model(d: int, classes: int) -> Model:
     out = nnx.merge(graphdef, params)(jnp.atleast_2d(x))
     return out if x.ndim == 2 else out[0]
 
-  def loss(params, example):
-    x, y = example
-    return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y)
+  loss = ghost.model_loss(apply_fn, optax.softmax_cross_entropy_with_integer_labels)
   return Model(init, loss, logits, False)
 
 
@@ -340,6 +387,12 @@ def plan_routes(*, n_train: int, n_public: int, p: int, k: int, epsilon: float, 
       note = f"k={rank} exceeds the d={d} input features"
     elif public and n_public < k:
       note = f"the public split has {n_public} rows, fewer than k={k}"
+    elif method in FLAT_GRADIENT_METHODS and (
+        size := 4 * p * (n_public if public else n)) > MAX_FLAT_GRADIENT_BYTES:
+      rows = "public" if public else "private"
+      note = (f"it holds the {n_public if public else n} {rows} rows' flattened per-example "
+              f"gradients (p = {p:,}): {size / 2**30:.1f} GiB, above the main job's "
+              f"{MAX_FLAT_GRADIENT_BYTES / 2**30:g} GiB")
     elif source == "private":
       note = _dpase_note(n, p, k, epsilon=epsilon, delta=delta, gamma=gamma,
                          fraction=subspace_epsilon_fraction, dataset=dataset)
@@ -378,13 +431,23 @@ def _dpase_note(n: int, p: int, k: int, *, epsilon: float, delta: float, gamma: 
 
 
 def build_model(name: str, d: int, classes: int, hidden: int) -> Model:
-  """The main job's model ``name`` (:data:`MODELS`) for ``d`` features and ``classes`` classes:
-  ``"mlp"``, :func:`mlp_model` with one tanh hidden layer of ``hidden`` units; ``"cnn"``,
-  :func:`cnn_model`.
+  """The main job's model ``name`` (:data:`MODELS`) for ``d`` pixels and ``classes`` classes:
+  ``"scatnet"``, softmax regression (:func:`mlp_model` with no hidden layer) on the images'
+  scattering features (``features="scattering"``: :func:`dpjax.features.scattering_features`,
+  J = 2, L = 8); ``"mlp"``, :func:`mlp_model` with one tanh hidden layer of ``hidden`` units;
+  ``"cnn"``, :func:`cnn_model`.
 
   Raises:
-    ValueError: ``"cnn"`` on non-square ``d``; ImportError: ``"cnn"`` without Flax.
+    ValueError: ``"scatnet"`` or ``"cnn"`` on rows that are not square images (``"scatnet"``:
+      sides divisible by 4); ImportError: ``"cnn"`` without Flax.
   """
+  if name == "scatnet":
+    side = math.isqrt(d)
+    if side * side != d or side % 4:
+      raise ValueError(f"scattering features need square images with sides divisible by 4 "
+                       f"(J = 2), given as flat rows; d = {d} is not one")
+    channels, h, w = features_lib.scattering_shape(side, side)
+    return mlp_model((channels * h * w, classes))._replace(features="scattering")
   if name == "mlp":
     return mlp_model((d, hidden, classes))
   if name == "cnn":
@@ -392,15 +455,34 @@ def build_model(name: str, d: int, classes: int, hidden: int) -> Model:
   raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
 
 
+def _load(name: str) -> data_lib.Dataset:
+  """The main job's data set ``--data``: full MNIST, MNIST-10k, digits or a user's .npz."""
+  if name == "mnist":
+    return data_lib.load_mnist(full=True)
+  if name == "mnist10k":
+    return data_lib.load_mnist(seed=0)
+  if name == "digits":
+    return data_lib.load_digits(seed=0)
+  return data_lib.load_npz(name, seed=0)
+
+
+def training_plan(model: str, n_private: int, args) -> Training:
+  """The model's expected batch size, steps and learning-rate grid: ``--batch-size``,
+  ``--steps`` and ``--learning-rates`` where given, else :data:`TRAINING`'s defaults for the
+  model — the batch capped at an eighth of the private rows and the steps ``⌈epochs·n/L⌉``
+  (public quantities: the row count and the settings)."""
+  default = TRAINING[model]
+  batch = args.batch_size or max(1, min(default.batch_size, n_private // 8))
+  steps = args.steps or max(1, math.ceil(default.epochs * n_private / batch))
+  grid = tuple(float(lr) for lr in (args.learning_rates or default.learning_rates))
+  return Training(batch, steps, grid)
+
+
 def run(args) -> dict:
   """Plans, tunes, trains and reports the methods for each model (see the module docstring);
   ``args`` as parsed by :func:`main`. Returns the report that ``--json`` writes."""
-  if args.data == "mnist":
-    ds = data_lib.load_mnist(seed=0)
-  elif args.data == "digits":
-    ds = data_lib.load_digits(seed=0)
-  else:
-    ds = data_lib.load_npz(args.data, seed=0)
+  started = time.perf_counter()
+  ds = _load(args.data)
   n_all, d = ds.X_train.shape
   # Fixed, seeded splits of the training rows: a tuning split (learning rates only), then a
   # public split out of the rest (public only because this experiment says so).
@@ -408,24 +490,34 @@ def run(args) -> dict:
   n_tune = max(1, int(round(TUNING_FRACTION * n_all)))
   tune, fit = perm[:n_tune], perm[n_tune:]
   n_train = len(fit)
-  n_public = max(1, int(round(args.public_fraction * n_train)))
+  n_public = max(1, min(args.public_rows, int(round(args.public_fraction * n_train))))
   pub, priv = fit[:n_public], fit[n_public:]
-  X, y = np.asarray(ds.X_train, np.float32), np.asarray(ds.y_train)
-  splits = {"tune": (X[tune], y[tune]), "test": (np.asarray(ds.X_test, np.float32),
-                                                 np.asarray(ds.y_test))}
+  y = np.asarray(ds.y_train)
+  y_test = np.asarray(ds.y_test)
+  progress = not args.no_progress
+  inputs = {"pixels": (np.asarray(ds.X_train, np.float32), np.asarray(ds.X_test, np.float32))}
+
+  def features(kind):
+    """``(X_train (n_all, d'), X_test)`` of a model's input features, computed once."""
+    if kind not in inputs:
+      start = time.perf_counter()
+      inputs[kind] = tuple(features_lib.scattering_features(x, cache_dir=args.cache_dir)
+                           for x in inputs["pixels"])
+      if progress:
+        print(f"scattering features {inputs[kind][0].shape[1]} per image: "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return inputs[kind]
+
   settings = experiments.RouteSettings(clip_norm=args.clip_norm, public_rank=args.k,
                                        input_rank=args.input_rank,
                                        input_epsilon_fraction=args.subspace_epsilon_fraction,
                                        input_delta_fraction=SUBSPACE_DELTA_FRACTION)
-  grid = [float(lr) for lr in args.learning_rates]
-  tuning = tuning_plan(grid)
-  fixed_lr = sorted(grid)[len(grid) // 2]           # the untuned methods' rate: public
-  progress = not args.no_progress
   methods = [m for m, _ in METHODS if m in args.methods]
   left_out = [m for m, _ in METHODS if m not in DEFAULT_METHODS and m not in args.methods]
   if left_out and progress:
     print(f"{' and '.join(left_out)}: not in the default set (see --help); --methods ... runs "
           "them", file=sys.stderr)
+  X = splits = plan = None      # the current model's inputs, splits and training plan
 
   def train(model, route, keys, lrs, tuned=None):
     """Runs of one method: ``(params list, σ, rank, [(ε, δ, subspace_ok, notes)] per run)``;
@@ -437,8 +529,8 @@ def run(args) -> dict:
     if route.subspace == "route":
       out = experiments.train_route(route.method, jnp.stack(keys), lrs, data,
                                     init_fn=model.init, loss_fn=model.loss,
-                                    epsilon=args.epsilon, delta=args.delta, steps=args.steps,
-                                    expected_batch_size=args.batch_size,
+                                    epsilon=args.epsilon, delta=args.delta, steps=plan.steps,
+                                    expected_batch_size=plan.batch_size,
                                     public_inputs=(X[pub] if route.method == "public_subspace"
                                                    else None),
                                     public_data=((X[pub], y[pub])
@@ -455,8 +547,8 @@ def run(args) -> dict:
         warnings.simplefilter("always")
         res = training.train_dp_sgd(
             k_train, model.loss, model.init(k_init), data, adam(float(lr)),
-            epsilon=args.epsilon, delta=args.delta, steps=args.steps,
-            expected_batch_size=args.batch_size, clip_norm=args.clip_norm,
+            epsilon=args.epsilon, delta=args.delta, steps=plan.steps,
+            expected_batch_size=plan.batch_size, clip_norm=args.clip_norm,
             subspace=route.subspace, k=args.k, public_data=(X[pub], y[pub]) if public else None,
             gamma=args.gamma, refresh_every=args.refresh_every if public else None,
             subspace_epsilon_fraction=args.subspace_epsilon_fraction,
@@ -472,6 +564,9 @@ def run(args) -> dict:
   def seed_runs(model_name, model, route, accuracies):
     """``(kind, [(params, lr, runs, σ, rank, info)] per seed)``: the released run of each seed."""
     seed_keys = [run_key(seed, model_name, route.method) for seed in range(args.seeds)]
+    grid = list(plan.learning_rates)
+    tuning = tuning_plan(grid)
+    fixed_lr = sorted(grid)[len(grid) // 2]           # the untuned methods' rate: public
     if route.method == "non_private":
       tuned, *_ = train(model, route, [jax.random.key(TUNING_SEED)] * len(grid), grid)
       lr = grid[int(np.argmax(accuracies(tuned, "tune")))]
@@ -490,12 +585,13 @@ def run(args) -> dict:
       released.append((params[0], lrs[best], len(keys), sigma, rank, info[0]))
     return "private", released
 
-  results, summary, winners, crossover = [], {}, {}, {}
+  results, summary, winners, crossover, plans = [], {}, {}, {}, {}
   for model_name in args.models:
     base_row = {"model": model_name, "epsilon": None, "delta": None, "test_accuracy": None,
                 "subspace_ok": None, "status": "ok", "note": None, "rank": None,
                 "noise_multiplier": None, "learning_rate": None, "tuning": None, "runs": None,
                 "accountant": None}
+    plan = training_plan(model_name, n_train, args)
     try:
       model = build_model(model_name, d, ds.num_classes, args.hidden)
       p = sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(
@@ -506,12 +602,21 @@ def run(args) -> dict:
                       n_train - n_public if m in PUBLIC_METHODS else n_train, note)
                 for m, s in METHODS]
     if model is not None:
+      X, X_test = features(model.features)
+      splits = {"tune": (X[tune], y[tune]), "test": (X_test, y_test)}
       routes = plan_routes(n_train=n_train, n_public=n_public, p=p, k=args.k,
-                           epsilon=args.epsilon, delta=args.delta, batch_size=args.batch_size,
+                           epsilon=args.epsilon, delta=args.delta, batch_size=plan.batch_size,
                            gamma=args.gamma,
-                           subspace_epsilon_fraction=args.subspace_epsilon_fraction, d=d,
-                           dataset=ds.name, dense_first_layer=model.dense_first_layer,
+                           subspace_epsilon_fraction=args.subspace_epsilon_fraction,
+                           d=X.shape[1], dataset=ds.name,
+                           dense_first_layer=model.dense_first_layer,
                            model=model_name, input_rank=args.input_rank)
+    plans[model_name] = {"batch_size": plan.batch_size, "steps": plan.steps,
+                            "learning_rates": list(plan.learning_rates),
+                            "tuning": _tuning_report(tuning_plan(plan.learning_rates),
+                                                     sorted(plan.learning_rates)[
+                                                         len(plan.learning_rates) // 2]),
+                            "features": None if model is None else model.features}
 
     def accuracies(params_list, split, model=model):
       return [float(model_accuracy(model.logits, p, *map(jnp.asarray, splits[split])))
@@ -562,13 +667,13 @@ def run(args) -> dict:
   report = {"dataset": ds.name, "n_train": int(n_train), "n_tune": int(n_tune),
             "n_test": int(ds.X_test.shape[0]), "n_public": int(n_public), "k": args.k,
             "input_rank": args.input_rank,
-            "steps": args.steps, "neighboring": "ADD_OR_REMOVE_ONE",
+            "training": plans, "neighboring": "ADD_OR_REMOVE_ONE",
             "epsilon": args.epsilon, "delta": args.delta, "budget": "per released run",
             "composed": composed_total(results),
             "subspace_epsilon_fraction": args.subspace_epsilon_fraction,
-            "learning_rates": grid, "tuning": _tuning_report(tuning, fixed_lr),
+            "seconds": time.perf_counter() - started,
             "models": list(args.models), "methods": methods, "winner": winners,
-            "crossover": crossover,
+            "crossover": crossover, "best_private": _best_private(winners),
             "privacy_note": _privacy_note(int(n_train), int(n_public), int(n_tune),
                                           args.epsilon, args.delta),
             "summary": summary, "results": results}
@@ -600,8 +705,9 @@ def _study() -> dict:
 
 def study_model(model: str, hidden: int) -> str | None:
   """The crossover study's name of the main job's ``model`` (``"mlp"`` with ``hidden`` units:
-  ``mlp_small`` for 32, ``mlp_large`` for 128, else None; ``"cnn"``: ``cnn``)."""
-  return "cnn" if model == "cnn" else _STUDY_MODELS.get(hidden)
+  ``mlp_small`` for 32, ``mlp_large`` for 128, ``mlp_1000`` for 1000, else None; ``"cnn"`` and
+  ``"scatnet"``: their own)."""
+  return model if model in ("cnn", "scatnet") else _STUDY_MODELS.get(hidden)
 
 
 def crossover_lines(dataset: str, model: str | None, epsilon: float, methods) -> dict:
@@ -695,6 +801,17 @@ def _winner(summary: dict) -> dict | None:
   return {"method": best, "mean_test_accuracy": private[best], "vs_dp_sgd": margin}
 
 
+def _best_private(winners: dict) -> dict | None:
+  """The best private model overall: the (model, method) with the highest mean test accuracy
+  over the models' winners."""
+  done = {m: w for m, w in winners.items() if w is not None}
+  if not done:
+    return None
+  model = max(done, key=lambda m: done[m]["mean_test_accuracy"])
+  return {"model": model, "method": done[model]["method"],
+          "mean_test_accuracy": done[model]["mean_test_accuracy"]}
+
+
 def exit_status(report: dict) -> int:
   """The main job's exit status: 1 if a run failed unexpectedly, else 0 (methods reported as
   not runnable at these settings do not count as failures)."""
@@ -728,9 +845,9 @@ def _privacy_note(n_train: int, n_public: int, n_tune: int, epsilon: float,
 
 def _print_table(report: dict) -> None:
   print(f"\n{report['dataset']}: n_train={report['n_train']} (public split "
-        f"{report['n_public']}), n_tune={report['n_tune']}, n_test={report['n_test']}, "
-        f"steps={report['steps']}; (ε, δ) = ({report['epsilon']:g}, "
-        f"{report['delta']:g}) per released run, add/remove-one, tuning included")
+        f"{report['n_public']}), n_tune={report['n_tune']}, n_test={report['n_test']}; "
+        f"(ε, δ) = ({report['epsilon']:g}, {report['delta']:g}) per released run, "
+        f"add/remove-one, tuning included; {report['seconds']:.0f} s in all")
   total = report["composed"]
   reference = (", and the non-private reference with no guarantee"
                if total["non_private_released"] else "")
@@ -740,21 +857,18 @@ def _print_table(report: dict) -> None:
       "run illustrates one budget of its own, the report as a whole is not released under "
       "it", width=100, break_on_hyphens=False))
   print(textwrap.fill("privacy: " + report["privacy_note"], width=100, break_on_hyphens=False))
-  tuning = report["tuning"]
-  grid = report["learning_rates"]
-  reduced = (" (the default grid has two points, fewer than a study would tune over, to keep the "
-             "main job near 10 minutes on 2 CPU cores; --learning-rates takes more)"
-             if tuple(grid) == LEARNING_RATES else "")
-  print(textwrap.fill(f"learning rates: {', '.join(f'{lr:g}' for lr in grid)}{reduced}",
-                      width=100, break_on_hyphens=False))
-  if "mean_runs" in tuning:
-    print(textwrap.fill(
-        f"tuning: {', '.join(tuning['tuned_methods'])} are tuned privately ({tuning['method']}; "
-        f"K ~ logarithmic with mean {tuning['mean_runs']:g} runs, rates drawn from the grid, the "
-        f"best on the tuning split released); the other DP methods run once at lr "
-        f"{tuning['fixed_learning_rate']:g} (PLD accountant).", width=100,
-        break_on_hyphens=False))
-  header = (f"{'model':<6}{'method':<25}{'rank':>5}{'sigma':>7}{'lr':>7}{'runs':>5}{'seed':>5}"
+  for model, t in report["training"].items():
+    grid = ", ".join(f"{lr:g}" for lr in t["learning_rates"])
+    tuning = t["tuning"]
+    how = (f"{', '.join(tuning['tuned_methods'])} tuned privately ({tuning['method']}; K ~ "
+           f"logarithmic with mean {tuning['mean_runs']:g} runs, rates drawn from the grid, the "
+           "best on the tuning split released); the other DP methods run once at lr "
+           f"{tuning['fixed_learning_rate']:g} (PLD accountant)" if "mean_runs" in tuning
+           else f"nothing tuned: one rate, {tuning['fixed_learning_rate']:g}")
+    print(textwrap.fill(f"{model} ({t['features']}): expected batch {t['batch_size']}, "
+                        f"{t['steps']} steps, Adam learning rates {grid}; {how}.", width=100,
+                        break_on_hyphens=False))
+  header = (f"{'model':<8}{'method':<25}{'rank':>5}{'sigma':>7}{'lr':>7}{'runs':>5}{'seed':>5}"
             f"{'eps/run':>9}{'delta/run':>10}{'test acc':>9}  {'subspace':<9}status")
   print(header)
   print("-" * len(header))
@@ -768,7 +882,7 @@ def _print_table(report: dict) -> None:
     acc = "-" if r["test_accuracy"] is None else f"{r['test_accuracy']:.4f}"
     ok = {None: "-", True: "ok", False: "⊥"}[r["subspace_ok"]]
     runs = "-" if r["runs"] is None else str(r["runs"])
-    print(f"{r['model']:<6}{r['method']:<25}{rank:>5}{sigma:>7}{lr:>7}{runs:>5}{r['seed']:>5}"
+    print(f"{r['model']:<8}{r['method']:<25}{rank:>5}{sigma:>7}{lr:>7}{runs:>5}{r['seed']:>5}"
           f"{eps:>9}{delta:>10}{acc:>9}  {ok:<9}{r['status']}")
     if r["note"] is not None:
       notes.setdefault((r["model"], r["method"], r["status"], r["note"]), []).append(
@@ -800,6 +914,14 @@ def _print_table(report: dict) -> None:
       print(f"{model}: won: {won['method']} (mean test accuracy "
             f"{won['mean_test_accuracy']:.4f}, {won['vs_dp_sgd']:+.4f} against tuned dp_sgd over "
             f"{seeds} seed(s); benchmarks/gradient_subspace.py gives paired intervals)")
+  best = report["best_private"]
+  if best is not None and len(report["models"]) > 1:
+    print(f"best private model overall: {best['model']}/{best['method']} (mean test accuracy "
+          f"{best['mean_test_accuracy']:.4f}); each route against it:")
+    for model, rows in report["summary"].items():
+      for method, m in rows.items():
+        if method != "non_private" and (model, method) != (best["model"], best["method"]):
+          print(f"  {model}/{method}: {m['mean_test_accuracy'] - best['mean_test_accuracy']:+.4f}")
 
 
 def _plot(report: dict, path: str) -> None:
@@ -861,32 +983,44 @@ def main(argv=None) -> dict:
                            "MNIST at the defaults 0.841 against 0.765 at 16)")
   parser.add_argument("--seeds", type=int, default=2,
                       help="number of seeds; the table gives the spread over them (default 2)")
-  parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="training steps of every model (default: each model's epochs over "
+                           "its private rows, see TRAINING)")
   parser.add_argument("--data", type=str, default="mnist",
-                      help="mnist (default: the bundled MNIST-10k), digits, or an .npz with "
-                           "arrays X (n, d) and integer y (n,)")
+                      help="mnist (default: the bundled full MNIST, 60,000 / 10,000), mnist10k "
+                           "(its 10,000-digit subset), digits, or an .npz with arrays X (n, d) "
+                           "or 28x28 images X (n, 28, 28) in [0, 1] and integer y (n,)")
   parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                       choices=[m for m, _ in METHODS],
                       help="the methods to run (default: all but dp_sgd_denoise)")
-  parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
-                      help="mlp (one tanh hidden layer of --hidden units) and/or cnn (a Flax NNX "
-                           "CNN for square images, needs flax; its routes: those that take any "
-                           "params pytree) (default: both)")
+  parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS),
+                      help="scatnet (softmax regression on the images' scattering features, "
+                           "needs kymatio), mlp (one tanh hidden layer of --hidden units on the "
+                           "pixels) and/or cnn (a Flax NNX CNN for square images, needs flax; "
+                           "its routes: those that take any params pytree) "
+                           "(default: scatnet mlp)")
   parser.add_argument("--json", type=str, default=None, help="write the results to this path")
   parser.add_argument("--plot", type=str, default=None,
                       help="write a PNG of each method's test accuracy")
-  parser.add_argument("--batch-size", type=int, default=128,
-                      help="expected batch size (default 128)")
+  parser.add_argument("--batch-size", type=int, default=None,
+                      help="expected batch size of every model (default: each model's, see "
+                           "TRAINING, capped at an eighth of the private rows)")
   parser.add_argument("--clip-norm", type=float, default=1.0,
                       help="per-example clip norm (default 1.0)")
-  parser.add_argument("--learning-rates", type=float, nargs="+", default=list(LEARNING_RATES),
-                      help="Adam learning rates; each method takes the best on the tuning split "
-                           "(default 0.01 0.03: two points keep the main job near 10 minutes on "
-                           "2 CPU cores)")
-  parser.add_argument("--hidden", type=int, default=32, help="hidden units of the MLP (default 32)")
+  parser.add_argument("--learning-rates", type=float, nargs="+", default=None,
+                      help="Adam learning rates of every model; the tuned methods draw from them "
+                           "(default: each model's two, see TRAINING: two points keep the main "
+                           "job within 10 minutes on 2 CPU cores)")
+  parser.add_argument("--hidden", type=int, default=1000,
+                      help="hidden units of the MLP (default 1000, Abadi et al.'s)")
   parser.add_argument("--public-fraction", type=float, default=0.1,
                       help="share of the training rows marked public for the public methods "
                            "(default 0.1; public only by this experiment's construction)")
+  parser.add_argument("--public-rows", type=int, default=1000,
+                      help="at most this many public rows (default 1000, PDP-SGD's setting)")
+  parser.add_argument("--cache-dir", type=str, default=None,
+                      help="keep the scattering features in this folder and reuse them "
+                           "(default: compute them each run, about 35 s for full MNIST)")
   parser.add_argument("--gamma", type=float, default=1e-3,
                       help="DPASE's public gap parameter for the gradient subspace (default 1e-3)")
   parser.add_argument("--subspace-epsilon-fraction", type=float, default=0.25,
@@ -902,12 +1036,14 @@ def main(argv=None) -> dict:
     parser.error(f"--epsilon must be > 0, got {args.epsilon}")
   if not 0 < args.delta < 1:
     parser.error(f"--delta must lie in (0, 1), got {args.delta}")
-  for name in ("k", "input_rank", "seeds", "steps", "batch_size", "hidden", "refresh_every"):
-    if getattr(args, name) < 1:
+  for name in ("k", "input_rank", "seeds", "steps", "batch_size", "hidden", "refresh_every",
+               "public_rows"):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if not (math.isfinite(args.clip_norm) and args.clip_norm > 0):
     parser.error(f"--clip-norm must be > 0, got {args.clip_norm}")
-  if not all(math.isfinite(lr) and lr > 0 for lr in args.learning_rates):
+  if args.learning_rates is not None and not all(math.isfinite(lr) and lr > 0
+                                                 for lr in args.learning_rates):
     parser.error(f"--learning-rates must be > 0, got {args.learning_rates}")
   for name in ("public_fraction", "subspace_epsilon_fraction"):
     if not 0 < getattr(args, name) < 1:

@@ -3,6 +3,7 @@
 import math
 
 import dp_accounting
+import dp_accounting.rdp
 import pytest
 from dp_accounting import NeighboringRelation
 
@@ -282,3 +283,32 @@ def test_tuning_repetitions_follow_the_law_the_accountant_assumes(shape):
   assert stats.chisquare(observed, expected).pvalue > 1e-3
   again = accounting.tuning_repetitions(jax.random.key(3), tuning)
   assert again == accounting.tuning_repetitions(jax.random.key(3), tuning)
+
+
+def test_tuning_composes_a_gaussian_release_once_outside_the_repetition():
+  """A Gaussian release made before a tuning (e.g. a private feature normalisation shared by
+  every run) is composed once with the tuning's repeat-and-select event: σ meets (ε, δ) for
+  exactly that event by dp_accounting's RDP accountant, and 1% less noise does not."""
+  release = dp_accounting.GaussianDpEvent(8.0)
+  budget = accounting.plan_dpsgd_budget(1.0, 1e-5, sampling_prob=0.05, steps=200,
+                                        subspace_event=release, tuning=TUNING)
+  alone = accounting.plan_dpsgd_budget(1.0, 1e-5, sampling_prob=0.05, steps=200, tuning=TUNING)
+  assert budget.noise_multiplier > alone.noise_multiplier
+
+  def eps(sigma):
+    steps = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        0.05, dp_accounting.GaussianDpEvent(sigma)), 200)
+    event = dp_accounting.ComposedDpEvent(
+        [release, dp_accounting.dp_event.RepeatAndSelectDpEvent(steps, TUNING.mean,
+                                                                TUNING.shape)])
+    return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+
+  assert eps(budget.noise_multiplier) <= 1.0 * (1 + 1e-6)
+  assert eps(0.99 * budget.noise_multiplier) > 1.0
+  assert budget.dp_event == accounting.dpsgd_plan_event(
+      budget.noise_multiplier, 0.05, 200, subspace_event=release, tuning=TUNING)
+  # The config states the same event; an (ε_s, δ_s) release is still refused with a tuning.
+  from dpjax import sgd
+  config = sgd.DPSGDConfig(num_examples=2000, expected_batch_size=100, steps=200, epsilon=1.0,
+                           delta=1e-5, accountant="rdp", subspace_event=release, tuning=TUNING)
+  assert config.calibrate().noise_multiplier == pytest.approx(budget.noise_multiplier)

@@ -66,6 +66,24 @@ def test_load_npz_round_trip_and_errors(tmp_path):
     data.load_npz(str(bad))
 
 
+def test_load_npz_takes_images_as_rows_and_refuses_raw_pixels(tmp_path):
+  images = np.random.default_rng(1).random((20, 28, 28)).astype(np.float32)
+  path = tmp_path / "img.npz"
+  np.savez(path, X=images, y=np.arange(20) % 10)
+  ds = data.load_npz(str(path))
+  assert ds.X_train.shape == (16, 784) and ds.X_test.shape == (4, 784)
+  rows = {tuple(r) for r in images.reshape(20, -1)}
+  assert all(tuple(r) in rows for r in np.concatenate([ds.X_train, ds.X_test]))
+  raw = tmp_path / "raw.npz"
+  np.savez(raw, X=(images * 255).astype(np.uint8), y=np.arange(20) % 10)
+  with pytest.raises(ValueError, match="uint8.*/ 255"):
+    data.load_npz(str(raw))
+  cube = tmp_path / "cube.npz"
+  np.savez(cube, X=np.zeros((4, 2, 2, 2)), y=np.zeros(4, int))
+  with pytest.raises(ValueError, match=r"\(n, h, w\)"):
+    data.load_npz(str(cube))
+
+
 # --- Bundled MNIST (dpjax/_data/mnist10k.npz; its provenance in dpjax/_data/convert_mnist.py) ---
 
 MNIST_FILE_SHA256 = "d6e6f18a1c5be9a315daa1f58ce3b52887d29739f32203b7edc265ac0e833ba4"

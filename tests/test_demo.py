@@ -27,11 +27,11 @@ ROW_KEYS = {"model", "method", "epsilon", "delta", "test_accuracy", "subspace_ok
             "status", "note",
             "n_private", "rank", "noise_multiplier", "learning_rate", "tuning", "runs",
             "accountant"}
-REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "steps", "neighboring",
-               "input_rank", "epsilon", "delta", "budget", "composed",
-               "subspace_epsilon_fraction", "learning_rates",
-               "tuning",
+REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "training",
+               "neighboring", "input_rank", "epsilon", "delta", "budget", "composed",
+               "subspace_epsilon_fraction", "seconds", "best_private",
                "winner", "privacy_note", "summary", "results", "models", "methods", "crossover"}
+TRAINING_KEYS = {"batch_size", "steps", "learning_rates", "tuning", "features"}
 RANKS = {"gep_trajectory": 8, "private_input_subspace": "input_rank",
          "subspace_dp_sgd_private": "k",
          "public_subspace": "k", "public_gradient_subspace": 32,
@@ -89,21 +89,18 @@ def _check_tuned_sigma(report, row):
   (logarithmic K with the grid's size as mean) is (ε, δ)-DP by dp_accounting's RDP accountant,
   and 1% less noise is not."""
   n = row["n_private"]
-  L = next(v for k, v in BATCH.items() if report["n_train"] in k)
+  plan = report["training"][row["model"]]
 
   def eps(sigma):
     event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-        L / n, dp_accounting.GaussianDpEvent(sigma)), report["steps"])
+        plan["batch_size"] / n, dp_accounting.GaussianDpEvent(sigma)), plan["steps"])
     event = dp_accounting.dp_event.RepeatAndSelectDpEvent(
-        event, float(len(report["learning_rates"])), 0.0)
+        event, float(len(plan["learning_rates"])), 0.0)
     return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(report["delta"])
 
   assert eps(row["noise_multiplier"]) <= report["epsilon"] * (1 + 1e-6)
   assert eps(0.99 * row["noise_multiplier"]) > report["epsilon"]
 
-
-# Expected batch size by the runs' n_train (digits at the defaults, the user data below).
-BATCH = {(1294,): 128, (360,): 32}
 
 
 def _check_schema(report, *, epsilon, delta):
@@ -116,8 +113,10 @@ def _check_schema(report, *, epsilon, delta):
   # none); the CNN has no first dense layer for the DENSE_ROUTES to act on.
   assert set(report["crossover"]) == set(report["winner"]) == set(report["summary"]) == set(
       report["models"])
+  assert set(report["training"]) == set(report["models"])
+  assert all(set(t) == TRAINING_KEYS for t in report["training"].values())
   for model in report["models"]:
-    skip = set() if model == "mlp" else set(experiments.DENSE_ROUTES)
+    skip = set(experiments.DENSE_ROUTES) if model == "cnn" else set()
     assert set(report["crossover"][model]) == set(report["methods"]) - {"non_private",
                                                                         "dp_sgd"} - skip
   assert report["neighboring"] == "ADD_OR_REMOVE_ONE"
@@ -130,13 +129,14 @@ def _check_schema(report, *, epsilon, delta):
       "non_private_released": any(r["status"] == "ok" and r["method"] == "non_private"
                                   for r in report["results"])}
   assert sorted(m for m in METHODS if "public" in m) == sorted(demo.PUBLIC_METHODS)
-  tuned = len(report["learning_rates"]) > 1
   for r in report["results"]:
     assert set(r) == ROW_KEYS
     assert r["status"] in ("ok", "not_runnable", "failed")
+    plan = report["training"][r["model"]]
+    tuned = len(plan["learning_rates"]) > 1
     if r["status"] == "ok":
       assert 0.0 <= r["test_accuracy"] <= 1.0
-      assert r["learning_rate"] in report["learning_rates"]
+      assert r["learning_rate"] in plan["learning_rates"]
       rank = RANKS.get(r["method"])
       assert r["rank"] == (report[rank] if rank in ("k", "input_rank") else rank)
       assert (r["noise_multiplier"] == 0) == (r["method"] == "non_private")
@@ -150,7 +150,7 @@ def _check_schema(report, *, epsilon, delta):
         _check_tuned_sigma(report, r)
       else:
         assert r["tuning"] == "fixed" and r["accountant"] == "pld" and r["runs"] == 1
-        assert r["learning_rate"] == report["tuning"]["fixed_learning_rate"]
+        assert r["learning_rate"] == plan["tuning"]["fixed_learning_rate"]
     else:
       assert r["note"], r
       assert r["test_accuracy"] is None and r["epsilon"] is None and r["delta"] is None
@@ -185,22 +185,29 @@ def test_demo_epsilon_1_finishes_and_writes_json_and_plot(tmp_path):
   # Issue 10 §5: at ε = 1 DPASE's share asked for more subsets than digits has rows, and the
   # ValueError ended the run with no JSON and no plot.
   out, plot = tmp_path / "r.json", tmp_path / "acc.png"
+  cache = tmp_path / "cache"
   report, printed = _run_cli(["--data", "digits", "--epsilon", "1", "--steps", "2",
-                              "--no-progress", "--methods", *sorted(METHODS), "--plot", str(plot)],
+                              "--no-progress", "--methods", *sorted(METHODS), "--plot", str(plot),
+                              "--models", "scatnet", "mlp", "cnn", "--cache-dir", str(cache)],
                              out)
   assert report["dataset"] == "digits" and report["n_train"] == 1294 and report["n_tune"] == 144
   assert report["n_public"] == 129 and report["k"] == 16
   _check_schema(report, epsilon=1.0, delta=1e-5)
-  assert report["models"] == ["mlp", "cnn"]                  # the default: both
+  assert report["models"] == ["scatnet", "mlp", "cnn"]
+  # Each model's own training: its default batch, capped at an eighth of the private rows.
+  assert {m: (t["batch_size"], t["features"]) for m, t in report["training"].items()} == {
+      "scatnet": (161, "scattering"), "mlp": (161, "pixels"), "cnn": (161, "pixels")}
+  assert len(list(cache.glob("scattering-*.npy"))) == 2       # train and test images, kept
   rows = {(r["model"], r["method"]): r for r in report["results"]}
   dense = set(experiments.DENSE_ROUTES)
-  assert all(rows["mlp", m]["status"] == "ok" for m in METHODS - {"subspace_dp_sgd_private"})
+  for model in ("scatnet", "mlp"):
+    assert all(rows[model, m]["status"] == "ok" for m in METHODS - {"subspace_dp_sgd_private"})
   assert all(rows["cnn", m]["status"] == "ok"
              for m in METHODS - {"subspace_dp_sgd_private"} - dense)
   for m in METHODS & dense:     # the CNN's first layer is a convolution: not runnable, and why
     assert rows["cnn", m]["status"] == "not_runnable"
     assert "acts on a first dense layer" in rows["cnn", m]["note"]
-  for private in (rows["mlp", "subspace_dp_sgd_private"], rows["cnn", "subspace_dp_sgd_private"]):
+  for private in (rows[m, "subspace_dp_sgd_private"] for m in ("scatnet", "mlp", "cnn")):
     assert private["status"] in ("ok", "not_runnable")
     if private["status"] == "not_runnable":
       assert "DPASE needs n >=" in private["note"] and "digits has 1294" in private["note"]
@@ -221,7 +228,7 @@ def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp
                                                                   monkeypatch, capsys):
   # --data, --delta, --k, --input-rank, --seeds, --steps, --batch-size, --clip-norm,
   # --learning-rates, --hidden,
-  # --public-fraction, --gamma, --subspace-epsilon-fraction, --refresh-every, --json, --plot and
+  # --public-fraction, --public-rows, --gamma, --subspace-epsilon-fraction, --refresh-every, --json, --plot and
   # progress bars on (the ε = 1 run passes --no-progress). In process: the monkeypatched
   # failure needs the same interpreter.
   real = training.train_dp_sgd
@@ -237,16 +244,17 @@ def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp
                       "--input-rank", "4",
                       "--seeds", "2", "--steps", "3", "--batch-size", "32", "--clip-norm", "0.5",
                       "--learning-rates", "0.05", "0.1", "--hidden", "8",
-                      "--public-fraction", "0.2", "--gamma", "1e-4",
+                      "--public-fraction", "0.2", "--public-rows", "60", "--gamma", "1e-4",
                       "--subspace-epsilon-fraction", "0.5", "--refresh-every", "2",
                       "--methods", *sorted(METHODS), "--models", "mlp", "cnn",
                       "--json", str(out), "--plot", str(plot)])
   written = json.loads(out.read_text(encoding="utf-8"))
   assert written == json.loads(json.dumps(report))
-  assert written["n_train"] == 360 and written["n_public"] == 72 and written["k"] == 3
+  assert written["n_train"] == 360 and written["n_public"] == 60 and written["k"] == 3
   assert written["input_rank"] == 4
-  assert written["learning_rates"] == [0.05, 0.1]
-  assert written["steps"] == 3 and written["delta"] == 1e-6
+  assert all(t["learning_rates"] == [0.05, 0.1] and t["steps"] == 3 and t["batch_size"] == 32
+             for t in written["training"].values())
+  assert written["delta"] == 1e-6
   assert written["subspace_epsilon_fraction"] == 0.5
   _check_schema(written, epsilon=4.0, delta=1e-6)
   assert [(r["model"], r["seed"], r["method"]) for r in written["results"]] == [
@@ -355,7 +363,7 @@ def test_default_set_leaves_out_the_broken_denoiser_and_runs_on_mnist():
     demo.run = real
   assert parser_defaults["data"] == "mnist"
   assert parser_defaults["methods"] == list(demo.DEFAULT_METHODS)
-  assert parser_defaults["models"] == ["mlp", "cnn"]
+  assert parser_defaults["models"] == ["scatnet", "mlp"]
   assert "dp_sgd_denoise" not in demo.DEFAULT_METHODS
   assert set(demo.DEFAULT_METHODS) == METHODS - {"dp_sgd_denoise", "subspace_dp_sgd_public"}
   assert "not in the default set" in demo.__doc__

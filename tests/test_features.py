@@ -57,3 +57,18 @@ def test_a_rows_features_are_its_own():
 def test_bad_input_raises_clear_errors(bad, kwargs, match):
   with pytest.raises(ValueError, match=match):
     features.scattering_features(bad, **kwargs)
+
+
+def test_the_cache_returns_the_same_array_without_recomputing(images, tmp_path, monkeypatch):
+  first = features.scattering_features(images, cache_dir=tmp_path)
+  assert len(list(tmp_path.glob("scattering-*.npy"))) == 1
+  monkeypatch.setattr(features, "_scattering", lambda *a: pytest.fail("recomputed"))
+  again = features.scattering_features(images, cache_dir=tmp_path)
+  np.testing.assert_array_equal(again, first)
+  assert again.dtype == np.float32
+  # Other images or settings are other entries, not a stale hit.
+  monkeypatch.undo()
+  other = features.scattering_features(images[::-1], cache_dir=tmp_path)
+  np.testing.assert_allclose(other, first[::-1], atol=1e-5)
+  features.scattering_features(images, groups=None, cache_dir=tmp_path)
+  assert len(list(tmp_path.glob("scattering-*.npy"))) == 3

@@ -86,7 +86,7 @@ from jax.flatten_util import ravel_pytree
 
 from dpjax import _validation as v
 from dpjax import accounting, linalg, sgd
-from dpjax.sgd import noise, per_example, sampling, sources
+from dpjax.sgd import ghost, noise, per_example, sampling, sources
 
 __all__ = ["DENSE_ROUTES", "DIAGNOSTIC_ROUTES", "INPUT_SCALINGS", "PUBLIC_ROUTES", "ROUTES",
            "RouteRun", "RouteSettings", "RunKeys", "first_layer_bases", "gep_edge_noise_std",
@@ -214,11 +214,14 @@ def route_rank(route: str, settings: RouteSettings = RouteSettings()) -> int | N
 
 def _gep_grad_sum(loss_fn, settings):
   """GEP's clipped-gradient sum of the routes: C_e = C, C_ρ = ``gep_residual_clip``·C, one clip
-  per part (``joint=False``: Δ = √2, carried by the returned sum)."""
-  return sgd.embedding_residual_grad_sum(
-      loss_fn, embedding_clip=settings.clip_norm,
-      residual_clip=settings.gep_residual_clip * settings.clip_norm, joint=False,
-      clipping=settings.clipping, stability=settings.stability)
+  per part (``joint=False``: Δ = √2, carried by the returned sum); by ghost norms for a
+  :class:`dpjax.sgd.ghost.ModelLoss`."""
+  clips = dict(embedding_clip=settings.clip_norm,
+               residual_clip=settings.gep_residual_clip * settings.clip_norm, joint=False,
+               clipping=settings.clipping, stability=settings.stability)
+  if isinstance(loss_fn, ghost.ModelLoss):
+    return sgd.ghost_clipped_grad_sum(loss_fn.apply_fn, loss_fn.example_loss, **clips)
+  return sgd.embedding_residual_grad_sum(loss_fn, **clips)
 
 
 def _no_loss(params, example):
@@ -282,16 +285,14 @@ def run_keys(key: jax.Array) -> RunKeys:
 
 
 def _unclipped_sum(loss_fn):
-  """``non_private``'s sum: the per-example gradients summed over the mask, unclipped (no bound,
-  so no noise can be built from it)."""
-  grads_fn = per_example.per_example_grads(loss_fn)
+  """``non_private``'s sum: the gradient of the mask-weighted sum of the losses, that is the
+  per-example gradients summed over the mask without forming them, unclipped (no bound, so no
+  noise can be built from it)."""
+  def total(params, batch, mask):
+    losses = jax.vmap(loss_fn, in_axes=(None, 0))(params, batch)
+    return jnp.sum(jnp.where(mask, losses, 0.0))
 
-  def grad_sum(params, batch, mask):
-    grads = grads_fn(params, batch)
-    return jax.tree_util.tree_map(lambda g: jnp.tensordot(mask.astype(g.dtype), g, axes=1,
-                                                          precision=linalg.HIGHEST),
-                                  grads)
-  return grad_sum
+  return jax.grad(total)
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,8 +301,12 @@ def _grad_fns(route, loss_fn, settings):
   configuration so that repeated calls reuse one compilation."""
   if route == "non_private":
     return (_unclipped_sum(loss_fn),)
-  clipped = sgd.clipped_grad_sum(loss_fn, clip_norm=settings.clip_norm,
-                                 clipping=settings.clipping, stability=settings.stability)
+  clips = dict(clip_norm=settings.clip_norm, clipping=settings.clipping,
+               stability=settings.stability)
+  # A model written with dpjax.sgd.dense is clipped by ghost norms (no per-example gradients:
+  # 10-100x faster on dense layers; the same sum to float rounding, the same bound C).
+  clipped = (sgd.ghost_clipped_grad_sum(loss_fn.apply_fn, loss_fn.example_loss, **clips)
+             if isinstance(loss_fn, ghost.ModelLoss) else sgd.clipped_grad_sum(loss_fn, **clips))
   if route == "gep_trajectory":
     return (clipped, _gep_grad_sum(loss_fn, settings))
   return (clipped,)

@@ -57,7 +57,10 @@ class DPSGDConfig:
     subspace_epsilon, subspace_delta: a private basis's cost by number instead (basic
       composition); stored as ``subspace_event``.
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
-      Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP; no subspace).
+      Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP). A subspace event is
+      then composed once, outside the repetition: a Gaussian release made before the tuning and
+      shared by all its runs (a feature normalisation, one basis for all runs), never one
+      release per run; an (ε_s, δ_s) one is refused.
 
   Raises (at construction, before anything is calibrated):
     TypeError: non-integer N or T; a subspace event that is neither an event nor a release.
@@ -123,7 +126,7 @@ class DPSGDConfig:
 
     Raises:
       ValueError: a subspace share at or above the total, an event the accountant cannot
-        compose, tuning with PLD or with a subspace, no σ ≤ 1e4 meeting the target.
+        compose, tuning with PLD or with an (ε_s, δ_s) release, no σ ≤ 1e4 meeting the target.
     """
     return self._budget
 

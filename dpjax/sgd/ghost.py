@@ -75,7 +75,7 @@ from dpjax.sgd import bases as bases_lib
 from dpjax.sgd import gep, per_example
 from dpjax.sgd.per_example import DEFAULT_STABILITY
 
-__all__ = ["ConvLayer", "DenseLayer", "EmbedLayer", "ScaleLayer", "dense",
+__all__ = ["ConvLayer", "DenseLayer", "EmbedLayer", "ModelLoss", "ScaleLayer", "dense",
            "ghost_clipped_grad_sum", "layer", "model_loss"]
 
 _NO_EXPONENT = -(2 ** 20)   # the exponent of a zero partial norm (below every float's range)
@@ -230,22 +230,33 @@ class _Hook:
     return self.record_layer(DenseLayer(), params, x, dense)
 
 
-def model_loss(apply_fn: Callable, example_loss: Callable) -> Callable:
+@dataclasses.dataclass(frozen=True)
+class ModelLoss:
+  """``loss_fn(params, (x, y)) = example_loss(apply_fn(params, x, dense=dense), y)``, the one
+  example's loss of a model written with :func:`dense`, which remembers that form: a consumer
+  that receives it (``dpjax.experiments.train_route``) can clip by
+  :func:`ghost_clipped_grad_sum` instead of ``vmap(grad)``. Built by :func:`model_loss`; two
+  built from the same functions compare equal (a jit's static argument compiles once)."""
+  apply_fn: Callable
+  example_loss: Callable
+
+  def __call__(self, params, example):
+    x, y = example
+    return self.example_loss(self.apply_fn(params, x, dense=dense), y)
+
+
+def model_loss(apply_fn: Callable, example_loss: Callable) -> ModelLoss:
   """``loss_fn(params, (x, y)) = example_loss(apply_fn(params, x, dense=dense), y)``.
 
   The one-example loss of the same model for :func:`dpjax.sgd.clipped_grad_sum` (the vmap
-  path) or a non-private step. Not private by itself.
+  path) or a non-private step; a :class:`ModelLoss`, which keeps ``apply_fn`` and
+  ``example_loss`` for a consumer that clips by ghost norms. Not private by itself.
 
   Raises:
     TypeError: ``apply_fn`` or ``example_loss`` not callable.
   """
   _check_callables(apply_fn, example_loss)
-
-  def loss_fn(params, example):
-    x, y = example
-    return example_loss(apply_fn(params, x, dense=dense), y)
-
-  return loss_fn
+  return ModelLoss(apply_fn, example_loss)
 
 
 def _check_callables(apply_fn, example_loss):
