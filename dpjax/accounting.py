@@ -880,9 +880,9 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | No
   ``tuning``, σ is calibrated so that the best of the tuning's random number of runs is
   (ε, δ)-DP (:func:`tuning_event`, RDP): ``sgd_epsilon`` is then the tuning's ε; a Gaussian
   release (``subspace_event`` with an RDP curve) is then composed ONCE, outside the repetition:
-  it must be made before the tuning and shared by all its runs (e.g.
-  :func:`dpjax.features.private_feature_normalization`); a release per run would be repeated
-  with the steps, which this event does not cover.
+  it must be made before the tuning and shared by all its runs (a private data normalisation,
+  one basis for every run); a release per run would be repeated with the steps, which this
+  event does not cover.
   Every ε here, the calibration's included, is computed from the one event
   :func:`dpsgd_plan_event` builds (``budget.dp_event`` at the returned σ).
 

@@ -179,7 +179,7 @@ class Training(NamedTuple):
 
 # Chosen on full MNIST's tuning split (issue 51; docs/algorithms.md §6.5.2): each grid's two
 # rates bracket the best rate at ε = 1 and 2.
-TRAINING = {"scatnet": TrainingDefaults(4096, 40.0, (0.002, 0.004)),
+TRAINING = {"scatnet": TrainingDefaults(4096, 40.0, (0.003, 0.006)),
             "mlp": TrainingDefaults(2048, 15.0, (0.001, 0.003)),
             "cnn": TrainingDefaults(1024, 10.0, (0.003, 0.01))}
 # The crossover study's names of the demo's data sets and models (--hidden 32 is its mlp_small).

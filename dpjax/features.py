@@ -7,8 +7,8 @@ Mallat 2015): a FIXED, data-independent cascade of Morlet wavelet convolutions a
 per example. Each row's features are a function of that row alone with no statistic of the
 data set, so the map costs no privacy; DP-SGD on the features is private for the rows as the
 plan states. (Tramèr & Boneh's other normalisation, "data" batch normalisation with the
-training set's mean and variance, reads the private rows: :func:`private_feature_normalization`
-releases those statistics by the Gaussian mechanism, with its event for the plan.)
+training set's mean and variance, reads the private rows and would need its own DP release and
+accounting: it is not offered here; docs/algorithms.md §6.6 has what it was measured to gain.)
 
 The transform is kymatio's (``kymatio`` ≥ 0.3.0, its JAX front end, in the ``features`` extra).
 """
@@ -20,16 +20,13 @@ import hashlib
 import os
 import pathlib
 
-import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
-from dpjax import accounting, results
-from dpjax.sgd import per_example
 
-__all__ = ["private_feature_normalization", "scattering_features", "scattering_shape"]
+__all__ = ["scattering_features", "scattering_shape"]
 
 
 def scattering_shape(height: int, width: int, *, J: int = 2, L: int = 8) -> tuple[int, int, int]:
@@ -159,89 +156,3 @@ def _digest(X: np.ndarray, J: int, L: int, groups, eps: float) -> str:
   h.update(np.ascontiguousarray(X).tobytes())
   return h.hexdigest()[:32]
 
-
-def private_feature_normalization(key: jax.Array, features, *, epsilon: float, delta: float,
-                                  groups: int = 81, clip_norm: float = 1.0,
-                                  eps: float = 1e-5) -> results.NormalizationResult:
-  """Private data normalisation of features: each group's mean and variance over the rows,
-  released by the Gaussian mechanism (Tramèr & Boneh's "data" normalisation, made private).
-
-  Usage::
-
-      raw = dpjax.features.scattering_features(images, groups=None)     # (n, 3969)
-      norm = dpjax.features.private_feature_normalization(key, raw, epsilon=0.5, delta=1e-6)
-      X = norm(raw)                       # and norm(raw_test): the same public map
-      config = dpjax.sgd.DPSGDConfig(..., subspace_event=norm)   # composed with the steps
-
-  Each row's vector ``v_i = (m_i, s_i)`` of its per-group means ``m_ig`` and mean squares
-  ``s_ig`` (``2·groups`` values) is clipped to ℓ2 norm ``clip_norm`` C
-  (:func:`dpjax.sgd.per_example.clip_per_example`, proven ≤ C), the clipped vectors are summed
-  and ``N(0, σ²C²)`` noise is added to each entry; divided by the row count n (public, as
-  DP-SGD's N), they give the means ``m̄`` and the variances ``v = s̄ − m̄²`` (floored at the
-  noise's own scale ``2σC/n``, then ``+ eps``: public post-processing, so the scale stays
-  finite whatever the noise draws).
-
-  Guarantee: (ε, δ)-DP under add/remove-one of a row: the sum moves by one clipped vector,
-  ℓ2-sensitivity C; σ = :func:`dpjax.accounting.analytic_gaussian_sigma` (ε, δ) (Balle &
-  Wang, exact). ``dp_event`` is ``GaussianDpEvent(σ)``: a DP-SGD config takes the result as its
-  ``subspace_event`` and composes it with the steps by the accountant (far below adding ε),
-  once, outside a tuning's repetition (docs/algorithms.md §6.6). Continuous Gaussian noise in
-  float32 (as Analyze Gauss with ``secure=False``). Traceable in ``key`` and ``features`` (ε, δ,
-  C and the group count are static).
-
-  Args:
-    key: a PRNG key owned by this release.
-    features: ``(n, D)`` float rows (e.g. un-normalised scattering features, ``groups=None``),
-      D divisible by ``groups``; group g is the g-th block of D/groups consecutive features
-      (a scattering channel for ``groups=81``).
-    epsilon, delta: the release's stand-alone budget.
-    groups: the number of groups normalised (81: one per scattering channel, J = 2, L = 8).
-    clip_norm: C, the public bound on ``‖v_i‖`` (1.0: an image of all ones has √2 for
-      scattering features of [0, 1] pixels; MNIST digits are far below 1, so none is clipped
-      there; a larger C adds noise in proportion).
-    eps: the variance's additive floor.
-
-  Returns:
-    :class:`dpjax.results.NormalizationResult` (``mean``, ``scale`` ``(groups,)``; call it on
-    feature rows to normalise them).
-
-  Raises:
-    ValueError: features not 2-D, empty, or D not divisible by ``groups``; bad ε, δ, C, eps.
-    TypeError: a bad key; ``groups`` not an integer.
-
-  References:
-    Tramèr & Boneh, ICLR 2021, §3 ("data normalization" of ScatterNet features, computed
-    privately, its cost composed with DP-SGD's by RDP); Balle & Wang, ICML 2018.
-  """
-  v.check_key(key)
-  epsilon = v.check_epsilon(epsilon)
-  delta = v.check_delta(delta)
-  clip_norm = v.check_positive(clip_norm, "clip_norm")
-  eps = v.check_positive(eps, "eps")
-  groups = v.check_int(groups, "groups", low=1)
-  shape = np.shape(features)
-  if len(shape) != 2 or shape[0] == 0 or shape[1] % groups:
-    raise ValueError(f"features must be (n, D), n >= 1, with D divisible by groups={groups}, "
-                     f"got shape {shape}.")
-  sigma = accounting.analytic_gaussian_sigma(epsilon, delta)
-  mean, scale = _normalization(key, jnp.asarray(features, jnp.float32), groups, clip_norm,
-                               sigma, eps)
-  n = shape[0]
-  return results.NormalizationResult(
-      ok=jnp.asarray(True), mean=mean, scale=scale, epsilon=epsilon, delta=delta,
-      neighboring=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-      dp_event=dp_accounting.GaussianDpEvent(sigma),
-      info={"groups": groups, "clip_norm": clip_norm, "noise_multiplier": sigma,
-            "num_examples": n, "variance_floor": 2.0 * sigma * clip_norm / n, "eps": eps})
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _normalization(key, X, groups, clip_norm, sigma, eps):
-  n = X.shape[0]
-  g = X.reshape(n, groups, -1)
-  stats = jnp.concatenate([g.mean(axis=-1), jnp.square(g).mean(axis=-1)], axis=1)
-  clipped = per_example.clip_per_example(stats, clip_norm)
-  noisy = clipped.sum(axis=0) + sigma * clip_norm * jax.random.normal(key, stats.shape[1:])
-  mean, square = noisy[:groups] / n, noisy[groups:] / n
-  variance = jnp.maximum(square - jnp.square(mean), 2.0 * sigma * clip_norm / n)
-  return mean, jax.lax.rsqrt(variance + eps)

@@ -25,8 +25,8 @@ from dp_accounting import DpEvent, NeighboringRelation, NonPrivateDpEvent, NoOpD
 from dpjax import accounting
 from dpjax._core.deprecation import renamed_attribute
 
-__all__ = ["DPResult", "ERMResult", "EstimateResult", "GaussianResult", "NormalizationResult",
-           "PublicInfo", "SubspaceResult", "SyntheticDataResult"]
+__all__ = ["DPResult", "ERMResult", "EstimateResult", "GaussianResult", "PublicInfo",
+           "SubspaceResult", "SyntheticDataResult"]
 
 _NAN = float("nan")       # one NaN object, so that equal infos compare equal (NaN != NaN)
 
@@ -258,32 +258,7 @@ class ERMResult(DPResult):
   nonprivate_gradient_norm: jax.Array
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NormalizationResult(DPResult):
-  """Outcome of :func:`dpjax.features.private_feature_normalization`: released per-group
-  feature statistics, and the public map they define (no ⊥: ``ok`` is always True).
-
-  Attributes:
-    mean: ``(groups,)`` the released mean of each group of features.
-    scale: ``(groups,)`` ``1/√(max(v, floor) + eps)``, v the released variance (the floor and
-      eps in ``info``).
-  """
-  mean: jax.Array
-  scale: jax.Array
-
-  def __call__(self, features) -> jax.Array:
-    """``features (n, D)`` normalised: group g's features ``(x − mean_g)·scale_g`` (a public
-    map of the release and of each row alone; post-processing)."""
-    x = jnp.asarray(features)
-    groups = self.mean.shape[-1]
-    if x.ndim != 2 or x.shape[1] % groups:
-      raise ValueError(f"features must be (n, D) with D divisible by the {groups} groups, got "
-                       f"shape {x.shape}.")
-    g = x.reshape(x.shape[0], groups, -1)
-    return ((g - self.mean[:, None]) * self.scale[:, None]).reshape(x.shape).astype(x.dtype)
-
-
 for _cls in (DPResult, SubspaceResult, EstimateResult, GaussianResult, SyntheticDataResult,
-             ERMResult, NormalizationResult):
+             ERMResult):
   jax.tree_util.register_dataclass(_cls)
 

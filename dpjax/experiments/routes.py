@@ -679,8 +679,8 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     settings: the routes' hyperparameters.
     accountant: ``"pld"`` or ``"rdp"``.
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning` (above; needs
-      ``accountant="rdp"``; not for ``private_input_subspace``, whose subspace release is
-      composed by basic composition and has no RDP curve to repeat).
+      ``accountant="rdp"``; not for ``private_input_subspace``, whose basis is released once
+      per run and would be repeated with it).
 
   Returns:
     :class:`RouteRun` (params stacked over the K runs, σ, the subspace rank, one run's
