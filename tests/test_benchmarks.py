@@ -190,6 +190,20 @@ def test_gradient_subspace_options(tmp_path):
   assert "dp_sgd_denoise" not in bench.DEFAULT_ROUTES
 
 
+def test_gradient_subspace_full_mnist_split():
+  """Full MNIST in the crossover study: the canonical test digits, 1,000 tuning rows, 1,000
+  public rows and a pool of 58,000, disjoint, in the loader's fixed order; the scattering data
+  set is the same rows as features (its default grid's largest n is the whole pool)."""
+  bench = _load("gradient_subspace")
+  parts = bench.load("mnist_full", 0)
+  assert {k: v[0].shape for k, v in parts.items()} == {
+      "test": (10_000, 784), "tune": (1000, 784), "public": (1000, 784), "pool": (58_000, 784)}
+  rows = np.concatenate([parts[k][0] for k in ("tune", "pool", "public")])
+  np.testing.assert_array_equal(rows, bench.data_lib.load_mnist(full=True).X_train)
+  assert max(bench.DEFAULT_N["mnist_full_scattering"]) == 58_000
+  assert bench.STEPS["mnist_full"] == bench.STEPS["mnist_full_scattering"]
+
+
 @pytest.mark.slow(reason="the synthetic-data benchmark's options and its NumPy PMM baseline")
 def test_synthetic_data_options(tmp_path):
   """Every option at tiny sizes; the JSON has the documented summary schema, both PNGs exist and

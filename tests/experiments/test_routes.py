@@ -17,7 +17,7 @@ import helpers
 from dpjax import accounting, demo, experiments, sgd, subspace
 from dpjax.experiments import routes
 from dpjax.sgd import bases as bases_lib
-from dpjax.sgd import gep, noise
+from dpjax.sgd import gep, ghost, noise
 
 D, N = 12, 400
 _S = experiments.RouteSettings
@@ -576,3 +576,35 @@ def test_the_routes_step_is_the_plans_update(data, monkeypatch):
   made.clear(), traced.clear()
   _run("non_private", data, keys, init=LINEAR, steps=2)
   assert made == [] and traced == []
+
+
+@pytest.mark.parametrize("route", ["dp_sgd", "gep_trajectory"])
+def test_a_model_written_with_dense_is_clipped_by_ghost_norms(route):
+  """The main job's MLP loss is a ModelLoss: the routes clip it by ghost norms (no per-example
+  gradients), the same sum as the vmap path to float rounding and the same bound; a plain
+  function loss of the same model takes the vmap path. The non-private sum is the gradient of
+  the masked loss, equal to the per-example gradients summed over the mask."""
+  settings = experiments.RouteSettings(clip_norm=0.7, gep_rank=3)
+  assert isinstance(demo.example_loss, ghost.ModelLoss)
+  fast = routes._grad_fns(route, demo.example_loss, settings)
+  plain = routes._grad_fns(route, lambda p, e: demo.example_loss(p, e), settings)
+  params = INIT(jax.random.key(1))
+  rng = np.random.default_rng(3)
+  X = rng.normal(size=(40, D)).astype(np.float32)
+  X[0] *= 50.0                                # one example far above the clip norm
+  y = rng.integers(0, 3, 40).astype(np.int32)
+  mask = (jnp.arange(40) % 3 != 0).astype(jnp.float32)
+  args = (params, (jnp.asarray(X), jnp.asarray(y)), mask)
+  if route == "gep_trajectory":
+    basis = np.linalg.qr(helpers.normal(5, (D, 3)))[0].astype(np.float32)
+    args += (routes.first_layer_bases(params, basis),)
+  for a, b in zip(fast, plain):
+    assert a.l2_norm_bound == pytest.approx(b.l2_norm_bound)
+  got, want = fast[-1](*args), plain[-1](*args)
+  for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+  total = routes._unclipped_sum(demo.example_loss)(*args[:3])
+  per = jax.vmap(jax.grad(demo.example_loss), in_axes=(None, 0))(params, args[1])
+  expected = jax.tree_util.tree_map(lambda g: jnp.tensordot(mask, g, axes=1), per)
+  for g, w in zip(jax.tree_util.tree_leaves(total), jax.tree_util.tree_leaves(expected)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
