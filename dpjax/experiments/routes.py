@@ -763,6 +763,10 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     tuning = accounting.check_tuning(tuning)
     if route == "non_private":
       tuning = None                       # nothing private to tune: the argument is ignored
+    if private_input:
+      raise ValueError("tuning cannot repeat private_input_subspace's subspace release: each "
+                       "run releases its own basis, and a tuned config composes one release "
+                       "once; run the route untuned.")
   selection = sampling.poisson_sampling(n, batch)
   static = dataclasses.replace(settings, gep_edge_scale=None if scale is None else 1.0)
   X32, y = jnp.asarray(X, jnp.float32), jnp.asarray(y)

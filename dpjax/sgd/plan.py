@@ -387,6 +387,15 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
         f"calibrated with it): the release(s) state {events}, the config's subspace_event is "
         f"{config.subspace_event}. Use DPSGDConfig(..., subspace_event=release), or "
         "dp_sgd_plan(..., basis=release), which does.")
+  if events and config.tuning is not None:
+    # A tuned config composes its release once, outside the tuning's repetition: every run
+    # must use that one release (a release per run would be K releases the event omits).
+    given = jax.tree_util.tree_leaves((basis, bases))
+    first = config.__dict__.setdefault("_tuned_release", given)
+    if len(first) != len(given) or any(a is not b for a, b in zip(first, given)):
+      raise ValueError("this config is tuned: its subspace release is composed once, outside "
+                       "the tuning's repetition, so every run must use the same release; this "
+                       "plan was given another. Release once before the tuning, or do not tune.")
   budget = config.calibrate()
   transform = noise.dp_noise(grad_fn, noise_multiplier=budget.noise_multiplier,
                              expected_batch_size=selection.expected_batch_size, key=key,

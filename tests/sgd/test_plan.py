@@ -561,6 +561,32 @@ def test_a_release_whose_event_is_not_in_the_config_is_refused_at_make():
     sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=5)
 
 
+def test_a_tuned_config_takes_one_release_for_every_run():
+  """With a tuning, the release is composed once, outside the repetition: the runs of one tuned
+  config may share one release (each plan made with it), and a plan given another release of
+  the same event is refused — that would be K releases paid as one."""
+  tuning = accounting.HyperparameterTuning(2.0)
+  release = sgd.private_input_basis(jax.random.key(3), np.asarray(X), 2, epsilon=0.5,
+                                    delta=1e-7, clip_norm=3.0, secure=False)
+  other = sgd.private_input_basis(jax.random.key(4), np.asarray(X), 2, epsilon=0.5,
+                                  delta=1e-7, clip_norm=3.0, secure=False)
+  assert other.dp_event == release.dp_event
+  grad_fn = sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+  config = sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=5, epsilon=2.0,
+                           accountant="rdp", subspace_event=release, tuning=tuning)
+  runs = [config.make(grad_fn, key=jax.random.key(i), basis=release) for i in range(2)]
+  assert runs[0].dp_event == runs[1].dp_event == dp_accounting.ComposedDpEvent((
+      release.dp_event, accounting.tuning_event(
+          accounting.dpsgd_event(runs[0].noise_multiplier, 40 / N, 5), tuning)))
+  with pytest.raises(ValueError, match="every run must use the same release"):
+    config.make(grad_fn, key=jax.random.key(2), basis=other)
+  # Untuned, each plan is one run: another config may take another release.
+  untuned = sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=5, epsilon=2.0,
+                            accountant="rdp", subspace_event=release)
+  untuned.make(grad_fn, key=jax.random.key(0), basis=release)
+  untuned.make(grad_fn, key=jax.random.key(1), basis=other)
+
+
 def test_run_calls_its_hook_between_steps():
   """A between-steps hook (post-processing of the state; GEP's trajectory refresh is one): every
   hook_every steps, inside the scan. Here it swaps GEP's bases in after the first step."""
