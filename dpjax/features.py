@@ -8,7 +8,7 @@ per example. Each row's features are a function of that row alone with no statis
 data set, so the map costs no privacy; DP-SGD on the features is private for the rows as the
 plan states. (Tramèr & Boneh's other normalisation, "data" batch normalisation with the
 training set's mean and variance, reads the private rows and would need its own DP release and
-accounting: it is not offered here; docs/algorithms.md §6.6 has what it was measured to gain.)
+accounting: it is not offered here; docs/algorithms.md §6.5.2 has what it was measured to gain.)
 
 The transform is kymatio's (``kymatio`` ≥ 0.3.0, its JAX front end, in the ``features`` extra).
 """

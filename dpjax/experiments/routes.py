@@ -86,7 +86,7 @@ from jax.flatten_util import ravel_pytree
 
 from dpjax import _validation as v
 from dpjax import accounting, linalg, sgd
-from dpjax.sgd import ghost, noise, per_example, sampling, sources
+from dpjax.sgd import ghost, noise, sampling, sources
 
 __all__ = ["DENSE_ROUTES", "DIAGNOSTIC_ROUTES", "INPUT_SCALINGS", "PUBLIC_ROUTES", "ROUTES",
            "RouteRun", "RouteSettings", "RunKeys", "first_layer_bases", "gep_edge_noise_std",
