@@ -83,11 +83,12 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.stats
 
-from dpjax import accounting, demo, experiments
+from dpjax import accounting, demo, experiments, sgd, subspace
 from dpjax import data as data_lib
 from dpjax import features as features_lib
 
 NOT_PRIVATE = ("non_private",)
+TASKS = {"mnist_full_scattering": "mnist_full"}
 MODELS = {"softmax": (), "mlp_small": (32,), "mlp_large": (128,), "mlp_256": (256,),
           "mlp_1000": (1000,), "cnn": None}
 # mnist_full: the canonical 60,000 / 10,000 digits; mnist_full_scattering: their scattering
@@ -283,12 +284,17 @@ def main(argv=None) -> dict:
   parser.add_argument("--write-crossover", type=str, default=None,
                       help="merge the crossover summary (n* per data set, model, ε, route) into "
                            "this JSON file (dpjax/_data/crossover.json for the main job)")
+  parser.add_argument("--diagnostics", action="store_true",
+                      help="with --merge: add each DP-PCA row's release diagnostics (captured "
+                           "energy, detectable directions, a DPASE probe at the largest n)")
   parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                       help="run nothing: merge these --json reports (a grid run in pieces), "
                            "then print, --json, --plot and --write-crossover the whole")
   args = parser.parse_args(argv)
   if args.merge:
     summary, details, configs = merge_reports(args.merge)
+    if args.diagnostics:
+      add_diagnostics(summary, details)
     return finish(summary, details, {"merged": args.merge, "configs": configs}, args)
   quick = args.quick
   args.seeds = args.seeds or (3 if quick else 4)
@@ -385,6 +391,78 @@ def main(argv=None) -> dict:
   return finish(summary, details, config, args)
 
 
+def input_diagnostics(X: np.ndarray, *, rank: int, epsilon: float, fraction: float,
+                      dpase_probe: bool = False, key_seed: int = 0) -> dict:
+  """Why ``private_input_subspace`` gains or loses on rows ``X (n, d)``: its Analyze Gauss release
+  at rank k and stand-alone ε_s = fraction·ε (δ_s = 0.1 δ), as the route makes it for seed
+  ``key_seed`` (the run's ``subspace`` stream), against the exact top-k basis of the same unit
+  rows. NOT private (it reads the exact spectrum): a diagnostic of a release, never a release.
+
+  Returns ``eigenvalues`` (the top 2k of the unit rows' second-moment SUM ``S = Σ x xᵀ``),
+  ``noise_sigma`` σ_p (per-entry std of the release's symmetric noise on S, sensitivity 1),
+  ``noise_edge`` 2σ_p√d (the noise matrix's spectral norm: a direction with λ below it is not
+  resolved), ``detectable`` (#λ above the edge), ``snr`` (λ_i/(σ_p√d), i ≤ k),
+  ``captured_exact`` / ``captured_released`` (tr(BᵀSB)/tr S of the exact and the released basis)
+  and, with ``dpase_probe``, ``dpase`` (DPASE at the same (ε_s, δ_s, k) on random labels, γ set
+  to the exact sqrt(λ_{k+1}/λ_k) — optimistic: γ is not public): whether it answered and what
+  its basis captures."""
+  U = np.asarray(X, np.float64)
+  norms = np.linalg.norm(U, axis=1, keepdims=True)
+  U = np.divide(U, norms, out=np.zeros_like(U), where=norms > 0)     # the route's public map
+  S = U.T @ U
+  lam, V = np.linalg.eigh(S)
+  lam, V = lam[::-1], V[:, ::-1]
+  d = S.shape[0]
+  eps_s, delta_s = fraction * epsilon, 0.1 * DELTA
+  sigma = float(experiments.input_basis_event(eps_s, delta_s).noise_multiplier)
+  release = sgd.private_input_basis(experiments.run_keys(jax.random.key(key_seed)).subspace,
+                                    U, rank, epsilon=eps_s, delta=delta_s, clip_norm=1.0,
+                                    secure=False)
+
+  def captured(B):
+    B = np.asarray(B, np.float64)
+    return float(np.trace(B.T @ S @ B) / np.trace(S))
+
+  edge = 2.0 * sigma * np.sqrt(d)
+  out = {"rank": rank, "epsilon_s": eps_s, "delta_s": delta_s, "noise_sigma": sigma,
+         "noise_edge": float(edge), "eigenvalues": lam[:2 * rank].tolist(),
+         "detectable": int(np.sum(lam > edge)),
+         "snr": (lam[:rank] / (sigma * np.sqrt(d))).tolist(),
+         "captured_exact": captured(V[:, :rank]), "captured_released": captured(release.basis)}
+  if dpase_probe:
+    gamma = float(np.sqrt(max(lam[rank], 0.0) / lam[rank - 1]))
+    res = subspace.dpase(jax.random.key(key_seed), U.astype(np.float32), epsilon=eps_s,
+                         delta=delta_s, k=rank, gamma=gamma, partition="random_labels")
+    out["dpase"] = {"ok": bool(res.ok), "gamma": gamma,
+                    "cell_length": float(res.info["cell_length"]),
+                    "num_subsets": int(res.info["num_subsets"]),
+                    "captured": captured(res.basis) if bool(res.ok) else None}
+  return out
+
+
+def add_diagnostics(summary: dict, details: dict, *, dpase_at_n_max: bool = True) -> None:
+  """Adds :func:`input_diagnostics` to every ``private_input_subspace`` row of ``details`` (its
+  tuned rank and share; the DPASE probe at each data set's largest n)."""
+  cells = sorted(((name, _cell(name)) for name in details
+                  if "private_input_subspace" in details[name]), key=lambda c: c[1][:2])
+  n_max = {}
+  for _, (dataset, n, _, _) in cells:
+    n_max[dataset] = max(n, n_max.get(dataset, 0))
+  loaded = {}
+  for name, (dataset, n, _, eps) in cells:
+    row = details[name]["private_input_subspace"]
+    if dataset not in loaded:
+      loaded = {dataset: load(dataset, n_max[dataset])["pool"][0]}     # one data set held
+    row["diagnostics"] = input_diagnostics(
+        loaded[dataset][:n], rank=row["rank"], epsilon=float(eps),
+        fraction=row["pca_fraction"], dpase_probe=dpase_at_n_max and n == n_max[dataset])
+    d = row["diagnostics"]
+    print(f"  {name:36s} k={row['rank']} f={row['pca_fraction']:g}: detectable {d['detectable']}, "
+          f"captured {d['captured_released']:.3f} of the exact {d['captured_exact']:.3f}"
+          + (f", DPASE {'answers' if d['dpase']['ok'] else '⊥'}" if "dpase" in d else ""),
+          flush=True)
+
+
 def merge_reports(paths) -> tuple[dict, dict, list]:
   """``(summary, details, configs)`` of the JSON reports at ``paths`` (a grid run in pieces):
   their cells' rows united, a later file's row replacing an earlier one's of the same name."""
@@ -416,9 +494,18 @@ def finish(summary: dict, details: dict, config, args) -> dict:
   return report
 
 
+def shipped_name(dataset: str, model: str) -> tuple[str, str]:
+  """The (data set, model) a crossover cell is shipped under for the main job: scattering cells
+  as full MNIST's ``scatnet`` (softmax on scattering features, the main job's model) or
+  ``scatnet_<model>``; others as they are."""
+  if dataset == "mnist_full_scattering":
+    return "mnist_full", "scatnet" if model == "softmax" else f"scatnet_{model}"
+  return dataset, model
+
+
 def write_crossover(crossover: dict, path: str) -> None:
   """Merges ``crossover`` into the JSON file at ``path`` (cells of this run replace the same
-  (data set, model, ε) cells there), without the per-n detail."""
+  (data set, model, ε) cells there, named by :func:`shipped_name`), without the per-n detail."""
   try:
     with open(path, encoding="utf-8") as f:
       merged = json.load(f)
@@ -427,7 +514,8 @@ def write_crossover(crossover: dict, path: str) -> None:
   for dataset, models in crossover.items():
     for model, epss in models.items():
       for eps, routes in epss.items():
-        merged.setdefault(dataset, {}).setdefault(model, {})[eps] = {
+        name, shipped = shipped_name(dataset, model)
+        merged.setdefault(name, {}).setdefault(shipped, {})[eps] = {
             route: {k: v for k, v in c.items() if k != "by_n"} for route, c in routes.items()}
   with open(path, "w", encoding="utf-8") as f:
     json.dump(merged, f, indent=1, sort_keys=True)
@@ -438,26 +526,38 @@ def _cell(name: str) -> tuple[str, int, str, str]:
   return dataset, int(n.split("=")[1]), model, eps.split("=")[1]
 
 
+def task(dataset: str) -> str:
+  """The task a data set poses: the same rows under a public feature map pose the same task, so
+  the best private model is sought over both (scattering features are full MNIST's)."""
+  return TASKS.get(dataset, dataset)
+
+
 def _mark_wins(summary: dict) -> None:
-  """``wins``: a private route other than dp_sgd, interval above zero and mean accuracy above the
-  best dp_sgd over all models at that (data set, n, ε)."""
+  """``beats_model``: a private route other than dp_sgd whose paired interval against the same
+  model's dp_sgd lies above zero; ``wins``: that AND mean accuracy above the best dp_sgd over
+  every model (and feature map, :func:`task`) at that (task, n, ε), named in ``best_model``."""
   best = {}
   for name, rows in summary.items():
-    dataset, n, _, eps = _cell(name)
-    best[(dataset, n, eps)] = max(best.get((dataset, n, eps), 0.0), rows["dp_sgd"]["mean"])
+    dataset, n, model, eps = _cell(name)
+    cell = (task(dataset), n, eps)
+    if rows["dp_sgd"]["mean"] > best.get(cell, (0.0, ""))[0]:
+      best[cell] = (rows["dp_sgd"]["mean"], f"{dataset}/{model}")
   for name, rows in summary.items():
     dataset, n, _, eps = _cell(name)
+    top, where = best[(task(dataset), n, eps)]
     for route, r in rows.items():
-      r["wins"] = bool(r["private"] and route != "dp_sgd" and r["ci"][0] > 0
-                       and r["mean"] > best[(dataset, n, eps)])
-      r["vs_best_dp_sgd"] = r["mean"] - best[(dataset, n, eps)]
+      r["beats_model"] = bool(r["private"] and route != "dp_sgd" and r["ci"][0] > 0)
+      r["wins"] = bool(r["beats_model"] and r["mean"] > top)
+      r["vs_best_dp_sgd"] = r["mean"] - top
+      r["best_model"] = where
 
 
 def crossovers(summary: dict) -> dict:
-  """``{data: {model: {ε: {route: {"n_star", "n_wins", "n_max", "diff_at_n_max", "ci_at_n_max",
-  "vs_best_dp_sgd_at_n_max", "by_n"}}}}}``: n* the smallest n where the route wins (None: none up
-  to n_max), ``n_wins`` every n where it wins (a public subspace can win at small n only: DP-SGD's
-  noise shrinks with n, the public basis's error does not)."""
+  """``{data: {model: {ε: {route: {"n_star", "n_wins", "n_star_model", "n_beats_model", "n_max",
+  "diff_at_n_max", "ci_at_n_max", "vs_best_dp_sgd_at_n_max", "by_n"}}}}}``: n* the smallest n
+  where the route wins (None: none up to n_max), ``n_wins`` every n where it wins (a public
+  subspace can win at small n only: DP-SGD's noise shrinks with n, the public basis's error does
+  not); ``n_star_model`` / ``n_beats_model`` the same against the same model's dp_sgd alone."""
   out: dict = {}
   for name in sorted(summary, key=lambda s: _cell(s)[1]):
     dataset, n, model, eps = _cell(name)
@@ -465,12 +565,16 @@ def crossovers(summary: dict) -> dict:
       if route == "dp_sgd":
         continue
       c = out.setdefault(dataset, {}).setdefault(model, {}).setdefault(eps, {}).setdefault(
-          route, {"n_star": None, "n_wins": [], "by_n": {}})
+          route, {"n_star": None, "n_wins": [], "n_star_model": None, "n_beats_model": [],
+                  "by_n": {}})
       c["by_n"][str(n)] = {"diff": r["diff"], "ci": r["ci"], "wins": r["wins"],
-                           "vs_best_dp_sgd": r["vs_best_dp_sgd"]}
-      if r["wins"]:
-        c["n_wins"].append(n)
-        c["n_star"] = c["n_wins"][0]
+                           "beats_model": r["beats_model"], "vs_best_dp_sgd": r["vs_best_dp_sgd"],
+                           "best_model": r["best_model"]}
+      for flag, ns, star in (("wins", "n_wins", "n_star"),
+                             ("beats_model", "n_beats_model", "n_star_model")):
+        if r[flag]:
+          c[ns].append(n)
+          c[star] = c[ns][0]
       c.update(n_max=n, diff_at_n_max=r["diff"], ci_at_n_max=r["ci"],
                vs_best_dp_sgd_at_n_max=r["vs_best_dp_sgd"])
   return out

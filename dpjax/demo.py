@@ -723,7 +723,9 @@ def crossover_lines(dataset: str, model: str | None, epsilon: float, methods) ->
   it measured at or below this one (else the smallest above). A route the study measured says
   "wins from n ≈ N at ε = E (model M)" (it wins at every measured n from N on), "wins at
   n ≈ N1, N2 (not at n = N) …" (a public subspace can win at small n only) or "does not win up to
-  n = N at ε = E (model M): X points vs the best dp_sgd"; others say why there is no line."""
+  n = N at ε = E (model M): X points vs the best dp_sgd (its model)", with ", though it beats
+  this model's dp_sgd from n ≈ N' (…)" where it beats its own model's DP-SGD but not the best
+  private model; others say why there is no line."""
   study = _study().get(_STUDY_DATA.get(dataset, ""), {})
   if not study:
     return {m: f"the crossover study has no measurements on {dataset}" for m in methods
@@ -754,9 +756,13 @@ def crossover_lines(dataset: str, model: str | None, epsilon: float, methods) ->
                      f"{100 * c['vs_best_dp_sgd_at_n_max']:+.1f} points vs the best dp_sgd) at "
                      f"ε = {eps} ({model})".strip())
       else:
+        best = f" ({c['best_model']})" if c.get("best_model") else ""
         parts.append(f"{label} does not win up to n = {c['n_max']:,} at ε = {eps} ({model}): "
-                     f"{100 * c['vs_best_dp_sgd_at_n_max']:+.1f} points vs the best dp_sgd"
+                     f"{100 * c['vs_best_dp_sgd_at_n_max']:+.1f} points vs the best dp_sgd{best}"
                      .strip())
+        if c.get("n_star_model") is not None:
+          parts[-1] += (f", though it beats this model's dp_sgd from n ≈ {c['n_star_model']:,} "
+                        f"({100 * c['diff_at_n_max']:+.1f} points at n = {c['n_max']:,})")
     lines[m] = "; ".join(parts)
   return lines
 
