@@ -294,7 +294,7 @@ def main(argv=None) -> dict:
   if args.merge:
     summary, details, configs = merge_reports(args.merge)
     if args.diagnostics:
-      add_diagnostics(summary, details)
+      add_diagnostics(details, configs)
     return finish(summary, details, {"merged": args.merge, "configs": configs}, args)
   quick = args.quick
   args.seeds = args.seeds or (3 if quick else 4)
@@ -371,15 +371,7 @@ def main(argv=None) -> dict:
         print(f"  {name:36s} {row:30s} lr={lr:<5g} σ={sigma:.3f} "
               f"median acc={np.median(acc['test']):.3f} ({seconds:.0f} s)", flush=True)
       details[name] = rows
-      base = np.asarray(rows["dp_sgd"]["test"])
-      summary[name] = {}
-      for row, r in rows.items():
-        acc = np.asarray(r["test"])
-        diff, ci = paired_interval(acc - base)
-        summary[name][row] = {"acc": float(np.median(acc)), "mean": float(np.mean(acc)),
-                              "diff": diff, "ci": ci, "learning_rate": r["learning_rate"],
-                              "tuning_accuracy": r["tuning_accuracy"],
-                              "private": row not in NOT_PRIVATE and not is_oracle(row)}
+      summary[name] = summarise(rows)
   config = {"seeds": args.seeds, "tuning_seeds": args.tuning_seeds,
                        "learning_rates": lrs_grid.tolist(), "delta": DELTA,
                        "accountant": "pld", "neighboring": "add_or_remove_one",
@@ -405,7 +397,7 @@ def input_diagnostics(X: np.ndarray, *, rank: int, epsilon: float, fraction: flo
   ``captured_exact`` / ``captured_released`` (tr(BᵀSB)/tr S of the exact and the released basis)
   and, with ``dpase_probe``, ``dpase`` (DPASE at the same (ε_s, δ_s, k) on random labels, γ set
   to the exact sqrt(λ_{k+1}/λ_k) — optimistic: γ is not public): whether it answered and what
-  its basis captures."""
+  its basis captures (``note``: why it could not run, e.g. too few rows for its subsets)."""
   U = np.asarray(X, np.float64)
   norms = np.linalg.norm(U, axis=1, keepdims=True)
   U = np.divide(U, norms, out=np.zeros_like(U), where=norms > 0)     # the route's public map
@@ -431,18 +423,26 @@ def input_diagnostics(X: np.ndarray, *, rank: int, epsilon: float, fraction: flo
          "captured_exact": captured(V[:, :rank]), "captured_released": captured(release.basis)}
   if dpase_probe:
     gamma = float(np.sqrt(max(lam[rank], 0.0) / lam[rank - 1]))
-    res = subspace.dpase(jax.random.key(key_seed), U.astype(np.float32), epsilon=eps_s,
-                         delta=delta_s, k=rank, gamma=gamma, partition="random_labels")
-    out["dpase"] = {"ok": bool(res.ok), "gamma": gamma,
-                    "cell_length": float(res.info["cell_length"]),
-                    "num_subsets": int(res.info["num_subsets"]),
-                    "captured": captured(res.basis) if bool(res.ok) else None}
+    try:
+      res = subspace.dpase(jax.random.key(key_seed), U.astype(np.float32), epsilon=eps_s,
+                           delta=delta_s, k=rank, gamma=gamma, partition="random_labels")
+    except ValueError as exc:        # too few rows for its subsets: a public fact
+      out["dpase"] = {"ok": False, "gamma": gamma, "cell_length": None, "num_subsets": None,
+                      "captured": None, "note": str(exc)}
+    else:
+      out["dpase"] = {"ok": bool(res.ok), "gamma": gamma,
+                      "cell_length": float(res.info["cell_length"]),
+                      "num_subsets": int(res.info["num_subsets"]),
+                      "captured": captured(res.basis) if bool(res.ok) else None, "note": None}
   return out
 
 
-def add_diagnostics(summary: dict, details: dict, *, dpase_at_n_max: bool = True) -> None:
+def add_diagnostics(details: dict, configs: list, *, dpase_at_n_max: bool = True) -> None:
   """Adds :func:`input_diagnostics` to every ``private_input_subspace`` row of ``details`` (its
-  tuned rank and share; the DPASE probe at each data set's largest n)."""
+  tuned rank and share; the DPASE probe at each data set's largest n); a user's ``.npz`` is
+  found by the path the pieces' ``configs`` name."""
+  paths = {os.path.basename(d) if d.endswith(".npz") else d: d
+           for config in configs for d in config.get("data", [])}
   cells = sorted(((name, _cell(name)) for name in details
                   if "private_input_subspace" in details[name]), key=lambda c: c[1][:2])
   n_max = {}
@@ -452,29 +452,50 @@ def add_diagnostics(summary: dict, details: dict, *, dpase_at_n_max: bool = True
   for name, (dataset, n, _, eps) in cells:
     row = details[name]["private_input_subspace"]
     if dataset not in loaded:
-      loaded = {dataset: load(dataset, n_max[dataset])["pool"][0]}     # one data set held
+      loaded = {dataset: load(paths.get(dataset, dataset), n_max[dataset])["pool"][0]}  # one held
     row["diagnostics"] = input_diagnostics(
         loaded[dataset][:n], rank=row["rank"], epsilon=float(eps),
         fraction=row["pca_fraction"], dpase_probe=dpase_at_n_max and n == n_max[dataset])
     d = row["diagnostics"]
+    probe = d.get("dpase")
+    said = "" if probe is None else ", DPASE " + (
+        "answers" if probe["ok"] else "not runnable" if probe["note"] else "⊥")
     print(f"  {name:36s} k={row['rank']} f={row['pca_fraction']:g}: detectable {d['detectable']}, "
           f"captured {d['captured_released']:.3f} of the exact {d['captured_exact']:.3f}"
-          + (f", DPASE {'answers' if d['dpase']['ok'] else '⊥'}" if "dpase" in d else ""),
+          + said,
           flush=True)
+
+
+def summarise(rows: dict) -> dict:
+  """One cell's summary from its detail rows: per row the median and mean test accuracy and the
+  paired difference from ``dp_sgd`` with its 95% interval (seed i of every row is run with key
+  i, so the first m seeds pair up when two rows have different seed counts)."""
+  base = np.asarray(rows["dp_sgd"]["test"])
+  out = {}
+  for row, r in rows.items():
+    acc = np.asarray(r["test"])
+    m = min(len(acc), len(base))
+    diff, ci = paired_interval(acc[:m] - base[:m])
+    out[row] = {"acc": float(np.median(acc)), "mean": float(np.mean(acc)), "diff": diff,
+                "ci": ci, "learning_rate": r["learning_rate"],
+                "tuning_accuracy": r["tuning_accuracy"],
+                "private": row not in NOT_PRIVATE and not is_oracle(row)}
+  return out
 
 
 def merge_reports(paths) -> tuple[dict, dict, list]:
   """``(summary, details, configs)`` of the JSON reports at ``paths`` (a grid run in pieces):
-  their cells' rows united, a later file's row replacing an earlier one's of the same name."""
-  summary, details, configs = {}, {}, []
+  their cells' detail rows united, a later file's row replacing an earlier one's of the same
+  name, and the summary derived again from the united rows (:func:`summarise`: every difference
+  against the cell's one ``dp_sgd`` row)."""
+  details, configs = {}, []
   for path in paths:
     with open(path, encoding="utf-8") as f:
       report = json.load(f)
-    for part, into in ((report["summary"], summary), (report["details"], details)):
-      for name, rows in part.items():
-        into.setdefault(name, {}).update(rows)
+    for name, rows in report["details"].items():
+      details.setdefault(name, {}).update(rows)
     configs.append(report["config"])
-  return summary, details, configs
+  return {name: summarise(rows) for name, rows in details.items()}, details, configs
 
 
 def finish(summary: dict, details: dict, config, args) -> dict:
@@ -602,6 +623,8 @@ def _print_crossover(crossover: dict) -> None:
                      if c["n_star"] is not None else
                      f"none up to n = {c['n_max']} (diff {c['diff_at_n_max']:+.3f}, "
                      f"vs best dp_sgd {c['vs_best_dp_sgd_at_n_max']:+.3f})")
+          if c["n_star"] is None and c.get("n_star_model") is not None:
+            verdict += f"; beats its model's dp_sgd at n = {c['n_beats_model']}"
           print(f"{dataset:12s} {model:10s} {eps:>3s} {route:30s} {verdict}")
 
 

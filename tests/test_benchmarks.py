@@ -245,7 +245,10 @@ def test_input_diagnostics_on_a_planted_spectrum():
   assert diag["noise_edge"] == pytest.approx(2 * diag["noise_sigma"] * np.sqrt(d))
   assert diag["detectable"] == 3 and len(diag["snr"]) == 3 and len(diag["eigenvalues"]) == 6
   assert 0.9 < diag["captured_released"] <= diag["captured_exact"] + 1e-9 <= 1.0 + 1e-9
-  assert set(diag["dpase"]) == {"ok", "gamma", "cell_length", "num_subsets", "captured"}
+  assert set(diag["dpase"]) == {"ok", "gamma", "cell_length", "num_subsets", "captured", "note"}
+  assert diag["dpase"]["note"] is None
+  few = bench.input_diagnostics(X[:300], rank=3, epsilon=2.0, fraction=0.1, dpase_probe=True)
+  assert not few["dpase"]["ok"] and "n is too small" in few["dpase"]["note"]
   assert diag["dpase"]["captured"] is None or diag["dpase"]["captured"] <= diag["captured_exact"] + 1e-9
 
 
