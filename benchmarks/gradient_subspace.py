@@ -77,6 +77,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,7 @@ from dpjax import features as features_lib
 
 NOT_PRIVATE = ("non_private",)
 TASKS = {"mnist_full_scattering": "mnist_full"}
+DPASE_PROBE_RANKS = (1, 4, 16)      # the diagnostics' DPASE ranks (and the route's own)
 MODELS = {"softmax": (), "mlp_small": (32,), "mlp_large": (128,), "mlp_256": (256,),
           "mlp_1000": (1000,), "cnn": None}
 # mnist_full: the canonical 60,000 / 10,000 digits; mnist_full_scattering: their scattering
@@ -395,9 +397,10 @@ def input_diagnostics(X: np.ndarray, *, rank: int, epsilon: float, fraction: flo
   ``noise_edge`` 2σ_p√d (the noise matrix's spectral norm: a direction with λ below it is not
   resolved), ``detectable`` (#λ above the edge), ``snr`` (λ_i/(σ_p√d), i ≤ k),
   ``captured_exact`` / ``captured_released`` (tr(BᵀSB)/tr S of the exact and the released basis)
-  and, with ``dpase_probe``, ``dpase`` (DPASE at the same (ε_s, δ_s, k) on random labels, γ set
-  to the exact sqrt(λ_{k+1}/λ_k) — optimistic: γ is not public): whether it answered and what
-  its basis captures (``note``: why it could not run, e.g. too few rows for its subsets)."""
+  and, with ``dpase_probe``, ``dpase``: DPASE at the same (ε_s, δ_s) on random labels at the
+  ranks :data:`DPASE_PROBE_RANKS` below k and at k, γ set to the exact sqrt(λ_{k+1}/λ_k)
+  (optimistic: γ is not public); per rank whether it answered and what its basis captures
+  (``note``: why it could not run, e.g. too few rows for its subsets)."""
   U = np.asarray(X, np.float64)
   norms = np.linalg.norm(U, axis=1, keepdims=True)
   U = np.divide(U, norms, out=np.zeros_like(U), where=norms > 0)     # the route's public map
@@ -422,19 +425,26 @@ def input_diagnostics(X: np.ndarray, *, rank: int, epsilon: float, fraction: flo
          "snr": (lam[:rank] / (sigma * np.sqrt(d))).tolist(),
          "captured_exact": captured(V[:, :rank]), "captured_released": captured(release.basis)}
   if dpase_probe:
-    gamma = float(np.sqrt(max(lam[rank], 0.0) / lam[rank - 1]))
-    try:
-      res = subspace.dpase(jax.random.key(key_seed), U.astype(np.float32), epsilon=eps_s,
-                           delta=delta_s, k=rank, gamma=gamma, partition="random_labels")
-    except ValueError as exc:        # too few rows for its subsets: a public fact
-      out["dpase"] = {"ok": False, "gamma": gamma, "cell_length": None, "num_subsets": None,
-                      "captured": None, "note": str(exc)}
-    else:
-      out["dpase"] = {"ok": bool(res.ok), "gamma": gamma,
-                      "cell_length": float(res.info["cell_length"]),
-                      "num_subsets": int(res.info["num_subsets"]),
-                      "captured": captured(res.basis) if bool(res.ok) else None, "note": None}
+    out["dpase"] = [_dpase_probe(U, S, lam, k, eps_s, delta_s, key_seed, captured)
+                    for k in sorted({k for k in DPASE_PROBE_RANKS if k < rank} | {rank})]
   return out
+
+
+def _dpase_probe(U, S, lam, k, eps_s, delta_s, key_seed, captured) -> dict:
+  """DPASE at rank k on the unit rows (one key), γ the exact sqrt(λ_{k+1}/λ_k)."""
+  gamma = float(np.sqrt(max(lam[k], 0.0) / lam[k - 1]))
+  try:
+    with warnings.catch_warnings():    # "will most likely return ⊥": the outcome is recorded
+      warnings.simplefilter("ignore")
+      res = subspace.dpase(jax.random.key(key_seed), U.astype(np.float32), epsilon=eps_s,
+                           delta=delta_s, k=k, gamma=gamma, partition="random_labels")
+  except ValueError as exc:        # too few rows for its subsets: a public fact
+    return {"k": k, "ok": False, "gamma": gamma, "cell_length": None, "num_subsets": None,
+            "captured": None, "note": str(exc)}
+  return {"k": k, "ok": bool(res.ok), "gamma": gamma,
+          "cell_length": float(res.info["cell_length"]),
+          "num_subsets": int(res.info["num_subsets"]),
+          "captured": captured(res.basis) if bool(res.ok) else None, "note": None}
 
 
 def add_diagnostics(details: dict, configs: list, *, dpase_at_n_max: bool = True) -> None:
@@ -457,9 +467,9 @@ def add_diagnostics(details: dict, configs: list, *, dpase_at_n_max: bool = True
         loaded[dataset][:n], rank=row["rank"], epsilon=float(eps),
         fraction=row["pca_fraction"], dpase_probe=dpase_at_n_max and n == n_max[dataset])
     d = row["diagnostics"]
-    probe = d.get("dpase")
-    said = "" if probe is None else ", DPASE " + (
-        "answers" if probe["ok"] else "not runnable" if probe["note"] else "⊥")
+    said = "".join(f", DPASE(k={p['k']}) " + ("answers" if p["ok"] else "not runnable"
+                                                if p["note"] else "⊥")
+                   for p in d.get("dpase", []))
     print(f"  {name:36s} k={row['rank']} f={row['pca_fraction']:g}: detectable {d['detectable']}, "
           f"captured {d['captured_released']:.3f} of the exact {d['captured_exact']:.3f}"
           + said,
