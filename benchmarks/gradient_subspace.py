@@ -3,6 +3,7 @@
     python benchmarks/gradient_subspace.py [--quick] [--data mnist generated digits PATH.npz]
         [--n N ...] [--epsilons ε ...] [--models softmax mlp_small mlp_large]
         [--routes ...] [--public-rows m ...] [--pca-ranks k ...] [--pca-fractions f ...]
+        [--gep-ranks r ...]
         [--oracle-refresh R ...] [--json PATH] [--plot PREFIX] [--write-crossover PATH]
     python benchmarks/gradient_subspace.py --merge A.json B.json ... [--json PATH] [--plot PREFIX]
         [--write-crossover PATH]
@@ -34,7 +35,8 @@ the same total (ε, δ) under add/remove-one, by one PLD accountant):
 * ``public_gradient_subspace_m<m>`` (public data, PDP-SGD): the noisy gradient projected on the top-32
   right singular vectors of the per-example gradients of m public examples, refreshed every 10
   steps. The m public rows are held out of the private pool (``--public-rows``).
-* ``gep_trajectory`` (no public data): GEP with a basis from the released updates (free).
+* ``gep_trajectory`` (no public data): GEP with a basis from the released updates (free); its
+  rank r is tuned with the learning rate over ``--gep-ranks`` (default 8).
 * ``public_subspace`` (public data, 10% of the pool as public inputs; not in the default set: its
   first-layer input basis is dominated by the public gradient route on MNIST).
 * ``dp_sgd_denoise`` (not in the default set: post-processing denoising that lost 30 points on
@@ -242,6 +244,9 @@ def _jobs(routes, args, route_settings):
       jobs.append((route, route, [
           (dataclasses.replace(route_settings, input_rank=k, input_epsilon_fraction=f), 0)
           for k, f in itertools.product(args.pca_ranks, args.pca_fractions)]))
+    elif route == "gep_trajectory":
+      jobs.append((route, route, [(dataclasses.replace(route_settings, gep_rank=r), 0)
+                                  for r in args.gep_ranks]))
     else:
       jobs.append((route, route, [(route_settings, 0)]))
   jobs += [(oracle_name(every), "oracle_subspace",
@@ -277,6 +282,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--pca-fractions", type=float, nargs="+", default=None,
                       help="the DP-PCA route's shares f of ε (stand-alone ε_s = f·ε), tuned "
                            "(0.1 0.3)")
+  parser.add_argument("--gep-ranks", type=int, nargs="+", default=None,
+                      help="gep_trajectory's ranks r tuned over (8)")
   parser.add_argument("--steps", type=int, default=None, help="override T")
   parser.add_argument("--batch", type=int, default=None, help="override the expected batch L")
   parser.add_argument("--oracle-refresh", type=int, nargs="*", default=None,
@@ -309,6 +316,7 @@ def main(argv=None) -> dict:
   args.pca_ranks = args.pca_ranks or ([60] if quick else [16, 32, 60])
   args.pca_fractions = args.pca_fractions or ([0.2] if quick else [0.1, 0.3])
   args.oracle_refresh = [10] if args.oracle_refresh is None else args.oracle_refresh
+  args.gep_ranks = args.gep_ranks or [ROUTE_SETTINGS.gep_rank]
   if quick and len(args.data) > 1:
     args.data = args.data[:1]
   routes = [r for r in ROUTES if r in (args.routes or DEFAULT_ROUTES)]
@@ -370,6 +378,8 @@ def main(argv=None) -> dict:
                                settings.input_delta_fraction * DELTA).noise_multiplier)
         if route == "public_gradient_subspace":
           rows[row]["public_rows"] = m
+        if route == "gep_trajectory":
+          rows[row]["rank"] = settings.gep_rank
         print(f"  {name:36s} {row:30s} lr={lr:<5g} σ={sigma:.3f} "
               f"median acc={np.median(acc['test']):.3f} ({seconds:.0f} s)", flush=True)
       details[name] = rows
@@ -379,7 +389,8 @@ def main(argv=None) -> dict:
                        "accountant": "pld", "neighboring": "add_or_remove_one",
                        "data": args.data, "epsilons": args.epsilons, "models": args.models,
                        "public_rows": args.public_rows, "pca_ranks": args.pca_ranks,
-                       "pca_fractions": args.pca_fractions, "steps": args.steps,
+                       "pca_fractions": args.pca_fractions, "gep_ranks": args.gep_ranks,
+                       "steps": args.steps,
                        "batch": args.batch, "route_settings": dataclasses.asdict(ROUTE_SETTINGS),
                        "wall_seconds": time.perf_counter() - wall}
   return finish(summary, details, config, args)

@@ -168,7 +168,8 @@ def test_gradient_subspace_options(tmp_path):
           == d["digits/n=200/softmax/eps=2"]["non_private"])
   quick_path = tmp_path / "quick.json"
   quick = bench.main(["--quick", "--data", "digits", "--steps", "3", "--routes", "dp_sgd",
-                      "gep_trajectory", "dp_sgd_denoise", "--oracle-refresh", "--models",
+                      "gep_trajectory", "dp_sgd_denoise", "--oracle-refresh", "--gep-ranks", "2",
+                      "4", "--models",
                       "softmax", "mlp_small", "mlp_large", "cnn", "--json", str(quick_path)])
   assert set(quick["summary"]["digits/n=1157/softmax/eps=2"]) == {
       "dp_sgd", "gep_trajectory", "dp_sgd_denoise"}
@@ -176,6 +177,8 @@ def test_gradient_subspace_options(tmp_path):
   assert set(quick["summary"]["digits/n=1157/cnn/eps=2"]) == {"dp_sgd", "dp_sgd_denoise"}
   assert set(quick["summary"]["digits/n=1157/mlp_large/eps=2"]) == {
       "dp_sgd", "gep_trajectory", "dp_sgd_denoise"}
+  assert quick["details"]["digits/n=1157/mlp_large/eps=2"]["gep_trajectory"]["rank"] in (2, 4)
+  assert quick["config"]["gep_ranks"] == [2, 4]
   # --merge: the pieces' cells united, the crossover derived from the whole, nothing run.
   merged_path = tmp_path / "merged.json"
   merged = bench.main(["--merge", str(path), str(quick_path), "--diagnostics",
