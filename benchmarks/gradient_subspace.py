@@ -558,7 +558,8 @@ def write_crossover(crossover: dict, path: str) -> None:
       for eps, routes in epss.items():
         name, shipped = shipped_name(dataset, model)
         merged.setdefault(name, {}).setdefault(shipped, {})[eps] = {
-            route: {k: v for k, v in c.items() if k != "by_n"} for route, c in routes.items()}
+            route: {k: v if k != "best_model_at_n_max" else shipped_name(*v.split("/"))[1]
+                    for k, v in c.items() if k != "by_n"} for route, c in routes.items()}
   with open(path, "w", encoding="utf-8") as f:
     json.dump(merged, f, indent=1, sort_keys=True)
 
@@ -596,7 +597,8 @@ def _mark_wins(summary: dict) -> None:
 
 def crossovers(summary: dict) -> dict:
   """``{data: {model: {ε: {route: {"n_star", "n_wins", "n_star_model", "n_beats_model", "n_max",
-  "diff_at_n_max", "ci_at_n_max", "vs_best_dp_sgd_at_n_max", "by_n"}}}}}``: n* the smallest n
+  "diff_at_n_max", "ci_at_n_max", "vs_best_dp_sgd_at_n_max", "best_model_at_n_max",
+  "by_n"}}}}}``: n* the smallest n
   where the route wins (None: none up to n_max), ``n_wins`` every n where it wins (a public
   subspace can win at small n only: DP-SGD's noise shrinks with n, the public basis's error does
   not); ``n_star_model`` / ``n_beats_model`` the same against the same model's dp_sgd alone."""
@@ -618,7 +620,7 @@ def crossovers(summary: dict) -> dict:
           c[ns].append(n)
           c[star] = c[ns][0]
       c.update(n_max=n, diff_at_n_max=r["diff"], ci_at_n_max=r["ci"],
-               vs_best_dp_sgd_at_n_max=r["vs_best_dp_sgd"])
+               vs_best_dp_sgd_at_n_max=r["vs_best_dp_sgd"], best_model_at_n_max=r["best_model"])
   return out
 
 

@@ -756,7 +756,7 @@ def crossover_lines(dataset: str, model: str | None, epsilon: float, methods) ->
                      f"{100 * c['vs_best_dp_sgd_at_n_max']:+.1f} points vs the best dp_sgd) at "
                      f"ε = {eps} ({model})".strip())
       else:
-        best = f" ({c['best_model']})" if c.get("best_model") else ""
+        best = f" ({c['best_model_at_n_max']})" if c.get("best_model_at_n_max") else ""
         parts.append(f"{label} does not win up to n = {c['n_max']:,} at ε = {eps} ({model}): "
                      f"{100 * c['vs_best_dp_sgd_at_n_max']:+.1f} points vs the best dp_sgd{best}"
                      .strip())

@@ -162,6 +162,8 @@ def test_gradient_subspace_options(tmp_path):
   assert set(shipped) == {"digits", "mine.npz"}
   assert shipped["digits"]["softmax"]["1"]["private_input_subspace"]["n_max"] == 400
   assert "by_n" not in shipped["digits"]["softmax"]["1"]["private_input_subspace"]
+  assert shipped["digits"]["softmax"]["1"]["private_input_subspace"][
+      "best_model_at_n_max"] == "softmax"
   # Paired seeds: the non-private route's test accuracies are shared across ε.
   d = saved["details"]
   assert (d["digits/n=200/softmax/eps=1"]["non_private"]
@@ -228,9 +230,16 @@ def test_gradient_subspace_wins_against_the_best_model_of_the_task():
   assert not summary["mnist_full/n=58000/mlp_1000/eps=2"]["non_private"]["beats_model"]
   small = summary["mnist_full/n=10000/mlp_1000/eps=2"]["private_input_subspace"]
   assert small["wins"] and small["best_model"] == "mnist_full/mlp_1000"   # alone at n = 10k
-  c = bench.crossovers(summary)["mnist_full"]["mlp_1000"]["2"]["private_input_subspace"]
+  crossover = bench.crossovers(summary)
+  c = crossover["mnist_full"]["mlp_1000"]["2"]["private_input_subspace"]
   assert (c["n_star"], c["n_wins"]) == (10_000, [10_000])
   assert (c["n_star_model"], c["n_beats_model"]) == (10_000, [10_000, 58_000])
+  assert c["best_model_at_n_max"] == "mnist_full_scattering/softmax"
+  # Shipped to the main job under its model names: scattering + softmax is its scatnet.
+  assert bench.shipped_name("mnist_full_scattering", "softmax") == ("mnist_full", "scatnet")
+  assert bench.shipped_name("mnist_full_scattering", "mlp_256") == ("mnist_full",
+                                                                     "scatnet_mlp_256")
+  assert bench.shipped_name("mnist_full", "mlp_1000") == ("mnist_full", "mlp_1000")
 
 
 def test_input_diagnostics_on_a_planted_spectrum():
