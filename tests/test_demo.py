@@ -30,10 +30,11 @@ ROW_KEYS = {"model", "method", "epsilon", "delta", "test_accuracy", "subspace_ok
             "n_private", "rank", "noise_multiplier", "learning_rate", "tuning", "runs",
             "accountant"}
 REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "training",
-               "neighboring", "input_rank", "epsilon", "delta", "budget", "composed",
+               "neighboring", "epsilon", "delta", "budget", "composed",
                "subspace_epsilon_fraction", "seconds", "best_private",
                "winner", "privacy_note", "summary", "results", "models", "methods", "crossover"}
-TRAINING_KEYS = {"batch_size", "steps", "learning_rates", "tuning", "features"}
+TRAINING_KEYS = {"batch_size", "steps", "learning_rates", "tuning", "features",
+                 "input_rank"}
 RANKS = {"gep_trajectory": 8, "private_input_subspace": "input_rank",
          "subspace_dp_sgd_private": "k",
          "public_subspace": "k", "public_gradient_subspace": 32,
@@ -140,7 +141,8 @@ def _check_schema(report, *, epsilon, delta):
       assert 0.0 <= r["test_accuracy"] <= 1.0
       assert r["learning_rate"] in plan["learning_rates"]
       rank = RANKS.get(r["method"])
-      assert r["rank"] == (report[rank] if rank in ("k", "input_rank") else rank)
+      assert r["rank"] == (report["k"] if rank == "k" else plan["input_rank"]
+                           if rank == "input_rank" else rank)
       assert (r["noise_multiplier"] == 0) == (r["method"] == "non_private")
       # Every DP method's (ε, δ) covers its learning-rate choice: tuned privately (RDP,
       # Papernot–Steinke: σ meets (ε, δ) for the repeat-and-select event, recomputed here by
@@ -253,7 +255,7 @@ def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp
   written = json.loads(out.read_text(encoding="utf-8"))
   assert written == json.loads(json.dumps(report))
   assert written["n_train"] == 360 and written["n_public"] == 60 and written["k"] == 3
-  assert written["input_rank"] == 4
+  assert all(t["input_rank"] == 4 for t in written["training"].values())
   assert all(t["learning_rates"] == [0.05, 0.1] and t["steps"] == 3 and t["batch_size"] == 32
              for t in written["training"].values())
   assert written["delta"] == 1e-6
