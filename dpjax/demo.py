@@ -48,10 +48,11 @@ the private subspace's cost and the learning-rate tuning included). Routes that 
 * ``gep_trajectory``: no public data; the first layer's gradients split before clipping into a
   rank-8 embedding and a residual (GEP), the basis taken from the released updates (free; §6.4).
 * ``private_input_subspace``: no public data; Abadi et al.'s DP-PCA: the first layer trained in
-  the top ``--input-rank`` (:data:`INPUT_RANKS`: 60 on pixels, 256 on scattering features)
-  eigenvectors of Analyze Gauss's noisy second moment of the
+  the top ``--input-rank`` eigenvectors of Analyze Gauss's noisy second moment of the
   training rows scaled to unit norm, the release at a stand-alone
-  ``(--subspace-epsilon-fraction·ε, 0.1·δ)`` composed with the steps by the accountant
+  ``(--input-epsilon-fraction·ε, 0.1·δ)`` composed with the steps by the accountant (rank and
+  share per model, :data:`INPUT_SUBSPACES`: 60 and 0.3 on pixels, 2,048 and 0.05 on scattering
+  features)
   (docs/algorithms.md §6.5).
 * ``subspace_dp_sgd_private``: a rank-k subspace of the flattened per-example gradients learned
   with DPASE, paying (ε_s, δ_s) out of the total (``dpjax.sgd.train_dp_sgd``); if DPASE returns
@@ -190,10 +191,11 @@ class Training(NamedTuple):
 TRAINING = {"scatnet": TrainingDefaults(1024, 10.0, (0.003, 0.006)),
             "mlp": TrainingDefaults(1024, 8.0, (0.001, 0.003)),
             "cnn": TrainingDefaults(1024, 8.0, (0.003, 0.01))}
-# The DP-PCA route's rank per model, where the crossover study on full MNIST found it best
-# (docs/algorithms.md §6.5.2): Abadi et al.'s 60 on the pixels; on the scattering features the
-# largest rank tried won (a linear model needs the directions the release cannot resolve).
-INPUT_RANKS = {"scatnet": 256, "mlp": 60}
+# The DP-PCA route's (rank, share of ε) per model, where the crossover study on full MNIST found
+# it best (docs/algorithms.md §6.5.2): Abadi et al.'s 60 dimensions on the pixels; on the
+# scattering features half of them at the smallest share (the linear model needs the directions
+# the release cannot resolve, so its best subspace is nearly no subspace).
+INPUT_SUBSPACES = {"scatnet": (2048, 0.05), "mlp": (60, 0.3)}
 # The crossover study's names of the demo's data sets and models (--hidden 32 is its mlp_small).
 _STUDY_DATA = {"mnist": "mnist_full", "mnist10k": "mnist", "digits": "digits"}
 _STUDY_MODELS = {32: "mlp_small", 128: "mlp_large", 1000: "mlp_1000"}
@@ -521,7 +523,6 @@ def run(args) -> dict:
     return inputs[kind]
 
   settings = experiments.RouteSettings(clip_norm=args.clip_norm, public_rank=args.k,
-                                       input_epsilon_fraction=args.subspace_epsilon_fraction,
                                        input_delta_fraction=SUBSPACE_DELTA_FRACTION)
   methods = [m for m, _ in METHODS if m in args.methods]
   left_out = [m for m, _ in METHODS if m not in DEFAULT_METHODS and m not in args.methods]
@@ -603,8 +604,11 @@ def run(args) -> dict:
                 "noise_multiplier": None, "learning_rate": None, "tuning": None, "runs": None,
                 "accountant": None}
     plan = training_plan(model_name, n_train, args)
-    input_rank = args.input_rank or INPUT_RANKS.get(model_name, 60)
-    settings = dataclasses.replace(settings, input_rank=input_rank)
+    input_rank, input_fraction = INPUT_SUBSPACES.get(model_name, (60, 0.1))
+    input_rank = args.input_rank or input_rank
+    input_fraction = args.input_epsilon_fraction or input_fraction
+    settings = dataclasses.replace(settings, input_rank=input_rank,
+                                   input_epsilon_fraction=input_fraction)
     try:
       model = build_model(model_name, d, ds.num_classes, args.hidden)
       p = sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(
@@ -630,7 +634,7 @@ def run(args) -> dict:
                                                      sorted(plan.learning_rates)[
                                                          len(plan.learning_rates) // 2]),
                             "features": None if model is None else model.features,
-                            "input_rank": input_rank}
+                            "input_rank": input_rank, "input_epsilon_fraction": input_fraction}
 
     def accuracies(params_list, split, model=model):
       return [float(model_accuracy(model.logits, p, *map(jnp.asarray, splits[split])))
@@ -998,8 +1002,12 @@ def main(argv=None) -> dict:
   parser.add_argument("--k", type=int, default=16, help="subspace dimension (default 16)")
   parser.add_argument("--input-rank", type=int, default=None,
                       help="private_input_subspace's rank for every model (default: each "
-                           "model's, see INPUT_RANKS: 60 on pixels, Abadi et al.'s; 256 on "
-                           "scattering features; where the crossover study found it best)")
+                           "model's, see INPUT_SUBSPACES: 60 on pixels, Abadi et al.'s; 2,048 "
+                           "on scattering features; where the crossover study found it best)")
+  parser.add_argument("--input-epsilon-fraction", type=float, default=None,
+                      help="share of ε spent on private_input_subspace's basis for every model "
+                           "(default: each model's, see INPUT_SUBSPACES: 0.3 on pixels, 0.05 on "
+                           "scattering features)")
   parser.add_argument("--seeds", type=int, default=2,
                       help="number of seeds; the table gives the spread over them (default 2)")
   parser.add_argument("--steps", type=int, default=None,
@@ -1043,9 +1051,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--gamma", type=float, default=1e-3,
                       help="DPASE's public gap parameter for the gradient subspace (default 1e-3)")
   parser.add_argument("--subspace-epsilon-fraction", type=float, default=0.25,
-                      help="share of ε spent on each private subspace, DPASE's and "
-                           "private_input_subspace's (default 0.25); if DPASE cannot run at this "
-                           "share, that method is reported as not runnable")
+                      help="share of ε spent on DPASE's gradient subspace (default 0.25); if "
+                           "DPASE cannot run at this share, that method is reported as not "
+                           "runnable")
   parser.add_argument("--refresh-every", type=int, default=10,
                       help="subspace_dp_sgd_public recomputes its public subspace every this "
                            "many steps (free; default 10)")
@@ -1064,8 +1072,8 @@ def main(argv=None) -> dict:
   if args.learning_rates is not None and not all(math.isfinite(lr) and lr > 0
                                                  for lr in args.learning_rates):
     parser.error(f"--learning-rates must be > 0, got {args.learning_rates}")
-  for name in ("public_fraction", "subspace_epsilon_fraction"):
-    if not 0 < getattr(args, name) < 1:
+  for name in ("public_fraction", "subspace_epsilon_fraction", "input_epsilon_fraction"):
+    if getattr(args, name) is not None and not 0 < getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must lie in (0, 1), got {getattr(args, name)}")
   if not (math.isfinite(args.gamma) and args.gamma >= 0):
     parser.error(f"--gamma must be >= 0, got {args.gamma}")

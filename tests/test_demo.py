@@ -34,7 +34,7 @@ REPORT_KEYS = {"dataset", "n_train", "n_tune", "n_test", "n_public", "k", "train
                "subspace_epsilon_fraction", "seconds", "best_private",
                "winner", "privacy_note", "summary", "results", "models", "methods", "crossover"}
 TRAINING_KEYS = {"batch_size", "steps", "learning_rates", "tuning", "features",
-                 "input_rank"}
+                 "input_rank", "input_epsilon_fraction"}
 RANKS = {"gep_trajectory": 8, "private_input_subspace": "input_rank",
          "subspace_dp_sgd_private": "k",
          "public_subspace": "k", "public_gradient_subspace": 32,
@@ -230,7 +230,7 @@ def test_demo_epsilon_1_finishes_and_writes_json_and_plot(tmp_path):
                          "rest written; by default only planning and option checks run")
 def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp_path,
                                                                   monkeypatch, capsys):
-  # --data, --delta, --k, --input-rank, --seeds, --steps, --batch-size, --clip-norm,
+  # --data, --delta, --k, --input-rank, --input-epsilon-fraction, --seeds, --steps, --batch-size, --clip-norm,
   # --learning-rates, --hidden,
   # --public-fraction, --public-rows, --gamma, --subspace-epsilon-fraction, --refresh-every, --json, --plot and
   # progress bars on (the ε = 1 run passes --no-progress). In process: the monkeypatched
@@ -245,7 +245,7 @@ def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp
   monkeypatch.setattr(training, "train_dp_sgd", flaky)
   out, plot = tmp_path / "r.json", tmp_path / "acc.png"
   report = demo.main(["--data", str(user_data), "--epsilon", "4", "--delta", "1e-6", "--k", "3",
-                      "--input-rank", "4",
+                      "--input-rank", "4", "--input-epsilon-fraction", "0.2",
                       "--seeds", "2", "--steps", "3", "--batch-size", "32", "--clip-norm", "0.5",
                       "--learning-rates", "0.05", "0.1", "--hidden", "8",
                       "--public-fraction", "0.2", "--public-rows", "60", "--gamma", "1e-4",
@@ -255,7 +255,8 @@ def test_demo_runs_every_other_option_and_records_a_failing_route(user_data, tmp
   written = json.loads(out.read_text(encoding="utf-8"))
   assert written == json.loads(json.dumps(report))
   assert written["n_train"] == 360 and written["n_public"] == 60 and written["k"] == 3
-  assert all(t["input_rank"] == 4 for t in written["training"].values())
+  assert all(t["input_rank"] == 4 and t["input_epsilon_fraction"] == 0.2
+             for t in written["training"].values())
   assert all(t["learning_rates"] == [0.05, 0.1] and t["steps"] == 3 and t["batch_size"] == 32
              for t in written["training"].values())
   assert written["delta"] == 1e-6
@@ -343,6 +344,7 @@ def test_plan_names_the_reason_a_route_cannot_run(kwargs, method, expected):
     ["--seeds", "0"], ["--steps", "0"], ["--batch-size", "0"], ["--clip-norm", "0"],
     ["--learning-rates", "0.1", "-1"], ["--hidden", "0"], ["--public-fraction", "1"],
     ["--gamma", "-1"], ["--input-rank", "0"], ["--subspace-epsilon-fraction", "0"],
+    ["--input-epsilon-fraction", "1"],
     ["--refresh-every", "0"],
     ["--methods", "adam"], ["--models", "rnn"],
 ])
@@ -466,6 +468,13 @@ def test_demo_at_default_settings_learns_privately(tmp_path):
     assert all(isinstance(line, str) and line for line in report["crossover"][model].values())
   assert report["best_private"]["model"] == "scatnet"
   assert report["training"]["scatnet"]["features"] == "scattering"
+  for model, (rank, share) in demo.INPUT_SUBSPACES.items():   # the study's best DP-PCA
+    assert (report["training"][model]["input_rank"],
+            report["training"][model]["input_epsilon_fraction"]) == (rank, share)
+    assert rows[(model, "private_input_subspace", 0)]["rank"] == rank
+  # The crossover lines read the full-MNIST study (not "no measurements").
+  assert all("no measurements" not in line for lines in report["crossover"].values()
+             for line in lines.values())
   assert "best private model overall" in printed and "over 2 seed(s)" in printed
   assert demo.exit_status(report) == 0
 
