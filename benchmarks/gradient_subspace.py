@@ -92,7 +92,8 @@ from dpjax import features as features_lib
 
 NOT_PRIVATE = ("non_private",)
 TASKS = {"mnist_full_scattering": "mnist_full"}
-DPASE_PROBE_RANKS = (1, 4, 16)      # the diagnostics' DPASE ranks (and the route's own)
+DPASE_PROBE_RANKS = (1, 4, 16)      # the diagnostics' DPASE ranks (and the route's own, up to
+DPASE_MAX_RANK = 64                 # 64: its q ≈ 2.25k reference points per subset cost q·d each)
 MODELS = {"softmax": (), "mlp_small": (32,), "mlp_large": (128,), "mlp_256": (256,),
           "mlp_1000": (1000,), "cnn": None}
 # mnist_full: the canonical 60,000 / 10,000 digits; mnist_full_scattering: their scattering
@@ -409,8 +410,8 @@ def input_diagnostics(X: np.ndarray, *, rank: int, epsilon: float, fraction: flo
   resolved), ``detectable`` (#λ above the edge), ``snr`` (λ_i/(σ_p√d), i ≤ k),
   ``captured_exact`` / ``captured_released`` (tr(BᵀSB)/tr S of the exact and the released basis)
   and, with ``dpase_probe``, ``dpase``: DPASE at the same (ε_s, δ_s) on random labels at the
-  ranks :data:`DPASE_PROBE_RANKS` below k and at k, γ set to the exact sqrt(λ_{k+1}/λ_k)
-  (optimistic: γ is not public); per rank whether it answered and what its basis captures
+  ranks :data:`DPASE_PROBE_RANKS` below k and at k (if k ≤ :data:`DPASE_MAX_RANK`), γ set to
+  the exact sqrt(λ_{k+1}/λ_k) (optimistic: γ is not public); per rank whether it answered and what its basis captures
   (``note``: why it could not run, e.g. too few rows for its subsets)."""
   U = np.asarray(X, np.float64)
   norms = np.linalg.norm(U, axis=1, keepdims=True)
@@ -437,7 +438,8 @@ def input_diagnostics(X: np.ndarray, *, rank: int, epsilon: float, fraction: flo
          "captured_exact": captured(V[:, :rank]), "captured_released": captured(release.basis)}
   if dpase_probe:
     out["dpase"] = [_dpase_probe(U, S, lam, k, eps_s, delta_s, key_seed, captured)
-                    for k in sorted({k for k in DPASE_PROBE_RANKS if k < rank} | {rank})]
+                    for k in sorted({k for k in DPASE_PROBE_RANKS if k < rank}
+                                    | ({rank} if rank <= DPASE_MAX_RANK else set()))]
   return out
 
 
