@@ -12,9 +12,11 @@ The crossover study (issue 37). For each data set, training-set size n (nested s
 private pool), ε (δ = 1e-5) and model, every route is tuned on a tuning split and run on paired
 seeds against ``dp_sgd``; per (data set, model, ε, route) the report gives the paired difference
 with its 95% interval at every n and **n\\***, the smallest n at which the route wins (interval above
-zero AND mean accuracy above the best ``dp_sgd`` over the models at that n and ε), or "none up to
-n_max" with the miss at n_max. ``--plot PREFIX`` writes ``PREFIX_<data>.png``: difference vs n,
-one panel per model, one line per route and ε, the NOT private oracle's difference as its ceiling.
+zero AND mean accuracy above the best ``dp_sgd`` over the models and feature maps of the task at
+that n and ε), or "none up to n_max" with the miss at n_max; ``n_star_model`` the same against the
+route's own model alone. ``--plot PREFIX`` writes ``PREFIX_<task>.png``: a row of panels per (data
+set, model) and a column per ε, each route's difference vs n with its interval, the NOT private
+oracle in grey, and the level of the task's best ``dp_sgd``.
 ``--write-crossover PATH`` merges the crossover summary into the JSON at PATH (the main job reads
 ``dpjax/_data/crossover.json`` for its "wins from n ≈ …" lines). ``--merge A.json B.json …``
 runs nothing: it unites the cells of ``--json`` reports of a grid run in pieces (n*, the wins and
@@ -290,7 +292,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--oracle-refresh", type=int, nargs="*", default=None,
                       help="the NOT private oracle ablation, one row per refresh period (10)")
   parser.add_argument("--json", type=str, default=None)
-  parser.add_argument("--plot", type=str, default=None, help="PNG prefix: PREFIX_<data>.png")
+  parser.add_argument("--plot", type=str, default=None, help="PNG prefix: PREFIX_<task>.png")
   parser.add_argument("--write-crossover", type=str, default=None,
                       help="merge the crossover summary (n* per data set, model, ε, route) into "
                            "this JSON file (dpjax/_data/crossover.json for the main job)")
@@ -654,32 +656,57 @@ def _print_crossover(crossover: dict) -> None:
 
 
 def _plot(summary: dict, prefix: str) -> None:
+  """``PREFIX_<task>.png`` per task (:func:`task`): one row of panels per (data set, model), one
+  column per ε; each route's paired difference from the same model's dp_sgd against n with its
+  95% interval, the NOT private oracle in grey, and a dashed line where a route would match the
+  task's best dp_sgd (above it a route that beats its model also wins)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  crossover = crossovers(summary)
-  for dataset, models in crossover.items():
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), squeeze=False)
-    colours = {}                       # one colour per route across the panels
-    for ax, (model, epss) in zip(axes[0], models.items()):
-      for i, (eps, routes) in enumerate(sorted(epss.items(), key=lambda e: float(e[0]))):
-        style = ("-", "--", ":", "-.")[i % 4]
-        for route, c in routes.items():
-          if route in NOT_PRIVATE:
-            continue
-          ns = sorted(map(int, c["by_n"]))
-          diffs = [c["by_n"][str(n)]["diff"] for n in ns]
+  cells: dict = {}
+  for name, rows in summary.items():
+    dataset, n, model, eps = _cell(name)
+    cells.setdefault(task(dataset), {}).setdefault((dataset, model), {}).setdefault(
+        eps, {})[n] = rows
+  for task_name, families in cells.items():
+    epss = sorted({e for fam in families.values() for e in fam}, key=float)
+    all_n = {n for fam in families.values() for by_n in fam.values() for n in by_n}
+    fig, axes = plt.subplots(len(families), len(epss), figsize=(4.2 * len(epss),
+                                                                 3.3 * len(families)),
+                             squeeze=False)
+    colours: dict = {}                 # one colour per route across the panels
+    for i, ((dataset, model), by_eps) in enumerate(sorted(families.items())):
+      for j, eps in enumerate(epss):
+        ax = axes[i, j]
+        by_n = by_eps.get(eps, {})
+        ns = sorted(by_n)
+        routes = [r for r in dict.fromkeys(r for n in ns for r in by_n[n])
+                  if r not in NOT_PRIVATE and r != "dp_sgd"]
+        for route in routes:
+          pts = [(n, by_n[n][route]) for n in ns if route in by_n[n]]
+          x = [n for n, _ in pts]
+          y = np.array([100 * r["diff"] for _, r in pts])
+          err = np.array([[100 * (r["diff"] - r["ci"][0]), 100 * (r["ci"][1] - r["diff"])]
+                          for _, r in pts]).T
           colour = "0.6" if is_oracle(route) else colours.setdefault(route, f"C{len(colours)}")
-          ax.plot(ns, diffs, style, marker="o", color=colour, label=f"{route} ε={eps}")
-      ax.axhline(0.0, color="k", lw=0.8)
-      ax.set_xscale("log")
-      ax.set_title(f"{dataset} / {model}")
-      ax.set_xlabel("private training rows n")
-      ax.set_ylabel("accuracy − dp_sgd (paired mean)")
-    for ax in axes[0]:
-      ax.legend(fontsize=5, ncol=2)
+          ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=2, color=colour, label=route)
+        gap = [(n, -100 * by_n[n]["dp_sgd"]["vs_best_dp_sgd"]) for n in ns]
+        if any(g > 0 for _, g in gap):
+          ax.plot(*zip(*gap), "k--", marker="_", ms=14, lw=0.8, label="best dp_sgd of the task")
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlim(0.8 * min(all_n), 1.25 * max(all_n))
+        ax.set_xticks(sorted(all_n), [f"{n:,}" for n in sorted(all_n)], fontsize=6)
+        ax.minorticks_off()
+        ax.set_title(f"{dataset} / {model}, ε = {eps}", fontsize=9)
+        ax.set_xlabel("private training rows n")
+        ax.set_ylabel("points vs its dp_sgd")
+        if ns:
+          ax.legend(fontsize=5)
+        else:
+          ax.text(0.5, 0.5, "not measured", ha="center", transform=ax.transAxes)
     fig.tight_layout()
-    fig.savefig(f"{prefix}_{dataset.replace('/', '_')}.png", dpi=110)
+    fig.savefig(f"{prefix}_{task_name.replace('/', '_')}.png", dpi=110)
     plt.close(fig)
 
 
