@@ -5,8 +5,8 @@
         [--routes ...] [--public-rows m ...] [--pca-ranks k ...] [--pca-fractions f ...]
         [--gep-ranks r ...]
         [--oracle-refresh R ...] [--json PATH] [--plot PREFIX] [--write-crossover PATH]
-    python benchmarks/gradient_subspace.py --merge A.json B.json ... [--json PATH] [--plot PREFIX]
-        [--write-crossover PATH]
+    python benchmarks/gradient_subspace.py --merge A.json B.json ... [--diagnostics] [--json PATH]
+        [--plot PREFIX] [--write-crossover PATH] [--markdown PATH]
 
 The crossover study (issue 37). For each data set, training-set size n (nested subsets of one
 private pool), ε (δ = 1e-5) and model, every route is tuned on a tuning split and run on paired
@@ -296,6 +296,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--write-crossover", type=str, default=None,
                       help="merge the crossover summary (n* per data set, model, ε, route) into "
                            "this JSON file (dpjax/_data/crossover.json for the main job)")
+  parser.add_argument("--markdown", type=str, default=None,
+                      help="write the report's tables (cells, crossover, diagnostics) as "
+                           "Markdown to this path")
   parser.add_argument("--diagnostics", action="store_true",
                       help="with --merge: add each DP-PCA row's release diagnostics (captured "
                            "energy, detectable directions, a DPASE probe at the largest n)")
@@ -537,6 +540,9 @@ def finish(summary: dict, details: dict, config, args) -> dict:
     _plot(summary, args.plot)
   if args.write_crossover:
     write_crossover(crossover, args.write_crossover)
+  if args.markdown:
+    with open(args.markdown, "w", encoding="utf-8") as f:
+      f.write(markdown_tables(summary, details, crossover))
   return report
 
 
@@ -547,6 +553,65 @@ def shipped_name(dataset: str, model: str) -> tuple[str, str]:
   if dataset == "mnist_full_scattering":
     return "mnist_full", "scatnet" if model == "softmax" else f"scatnet_{model}"
   return dataset, model
+
+
+def markdown_tables(summary: dict, details: dict, crossover: dict) -> str:
+  """The report as docs/algorithms.md shows it: per (data set, model, ε, n) each private route's
+  paired difference in points with its interval (bold: beats its model), the crossover per route
+  (n*, n*_model, the difference at n_max and against the task's best), and the DP-PCA
+  diagnostics where ``--diagnostics`` added them."""
+  def pts(x):
+    return f"{100 * x:+.1f}"
+
+  def interval(r):
+    text = f"{pts(r['diff'])} [{pts(r['ci'][0])}, {pts(r['ci'][1])}]"
+    return f"**{text}**" if r.get("beats_model") else text
+
+  order = sorted(summary, key=lambda name: (_cell(name)[0], _cell(name)[2], float(_cell(name)[3]),
+                                            _cell(name)[1]))
+  routes = list(dict.fromkeys(r for name in order for r in summary[name]
+                              if summary[name][r]["private"] and r != "dp_sgd"))
+  out = ["| data, model | ε | n | dp_sgd (seeds) | " + " | ".join(routes)
+         + " | dp_sgd vs the best |",
+         "|---|---|---|---|" + "---|" * len(routes) + "---|"]
+  for name in order:
+    dataset, n, model, eps = _cell(name)
+    rows, base = summary[name], summary[name]["dp_sgd"]
+    out.append(f"| {dataset}, {model} | {eps} | {n:,} | {base['acc']:.3f} "
+               f"({len(details[name]['dp_sgd']['test'])}) | "
+               + " | ".join(interval(rows[r]) if r in rows else "" for r in routes)
+               + f" | {pts(base['vs_best_dp_sgd'])} ({base['best_model']}) |")
+  out += ["", "| data, model | route | ε | n* | n*_model | n measured | at n_max vs its dp_sgd "
+          "| vs the best |", "|---|---|---|---|---|---|---|---|"]
+  for dataset, models in crossover.items():
+    for model, epss in models.items():
+      for eps in sorted(epss, key=float):
+        for route, c in epss[eps].items():
+          if route in NOT_PRIVATE or is_oracle(route):
+            continue
+          ns = ", ".join(f"{n:,}" for n in sorted(map(int, c["by_n"])))
+          out.append(f"| {dataset}, {model} | {route} | {eps} | {c['n_star'] or 'none'} | "
+                     f"{c['n_star_model'] or 'none'} | {ns} | {pts(c['diff_at_n_max'])} "
+                     f"[{pts(c['ci_at_n_max'][0])}, {pts(c['ci_at_n_max'][1])}] | "
+                     f"{pts(c['vs_best_dp_sgd_at_n_max'])} |")
+  diagnosed = [(name, rows) for name, rows in details.items()
+               if "diagnostics" in rows.get("private_input_subspace", {})]
+  if diagnosed:
+    out += ["", "| data, model | n | ε | k, f | σ_p | above 2σ_p√d | captured: released / "
+            "exact | σ with / without the release | DPASE |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, rows in sorted(diagnosed, key=lambda c: _cell(c[0])):
+      dataset, n, model, eps = _cell(name)
+      r = rows["private_input_subspace"]
+      g = r["diagnostics"]
+      probe = ", ".join(f"k = {p['k']}: " + ("answers" if p["ok"] else "too few rows"
+                                              if p["note"] else "⊥")
+                        for p in g.get("dpase", []))
+      out.append(f"| {dataset}, {model} | {n:,} | {eps} | {r['rank']}, {r['pca_fraction']:g} | "
+                 f"{g['noise_sigma']:.1f} | {g['detectable']} | {g['captured_released']:.3f} / "
+                 f"{g['captured_exact']:.3f} | {r['noise_multiplier']:.3f} / "
+                 f"{rows['dp_sgd']['noise_multiplier']:.3f} | {probe} |")
+  return "\n".join(out) + "\n"
 
 
 def write_crossover(crossover: dict, path: str) -> None:

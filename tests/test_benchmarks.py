@@ -184,7 +184,7 @@ def test_gradient_subspace_options(tmp_path):
   # --merge: the pieces' cells united, the crossover derived from the whole, nothing run.
   merged_path = tmp_path / "merged.json"
   merged = bench.main(["--merge", str(path), str(quick_path), "--diagnostics",
-                       "--json", str(merged_path),
+                       "--markdown", str(tmp_path / "tables.md"), "--json", str(merged_path),
                        "--plot", str(tmp_path / "merged"), "--write-crossover",
                        str(tmp_path / "merged_crossover.json")])
   assert set(merged["summary"]) == set(saved["summary"]) | set(quick["summary"])
@@ -193,6 +193,8 @@ def test_gradient_subspace_options(tmp_path):
   assert set(digits["softmax"]["2"]["gep_trajectory"]["by_n"]) == {"1157"}
   assert digits["cnn"]["2"]["dp_sgd_denoise"]["n_max"] == 1157
   assert json.loads(merged_path.read_text())["config"]["merged"] == [str(path), str(quick_path)]
+  tables = (tmp_path / "tables.md").read_text()
+  assert tables.count("| digits, softmax | ") >= 4 and "| above 2σ_p√d |" in tables
   for name, rows in merged["details"].items():       # every DP-PCA row diagnosed, DPASE at n_max
     if "private_input_subspace" in rows:
       diag = rows["private_input_subspace"]["diagnostics"]
@@ -232,6 +234,10 @@ def test_gradient_subspace_wins_against_the_best_model_of_the_task():
   assert small["wins"] and small["best_model"] == "mnist_full/mlp_1000"   # alone at n = 10k
   crossover = bench.crossovers(summary)
   c = crossover["mnist_full"]["mlp_1000"]["2"]["private_input_subspace"]
+  details = {name: {r: {"test": [0.9, 0.91]} for r in rows} for name, rows in summary.items()}
+  tables = bench.markdown_tables(summary, details, crossover).splitlines()
+  assert ("| mnist_full, mlp_1000 | 2 | 58,000 | 0.925 (2) | **+0.0 [+0.5, +1.6]** | | -5.9 "
+          "(mnist_full_scattering/softmax) |") in [" ".join(t.split()) for t in tables]
   assert (c["n_star"], c["n_wins"]) == (10_000, [10_000])
   assert (c["n_star_model"], c["n_beats_model"]) == (10_000, [10_000, 58_000])
   assert c["best_model_at_n_max"] == "mnist_full_scattering/softmax"
