@@ -581,6 +581,7 @@ def markdown_tables(summary: dict, details: dict, crossover: dict) -> str:
                f"({len(details[name]['dp_sgd']['test'])}) | "
                + " | ".join(interval(rows[r]) if r in rows else "" for r in routes)
                + f" | {pts(base['vs_best_dp_sgd'])} ({base['best_model']}) |")
+  star = (lambda n: "none" if n is None else f"{n:,}")
   out += ["", "| data, model | route | ε | n* | n*_model | n measured | at n_max vs its dp_sgd "
           "| vs the best |", "|---|---|---|---|---|---|---|---|"]
   for dataset, models in crossover.items():
@@ -590,8 +591,8 @@ def markdown_tables(summary: dict, details: dict, crossover: dict) -> str:
           if route in NOT_PRIVATE or is_oracle(route):
             continue
           ns = ", ".join(f"{n:,}" for n in sorted(map(int, c["by_n"])))
-          out.append(f"| {dataset}, {model} | {route} | {eps} | {c['n_star'] or 'none'} | "
-                     f"{c['n_star_model'] or 'none'} | {ns} | {pts(c['diff_at_n_max'])} "
+          out.append(f"| {dataset}, {model} | {route} | {eps} | {star(c['n_star'])} | "
+                     f"{star(c['n_star_model'])} | {ns} | {pts(c['diff_at_n_max'])} "
                      f"[{pts(c['ci_at_n_max'][0])}, {pts(c['ci_at_n_max'][1])}] | "
                      f"{pts(c['vs_best_dp_sgd_at_n_max'])} |")
   diagnosed = [(name, rows) for name, rows in details.items()

@@ -421,14 +421,28 @@ def test_crossover_lines_read_the_nearest_cell_of_the_study(monkeypatch):
 
 def test_the_shipped_crossover_study_has_mnist_cells():
   """dpjax/_data/crossover.json (package data) is the study's crossover summary: MNIST-10k
-  cells, each route with n*, n_max and the miss at n_max."""
+  cells and full-MNIST cells under the main job's model names (scatnet, mlp_1000) at ε = 1, 2, 4,
+  each route with n*, n_max and the miss at n_max; the main job's lines read them."""
   study = demo._study()
-  assert "mnist" in study
-  for model in study["mnist"].values():
-    for routes in model.values():
-      for c in routes.values():
-        assert {"n_star", "n_max", "vs_best_dp_sgd_at_n_max"} <= set(c)
-        assert c["n_star"] is None or c["n_star"] <= c["n_max"]
+  assert {"mnist", "mnist_full"} <= set(study)
+  for data in ("mnist", "mnist_full"):
+    for model in study[data].values():
+      for routes in model.values():
+        for c in routes.values():
+          assert {"n_star", "n_max", "vs_best_dp_sgd_at_n_max"} <= set(c)
+          assert c["n_star"] is None or c["n_star"] <= c["n_max"]
+          assert c.get("n_star_model") is None or c["n_star_model"] <= c["n_max"]
+  full = study["mnist_full"]
+  assert {"scatnet", "mlp_1000"} <= set(full)
+  for model in ("scatnet", "mlp_1000"):
+    assert {"1", "2", "4"} <= set(full[model])
+    for eps in ("1", "2", "4"):
+      cell = full[model][eps]
+      assert {"private_input_subspace", "gep_trajectory"} <= set(cell)
+      assert cell["private_input_subspace"]["n_max"] == 58_000
+  lines = demo.crossover_lines("mnist", "mlp_1000", 2.0, ["private_input_subspace"])
+  assert "no measurements" not in lines["private_input_subspace"]
+  assert "(scatnet)" in lines["private_input_subspace"]      # the best private model is named
 
 
 @pytest.mark.slow(reason="the main job at its defaults (full MNIST, both models, 2 seeds: ~9 "
