@@ -42,6 +42,7 @@ identify the input. Two detectors look for this class of leak:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -52,8 +53,10 @@ from scipy import stats
 
 from dpjax import _validation as v
 
-__all__ = ["AuditReport", "OutputAuditReport", "audit", "epsilon_lower_bound", "exact_output_audit",
-           "float_noise_support", "grid_output_audit", "low_bits", "sample_outputs"]
+__all__ = ["AuditReport", "DiracCanaries", "OneRunAuditReport", "OutputAuditReport", "audit",
+           "canary_inclusions",
+           "epsilon_lower_bound", "exact_output_audit", "float_noise_support", "grid_output_audit",
+           "low_bits", "one_run_audit", "sample_outputs"]
 
 
 class AuditReport(NamedTuple):
@@ -172,6 +175,216 @@ def audit(key: jax.Array, mechanism: Callable, X: Any, X_prime: Any, *, delta: f
                                                       confidence=confidence)
   passed = None if epsilon_claimed is None else bool(eps <= epsilon_claimed)
   return AuditReport(eps, epsilon_claimed, float(delta), event, direction, counts, trials, passed)
+
+
+# --------------------------------------------------------------------------------------------
+# Auditing in one run (Steinke, Nasr & Jagielski 2023).
+# --------------------------------------------------------------------------------------------
+
+ONE_RUN_METHODS = ("one_run", "one_run_fdp")
+
+
+class OneRunAuditReport(NamedTuple):
+  """The outcome of :func:`one_run_audit`.
+
+  Attributes:
+    epsilon_lower_bound: ε' such that, with confidence ``1 - significance`` over the canaries'
+      inclusion draws and the run's randomness, the run is not (ε'', δ)-DP for any ε'' < ε'
+      (≥ 0; 0 when the guesses carry no evidence).
+    epsilon_claimed: the claim being tested (None if not given).
+    delta: the claim's δ.
+    significance: the bound's error probability.
+    canaries: m, the number of canaries drawn (in and out).
+    included: how many were included.
+    method: ``"one_run"`` or ``"one_run_fdp"``.
+    passed: ``epsilon_lower_bound <= epsilon_claimed`` (None without a claim).
+  """
+  epsilon_lower_bound: float
+  epsilon_claimed: float | None
+  delta: float
+  significance: float
+  canaries: int
+  included: int
+  method: str
+  passed: bool | None
+
+
+def canary_inclusions(key: jax.Array, canaries: int) -> np.ndarray:
+  """Which canaries a one-run audit trains on: each independently with probability ½.
+
+  Usage::
+
+    inclusion_key, run_key = jax.random.split(key)          # one split into named purposes
+    included = dpjax.audit.canary_inclusions(inclusion_key, 1_000)
+    scores = train_and_score(run_key, canaries[included], canaries)   # your run, one score each
+    report = dpjax.audit.one_run_audit(scores, included, delta=1e-5, epsilon_claimed=2.0)
+
+  The one-run bound (:func:`one_run_audit`) is valid only when the inclusions are independent
+  fair coins that the run cannot see except through the canaries it trains on; draw them with
+  a key of their own, never with a key the run also uses.
+
+  Args:
+    key: a PRNG key for the inclusion draws only.
+    canaries: m ≥ 2, the number of canaries.
+
+  Returns:
+    ``(m,)`` bool NumPy array: True where canary i is included in the run.
+
+  Raises:
+    ValueError: ``canaries`` below 2; a key that is not a PRNG key.
+  """
+  v.check_key(key)
+  canaries = v.check_int(canaries, "canaries", low=2)
+  return np.asarray(jax.random.bernoulli(key, 0.5, (canaries,)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DiracCanaries:
+  """White-box gradient canaries for auditing a DP-SGD run in one run (Steinke, Nasr & Jagielski
+  2023, their white-box DP-SGD experiments).
+
+  Usage (any per-example loss, any plan; the canaries are extra training examples)::
+
+    inclusion_key, run_key = jax.random.split(key)
+    canaries = dpjax.audit.DiracCanaries.draw(inclusion_key, 1_000, scale=clip_norm)
+    loss_c = canaries.loss(loss)                          # loss_c(params_c, (example, index))
+    params_c = canaries.params(params)                    # {"model": params, "canaries": 0s}
+    data_c = canaries.data((X, y))                        # the rows, then the included canaries
+    plan = dpjax.sgd.dp_sgd_plan(dpjax.sgd.clipped_grad_sum(loss_c, clip_norm=clip_norm),
+                                 num_examples=canaries.num_examples(len(X)), ..., key=run_key)
+    ... train params_c on data_c with the plan ...
+    report = dpjax.audit.one_run_audit(canaries.scores(params_c, trained), canaries.included,
+                                       delta=plan.delta, epsilon_claimed=plan.epsilon)
+
+  Canary j is an example whose loss is ``scale · θ_j`` on a parameter leaf of its own (m zeros
+  that the model never reads), so its gradient is ``scale · e_j``: orthogonal to every real
+  example's gradient and to every other canary's, of norm ``scale`` (≤ C: clipping leaves it
+  whole). Its score is how far gradient descent moved θ_j, ``θ_j(before) − θ_j(after)``. Each
+  canary is one example under add/remove-one, the relation of the plan's guarantee, so the
+  trained run is ``(plan.epsilon, plan.delta)``-DP with respect to each canary and
+  :func:`one_run_audit` must not refute it. The model's own parameters get no canary
+  gradient, so the canaries cost the model nothing but their share of the batch.
+
+  Attributes:
+    included: ``(m,)`` bool, from :func:`canary_inclusions`.
+    scale: the canaries' gradient norm (default 1; set it to the clip norm C).
+  """
+  included: np.ndarray
+  scale: float = 1.0
+
+  @classmethod
+  def draw(cls, key: jax.Array, canaries: int, *, scale: float = 1.0) -> "DiracCanaries":
+    """m canaries, each included with probability ½ (:func:`canary_inclusions`)."""
+    return cls(canary_inclusions(key, canaries), v.check_positive(scale, "scale"))
+
+  @property
+  def canaries(self) -> int:
+    return int(self.included.size)
+
+  def num_examples(self, rows: int) -> int:
+    """The training set's size with the included canaries: ``rows + #included``."""
+    return int(rows) + int(self.included.sum())
+
+  def params(self, params) -> dict:
+    """``{"model": params, "canaries": zeros (m,)}`` (float32)."""
+    return {"model": params, "canaries": jnp.zeros((self.canaries,), jnp.float32)}
+
+  def data(self, rows):
+    """``(rows, index)``: the real rows (index −1) followed by one row per included canary
+    (index j; its example is a copy of the first real row, which its loss ignores)."""
+    n = jax.tree_util.tree_leaves(rows)[0].shape[0]
+    chosen = np.flatnonzero(self.included)
+    filler = jax.tree_util.tree_map(lambda a: jnp.repeat(a[:1], chosen.size, axis=0), rows)
+    examples = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), rows, filler)
+    index = jnp.concatenate([jnp.full((n,), -1, jnp.int32), jnp.asarray(chosen, jnp.int32)])
+    return examples, index
+
+  def loss(self, loss_fn: Callable) -> Callable:
+    """``loss_c(params_c, (example, index))``: ``loss_fn(params_c["model"], example)`` for a
+    real row (index −1), ``scale · params_c["canaries"][index]`` for canary ``index``."""
+    scale = self.scale
+
+    def loss_c(params_c, example_index):
+      example, index = example_index
+      real = loss_fn(params_c["model"], example)
+      canary = scale * params_c["canaries"][jnp.maximum(index, 0)]
+      return jnp.where(index < 0, real, canary.astype(jnp.result_type(real)))
+    return loss_c
+
+  def scores(self, params_before, params_after) -> np.ndarray:
+    """``(m,)``: ``θ_j(before) − θ_j(after)`` on the canary leaf (higher: more likely in)."""
+    return np.asarray(params_before["canaries"], np.float64) - np.asarray(
+        params_after["canaries"], np.float64)
+
+
+def one_run_audit(scores, included, *, delta: float, epsilon_claimed: float | None = None,
+                  significance: float = 0.05, method: str = "one_run") -> OneRunAuditReport:
+  """Lower-bounds ε from one training run with canaries (Steinke, Nasr & Jagielski 2023).
+
+  Usage (after one run that trained on the canaries ``included`` marks, drawn by
+  :func:`canary_inclusions`, and scored every canary, the higher the more "in")::
+
+    report = dpjax.audit.one_run_audit(scores, included, delta=1e-5, epsilon_claimed=2.0)
+    assert report.passed, report
+
+  The auditor guesses "in" for the canaries with the highest scores, at every threshold (a
+  Bonferroni correction over the thresholds), and converts the number of correct guesses into
+  the largest ε that an (ε, δ)-DP run would make that unlikely (one-sided: only "in" guesses).
+  Each canary is one individual: the bound is for add/remove-one of a canary, the relation
+  dpjax's DP-SGD is stated under. Like :func:`audit` it can only *refute* a claim, and m sets
+  its ceiling (perfect guesses give about 4.8 with 1,000 canaries and 6.4 with 10,000, δ =
+  1e-5), so a pass says little about large ε.
+
+  Args:
+    scores: ``(m,)`` finite floats, one per canary (in and out alike).
+    included: ``(m,)`` bool, from :func:`canary_inclusions`; at least one canary in and one out.
+    delta: the claim's δ, in [0, 1).
+    epsilon_claimed: the claim's ε (sets ``passed``).
+    significance: the bound's error probability, in (0, 1).
+    method: ``"one_run"``: Steinke, Nasr & Jagielski (2023, arXiv 2305.08846): a binomial
+      tail on the correct guesses, by ``jax_privacy.auditing.CanaryScoreAuditor
+      .epsilon_one_run``; ``"one_run_fdp"``: the tighter f-DP analysis of Mahloujifar, Melis &
+      Chaudhuri (2024, arXiv 2410.22235), by its ``epsilon_one_run_fdp``. Both need
+      ``jax_privacy`` (the ``interop`` extra).
+
+  Returns:
+    :class:`OneRunAuditReport`.
+
+  Raises:
+    ValueError: scores not finite or not one per canary; ``included`` not boolean, or all in
+      or all out; ``delta``, ``significance`` or ``method`` out of range.
+    ImportError: ``jax_privacy`` is not installed.
+  """
+  method = v.check_choice(method, "method", ONE_RUN_METHODS)
+  delta = v.check_probability(delta, "delta", open_low=False, open_high=True)
+  significance = v.check_probability(significance, "significance", open_high=True)
+  if epsilon_claimed is not None:
+    epsilon_claimed = v.check_epsilon(epsilon_claimed, "epsilon_claimed")
+  scores = np.asarray(scores, dtype=np.float64)
+  included = np.asarray(included)
+  if scores.ndim != 1 or included.shape != scores.shape:
+    raise ValueError(f"scores and included must both have shape (m,), one entry per canary; got "
+                     f"{scores.shape} and {included.shape}.")
+  if included.dtype != np.bool_:
+    raise ValueError(f"included must be boolean (from canary_inclusions), got {included.dtype}.")
+  if not np.all(np.isfinite(scores)):
+    raise ValueError("scores must be finite.")
+  n_in = int(included.sum())
+  if n_in in (0, scores.size):
+    raise ValueError(f"a one-run audit needs canaries both in and out of the run; got {n_in} of "
+                     f"{scores.size} in.")
+  try:
+    from jax_privacy.auditing import CanaryScoreAuditor
+  except ImportError as e:       # pragma: no cover - the test extra installs it
+    raise ImportError("one_run_audit uses jax_privacy's CanaryScoreAuditor: pip install "
+                      "'dpjax[interop]'.") from e
+  auditor = CanaryScoreAuditor(scores[included], scores[~included])
+  bound = (auditor.epsilon_one_run if method == "one_run" else auditor.epsilon_one_run_fdp)(
+      significance, delta)
+  eps = max(0.0, float(bound))
+  passed = None if epsilon_claimed is None else bool(eps <= epsilon_claimed)
+  return OneRunAuditReport(eps, epsilon_claimed, float(delta), float(significance), scores.size,
+                           n_in, method, passed)
 
 
 # --------------------------------------------------------------------------------------------

@@ -490,3 +490,21 @@ def test_subspace_dimension_free_options(tmp_path):
   scaled = bench.main(["--trials", "1", "--dims", "8", "--grid", "1500", "--k", "1",
                        "--gamma-scale", "1e-3"])
   assert scaled["config"]["gamma_scale"] == 1e-3 and scaled["config"]["gamma"] is None
+
+
+@pytest.mark.slow(reason="the one-run audit benchmark: three DP-SGD runs on scattering features "
+                         "(~1 minute, features cached after the first call)")
+def test_one_run_audit_options(tmp_path):
+  """Every option at a small size: the correct run passes both one-run analyses, both negative
+  controls are flagged, each row has its accuracy and bounds, the JSON has the same rows."""
+  path = tmp_path / "out.json"
+  rc = _load("one_run_audit").main(["--quick", "--rows", "3000", "--canaries", "400",
+                                    "--epsilons", "2", "--json", str(path)])
+  assert rc == 0
+  saved = json.loads(path.read_text())
+  rows = {r["control"]: r for r in saved["rows"]}
+  assert set(rows) == {"none", "no_noise", "unclipped"}
+  assert rows["none"]["one_run_passed"] and rows["none"]["one_run_fdp_passed"]
+  for control in ("no_noise", "unclipped"):
+    assert rows[control]["one_run"] > 2.0 and not rows[control]["one_run_fdp_passed"]
+  assert all(r["canaries"] == 400 and 0.8 < r["test_accuracy"] <= 1.0 for r in rows.values())
