@@ -238,7 +238,7 @@ def canary_inclusions(key: jax.Array, canaries: int) -> np.ndarray:
   return np.asarray(jax.random.bernoulli(key, 0.5, (canaries,)))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)     # identity hash: it holds an array
 class DiracCanaries:
   """White-box gradient canaries for auditing a DP-SGD run in one run (Steinke, Nasr & Jagielski
   2023, their white-box DP-SGD experiments).
