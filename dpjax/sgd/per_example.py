@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -442,6 +442,67 @@ def check_clipping(clipping: str, stability: float) -> tuple[str, float]:
   return clipping, v.check_positive(stability, "stability")
 
 
+PER_LAYER = ("uniform", "by_size")
+# C_ℓ is computed in float64 (a few roundings to nearest, relative error < 1e-15) and then
+# shrunk by this factor, so that Σ C_ℓ² ≤ C² holds exactly for a split C; a carried bound from
+# given norms is grown by it, so that it is ≥ √(Σ C_g²) exactly.
+_SPLIT_SLACK = 1e-12
+
+
+class _Split(NamedTuple):
+  """One clip norm C split over the leaves (``per_layer``), resolved when the gradient is seen."""
+  per_layer: str
+  clip_norm: float
+
+
+def layer_clip_norms(clip_norm, per_layer: str | None = None):
+  """``(clip, bound)``: validated clipping norms and the ℓ2 bound Δ of one clipped term.
+
+  ``clip`` is a float C (global clipping), a pytree of floats (per-layer norms, a prefix of the
+  gradient's structure) or a split of C (``per_layer``, resolved per leaf by :func:`clip_layers`).
+  Δ is C, √(Σ_g C_g²) rounded up, or C for a split (whose C_ℓ are rounded down).
+  """
+  if per_layer is not None:
+    v.check_choice(per_layer, "per_layer", PER_LAYER)
+    if not isinstance(clip_norm, (int, float, np.floating, np.integer)):
+      raise ValueError(f"per_layer={per_layer!r} splits one clip norm C over the leaves; give "
+                       f"clip_norm as a float, not per-layer norms.")
+    c = v.check_positive(clip_norm, "clip_norm")
+    return _Split(per_layer, c), c
+  if not (np.ndim(clip_norm) == 0 and np.isscalar(np.asarray(clip_norm).item())):
+    leaves = jax.tree_util.tree_leaves(clip_norm)
+    if not leaves:
+      raise ValueError("clip_norm: per-layer norms need at least one group.")
+    norms = [v.check_positive(c, "clip_norm (a group's)") for c in leaves]
+    bound = float(np.sqrt(np.sum(np.square(np.asarray(norms, np.float64))))) * (1 + _SPLIT_SLACK)
+    return jax.tree_util.tree_map(float, clip_norm), bound
+  c = v.check_positive(clip_norm, "clip_norm")
+  return c, c
+
+
+def clip_layers(tree, clip, clipping: str = "clip", stability: float = DEFAULT_STABILITY):
+  """One example's pytree clipped by ``clip`` from :func:`layer_clip_norms`: globally (a float),
+  per group (a prefix tree of norms: each subtree by :func:`_clip_one` at its own norm), or per
+  leaf at a split C (C_ℓ rounded down so that Σ C_ℓ² ≤ C²)."""
+  if isinstance(clip, float):
+    return _clip_one(tree, clip, clipping, stability)
+  if isinstance(clip, _Split):
+    split, c = clip
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    sizes = np.asarray([max(np.size(x), 1) for x in leaves], np.float64)
+    share = (np.full(len(leaves), 1.0 / len(leaves)) if split == "uniform"
+             else sizes / sizes.sum())
+    norms = c * np.sqrt(share) * (1 - _SPLIT_SLACK)
+    return jax.tree_util.tree_unflatten(
+        treedef, [_clip_one(x, float(n), clipping, stability) for x, n in zip(leaves, norms)])
+  try:
+    return jax.tree_util.tree_map(lambda c, sub: _clip_one(sub, c, clipping, stability),
+                                  clip, tree)
+  except ValueError as e:
+    raise ValueError(f"clip_norm's per-layer norms must be a prefix of the gradient's pytree "
+                     f"structure: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ClippedGradSum:
   """A clipped-gradient sum that carries its ℓ2 bound (a sensitivity-bearing callable).
@@ -467,7 +528,7 @@ class ClippedGradSum:
     raise ValueError(f"unsupported neighboring relation {neighboring!r}.")
 
 
-def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
+def clipped_grad_sum(loss_fn: Callable, *, clip_norm, per_layer: str | None = None,
                      pre_clipping_transform: Callable | None = None, clipping: str = "clip",
                      stability: float = DEFAULT_STABILITY) -> ClippedGradSum:
   """``fn(params, batch, mask)`` = ``Σ_i mask_i · clip_C(T(∇ loss_fn(params, example_i)))``.
@@ -483,9 +544,22 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
   to. Divide by a public
   expected batch size after adding noise, never by ``sum(mask)``.
 
+  Per-layer clipping (McMahan et al. 2018; Opacus' ``clipping="per_layer"``): each group of
+  leaves is clipped on its own, group g at C_g, by the same float-safe map (every group's term
+  has norm ≤ C_g exactly), so one example's term has norm ≤ Δ = √(Σ_g C_g²) and that Δ is the
+  bound the function carries (computed in float64 and rounded up). Give the groups' norms as
+  ``clip_norm`` = a pytree that is a PREFIX of the gradient's (``{"dense1": 1.0, "dense2": 0.5}``
+  clips each layer's kernel and bias together; a full tree clips every leaf alone), or split one
+  C over the leaves with ``per_layer="uniform"`` (C_ℓ = C/√K for K leaves) or ``"by_size"``
+  (C_ℓ = C·√(P_ℓ/P), P_ℓ the leaf's entries; optax's ``per_example_layer_norm_clip`` with
+  ``uniform=False``); both split C so that Δ = C. A non-finite entry zeroes its group only.
+
   Args:
     loss_fn: ``loss_fn(params, example) -> scalar`` for one example.
-    clip_norm: C > 0.
+    clip_norm: C > 0 (a float), or per-layer norms: a pytree of floats > 0 that is a prefix of
+      the (transformed) gradient's structure.
+    per_layer: None (one global norm, or the per-layer norms ``clip_norm`` gives), "uniform" or
+      "by_size" (split a float C over the leaves, above).
     pre_clipping_transform: optional map of ONE example's gradient pytree to another pytree
       (e.g. a projection ``g ↦ Vᵀ ravel(g)``: "clip after projecting"), applied before
       clipping. It must not look at other examples (it is vmapped).
@@ -495,13 +569,16 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
 
   Returns:
     A :class:`ClippedGradSum` ``fn(params, batch, mask)`` carrying ``fn.l2_norm_bound = C``
+    (per-layer: Δ above)
     (pass it to :func:`dpjax.sgd.dp_sgd_plan`, which reads C from it): ``batch`` a
     pytree with leading axis B, ``mask`` ``(B,)`` with 1
     (True) for real, sampled examples and 0 (False) for padding; returns a pytree like
     ``params`` (or like the transform's output), in the gradients' dtypes.
 
   Raises:
-    ValueError: C ≤ 0 or not finite; γ ≤ 0; an unknown ``clipping``.
+    ValueError: C ≤ 0 or not finite (any group's); γ ≤ 0; an unknown ``clipping`` or
+      ``per_layer``; ``per_layer`` with per-layer norms; norms that are not a prefix of the
+      gradient's structure (at the first call).
     TypeError: ``loss_fn`` or ``pre_clipping_transform`` not callable.
 
   References:
@@ -510,7 +587,7 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
     Bu et al., "Automatic Clipping: Differentially Private Deep Learning Made Easier and
     Stronger", NeurIPS 2023 (``clipping="normalize"``).
   """
-  clip_norm = v.check_positive(clip_norm, "clip_norm")
+  clip, bound = layer_clip_norms(clip_norm, per_layer)
   clipping, stability = check_clipping(clipping, stability)
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -523,7 +600,7 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
     g = grad_fn(params, example)
     if pre_clipping_transform is not None:
       g = pre_clipping_transform(g)
-    return _clip_one(g, clip_norm, clipping, stability)
+    return clip_layers(g, clip, clipping, stability)
 
   def fn(params, batch, mask):
     grads = jax.vmap(one, in_axes=(None, 0))(params, batch)
@@ -531,4 +608,4 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm: float,
         lambda g: jnp.tensordot(jnp.asarray(mask).astype(g.dtype), g, axes=1,
                                 precision=linalg.HIGHEST), grads)
 
-  return ClippedGradSum(fn, clip_norm)
+  return ClippedGradSum(fn, bound)

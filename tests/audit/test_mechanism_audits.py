@@ -497,6 +497,51 @@ def test_dp_sgd_audit_catches_noise_from_a_disagreeing_clip_norm(audit_trials):
   _control("DP-SGD step: noise of C/3", claimed, lb, n)
 
 
+_LAYERS = tuple("abcdefghi")                        # nine layers: Δ = √9 = 3
+
+
+def _layered_loss(params, example):
+  x, member = example
+  return member * sum(jnp.dot(params[k], x) for k in _LAYERS)   # every layer's gradient = member·x
+
+
+def _layered_grad_fn():
+  """Per-layer clipping (issue 52 §2): nine layers, each clipped at 1, so Δ = √9 = 3."""
+  return sgd.clipped_grad_sum(_layered_loss, clip_norm={k: 1.0 for k in _LAYERS})
+
+
+@functools.cache
+def _layered_program() -> _Program:
+  """One step of the nine-layer linear model, per-layer clipped; the canary's clipped term is
+  e_0 in every layer (norm 3 = Δ). Feature: the canary's coordinate summed over the layers."""
+  params = {k: np.zeros(8, np.float32) for k in _LAYERS}
+  return _program(_layered_grad_fn(), params, _linear_rows(),
+                  lambda u: sum(u[k][0] for k in _LAYERS))
+
+
+def test_dp_sgd_step_with_per_layer_clipping(audit_trials):
+  """The plan reads Δ = √(Σ C_l²) = 3 from the per-layer clipped sum, so the step keeps its ε."""
+  n = audit_trials(5_000, 100_000)
+  assert _layered_grad_fn().l2_norm_bound == pytest.approx(3.0, rel=1e-9)
+  plan = _sgd_plan(_layered_grad_fn())
+  state = plan.noise.init(_layered_program().params)
+  lb = _audit_step(jax.random.key(61), _layered_program(), state, n, _batch(audit_trials))
+  _check("DP-SGD step, per-layer clipping (Δ = 3)", plan.epsilon, lb, n)
+
+
+def test_per_layer_audit_catches_noise_calibrated_to_one_layer(audit_trials):
+  """Negative control (not in EXPECTED): the same per-layer clipped sum, its noise built from a
+  grad fn that declares one layer's norm (Δ = 1, not 3): the noise is a third of what it must
+  be (issue 35's disagreeing clip norm, here from per-layer norms summed wrongly)."""
+  n = audit_trials(10_000, 20_000)
+  plan = _sgd_plan(_layered_grad_fn())
+  noise = sgd.dp_noise(per_example.ClippedGradSum(_layered_grad_fn().fun, 1.0),
+                       noise_multiplier=1.0, expected_batch_size=6, key=jax.random.key(0))
+  state = noise.init(_layered_program().params)
+  lb = _audit_step(jax.random.key(62), _layered_program(), state, n, _batch(audit_trials))
+  _control("per-layer clipping: noise of one layer's norm", plan.epsilon, lb, n)
+
+
 def _stretching_basis(stretch):
   """``[stretch·e0, e1, e2]``: not orthonormal, ``‖Vᵀe0‖ = stretch`` (the canary's direction)."""
   basis = _subspace_basis()
@@ -1383,6 +1428,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             # flat, per-layer, two-sided, embedding+residual), each with a negative control below
             # (issue 35 §3)
             "DP-SGD step", "ghost DP-SGD step", "subspace DP-SGD step",
+            "DP-SGD step, per-layer clipping (Δ = 3)",
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",
             "ghost DP-SGD step, Gram route, adversarial canary",

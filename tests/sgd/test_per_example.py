@@ -324,3 +324,104 @@ def test_clip_factor_rounds_down_and_the_margin_is_small():
   bad = pe.clip_factor(jnp.asarray([np.nan, np.inf, 0.0, 2.0], jnp.float32), 1.0)
   np.testing.assert_array_equal(np.asarray(bad[0])[:2], 0.0)
   assert not np.asarray(bad[1])[:2].any()
+
+
+# ---- Per-layer clipping (issue 52 §2). ------------------------------------------------------
+
+_PER_LAYER = [({"hidden": 1.0, "out": 0.5}, None),                       # a prefix: per layer
+              ({"hidden": {"w": 1.0, "b": 0.25}, "out": {"w": 0.5, "b": 2.0}}, None),  # per leaf
+              (1.0, "uniform"), (1.0, "by_size")]
+
+
+def _groups(tree, clip):
+  """The groups' subtrees and norms that clip_layers used (uniform / by_size: per leaf)."""
+  if isinstance(clip, float):
+    return [(tree, clip)]
+  if isinstance(clip, tuple) and not isinstance(clip, dict) and hasattr(clip, "per_layer"):
+    leaves = jax.tree_util.tree_leaves(tree)
+    sizes = np.asarray([np.prod(x.shape[1:]) for x in leaves], np.float64)
+    share = (np.full(len(leaves), 1 / len(leaves)) if clip.per_layer == "uniform"
+             else sizes / sizes.sum())
+    return list(zip(leaves, clip.clip_norm * np.sqrt(share)))
+  return [(tree[k], c) for k, c in clip.items()] if all(
+      isinstance(c, float) for c in clip.values()) else [
+      (tree[k][j], c) for k, sub in clip.items() for j, c in sub.items()]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("clip_norm, per_layer", _PER_LAYER)
+def test_per_layer_clipping_bounds_each_group_and_the_term_by_the_carried_bound(
+    dtype, clip_norm, per_layer):
+  """Every group's clipped norm ≤ its C_g and every term ≤ Δ = √(Σ C_g²) (the bound the sum
+  carries; C for a split), evaluated exactly over the materialised 16-bit values of gradients
+  at 1e-3, ≈ 1, 1e3 times C and near the dtype's max, both clippings."""
+  grads = _scaled_mlp_grads(dtype)
+  clip, bound = pe.layer_clip_norms(clip_norm, per_layer)
+  fn = pe.clipped_grad_sum(_loss, clip_norm=clip_norm, per_layer=per_layer)
+  assert fn.l2_norm_bound == bound
+  norms = [c for _, c in _groups(grads, clip)]
+  assert bound >= np.sqrt(np.sum(np.square(norms))) * (1 - 1e-9)
+  if per_layer is not None:
+    assert bound == clip_norm
+  for clipping in ("clip", "normalize"):
+    out = jax.jit(jax.vmap(lambda g: pe.clip_layers(g, clip, clipping)))(grads)
+    assert all(a.dtype == dtype for a in jax.tree_util.tree_leaves(out))
+    assert _exact_norms(_exact_rows(out)).max() <= bound
+    for (sub, c) in _groups(out, clip):
+      assert _exact_norms(_exact_rows(sub)).max() <= c, (clipping, c)
+    # Groups below their norm are untouched ("clip"): per-layer is not global clipping.
+    if clipping == "clip":
+      for (before, c), (after, _) in zip(_groups(grads, clip), _groups(out, clip)):
+        small = _exact_norms(_exact_rows(before)) <= c * (1 - 1e-3)
+        np.testing.assert_array_equal(_exact_rows(after)[small], _exact_rows(before)[small])
+
+
+def test_per_layer_clipping_zeroes_a_non_finite_group_only_and_moves_the_sum_by_at_most_delta():
+  params = _mlp_params(jax.random.key(3))
+  X, y = _batch(jax.random.key(4), 6)
+  fn = jax.jit(pe.clipped_grad_sum(_loss, clip_norm={"hidden": 1.0, "out": 0.5}))
+  delta = pe.clipped_grad_sum(_loss, clip_norm={"hidden": 1.0, "out": 0.5}).l2_norm_bound
+  assert delta == pytest.approx(np.sqrt(1.25), rel=1e-10) and delta >= np.sqrt(1.25)
+  full = fn(params, (X * 50, y), jnp.ones(6))
+  for i in range(6):
+    mask = jnp.ones(6).at[i].set(0)
+    moved = np.linalg.norm(np.asarray(_flat_rows(jax.tree_util.tree_map(
+        lambda a, b: (a - b)[None], full, fn(params, (X * 50, y), mask))), np.float64))
+    assert moved <= delta * (1 + 1e-5)
+  grads = {"hidden": {"w": jnp.full((1, 5, 4), jnp.nan), "b": jnp.ones((1, 4))},
+           "out": {"w": jnp.ones((1, 4, 3)), "b": jnp.ones((1, 3))}}
+  clip, _ = pe.layer_clip_norms({"hidden": 1.0, "out": 0.5})
+  out = jax.vmap(lambda g: pe.clip_layers(g, clip))(grads)
+  assert not np.any(np.asarray(out["hidden"]["w"])) and not np.any(np.asarray(out["hidden"]["b"]))
+  assert np.linalg.norm(_exact_rows(out["out"])) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_the_plan_noise_reads_the_per_layer_bound():
+  import dpjax
+  fn = pe.clipped_grad_sum(_loss, clip_norm={"hidden": 3.0, "out": 4.0})
+  assert fn.l2_norm_bound == pytest.approx(5.0, rel=1e-10)
+  plan = dpjax.sgd.dp_sgd_plan(fn, num_examples=100, expected_batch_size=10, steps=5,
+                               noise_multiplier=1.0, key=jax.random.key(0))
+  params = _mlp_params(jax.random.key(1))
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  state = plan.init(params, optax.sgd(1.0))
+  noisy, _ = plan.transform(optax.identity()).update(zeros, state, params)
+  std = np.std(np.concatenate([np.asarray(x).ravel() for x in jax.tree_util.tree_leaves(noisy)]))
+  assert std * 10 == pytest.approx(5.0, rel=0.15)    # the mean's std is σΔ/L with Δ = 5
+
+
+@pytest.mark.parametrize("clip_norm, per_layer, match", [
+    ({"hidden": 1.0, "out": -1.0}, None, "clip_norm"),
+    ({"hidden": 1.0}, "uniform", "float"),
+    (1.0, "per_leaf", "per_layer"),
+    ({}, None, "at least one group"),
+])
+def test_bad_per_layer_norms(clip_norm, per_layer, match):
+  with pytest.raises(ValueError, match=match):
+    pe.clipped_grad_sum(_loss, clip_norm=clip_norm, per_layer=per_layer)
+
+
+def test_per_layer_norms_that_are_not_a_prefix_are_refused_at_the_first_call():
+  fn = pe.clipped_grad_sum(_loss, clip_norm={"hidden": 1.0, "output": 0.5})
+  with pytest.raises(ValueError, match="prefix"):
+    fn(_mlp_params(jax.random.key(0)), _batch(jax.random.key(1), 4), jnp.ones(4))
