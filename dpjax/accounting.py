@@ -711,8 +711,14 @@ def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, ste
   if accountant == "pld":
     # RDP's ε is the looser bound, so PLD's σ lies below RDP's (2–15% below, where measured).
     # The PLD accountant's memory grows without bound as σ → 0: never search below half of it.
-    guess = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps, "rdp",
-                                        None, batch_selection)
+    try:
+      guess = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
+                                          "rdp", None, batch_selection)
+    except dp_accounting.UnsupportedEventError:
+      # A selection RDP cannot compose (truncated Poisson): guess from the Poisson-sampled step
+      # at the same q; the search below widens upward from it if the selection needs more σ.
+      guess = _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, steps,
+                                          "rdp", None, None)
     lower_ends = sorted({max(guess / 1.25, _SIGMA_FLOOR), max(guess / 2.0, _SIGMA_FLOOR)},
                         reverse=True)
   else:

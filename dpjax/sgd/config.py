@@ -56,6 +56,10 @@ class DPSGDConfig:
       composed with the steps by the accountant, (ε, δ) ones by basic composition.
     subspace_epsilon, subspace_delta: a private basis's cost by number instead (basic
       composition); stored as ``subspace_event``.
+    max_batch_size: optional B: truncated Poisson sampling (at most B examples a step, one
+      static batch of B rows; :class:`dpjax.sgd.sampling.TruncatedPoissonSampling`, accounted
+      by ``dp_accounting``'s truncated event: PLD only, no tuning, no mesh). None: Poisson
+      sampling, never truncated.
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
       Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP). A subspace event is
       then composed once, outside the repetition: a Gaussian release made before the tuning and
@@ -66,7 +70,7 @@ class DPSGDConfig:
     TypeError: non-integer N or T; a subspace event that is neither an event nor a release.
     ValueError: neither or both of ``epsilon`` and ``noise_multiplier``; L ∉ (0, N]; bad ε, δ,
       σ, accountant or tuning; a release stated under another relation; a subspace given both
-      ways.
+      ways; ``max_batch_size`` below 1, or with the RDP accountant or tuning.
   """
   num_examples: int
   expected_batch_size: float
@@ -79,6 +83,7 @@ class DPSGDConfig:
   subspace_epsilon: float = 0.0
   subspace_delta: float = 0.0
   tuning: accounting.HyperparameterTuning | None = None
+  max_batch_size: int | None = None
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
@@ -102,6 +107,12 @@ class DPSGDConfig:
     set_("subspace_delta", 0.0)
     if self.tuning is not None:
       set_("tuning", accounting.check_tuning(self.tuning))
+    if self.max_batch_size is not None:
+      set_("max_batch_size", v.check_int(self.max_batch_size, "max_batch_size", low=1))
+      if self.accountant != "pld" or self.tuning is not None:
+        raise ValueError("truncated Poisson sampling (max_batch_size) is accounted by PLD only "
+                         "(dp_accounting's TruncatedSubsampledGaussianDpEvent has no RDP "
+                         "curve, which tuning needs): use accountant='pld' and no tuning.")
 
   @property
   def neighboring(self) -> NeighboringRelation:
@@ -109,9 +120,13 @@ class DPSGDConfig:
     return NeighboringRelation.ADD_OR_REMOVE_ONE
 
   @property
-  def batch_selection(self) -> sampling.PoissonSampling:
-    """The batch selection whose ``dp_event`` each step's event is (Poisson sampling at
-    q = L/N; its micro-batch size is a performance flag set by :meth:`make`)."""
+  def batch_selection(self) -> sampling.PoissonSampling | sampling.TruncatedPoissonSampling:
+    """The batch selection whose ``dp_event`` each step's event is: Poisson sampling at
+    q = L/N (its micro-batch size is a performance flag set by :meth:`make`), or truncated to
+    ``max_batch_size``."""
+    if self.max_batch_size is not None:
+      return sampling.truncated_poisson_sampling(self.num_examples, self.expected_batch_size,
+                                                 self.max_batch_size)
     return sampling.poisson_sampling(self.num_examples, self.expected_batch_size)
 
   @property

@@ -84,7 +84,7 @@ class DPSGDPlan:
   """
   config: config_lib.DPSGDConfig
   grad_fn: Any
-  batch_selection: sampling.PoissonSampling
+  batch_selection: sampling.PoissonSampling | sampling.TruncatedPoissonSampling
   release: str
   noise: optax.GradientTransformation = dataclasses.field(compare=False)
   mesh: jax.sharding.Mesh | None = None
@@ -378,8 +378,14 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
     raise ValueError("tuning with a ledger: a plan is one run of the tuning, whose cost is the "
                      "whole tuning's; record accounting.tuning_event(...) in the ledger once.")
   devices = 1 if mesh is None else distributed.check_mesh(mesh, data_axis)
-  selection = sampling.poisson_sampling(config.num_examples, config.expected_batch_size,
-                                        microbatch_size=microbatch_size, devices=devices)
+  if config.max_batch_size is not None:
+    if mesh is not None or microbatch_size is not None:
+      raise ValueError("truncated Poisson sampling sums one static batch of max_batch_size "
+                       "rows on one device: give no mesh and no microbatch_size.")
+    selection = config.batch_selection
+  else:
+    selection = sampling.poisson_sampling(config.num_examples, config.expected_batch_size,
+                                          microbatch_size=microbatch_size, devices=devices)
   basis, bases, events = _released_bases(basis, bases)
   if events and tuple(events) != _leaves(config.subspace_event):
     raise ValueError(
@@ -401,8 +407,8 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
                              expected_batch_size=selection.expected_batch_size, key=key,
                              basis=basis, bases=bases, tol=tol, steps=config.steps)
   if ledger is not None:
-    record_budget(ledger.copy(), budget, config.accountant)   # check the whole plan first
-    record_budget(ledger, budget, config.accountant)
+    record_budget(ledger.copy(), budget, config.accountant, selection)   # check the plan first
+    record_budget(ledger, budget, config.accountant, selection)
   made_for = (budget.noise_multiplier, config.steps, selection.num_examples,
               selection.expected_batch_size)
   origin = tuple(int(x) for x in np.asarray(noise.key_origin(key)))
@@ -426,6 +432,7 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
                 subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
                 subspace_event=None, accountant: str = "pld",
                 tuning: accounting.HyperparameterTuning | None = None,
+                max_batch_size: int | None = None,
                 microbatch_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
                 data_axis: str = distributed.DATA_AXIS, ledger=None,
                 tol: float = 1e-3) -> DPSGDPlan:
@@ -463,8 +470,9 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
   Args:
     grad_fn: sensitivity-bearing clipped-gradient sum (module docstring).
     num_examples, expected_batch_size, steps, epsilon, delta, noise_multiplier, accountant,
-      subspace_event, subspace_epsilon, subspace_delta, tuning: the privacy settings
-      (:class:`dpjax.sgd.DPSGDConfig`).
+      subspace_event, subspace_epsilon, subspace_delta, tuning, max_batch_size: the privacy
+      settings (:class:`dpjax.sgd.DPSGDConfig`; ``max_batch_size`` B: truncated Poisson
+      sampling, one static batch of B rows a step).
     key: the run's PRNG key (every step's sample and noise are drawn from it).
     basis, bases: optional flat basis ``V (p, k)`` or per-layer bases (required by GEP's grad
       sum); :func:`dpjax.sgd.dp_noise`. A private release may stand for a basis (the result of
@@ -491,7 +499,7 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
       num_examples=num_examples, expected_batch_size=expected_batch_size, steps=steps,
       epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier, accountant=accountant,
       subspace_event=subspace_event, subspace_epsilon=subspace_epsilon,
-      subspace_delta=subspace_delta, tuning=tuning)
+      subspace_delta=subspace_delta, tuning=tuning, max_batch_size=max_batch_size)
   return config.make(grad_fn, key=key, basis=basis, bases=bases,
                      microbatch_size=microbatch_size, mesh=mesh, data_axis=data_axis,
                      ledger=ledger, tol=tol)
@@ -520,14 +528,17 @@ def _released_bases(basis, bases):
   return basis, bases, events
 
 
-def record_budget(ledger, budget: accounting.DPSGDBudget, accountant: str | None = None) -> None:
+def record_budget(ledger, budget: accounting.DPSGDBudget, accountant: str | None = None,
+                  batch_selection=None) -> None:
   """Records a DP-SGD budget in a :class:`dpjax.ledger.PrivacyLedger`: its subspace release (its
   event) and its T steps (the DP-SGD event); refused, recording nothing, if over budget. Pass
   ``ledger.copy()`` to check a plan before anything runs.
 
   ``accountant``: the one σ was calibrated with. When it is not the ledger's, the plan is booked
   as its (ε, δ) (an explicit conversion: the ledger's accountant would certify another ε for
-  the same events, so a (2, 1e-5) plan calibrated by PLD would not fit a (2, 1e-5) RDP ledger)."""
+  the same events, so a (2, 1e-5) plan calibrated by PLD would not fit a (2, 1e-5) RDP ledger).
+  ``batch_selection``: the plan's; a scheme other than Poisson sampling books its own steps'
+  event (:func:`dpjax.accounting.dpsgd_event` with it)."""
   if accountant is not None and accountant != ledger.accountant and budget.noise_multiplier > 0:
     ledger.record_approx_dp(budget.epsilon, budget.delta,
                             label=f"DP-SGD plan, its (ε, δ) by the {accountant} accountant",
@@ -539,6 +550,10 @@ def record_budget(ledger, budget: accounting.DPSGDBudget, accountant: str | None
                         neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
   if budget.noise_multiplier <= 0:
     ledger.record_event(dp_accounting.NonPrivateDpEvent(), label="DP-SGD with σ = 0")
+  elif batch_selection is not None and not isinstance(batch_selection, sampling.PoissonSampling):
+    ledger.record_event(accounting.dpsgd_event(budget.noise_multiplier, budget.sampling_prob,
+                                               budget.steps, batch_selection=batch_selection),
+                        label="dp-sgd", neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
   else:
     ledger.record_dpsgd(noise_multiplier=budget.noise_multiplier,
                         sampling_prob=budget.sampling_prob, steps=budget.steps)

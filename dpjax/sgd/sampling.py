@@ -29,8 +29,9 @@ import numpy as np
 from dpjax import _validation as v
 from dpjax.sgd import per_example
 
-__all__ = ["PoissonSampling", "accumulate_microbatches", "poisson_clipped_sum", "poisson_mask",
-           "poisson_microbatches", "poisson_sampling"]
+__all__ = ["PoissonSampling", "TruncatedPoissonSampling", "accumulate_microbatches",
+           "poisson_clipped_sum", "poisson_mask", "poisson_microbatches", "poisson_sampling",
+           "truncated_poisson_clipped_sum", "truncated_poisson_sampling"]
 
 
 def poisson_mask(key: jax.Array, num_examples: int, sampling_prob: float) -> jax.Array:
@@ -158,6 +159,120 @@ def poisson_sampling(num_examples: int, expected_batch_size: float, *,
     microbatch_size = min(math.ceil(n / devices), math.ceil(local + 4 * math.sqrt(local)))
   microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
   return PoissonSampling(n, float(batch), microbatch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncatedPoissonSampling:
+  """Poisson sampling truncated to at most B examples a step: static shapes, no micro-batch loop.
+
+  Each example enters the Poisson sample independently with probability q = L/N; when the
+  sample holds more than B = ``max_batch_size`` examples, a uniformly random subset of B of them
+  is kept. The step is then ONE clipped sum over a fixed batch of B rows (masked where the
+  sample is smaller), so its shapes are static and no loop over micro-batches is needed.
+
+  Its part of the privacy argument is :meth:`dp_event`: truncation lets an added example evict
+  another, so a step is no longer the Poisson-sampled Gaussian mechanism; ``dp_accounting``'s
+  ``TruncatedSubsampledGaussianDpEvent`` (Google, arXiv 2508.15089) accounts for it as a mixture
+  of the sampled Gaussian mechanism and, with the probability that the sample overflows, one of
+  twice the sensitivity. Only the PLD accountant composes it. Under add/remove-one the event is
+  stated with ``dataset_size = N + 1``, the larger of the two neighbours (the overflow
+  probability grows with the number of other examples).
+
+  Attributes:
+    num_examples: N, the private training set's size (public).
+    expected_batch_size: L ∈ (0, N].
+    max_batch_size: B ≥ 1, the rows of the step's one static batch.
+  """
+  num_examples: int
+  expected_batch_size: float
+  max_batch_size: int
+
+  @property
+  def sampling_prob(self) -> float:
+    """q = L/N."""
+    return self.expected_batch_size / self.num_examples
+
+  @property
+  def microbatch_size(self) -> int:
+    """The one batch's rows, B (the micro-batch of a step that needs only one)."""
+    return self.max_batch_size
+
+  def dp_event(self, step_event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """``TruncatedSubsampledGaussianDpEvent(N + 1, q, B, σ)`` for a Gaussian step event.
+
+    Raises:
+      ValueError: a step event that is not a ``GaussianDpEvent`` (the truncated analysis is
+        for the Gaussian mechanism only).
+    """
+    if not isinstance(step_event, dp_accounting.GaussianDpEvent):
+      raise ValueError("truncated Poisson sampling is accounted for the Gaussian mechanism only "
+                       f"(dp_accounting's TruncatedSubsampledGaussianDpEvent), got {step_event}.")
+    return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+        dataset_size=self.num_examples + 1, sampling_probability=self.sampling_prob,
+        truncated_batch_size=self.max_batch_size, noise_multiplier=step_event.noise_multiplier)
+
+  def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args):
+    """One step's clipped-gradient sum over a fresh truncated Poisson sample drawn with ``key``
+    (traceable; :func:`truncated_poisson_clipped_sum`). Use a fresh key per step."""
+    return truncated_poisson_clipped_sum(grad_fn, params, data, key,
+                                         sampling_prob=self.sampling_prob,
+                                         max_batch_size=self.max_batch_size,
+                                         extra_args=extra_args)
+
+
+def truncated_poisson_sampling(num_examples: int, expected_batch_size: float,
+                               max_batch_size: int) -> TruncatedPoissonSampling:
+  """Validated :class:`TruncatedPoissonSampling`.
+
+  Raises:
+    ValueError: N < 1, L ∉ (0, N], B < 1.
+    TypeError: non-integer N or B.
+  """
+  selection = poisson_sampling(num_examples, expected_batch_size, microbatch_size=1)
+  return TruncatedPoissonSampling(selection.num_examples, selection.expected_batch_size,
+                                  v.check_int(max_batch_size, "max_batch_size", low=1))
+
+
+def truncated_poisson_chosen(key: jax.Array, num_examples: int, sampling_prob,
+                             max_batch_size: int) -> tuple[jax.Array, jax.Array]:
+  """``(indices, mask)``, both ``(B,)``: a Poisson sample at q truncated to a uniformly random
+  subset of at most B of its examples (traceable). ``key`` is split once into the sample's and
+  the subset's streams. The mask marks the kept examples; like the sample, it never enters a
+  released value (:mod:`dpjax.sgd.sampling`)."""
+  sample_key, subset_key = jax.random.split(key)
+  sampled = jax.random.bernoulli(sample_key, sampling_prob, (num_examples,))
+  priority = jnp.where(sampled, jax.random.uniform(subset_key, (num_examples,)), 2.0)
+  _, indices = jax.lax.top_k(-priority, min(max_batch_size, num_examples))
+  indices = indices.astype(jnp.int32)
+  mask = sampled[indices]
+  pad = max_batch_size - indices.shape[0]
+  if pad:                                        # B > N: a batch of B rows all the same
+    indices = jnp.concatenate([indices, jnp.zeros((pad,), jnp.int32)])
+    mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
+  return indices, mask
+
+
+def truncated_poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array, *,
+                                  sampling_prob, max_batch_size: int, extra_args=()):
+  """The clipped-gradient sum over a truncated Poisson sample (:class:`TruncatedPoissonSampling`):
+  traceable core; one call of ``grad_fn`` on a static batch of ``max_batch_size`` rows.
+
+  Args:
+    grad_fn, params, data, extra_args: as :func:`poisson_clipped_sum`.
+    key: PRNG key of this step's sample (a fresh one per step).
+    sampling_prob: q ∈ (0, 1].
+    max_batch_size: B ≥ 1 (static).
+
+  Raises:
+    ValueError: ``max_batch_size < 1``; data without a common leading axis.
+  """
+  max_batch_size = v.check_int(max_batch_size, "max_batch_size", low=1)
+  sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(data)}
+  if len(sizes) != 1:
+    raise ValueError(f"data leaves must share one leading example axis, got sizes {sizes}.")
+  indices, mask = truncated_poisson_chosen(key, sizes.pop(), sampling_prob, max_batch_size)
+  batch = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[indices], data)
+  return masked_call(grad_fn)(params, batch, mask, *extra_args)
 
 
 @functools.partial(jax.jit, static_argnames=("grad_fn",))

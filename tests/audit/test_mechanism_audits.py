@@ -31,6 +31,7 @@ from dpjax.ashtiani_liaw import populous_mean as ppme_lib
 from dpjax.ashtiani_liaw import semimetric
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma
 from dpjax.sgd import per_example
+from dpjax.sgd import sampling as sampling_lib
 from dpjax.subspace import approximate
 from dpjax.subspace import analyze_gauss as dpjax_analyze_gauss
 from dpjax.subspace import dpaseb as dpjax_dpaseb
@@ -540,6 +541,60 @@ def test_per_layer_audit_catches_noise_calibrated_to_one_layer(audit_trials):
   state = noise.init(_layered_program().params)
   lb = _audit_step(jax.random.key(62), _layered_program(), state, n, _batch(audit_trials))
   _control("per-layer clipping: noise of one layer's norm", plan.epsilon, lb, n)
+
+
+@functools.cache
+def _truncated_program():
+  """One step with truncated Poisson sampling (issue 52 §3; q = 1, B = 5): the library's
+  :meth:`TruncatedPoissonSampling.clipped_sum` (its sample and subset from the trial's key) and
+  :func:`dpjax.sgd.dp_noise`'s full release at σ = 2 (C = 1). Membership cannot be a 0/1 weight
+  here — a weighted-out row would still take a slot of the batch — so the neighbours are real
+  add/remove ones: five rows whose gradient is −e_0, and the same with the canary 5·e_0 (clipped
+  gradient e_0), which evicts one of them when it is kept. Feature: the released coordinate 0."""
+  grad_fn = _linear_grad_fn()
+  selection = sampling_lib.truncated_poisson_sampling(5, 5.0, 5)
+  noise = sgd.dp_noise(grad_fn, noise_multiplier=2.0, expected_batch_size=5,
+                       key=jax.random.key(0))
+  params = np.zeros(8, np.float32)
+  state = noise.init(params)
+
+  def run(key, rows):
+    sample_key, noise_key = jax.random.split(key)
+    summed = selection.clipped_sum(grad_fn, params, (rows, np.ones(len(rows), np.float32)),
+                                   sample_key)
+    update, _ = noise.update(summed, dataclasses.replace(state, key=noise_key), params)
+    return update[0]
+  others = -np.eye(8, dtype=np.float32)[[0] * 5]
+  with_canary = np.concatenate([5 * np.eye(8, dtype=np.float32)[[0]], others])
+  return selection, jax.jit(run), others, with_canary
+
+
+def _truncated_epsilon(event, delta=0.02):
+  return dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(delta)
+
+
+def test_dp_sgd_step_with_truncated_poisson_sampling(audit_trials):
+  """The truncated step keeps the ε of dp_accounting's truncated event (PLD at δ = 0.02, where
+  the negative control below has power: 3.40 at σ = 2)."""
+  n = audit_trials(5_000, 100_000)
+  selection, run, others, with_canary = _truncated_program()
+  claimed = _truncated_epsilon(selection.dp_event(dp_accounting.GaussianDpEvent(2.0)))
+  lb = audit.audit(jax.random.key(63), run, others, with_canary, delta=0.02, trials=n,
+                   batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _check("DP-SGD step, truncated Poisson sampling", claimed, lb, n)
+
+
+def test_truncated_audit_catches_poisson_accounting(audit_trials):
+  """Negative control (not in EXPECTED): the same truncated step accounted as if it were not
+  truncated (Poisson at q = 1, sensitivity C: 0.76 at δ = 0.02), while an added example can
+  evict another and move the sum by 2C."""
+  n = audit_trials(50_000, 50_000)                 # a control needs power only
+  _, run, others, with_canary = _truncated_program()
+  claimed = _truncated_epsilon(
+      dp_accounting.PoissonSampledDpEvent(1.0, dp_accounting.GaussianDpEvent(2.0)))
+  lb = audit.audit(jax.random.key(64), run, others, with_canary, delta=0.02, trials=n,
+                   batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _control("truncated Poisson accounted as Poisson", claimed, lb, n)
 
 
 def _stretching_basis(stretch):
@@ -1428,7 +1483,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             # flat, per-layer, two-sided, embedding+residual), each with a negative control below
             # (issue 35 §3)
             "DP-SGD step", "ghost DP-SGD step", "subspace DP-SGD step",
-            "DP-SGD step, per-layer clipping (Δ = 3)",
+            "DP-SGD step, per-layer clipping (Δ = 3)", "DP-SGD step, truncated Poisson sampling",
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",
             "ghost DP-SGD step, Gram route, adversarial canary",

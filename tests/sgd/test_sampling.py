@@ -182,3 +182,101 @@ def test_masked_call_speaks_both_conventions():
     sampling.masked_call(clipping.clipped_grad(
         lambda w, batch: (batch_loss(w, batch), 0.0), l2_clip_norm=1.0, batch_argnums=1,
         has_aux=True))
+
+
+# ---- Truncated Poisson sampling (issue 52 §3). ---------------------------------------------
+
+_chosen = jax.jit(sampling.truncated_poisson_chosen, static_argnums=(1, 3))
+
+
+def test_truncation_keeps_at_most_b_and_every_sampled_example_when_the_sample_fits():
+  for seed in range(20):
+    key = jax.random.key(seed)
+    idx, mask = _chosen(key, 50, 0.2, 8)
+    assert idx.shape == mask.shape == (8,) and int(mask.sum()) <= 8
+    sample_key, _ = jax.random.split(key)
+    sampled = np.flatnonzero(np.asarray(jax.random.bernoulli(sample_key, 0.2, (50,))))
+    kept = np.asarray(idx)[np.asarray(mask)]
+    assert set(kept) <= set(sampled) and len(set(kept)) == len(kept)
+    assert len(kept) == min(len(sampled), 8)        # a sample that fits is kept whole
+  np.testing.assert_array_equal(_chosen(jax.random.key(3), 50, 0.2, 8)[0],
+                                _chosen(jax.random.key(3), 50, 0.2, 8)[0])
+
+
+def test_an_overflowing_sample_is_truncated_to_a_uniform_subset():
+  """q = 1, N = 6, B = 3: every example is kept with probability 1/2, each pair equally often."""
+  keys = jax.random.split(jax.random.key(0), 4_000)
+  masks = np.zeros((4_000, 6), bool)
+  idx, mask = jax.vmap(lambda k: sampling.truncated_poisson_chosen(k, 6, 1.0, 3))(keys)
+  np.put_along_axis(masks, np.asarray(idx), np.asarray(mask), axis=1)
+  assert np.all(masks.sum(1) == 3)
+  np.testing.assert_allclose(masks.mean(0), 0.5, atol=0.03)
+  pairs = (masks[:, :, None] & masks[:, None, :]).mean(0)[np.triu_indices(6, 1)]
+  np.testing.assert_allclose(pairs, 3 / 6 * 2 / 5, atol=0.03)
+
+
+def test_b_above_n_pads_a_static_batch():
+  idx, mask = _chosen(jax.random.key(1), 3, 1.0, 5)
+  assert idx.shape == (5,) and list(np.asarray(mask)) == [True] * 3 + [False] * 2
+
+
+def test_truncated_event_and_its_cost():
+  """The step event is dp_accounting's truncated one at N + 1 (the larger neighbour); at a B that
+  never overflows it costs what Poisson does, at B = L far more (measured ε at σ = 1.2,
+  q = 0.05, T = 50, δ = 1e-5: Poisson 1.82, B = 2,000 1.82, B = 130 2.82, B = 100 (= L) 7.50;
+  ε grows with the event's dataset size, 7.48 at 1,999 to 7.50 at 2,002)."""
+  sel = sampling.truncated_poisson_sampling(2_000, 100, 100)
+  event = sel.dp_event(dp_accounting.GaussianDpEvent(1.2))
+  assert event == dp_accounting.TruncatedSubsampledGaussianDpEvent(2_001, 0.05, 100, 1.2)
+  with pytest.raises(ValueError, match="Gaussian"):
+    sel.dp_event(dp_accounting.LaplaceDpEvent(1.0))
+
+  def eps(selection):
+    step = (dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.2))
+            if selection is None else selection.dp_event(dp_accounting.GaussianDpEvent(1.2)))
+    acc = dp_accounting.pld.PLDAccountant()
+    return acc.compose(dp_accounting.SelfComposedDpEvent(step, 50)).get_epsilon(1e-5)
+  poisson = eps(None)
+  assert eps(sampling.truncated_poisson_sampling(2_000, 100, 2_000)) == pytest.approx(
+      poisson, rel=1e-3)
+  assert eps(sel) > 1.5 * poisson
+
+
+def test_a_truncated_plan_trains_in_one_static_batch_and_books_its_event():
+  import optax
+  import dpjax
+  rows = (X, (X[:, 0] > 0).astype(jnp.int32))
+
+  def xent(w, example):
+    x, label = example
+    return optax.softmax_cross_entropy_with_integer_labels(x @ w, label)
+  ledger = dpjax.ledger.PrivacyLedger(50.0, 1e-5)
+  plan = dpjax.sgd.dp_sgd_plan(dpjax.sgd.clipped_grad_sum(xent, clip_norm=1.0), num_examples=N,
+                               expected_batch_size=40, steps=30, noise_multiplier=1.0,
+                               key=jax.random.key(0), max_batch_size=40, ledger=ledger)
+  assert isinstance(plan.batch_selection, sampling.TruncatedPoissonSampling)
+  assert "TruncatedSubsampledGaussianDpEvent" in repr(plan.dp_event)
+  assert ledger.spent.epsilon == pytest.approx(plan.epsilon, rel=1e-6)
+  w = jnp.zeros((D, 2))
+  opt = optax.sgd(0.5)
+  trained, _ = plan.run(w, plan.init(w, opt), plan.prepare(rows), opt)
+  assert float(((X @ trained).argmax(-1) == rows[1]).mean()) > 0.8
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_batch_size": 0}, "max_batch_size"),
+    ({"max_batch_size": 10, "accountant": "rdp"}, "PLD"),
+])
+def test_truncated_config_refuses_what_it_cannot_account(kwargs, match):
+  import dpjax
+  with pytest.raises(ValueError, match=match):
+    dpjax.sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=3, noise_multiplier=1.0,
+                          **kwargs)
+
+
+def test_truncated_plan_takes_no_mesh_or_microbatch_size():
+  import dpjax
+  config = dpjax.sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=3,
+                                 noise_multiplier=1.0, max_batch_size=40)
+  with pytest.raises(ValueError, match="one static batch"):
+    config.make(_masked_sum, key=jax.random.key(0), microbatch_size=8)
