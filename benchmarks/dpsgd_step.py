@@ -29,8 +29,14 @@ The sides:
 * ``ghost_no_noise`` — the same without the noise (a diagnostic, not private: drawing p
   Gaussians is a fixed cost of every DP side, threefry's, which the non-private step does not
   pay).
+* ``ghost_subspace`` — ghost's sum released in a subspace (issue 52 §6): a per-layer basis of
+  rank ``--subspace-rank`` (16) on the first layer's kernel ``(d, h)`` (a random orthonormal
+  ``(d, k)``; the other leaves keep full noise), so the first layer draws k·h normals instead
+  of d·h (``noise_draws`` in the JSON); MLPs only.
 * ``vmap`` — :func:`dpjax.sgd.clipped_grad_sum` (``vmap(grad)``, per-example gradients
   materialised), the same noise and sgd.
+* ``vmap_per_layer`` — the same with per-layer clipping (``per_layer="uniform"``: C/√K per
+  leaf, Δ = C; issue 52 §2).
 * ``optax_dpsgd`` — ``optax.contrib.dpsgd`` fed ``vmap(grad)`` per-example gradients.
 * ``jax_privacy`` — ``jax_privacy.clipping.clipped_grad(loss, l2_clip_norm=C,
   keep_batch_dim=False, microbatch_size=--microbatch)`` (its sum of clipped gradients), then
@@ -85,7 +91,8 @@ from dpjax.sgd import sampling
 
 DEFAULT_MODELS = ("784-1024-256-10", "cnn", "transformer", "784-4096-1664-10")
 QUICK_MODELS = ("784-1024-256-10", "cnn", "transformer")
-SIDES = ("nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd", "jax_privacy")
+SIDES = ("nonprivate", "ghost", "ghost_no_noise", "ghost_subspace", "vmap", "vmap_per_layer",
+         "optax_dpsgd", "jax_privacy")
 CLIP, SIGMA, LR = 1.0, 1.0, 0.1
 MIN_SAMPLE_S = 0.2     # a timed sample repeats a short step to last about this long
 VOCAB, WIDTH, HEADS, HIDDEN, BLOCKS, CLASSES = 512, 128, 4, 512, 2, 10
@@ -225,7 +232,30 @@ def _noisy(grad_fn, grad_sum, batch):
                      optax.sgd(LR)), grad_sum
 
 
-def make_steps(bench, batch, micro, micro_rows):
+def _first_layer_bases(params, rank):
+  """Per-layer bases: a random orthonormal ``(d, k)`` on ``l0/w`` (an MLP's first kernel), None
+  elsewhere; None when the model has no such leaf or d ≤ k."""
+  w = params.get("l0", {}).get("w") if isinstance(params, dict) else None
+  if w is None or w.ndim != 2 or w.shape[0] <= rank:
+    return None
+  q, _ = np.linalg.qr(np.random.default_rng(3).standard_normal((w.shape[0], rank)))
+  bases = jax.tree_util.tree_map(lambda _: None, params)
+  bases["l0"]["w"] = jnp.asarray(q, jnp.float32)
+  return bases
+
+
+def noise_draws(params, bases) -> int:
+  """Gaussian draws of one release: p, less d·h + k·h on each leaf with a ``(d, k)`` basis."""
+  total = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  if bases is not None:
+    for x, b in zip(jax.tree_util.tree_leaves(params),
+                    jax.tree_util.tree_structure(params).flatten_up_to(bases)):
+      if b is not None:
+        total -= x.size - b.shape[1] * (x.size // x.shape[0])
+  return int(total)
+
+
+def make_steps(bench, batch, micro, micro_rows, rank=16):
   """``{side: (jitted step(params, state, X, y), initial state, notes)}``."""
   params, apply_fn = bench.params, bench.apply_fn
   loss_fn = ghost_lib.model_loss(apply_fn, example_loss)
@@ -246,6 +276,16 @@ def make_steps(bench, batch, micro, micro_rows):
   build(*_noisy(ghost, lambda p, X, y: ghost(p, (X, y), mask), batch))
   side = "ghost_no_noise"
   build(optax.sgd(LR), lambda p, X, y: ghost(p, (X, y), mask), "diagnostic: no noise")
+  side = "ghost_subspace"
+  bases = _first_layer_bases(params, rank)
+  if bases is None:
+    steps[side] = (None, None, f"unavailable: an MLP's first kernel with more than {rank} rows")
+  else:
+    tx = optax.chain(sgd.dp_noise(ghost, noise_multiplier=SIGMA, expected_batch_size=batch,
+                                  key=jax.random.key(1), bases=bases), optax.sgd(LR))
+    build(tx, lambda p, X, y: ghost(p, (X, y), mask),
+          f"rank {rank} on l0/w: {noise_draws(params, bases):,} normals, not "
+          f"{noise_draws(params, None):,}")
   side = "vmap"
   vmap = sgd.clipped_grad_sum(loss_fn, clip_norm=CLIP)
   if micro:
@@ -254,6 +294,14 @@ def make_steps(bench, batch, micro, micro_rows):
         vmap, p, (X, y), idx, jnp.ones(idx.shape, bool)), batch), f"micro-batches of {micro}")
   else:
     build(*_noisy(vmap, lambda p, X, y: vmap(p, (X, y), mask), batch))
+  side = "vmap_per_layer"
+  layered = sgd.clipped_grad_sum(loss_fn, clip_norm=CLIP, per_layer="uniform")
+  if micro:
+    idx = jnp.arange(batch, dtype=jnp.int32).reshape(-1, micro)
+    build(*_noisy(layered, lambda p, X, y: sampling.accumulate_microbatches(
+        layered, p, (X, y), idx, jnp.ones(idx.shape, bool)), batch), f"micro-batches of {micro}")
+  else:
+    build(*_noisy(layered, lambda p, X, y: layered(p, (X, y), mask), batch))
   side = "optax_dpsgd"
   if micro:
     tx = optax.chain(_OptaxNoise(batch), optax.sgd(LR))
@@ -323,7 +371,7 @@ def _memory_mb(fn, *args):
     return None
 
 
-def run_model(bench, batch, repeats, max_gb, micro_rows):
+def run_model(bench, batch, repeats, max_gb, micro_rows, rank=16):
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(bench.params))
   per_example_gb = batch * num_params * 4 / 1e9
   micro = micro_rows if per_example_gb > max_gb else 0
@@ -332,10 +380,14 @@ def run_model(bench, batch, repeats, max_gb, micro_rows):
   params = bench.params
   with warnings.catch_warnings():        # every leaf is ghost-clipped: a fallback is an error
     warnings.filterwarnings("error", "ghost clipping: parameters", UserWarning)
-    steps, (ghost, vmap, mask) = make_steps(bench, batch, micro, micro_rows)
+    steps, (ghost, vmap, mask) = make_steps(bench, batch, micro, micro_rows, rank)
     X, y = bench.data(batch)
-    return _run_steps(steps, ghost, vmap, mask, params, X, y, repeats, micro, num_params,
-                      per_example_gb)
+    out = _run_steps(steps, ghost, vmap, mask, params, X, y, repeats, micro, num_params,
+                     per_example_gb)
+  bases = _first_layer_bases(params, rank)
+  out["noise_draws"] = {"full": noise_draws(params, None),
+                        "subspace": None if bases is None else noise_draws(params, bases)}
+  return out
 
 
 def _run_steps(steps, ghost, vmap, mask, params, X, y, repeats, micro, num_params,
@@ -409,6 +461,8 @@ def main(argv=None) -> dict:
                       help="rows per micro-batch of the per-example sides when they need it")
   parser.add_argument("--max-per-example-gb", type=float, default=2.0,
                       help="per-example gradients larger than this run in micro-batches")
+  parser.add_argument("--subspace-rank", type=int, default=16,
+                      help="rank of the ghost_subspace side's basis on an MLP's first kernel")
   parser.add_argument("--json", type=str, default=None)
   args = parser.parse_args(argv)
   models = args.models or (QUICK_MODELS if args.quick else DEFAULT_MODELS)
@@ -416,7 +470,8 @@ def main(argv=None) -> dict:
   results = {}
   for spec in models:
     key, bench = build(spec, args.seq)
-    res = run_model(bench, args.batch, repeats, args.max_per_example_gb, args.microbatch)
+    res = run_model(bench, args.batch, repeats, args.max_per_example_gb, args.microbatch,
+                    args.subspace_rank)
     results[key or model_key(res["num_params"])] = res
   jp = lambda r: r["ghost_ratio"]["jax_privacy"]["median"] if "jax_privacy" in r["ghost_ratio"] \
       else r["notes"]["jax_privacy"]                                              # noqa: E731
@@ -434,6 +489,12 @@ def main(argv=None) -> dict:
                                    for k, r in results.items()},
       "vmap_ratio_vs_optax_dpsgd": {k: r["vmap_ratio"]["optax_dpsgd"]["median"]
                                     for k, r in results.items()},
+      "full_release_vs_subspace": {k: r["ghost_ratio"]["ghost_subspace"]["median"]
+                                   for k, r in results.items()
+                                   if "ghost_subspace" in r["ghost_ratio"]},
+      "per_layer_clipping_vs_global": {k: r["vmap_ratio"]["vmap_per_layer"]["median"]
+                                       for k, r in results.items()},
+      "noise_draws": {k: r["noise_draws"] for k, r in results.items()},
       "memory_mb": {k: r["memory_mb"] for k, r in results.items()},
       "num_params": {k: r["num_params"] for k, r in results.items()},
   }

@@ -410,7 +410,8 @@ def test_dpsgd_step_options(tmp_path):
   path = tmp_path / "out.json"
   out = _load("dpsgd_step").main(
       ["--quick", "--models", "20-16-4", "10-4", "--batch", "16", "--repeats", "1",
-       "--microbatch", "8", "--max-per-example-gb", "5e-6", "--json", str(path)])
+       "--microbatch", "8", "--max-per-example-gb", "5e-6", "--subspace-rank", "4",
+       "--json", str(path)])
   saved = json.loads(path.read_text())
   assert saved["summary"] == json.loads(json.dumps(out["summary"]))
   for key in ("ratio_vs_nonprivate", "ratio_vs_optax_dpsgd", "ratio_vs_jax_privacy"):
@@ -419,7 +420,14 @@ def test_dpsgd_step_options(tmp_path):
   big, small = saved["models"]["404"], saved["models"]["44"]
   assert big["microbatch"] == 8 and small["microbatch"] is None
   assert small["ghost_vs_vmap_max_rel_diff"] < 1e-5
-  assert set(big["median_s"]) >= {"nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd"}
+  assert set(big["median_s"]) >= {"nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd",
+                                  "ghost_subspace", "vmap_per_layer"}
+  # The subspace release draws k·h normals on the first kernel (--subspace-rank 4: 4·16, not
+  # 20·16): 404 − 320 + 64 = 148; on 10-4, 44 − 40 + 16 = 20.
+  assert big["noise_draws"] == {"full": 404, "subspace": 148}
+  assert small["noise_draws"] == {"full": 44, "subspace": 20}
+  assert set(saved["summary"]["full_release_vs_subspace"]) == {"404", "44"}
+  assert set(saved["summary"]["per_layer_clipping_vs_global"]) == {"404", "44"}
 
 
 @pytest.mark.slow(reason="the Flax CNN and transformer through every side of the step "
