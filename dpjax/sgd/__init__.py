@@ -18,6 +18,7 @@ from dpjax.sgd.ghost import dense, ghost_clipped_grad_sum
 from dpjax.sgd.noise import dp_noise, update_bases
 from dpjax.sgd.per_example import clipped_grad_sum
 from dpjax.sgd.plan import DPSGDPlan, dp_sgd_plan
+from dpjax.sgd.quantile_clipping import quantile_clip_state, quantile_clipped_grad_sum
 from dpjax.sgd.sources import (private_gradient_subspace, private_input_basis,
                                public_gradient_subspace, public_input_basis)
 from dpjax.sgd.training import train_dp_sgd
@@ -27,4 +28,5 @@ __all__ = ["DPSGDConfig", "DPSGDPlan", "TwoSidedBasis", "averaged_params", "base
            "embedding_residual_grad_sum", "ghost_clipped_grad_sum", "iterate_average", "linen_apply", "low_rank_denoise",
            "nnx_apply", "nnx_model",
            "private_gradient_subspace", "private_input_basis", "public_gradient_subspace",
-           "public_input_basis", "train_dp_sgd", "trajectory_bases", "update_bases"]
+           "public_input_basis", "quantile_clip_state", "quantile_clipped_grad_sum",
+           "train_dp_sgd", "trajectory_bases", "update_bases"]

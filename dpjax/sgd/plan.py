@@ -52,7 +52,7 @@ from dpjax import _validation as v
 from dpjax import accounting
 from dpjax._core.deprecation import renamed_attribute
 from dpjax.sgd import config as config_lib
-from dpjax.sgd import distributed, gep, noise, sampling
+from dpjax.sgd import distributed, gep, noise, quantile_clipping, sampling
 
 __all__ = ["DPSGDPlan", "dp_sgd_plan"]
 
@@ -154,7 +154,12 @@ class DPSGDPlan:
     """``optax.chain(plan.noise, optimizer)``: the privatiser, then any optax optimiser
     (post-processing). Its ``init`` is :meth:`init`'s: it starts the plan's one run."""
     _check_optimizer(optimizer)
-    chain = optax.chain(self.noise, optimizer)
+    if isinstance(self.grad_fn, quantile_clipping.QuantileClippedGradSum):
+      # Adaptive clipping: the released count moves C_t after the noise (post-processing).
+      chain = optax.chain(self.noise, quantile_clipping.quantile_clip_update(self.grad_fn),
+                          optimizer)
+    else:
+      chain = optax.chain(self.noise, optimizer)
 
     def init(params):
       self._start_run()
@@ -218,7 +223,9 @@ class DPSGDPlan:
                        f"leaf, got {sorted(str(r) for r in rows)} (q = L/N is planned for N).")
     state = noise.noise_state(opt_state)
     key = noise.step_keys(state.key).sample
-    extra = (state.bases,) if isinstance(self.grad_fn, gep.EmbeddingResidualGradSum) else ()
+    extra = ((state.bases,) if isinstance(self.grad_fn, gep.EmbeddingResidualGradSum) else
+             (quantile_clipping.quantile_clip_state(opt_state).clip_norm,)
+             if isinstance(self.grad_fn, quantile_clipping.QuantileClippedGradSum) else ())
     selection = self.batch_selection
     if self.mesh is None:
       return selection.clipped_sum(self.grad_fn, params, data, key, *extra)
@@ -387,6 +394,10 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
     selection = sampling.poisson_sampling(config.num_examples, config.expected_batch_size,
                                           microbatch_size=microbatch_size, devices=devices)
   basis, bases, events = _released_bases(basis, bases)
+  if isinstance(grad_fn, quantile_clipping.QuantileClippedGradSum) and (
+      basis is not None or bases is not None):
+    raise ValueError("adaptive clipping releases its count beside the gradient sum in the full "
+                     "release: give no basis or bases.")
   if events and tuple(events) != _leaves(config.subspace_event):
     raise ValueError(
         "a basis given as its private release must have its event in the config (σ is "

@@ -597,6 +597,59 @@ def test_truncated_audit_catches_poisson_accounting(audit_trials):
   _control("truncated Poisson accounted as Poisson", claimed, lb, n)
 
 
+def _quantile_grad_fn():
+  return sgd.quantile_clipped_grad_sum(_linear_loss, initial_clip_norm=1.0, count_weight=6.0)
+
+
+@functools.cache
+def _quantile_program() -> _Program:
+  """One step of adaptive clipping (issue 52 §2; C_t = 1, v = 3 so Δ = √10): the canary 5·e_0
+  (clipped gradient e_0, count −v: clipped) and five rows of 0.1 (counted +v); q = 1. The
+  release is the plan's full noise on the pair (the count a coordinate of the sum; σΔ comes in
+  the state); the feature projects it on the canary's direction (e_0, −v)."""
+  grad_fn = _quantile_grad_fn()
+  noise = sgd.dp_noise(grad_fn, noise_multiplier=1.0, expected_batch_size=6,
+                       key=jax.random.key(0))
+  params = np.zeros(8, np.float32)
+  rows = _linear_rows()
+
+  def run(key, data):
+    member, state = data
+    summed = grad_fn(params, (rows, member), np.ones(6, bool), 1.0)
+    update, _ = noise.update(summed, dataclasses.replace(state, key=key), params)
+    return update["grads"][0] - grad_fn.count_value * update["count"]
+  return _Program(jax.jit(run), params)
+
+
+def _quantile_state(declared=None):
+  """The plan's claim (σ = 1) and its noise state; ``declared``: the state of a noise built
+  from a grad fn that declares this bound instead (a control)."""
+  grad_fn = _quantile_grad_fn()
+  plan = _sgd_plan(grad_fn)
+  bound = grad_fn if declared is None else per_example.ClippedGradSum(grad_fn.fun, declared)
+  noise = sgd.dp_noise(bound, noise_multiplier=1.0, expected_batch_size=6,
+                       key=jax.random.key(0))
+  return plan.epsilon, noise.init(np.zeros(8, np.float32))
+
+
+def test_dp_sgd_step_with_adaptive_clipping(audit_trials):
+  """The gradient sum and the clipped count, released together with noise σΔ (Δ = √10), keep
+  the plan's ε: the count is one more coordinate of the sum, not a separate release."""
+  n = audit_trials(5_000, 100_000)
+  claimed, state = _quantile_state()
+  lb = _audit_step(jax.random.key(65), _quantile_program(), state, n, _batch(audit_trials))
+  _check("DP-SGD step, adaptive clipping (Δ = √10)", claimed, lb, n)
+
+
+def test_adaptive_clipping_audit_catches_an_unaccounted_count(audit_trials):
+  """Negative control (not in EXPECTED): the same release with noise for the gradient alone
+  (Δ = 1): the count's sensitivity v = 3 left out of the noise."""
+  n = audit_trials(10_000, 20_000)
+  claimed, state = _quantile_state(declared=1.0)
+  lb = _audit_step(jax.random.key(66), _quantile_program(), state, n, _batch(audit_trials))
+  _control("adaptive clipping: count left out of Δ", claimed, lb, n)
+
+
 def _stretching_basis(stretch):
   """``[stretch·e0, e1, e2]``: not orthonormal, ``‖Vᵀe0‖ = stretch`` (the canary's direction)."""
   basis = _subspace_basis()
@@ -1484,6 +1537,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             # (issue 35 §3)
             "DP-SGD step", "ghost DP-SGD step", "subspace DP-SGD step",
             "DP-SGD step, per-layer clipping (Δ = 3)", "DP-SGD step, truncated Poisson sampling",
+            "DP-SGD step, adaptive clipping (Δ = √10)",
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",
             "ghost DP-SGD step, Gram route, adversarial canary",
