@@ -736,7 +736,8 @@ def crossover_lines(dataset: str, model: str | None, epsilon: float, methods) ->
   n ≈ N1, N2 (not at n = N) …" (a public subspace can win at small n only) or "does not win up to
   n = N at ε = E (model M): X points vs the best dp_sgd (its model)", with ", though it beats
   this model's dp_sgd from n ≈ N' (…)" where it beats its own model's DP-SGD but not the best
-  private model; others say why there is no line."""
+  private model, and "; on M' it wins from n ≈ N (…)" where the study found the route winning
+  with another model of the data set at that ε; others say why there is no line."""
   study = _study().get(_STUDY_DATA.get(dataset, ""), {})
   if not study:
     return {m: f"the crossover study has no measurements on {dataset}" for m in methods
@@ -774,6 +775,12 @@ def crossover_lines(dataset: str, model: str | None, epsilon: float, methods) ->
         if c.get("n_star_model") is not None:
           parts[-1] += (f", though it beats this model's dp_sgd from n ≈ {c['n_star_model']:,} "
                         f"({100 * c['diff_at_n_max']:+.1f} points at n = {c['n_max']:,})")
+    for other in sorted(study):        # where the study found the route winning on another model
+      c = study[other].get(eps, {}).get(m)
+      if other != model and c is not None and c.get("n_star") is not None:
+        parts.append(f"on {other} it wins from n ≈ {c['n_star']:,} at ε = {eps} "
+                     f"({100 * c['vs_best_dp_sgd_at_n_max']:+.1f} points vs the best dp_sgd at "
+                     f"n = {c['n_max']:,})")
     lines[m] = "; ".join(parts)
   return lines
 

@@ -390,7 +390,12 @@ def test_crossover_lines_read_the_nearest_cell_of_the_study(monkeypatch):
       "mnist_full": {"mlp_1000": {"2": {"private_input_subspace": {
           **cell, "n_max": 58000, "n_star_model": 40000, "n_beats_model": [40000, 58000],
           "diff_at_n_max": 0.0104, "vs_best_dp_sgd_at_n_max": -0.049,
-          "best_model_at_n_max": "scatnet"}}}}}
+          "best_model_at_n_max": "scatnet"}}},
+          "scatnet": {"2": {"gep_trajectory": {**cell, "n_max": 58000,
+                                                "vs_best_dp_sgd_at_n_max": -0.001}}},
+          "scatnet_mlp_256": {"2": {"gep_trajectory": {
+              **cell, "n_max": 58000, "n_star": 58000, "n_wins": [58000],
+              "vs_best_dp_sgd_at_n_max": 0.0008}}}}}
   monkeypatch.setattr(demo, "_study", lambda: study)
   assert demo.study_model("mlp", 32) == "mlp_small" and demo.study_model("cnn", 32) == "cnn"
   assert demo.study_model("mlp", 7) is None
@@ -415,6 +420,11 @@ def test_crossover_lines_read_the_nearest_cell_of_the_study(monkeypatch):
       "does not win up to n = 58,000 at ε = 2 (mlp_1000): -4.9 points vs the best dp_sgd "
       "(scatnet), though it beats this model's dp_sgd from n ≈ 40,000 "
       "(+1.0 points at n = 58,000)")
+  # A route that wins with another model of the data set says so.
+  assert demo.crossover_lines("mnist", "scatnet", 2.0, ["gep_trajectory"])["gep_trajectory"] == (
+      "does not win up to n = 58,000 at ε = 2 (scatnet): -0.1 points vs the best dp_sgd; "
+      "on scatnet_mlp_256 it wins from n ≈ 58,000 at ε = 2 (+0.1 points vs the best dp_sgd "
+      "at n = 58,000)")
   assert demo.crossover_lines("mine.npz", "mlp_small", 2.0, ["gep_trajectory"]) == {
       "gep_trajectory": "the crossover study has no measurements on mine.npz"}
 
