@@ -561,7 +561,7 @@ def markdown_tables(summary: dict, details: dict, crossover: dict) -> str:
   (n*, n*_model, the difference at n_max and against the task's best), and the DP-PCA
   diagnostics where ``--diagnostics`` added them."""
   def pts(x):
-    return f"{100 * x:+.1f}"
+    return "unknown" if x is None else f"{100 * x:+.1f}"
 
   def interval(r):
     text = f"{pts(r['diff'])} [{pts(r['ci'][0])}, {pts(r['ci'][1])}]"
@@ -580,7 +580,8 @@ def markdown_tables(summary: dict, details: dict, crossover: dict) -> str:
     out.append(f"| {dataset}, {model} | {eps} | {n:,} | {base['acc']:.3f} "
                f"({len(details[name]['dp_sgd']['test'])}) | "
                + " | ".join(interval(rows[r]) if r in rows else "" for r in routes)
-               + f" | {pts(base['vs_best_dp_sgd'])} ({base['best_model']}) |")
+               + f" | {pts(base['vs_best_dp_sgd'])} ({base['best_model']}"
+               + "".join(f"; {m} not run" for m in base["best_unmeasured"]) + ") |")
   star = (lambda n: "none" if n is None else f"{n:,}")
   out += ["", "| data, model | route | ε | n* | n*_model | n measured | at n_max vs its dp_sgd "
           "| vs the best |", "|---|---|---|---|---|---|---|---|"]
@@ -628,7 +629,8 @@ def write_crossover(crossover: dict, path: str) -> None:
       for eps, routes in epss.items():
         name, shipped = shipped_name(dataset, model)
         merged.setdefault(name, {}).setdefault(shipped, {})[eps] = {
-            route: {k: v if k != "best_model_at_n_max" else shipped_name(*v.split("/"))[1]
+            route: {k: v if k != "best_model_at_n_max" or v is None
+                    else shipped_name(*v.split("/"))[1]
                     for k, v in c.items() if k != "by_n"} for route, c in routes.items()}
   with open(path, "w", encoding="utf-8") as f:
     json.dump(merged, f, indent=1, sort_keys=True)
@@ -648,21 +650,31 @@ def task(dataset: str) -> str:
 def _mark_wins(summary: dict) -> None:
   """``beats_model``: a private route other than dp_sgd whose paired interval against the same
   model's dp_sgd lies above zero; ``wins``: that AND mean accuracy above the best dp_sgd over
-  every model (and feature map, :func:`task`) at that (task, n, ε), named in ``best_model``."""
-  best = {}
+  every model (and feature map, :func:`task`) at that (task, n, ε), named in ``best_model``.
+  A win needs every (data set, model) the study ran at that ε to have run at that n too:
+  elsewhere ``best_unmeasured`` names the missing ones, ``vs_best_dp_sgd`` is against the best
+  of those that ran (an upper bound of the true margin) and ``wins`` is False."""
+  best, present, here = {}, {}, {}
   for name, rows in summary.items():
     dataset, n, model, eps = _cell(name)
     cell = (task(dataset), n, eps)
     if rows["dp_sgd"]["mean"] > best.get(cell, (0.0, ""))[0]:
       best[cell] = (rows["dp_sgd"]["mean"], f"{dataset}/{model}")
+    present.setdefault((task(dataset), eps), set()).add(f"{dataset}/{model}")
+    here.setdefault(cell, set()).add(f"{dataset}/{model}")
   for name, rows in summary.items():
     dataset, n, _, eps = _cell(name)
-    top, where = best[(task(dataset), n, eps)]
+    cell = (task(dataset), n, eps)
+    top, where = best[cell]
+    # The task's best model is known only where every (data, model) that the study ran at this
+    # ε was run at this n too: elsewhere a route can beat its model but not be said to win.
+    missing = sorted(present[(task(dataset), eps)] - here[cell])
     for route, r in rows.items():
       r["beats_model"] = bool(r["private"] and route != "dp_sgd" and r["ci"][0] > 0)
-      r["wins"] = bool(r["beats_model"] and r["mean"] > top)
+      r["wins"] = bool(r["beats_model"] and r["mean"] > top and not missing)
       r["vs_best_dp_sgd"] = r["mean"] - top
       r["best_model"] = where
+      r["best_unmeasured"] = missing
 
 
 def crossovers(summary: dict) -> dict:
@@ -694,13 +706,18 @@ def crossovers(summary: dict) -> dict:
   return out
 
 
+def _signed(x) -> str:
+  """``+0.012``, or ``unknown`` where the task's best model was not run (:func:`_mark_wins`)."""
+  return "unknown" if x is None else f"{x:+.3f}"
+
+
 def _print_table(summary: dict) -> None:
   print(f"\n{'setting':36s} {'route':30s} {'median':>7s} {'diff':>7s} {'95% CI':>17s} "
         f"{'vs best':>8s} {'lr':>6s}  wins")
   for name, rows in summary.items():
     for route, r in rows.items():
       print(f"{name:36s} {route:30s} {r['acc']:7.3f} {r['diff']:+7.3f} "
-            f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] {r['vs_best_dp_sgd']:+8.3f} "
+            f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}] {_signed(r['vs_best_dp_sgd']):>8s} "
             f"{r['learning_rate']:6g}  {'yes' if r['wins'] else ''}")
 
 
@@ -715,7 +732,7 @@ def _print_crossover(crossover: dict) -> None:
           verdict = (f"wins at n = {c['n_wins']} of {sorted(map(int, c['by_n']))}"
                      if c["n_star"] is not None else
                      f"none up to n = {c['n_max']} (diff {c['diff_at_n_max']:+.3f}, "
-                     f"vs best dp_sgd {c['vs_best_dp_sgd_at_n_max']:+.3f})")
+                     f"vs best dp_sgd {_signed(c['vs_best_dp_sgd_at_n_max'])})")
           if c["n_star"] is None and c.get("n_star_model") is not None:
             verdict += f"; beats its model's dp_sgd at n = {c['n_beats_model']}"
           print(f"{dataset:12s} {model:10s} {eps:>3s} {route:30s} {verdict}")
@@ -756,7 +773,8 @@ def _plot(summary: dict, prefix: str) -> None:
                           for _, r in pts]).T
           colour = "0.6" if is_oracle(route) else colours.setdefault(route, f"C{len(colours)}")
           ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=2, color=colour, label=route)
-        gap = [(n, -100 * by_n[n]["dp_sgd"]["vs_best_dp_sgd"]) for n in ns]
+        gap = [(n, -100 * by_n[n]["dp_sgd"]["vs_best_dp_sgd"]) for n in ns
+               if by_n[n]["dp_sgd"]["vs_best_dp_sgd"] is not None]
         if any(g > 0 for _, g in gap):
           ax.plot(*zip(*gap), "k--", marker="_", ms=14, lw=0.8, label="best dp_sgd of the task")
         ax.axhline(0.0, color="k", lw=0.8)

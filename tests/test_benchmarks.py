@@ -230,14 +230,29 @@ def test_gradient_subspace_wins_against_the_best_model_of_the_task():
   gep = summary["mnist_full_scattering/n=58000/softmax/eps=2"]["gep_trajectory"]
   assert gep["beats_model"] and gep["wins"]
   assert not summary["mnist_full/n=58000/mlp_1000/eps=2"]["non_private"]["beats_model"]
+  # At n = 10k the scattering pipeline did not run: beating the only model there is no win.
   small = summary["mnist_full/n=10000/mlp_1000/eps=2"]["private_input_subspace"]
-  assert small["wins"] and small["best_model"] == "mnist_full/mlp_1000"   # alone at n = 10k
+  assert small["beats_model"] and not small["wins"]
+  assert small["best_unmeasured"] == ["mnist_full_scattering/softmax"]
+  assert bench.crossovers(summary)["mnist_full"]["mlp_1000"]["2"]["private_input_subspace"][
+      "n_star"] is None
+  summary["mnist_full_scattering/n=10000/softmax/eps=2"] = {"dp_sgd": row(0.86, [0.0, 0.0])}
+  bench._mark_wins(summary)
+  small = summary["mnist_full/n=10000/mlp_1000/eps=2"]["private_input_subspace"]
+  assert small["wins"] and small["best_model"] == "mnist_full_scattering/softmax"
+  assert small["vs_best_dp_sgd"] == pytest.approx(0.01)            # 0.87 against 0.86
+  assert small["best_unmeasured"] == []
   crossover = bench.crossovers(summary)
   c = crossover["mnist_full"]["mlp_1000"]["2"]["private_input_subspace"]
   details = {name: {r: {"test": [0.9, 0.91]} for r in rows} for name, rows in summary.items()}
+  summary.pop("mnist_full_scattering/n=10000/softmax/eps=2")
+  bench._mark_wins(summary)                 # the table says which model did not run at 10k
   tables = bench.markdown_tables(summary, details, crossover).splitlines()
   assert ("| mnist_full, mlp_1000 | 2 | 58,000 | 0.925 (2) | **+0.0 [+0.5, +1.6]** | | -5.9 "
           "(mnist_full_scattering/softmax) |") in [" ".join(t.split()) for t in tables]
+  assert ("| mnist_full, mlp_1000 | 2 | 10,000 | 0.850 (2) | **+0.0 [+1.0, +3.0]** | | +0.0 "
+          "(mnist_full/mlp_1000; mnist_full_scattering/softmax not run) |") in [
+              " ".join(t.split()) for t in tables]
   assert (c["n_star"], c["n_wins"]) == (10_000, [10_000])
   assert (c["n_star_model"], c["n_beats_model"]) == (10_000, [10_000, 58_000])
   assert c["best_model_at_n_max"] == "mnist_full_scattering/softmax"
