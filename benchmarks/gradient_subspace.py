@@ -237,6 +237,21 @@ def paired_interval(diffs: np.ndarray) -> tuple[float, list[float]]:
   return mean, [float(lo), float(hi)]
 
 
+def welch_interval(a, b) -> tuple[float, list[float]]:
+  """Mean of ``a − b`` for independent runs (different models: their seeds share keys, not
+  randomness) and its 95% Welch t-interval."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  mean = float(a.mean() - b.mean())
+  va = a.var(ddof=1) / a.size if a.size > 1 else 0.0
+  vb = b.var(ddof=1) / b.size if b.size > 1 else 0.0
+  if va + vb == 0:
+    return mean, [mean, mean]
+  df = (va + vb) ** 2 / ((va ** 2 / (a.size - 1) if a.size > 1 else 0.0)
+                         + (vb ** 2 / (b.size - 1) if b.size > 1 else 0.0))
+  half = float(scipy.stats.t.ppf(0.975, df) * np.sqrt(va + vb))
+  return mean, [mean - half, mean + half]
+
+
 def _jobs(routes, args, route_settings):
   """(row name, route, [(settings, public rows)] candidates tuned over)."""
   jobs = []
@@ -505,7 +520,7 @@ def summarise(rows: dict) -> dict:
     m = min(len(acc), len(base))
     diff, ci = paired_interval(acc[:m] - base[:m])
     out[row] = {"acc": float(np.median(acc)), "mean": float(np.mean(acc)), "diff": diff,
-                "ci": ci, "learning_rate": r["learning_rate"],
+                "ci": ci, "test": [float(a) for a in acc], "learning_rate": r["learning_rate"],
                 "tuning_accuracy": r["tuning_accuracy"],
                 "private": row not in NOT_PRIVATE and not is_oracle(row)}
   return out
@@ -583,6 +598,7 @@ def markdown_tables(summary: dict, details: dict, crossover: dict) -> str:
                + f" | {pts(base['vs_best_dp_sgd'])} ({base['best_model']}"
                + "".join(f"; {m} not run" for m in base["best_unmeasured"]) + ") |")
   star = (lambda n: "none" if n is None else f"{n:,}")
+  around = (lambda ci: "" if ci is None else f" [{pts(ci[0])}, {pts(ci[1])}]")
   out += ["", "| data, model | route | ε | n* | n*_model | n measured | at n_max vs its dp_sgd "
           "| vs the best |", "|---|---|---|---|---|---|---|---|"]
   for dataset, models in crossover.items():
@@ -595,7 +611,7 @@ def markdown_tables(summary: dict, details: dict, crossover: dict) -> str:
           out.append(f"| {dataset}, {model} | {route} | {eps} | {star(c['n_star'])} | "
                      f"{star(c['n_star_model'])} | {ns} | {pts(c['diff_at_n_max'])} "
                      f"[{pts(c['ci_at_n_max'][0])}, {pts(c['ci_at_n_max'][1])}] | "
-                     f"{pts(c['vs_best_dp_sgd_at_n_max'])} |")
+                     f"{pts(c['vs_best_dp_sgd_at_n_max'])}{around(c.get('ci_vs_best_at_n_max'))} |")
   diagnosed = [(name, rows) for name, rows in details.items()
                if "diagnostics" in rows.get("private_input_subspace", {})]
   if diagnosed:
@@ -649,8 +665,10 @@ def task(dataset: str) -> str:
 
 def _mark_wins(summary: dict) -> None:
   """``beats_model``: a private route other than dp_sgd whose paired interval against the same
-  model's dp_sgd lies above zero; ``wins``: that AND mean accuracy above the best dp_sgd over
-  every model (and feature map, :func:`task`) at that (task, n, ε), named in ``best_model``.
+  model's dp_sgd lies above zero; ``wins``: that AND an interval above zero against the best
+  dp_sgd over every model (and feature map, :func:`task`) at that (task, n, ε), named in
+  ``best_model`` (``ci_vs_best``: paired when it is the route's own model, else Welch's, as
+  different models' seeds are independent runs).
   A win needs every (data set, model) the study ran at that ε to have run at that n too:
   elsewhere ``best_unmeasured`` names the missing ones, ``vs_best_dp_sgd`` is against the best
   of those that ran (an upper bound of the true margin) and ``wins`` is False."""
@@ -658,20 +676,25 @@ def _mark_wins(summary: dict) -> None:
   for name, rows in summary.items():
     dataset, n, model, eps = _cell(name)
     cell = (task(dataset), n, eps)
-    if rows["dp_sgd"]["mean"] > best.get(cell, (0.0, ""))[0]:
-      best[cell] = (rows["dp_sgd"]["mean"], f"{dataset}/{model}")
+    if rows["dp_sgd"]["mean"] > best.get(cell, (0.0, "", None))[0]:
+      best[cell] = (rows["dp_sgd"]["mean"], f"{dataset}/{model}", rows["dp_sgd"].get("test"))
     present.setdefault((task(dataset), eps), set()).add(f"{dataset}/{model}")
     here.setdefault(cell, set()).add(f"{dataset}/{model}")
   for name, rows in summary.items():
-    dataset, n, _, eps = _cell(name)
+    dataset, n, model, eps = _cell(name)
     cell = (task(dataset), n, eps)
-    top, where = best[cell]
+    top, where, top_runs = best[cell]
     # The task's best model is known only where every (data, model) that the study ran at this
     # ε was run at this n too: elsewhere a route can beat its model but not be said to win.
     missing = sorted(present[(task(dataset), eps)] - here[cell])
     for route, r in rows.items():
       r["beats_model"] = bool(r["private"] and route != "dp_sgd" and r["ci"][0] > 0)
-      r["wins"] = bool(r["beats_model"] and r["mean"] > top and not missing)
+      # Against the best model: paired when it is this model, else a Welch interval.
+      if where == f"{dataset}/{model}" or top_runs is None or "test" not in r:
+        r["ci_vs_best"] = [c + r["mean"] - top - r["diff"] for c in r["ci"]]
+      else:
+        r["ci_vs_best"] = welch_interval(r["test"], top_runs)[1]
+      r["wins"] = bool(r["beats_model"] and r["ci_vs_best"][0] > 0 and not missing)
       r["vs_best_dp_sgd"] = r["mean"] - top
       r["best_model"] = where
       r["best_unmeasured"] = missing
@@ -702,7 +725,8 @@ def crossovers(summary: dict) -> dict:
           c[ns].append(n)
           c[star] = c[ns][0]
       c.update(n_max=n, diff_at_n_max=r["diff"], ci_at_n_max=r["ci"],
-               vs_best_dp_sgd_at_n_max=r["vs_best_dp_sgd"], best_model_at_n_max=r["best_model"])
+               vs_best_dp_sgd_at_n_max=r["vs_best_dp_sgd"], best_model_at_n_max=r["best_model"],
+               ci_vs_best_at_n_max=r.get("ci_vs_best"))
   return out
 
 

@@ -256,6 +256,21 @@ def test_gradient_subspace_wins_against_the_best_model_of_the_task():
   assert (c["n_star"], c["n_wins"]) == (10_000, [10_000])
   assert (c["n_star_model"], c["n_beats_model"]) == (10_000, [10_000, 58_000])
   assert c["best_model_at_n_max"] == "mnist_full_scattering/softmax"
+  # Another model above the best one's mean, but with three independent seeds a Welch interval
+  # (the seeds of different models share keys, not randomness) that holds zero: no win.
+  real = {"mnist_full_scattering/n=58000/softmax/eps=2": {
+              "dp_sgd": {**row(0.98383, [0.0, 0.0]), "test": [0.9836, 0.9838, 0.9841]}},
+          "mnist_full_scattering/n=58000/mlp_256/eps=2": {
+              "dp_sgd": {**row(0.98257, [0.0, 0.0]), "test": [0.9824, 0.9828, 0.9825]},
+              "gep_trajectory": {**row(0.98467, [0.001, 0.003]),
+                                 "test": [0.9842, 0.9846, 0.9852]}}}
+  bench._mark_wins(real)
+  gep = real["mnist_full_scattering/n=58000/mlp_256/eps=2"]["gep_trajectory"]
+  assert gep["beats_model"] and gep["vs_best_dp_sgd"] > 0 and not gep["wins"]
+  assert gep["ci_vs_best"][0] < 0 < gep["ci_vs_best"][1]
+  mean, ci = bench.welch_interval([0.9842, 0.9846, 0.9852], [0.9836, 0.9838, 0.9841])
+  assert mean == pytest.approx(0.000833, abs=1e-6)
+  assert ci == pytest.approx([-0.000212, 0.001879], abs=2e-6)     # scipy's Welch test: p = 0.085
   # Shipped to the main job under its model names: scattering + softmax is its scatnet.
   assert bench.shipped_name("mnist_full_scattering", "softmax") == ("mnist_full", "scatnet")
   assert bench.shipped_name("mnist_full_scattering", "mlp_256") == ("mnist_full",
