@@ -797,8 +797,8 @@ def _plot(summary: dict, prefix: str) -> None:
                           for _, r in pts]).T
           colour = "0.6" if is_oracle(route) else colours.setdefault(route, f"C{len(colours)}")
           ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=2, color=colour, label=route)
-        gap = [(n, -100 * by_n[n]["dp_sgd"]["vs_best_dp_sgd"]) for n in ns
-               if by_n[n]["dp_sgd"]["vs_best_dp_sgd"] is not None]
+        gap = [(n, -100 * by_n[n]["dp_sgd"]["vs_best_dp_sgd"]) for n in ns    # where known
+               if not by_n[n]["dp_sgd"].get("best_unmeasured")]
         if any(g > 0 for _, g in gap):
           ax.plot(*zip(*gap), "k--", marker="_", ms=14, lw=0.8, label="best dp_sgd of the task")
         ax.axhline(0.0, color="k", lw=0.8)
