@@ -286,22 +286,21 @@ def make_steps(bench, batch, micro, micro_rows, rank=16):
     build(tx, lambda p, X, y: ghost(p, (X, y), mask),
           f"rank {rank} on l0/w: {noise_draws(params, bases):,} normals, not "
           f"{noise_draws(params, None):,}")
+  def per_example_side(grad_fn):
+    """A vmap(grad) clipped sum, in micro-batches when the per-example gradients are large."""
+    if micro:
+      idx = jnp.arange(batch, dtype=jnp.int32).reshape(-1, micro)
+      build(*_noisy(grad_fn, lambda p, X, y: sampling.accumulate_microbatches(
+          grad_fn, p, (X, y), idx, jnp.ones(idx.shape, bool)), batch),
+          f"micro-batches of {micro}")
+    else:
+      build(*_noisy(grad_fn, lambda p, X, y: grad_fn(p, (X, y), mask), batch))
+
   side = "vmap"
   vmap = sgd.clipped_grad_sum(loss_fn, clip_norm=CLIP)
-  if micro:
-    idx = jnp.arange(batch, dtype=jnp.int32).reshape(-1, micro)
-    build(*_noisy(vmap, lambda p, X, y: sampling.accumulate_microbatches(
-        vmap, p, (X, y), idx, jnp.ones(idx.shape, bool)), batch), f"micro-batches of {micro}")
-  else:
-    build(*_noisy(vmap, lambda p, X, y: vmap(p, (X, y), mask), batch))
+  per_example_side(vmap)
   side = "vmap_per_layer"
-  layered = sgd.clipped_grad_sum(loss_fn, clip_norm=CLIP, per_layer="uniform")
-  if micro:
-    idx = jnp.arange(batch, dtype=jnp.int32).reshape(-1, micro)
-    build(*_noisy(layered, lambda p, X, y: sampling.accumulate_microbatches(
-        layered, p, (X, y), idx, jnp.ones(idx.shape, bool)), batch), f"micro-batches of {micro}")
-  else:
-    build(*_noisy(layered, lambda p, X, y: layered(p, (X, y), mask), batch))
+  per_example_side(sgd.clipped_grad_sum(loss_fn, clip_norm=CLIP, per_layer="uniform"))
   side = "optax_dpsgd"
   if micro:
     tx = optax.chain(_OptaxNoise(batch), optax.sgd(LR))

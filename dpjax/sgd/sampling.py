@@ -252,6 +252,14 @@ def truncated_poisson_chosen(key: jax.Array, num_examples: int, sampling_prob,
   return indices, mask
 
 
+def _num_rows(data) -> int:
+  """N, the leading example axis every leaf of ``data`` shares (static)."""
+  sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(data)}
+  if len(sizes) != 1:
+    raise ValueError(f"data leaves must share one leading example axis, got sizes {sizes}.")
+  return sizes.pop()
+
+
 def truncated_poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array, *,
                                   sampling_prob, max_batch_size: int, extra_args=()):
   """The clipped-gradient sum over a truncated Poisson sample (:class:`TruncatedPoissonSampling`):
@@ -267,10 +275,7 @@ def truncated_poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Arra
     ValueError: ``max_batch_size < 1``; data without a common leading axis.
   """
   max_batch_size = v.check_int(max_batch_size, "max_batch_size", low=1)
-  sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(data)}
-  if len(sizes) != 1:
-    raise ValueError(f"data leaves must share one leading example axis, got sizes {sizes}.")
-  indices, mask = truncated_poisson_chosen(key, sizes.pop(), sampling_prob, max_batch_size)
+  indices, mask = truncated_poisson_chosen(key, _num_rows(data), sampling_prob, max_batch_size)
   batch = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[indices], data)
   return masked_call(grad_fn)(params, batch, mask, *extra_args)
 
@@ -348,10 +353,7 @@ def poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array, *,
     ValueError: ``microbatch_size < 1``; data without a common leading axis.
   """
   microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
-  sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(data)}
-  if len(sizes) != 1:
-    raise ValueError(f"data leaves must share one leading example axis, got sizes {sizes}.")
-  n = sizes.pop()
+  n = _num_rows(data)
   chosen = jax.random.bernoulli(key, sampling_prob, (n,))
   return sum_over_chosen(masked_call(grad_fn), params, data, chosen, microbatch_size,
                          extra_args)
