@@ -33,6 +33,10 @@ The sides:
   rank ``--subspace-rank`` (16) on the first layer's kernel ``(d, h)`` (a random orthonormal
   ``(d, k)``; the other leaves keep full noise), so the first layer draws k·h normals instead
   of d·h (``noise_draws`` in the JSON); MLPs only.
+* ``ghost_bandmf``, ``ghost_subspace_bandmf`` — the same two releases with BandMF correlated
+  noise (issue 52 §1, §6; :func:`dpjax.sgd.banded_toeplitz` of 4 bands): the same normals a
+  step, plus 3 multiply-adds per released coordinate and a buffer of 3 copies of the released
+  coordinates (p of them, or k·h on the projected kernel); unavailable without jax_privacy.
 * ``vmap`` — :func:`dpjax.sgd.clipped_grad_sum` (``vmap(grad)``, per-example gradients
   materialised), the same noise and sgd.
 * ``vmap_per_layer`` — the same with per-layer clipping (``per_layer="uniform"``: C/√K per
@@ -91,8 +95,9 @@ from dpjax.sgd import sampling
 
 DEFAULT_MODELS = ("784-1024-256-10", "cnn", "transformer", "784-4096-1664-10")
 QUICK_MODELS = ("784-1024-256-10", "cnn", "transformer")
-SIDES = ("nonprivate", "ghost", "ghost_no_noise", "ghost_subspace", "vmap", "vmap_per_layer",
-         "optax_dpsgd", "jax_privacy")
+SIDES = ("nonprivate", "ghost", "ghost_no_noise", "ghost_subspace", "ghost_bandmf",
+         "ghost_subspace_bandmf", "vmap", "vmap_per_layer", "optax_dpsgd", "jax_privacy")
+BANDS, BANDMF_STEPS = 4, 1_000_000   # BandMF sides: b bands, normalised for a long run
 CLIP, SIGMA, LR = 1.0, 1.0, 0.1
 MIN_SAMPLE_S = 0.2     # a timed sample repeats a short step to last about this long
 VOCAB, WIDTH, HEADS, HIDDEN, BLOCKS, CLASSES = 512, 128, 4, 512, 2, 10
@@ -286,6 +291,20 @@ def make_steps(bench, batch, micro, micro_rows, rank=16):
     build(tx, lambda p, X, y: ghost(p, (X, y), mask),
           f"rank {rank} on l0/w: {noise_draws(params, bases):,} normals, not "
           f"{noise_draws(params, None):,}")
+  strategy = sgd.banded_toeplitz([1.0] * BANDS)
+  for side, side_bases in (("ghost_bandmf", None), ("ghost_subspace_bandmf", bases)):
+    if side == "ghost_subspace_bandmf" and bases is None:
+      steps[side] = (None, None, steps["ghost_subspace"][2])
+      continue
+    try:
+      tx = optax.chain(sgd.dp_noise(ghost, noise_multiplier=SIGMA, expected_batch_size=batch,
+                                    key=jax.random.key(1), bases=side_bases,
+                                    steps=BANDMF_STEPS, noise_strategy=strategy),
+                       optax.sgd(LR))
+      build(tx, lambda p, X, y: ghost(p, (X, y), mask), f"{BANDS} bands")
+    except ImportError as err:
+      steps[side] = (None, None, f"unavailable: {err}")
+
   def per_example_side(grad_fn):
     """A vmap(grad) clipped sum, in micro-batches when the per-example gradients are large."""
     if micro:

@@ -407,15 +407,17 @@ def dpsgd_event(noise_multiplier: float, sampling_prob: float, steps: int, *,
   C under add/remove-one) plus ``N(0, σ²C²)`` noise per coordinate. Meaningful under
   add/remove-one (``NeighboringRelation.ADD_OR_REMOVE_ONE``). With ``batch_selection``, its
   ``dp_event(GaussianDpEvent(σ))`` is the step instead (the batch selection states its own piece
-  of the argument; :class:`dpjax.sgd.sampling.PoissonSampling`'s is the event above), so every
-  calibration and every plan built from it follows the scheme by itself.
+  of the argument; :class:`dpjax.sgd.sampling.PoissonSampling`'s is the event above), composed
+  ``batch_selection.compositions(T)`` times where it has that method (cyclic Poisson sampling:
+  ``⌈T/b⌉``), so every calibration and every plan built from it follows the scheme by itself.
 
   Args:
     noise_multiplier: σ > 0, the Gaussian noise std divided by the clip norm C.
     sampling_prob: q ∈ (0, 1], each example's inclusion probability per step (must be the
       ``batch_selection``'s when both are given).
     steps: number of steps T ≥ 1.
-    batch_selection: optional object with ``sampling_prob`` and ``dp_event(step_event)``.
+    batch_selection: optional object with ``sampling_prob`` and ``dp_event(step_event)`` (and
+      optionally ``compositions(steps)``).
 
   Returns:
     A ``dp_accounting.DpEvent``.
@@ -434,6 +436,9 @@ def dpsgd_event(noise_multiplier: float, sampling_prob: float, steps: int, *,
   else:
     _check_selection(batch_selection, sampling_prob)
     step = batch_selection.dp_event(gaussian)
+    compositions = getattr(batch_selection, "compositions", None)
+    if compositions is not None:          # a scheme whose examples take part in fewer rounds
+      steps = compositions(steps)
   return dp_accounting.SelfComposedDpEvent(step, steps)
 
 

@@ -451,7 +451,8 @@ def test_dpsgd_step_options(tmp_path):
   assert big["microbatch"] == 8 and small["microbatch"] is None
   assert small["ghost_vs_vmap_max_rel_diff"] < 1e-5
   assert set(big["median_s"]) >= {"nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd",
-                                  "ghost_subspace", "vmap_per_layer"}
+                                  "ghost_subspace", "vmap_per_layer", "ghost_bandmf",
+                                  "ghost_subspace_bandmf"}
   # The subspace release draws k·h normals on the first kernel (--subspace-rank 4: 4·16, not
   # 20·16): 404 − 320 + 64 = 148; on 10-4, 44 − 40 + 16 = 20.
   assert big["noise_draws"] == {"full": 404, "subspace": 148}
@@ -546,3 +547,24 @@ def test_one_run_audit_options(tmp_path):
   for control in ("no_noise", "unclipped"):
     assert rows[control]["one_run"] > 2.0 and not rows[control]["one_run_fdp_passed"]
   assert all(r["canaries"] == 400 and 0.8 < r["test_accuracy"] <= 1.0 for r in rows.values())
+
+
+@pytest.mark.slow(reason="the correlated-noise benchmark: four DP-SGD runs on scattering features "
+                         "(independent and BandMF noise, with and without a DP-PCA basis)")
+def test_correlated_noise_options(tmp_path):
+  """Every option at a small size: each (subspace, bands) cell runs at its plan's ε, learns,
+  and the JSON has the rows as printed."""
+  path = tmp_path / "out.json"
+  rc = _load("correlated_noise").main(["--quick", "--rows", "3000", "--epsilons", "2",
+                                       "--bands", "1", "4", "--subspace", "none", "dp_pca",
+                                       "--seeds", "1", "--rank", "64", "--json", str(path)])
+  assert rc == 0
+  rows = json.loads(path.read_text())["rows"]
+  assert {(r["subspace"], r["bands"]) for r in rows} == {("none", 1), ("none", 4),
+                                                         ("dp_pca", 1), ("dp_pca", 4)}
+  for r in rows:
+    assert r["plan_epsilon"] == pytest.approx(2.0, rel=0.02)
+    assert 0.5 < r["test_accuracy"] <= 1.0 and len(r["accuracies"]) == 1
+  sigma = {(r["subspace"], r["bands"]): r["sigma"] for r in rows}
+  assert sigma[("none", 4)] > sigma[("none", 1)]          # fewer rounds at a higher rate
+

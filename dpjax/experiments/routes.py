@@ -146,6 +146,9 @@ class RouteSettings:
       r ≥ both sides of every matrix reproduces ``dp_sgd``).
     oracle_refresh: steps between ``oracle_subspace``'s recomputations of its bases (1: fresh
       every step).
+    noise_bands: b ≥ 1; above 1 the runs' noise is BandMF correlated noise with
+      :func:`dpjax.sgd.optimal_banded_toeplitz` ``(T, b)`` and cyclic Poisson sampling of cycle b
+      (docs/algorithms.md §6.7; not for ``gep_trajectory`` or with tuning).
   """
   clip_norm: float = 1.0
   clipping: str = "normalize"
@@ -169,6 +172,7 @@ class RouteSettings:
   public_gradient_refresh: int = 10
   oracle_rank: int = 3
   oracle_refresh: int = 1
+  noise_bands: int = 1
 
 
 class RouteRun(NamedTuple):
@@ -771,6 +775,13 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
   static = dataclasses.replace(settings, gep_edge_scale=None if scale is None else 1.0)
   X32, y = jnp.asarray(X, jnp.float32), jnp.asarray(y)
   streams = [run_keys(key) for key in keys]
+  strategy = None
+  if v.check_int(settings.noise_bands, "settings.noise_bands", low=1) > 1 and (
+      route != "non_private"):
+    if route == "gep_trajectory" or tuning is not None:
+      raise ValueError("settings.noise_bands > 1 (BandMF noise) runs on one plan a run, "
+                       "untuned: not for gep_trajectory (two plans) or with tuning.")
+    strategy = sgd.optimal_banded_toeplitz(steps, settings.noise_bands)
   if route == "non_private":
     sigma, bases = 0.0, None
     params = _train_non_private(keys, jnp.asarray(lrs), X32, y,
@@ -780,7 +791,8 @@ def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: C
     # The privacy settings, calibrated once for all K runs (each run is a plan of this config).
     config = sgd.DPSGDConfig(num_examples=n, expected_batch_size=batch, steps=steps,
                              epsilon=float(epsilon), delta=float(delta), accountant=accountant,
-                             subspace_event=sub_event, tuning=tuning)
+                             subspace_event=sub_event, tuning=tuning,
+                             noise_strategy=strategy)
     sigma = config.calibrate().noise_multiplier
     # The edge's scale is folded into the traced noise level (a scale sweep compiles once).
     edge_std = jnp.float32(0.0 if route != "gep_trajectory" else

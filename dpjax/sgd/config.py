@@ -24,6 +24,7 @@ from dp_accounting import NeighboringRelation
 from dpjax import _validation as v
 from dpjax import accounting, results
 from dpjax.sgd import distributed, sampling
+from dpjax.sgd import noise as noise_lib
 
 __all__ = ["DPSGDConfig"]
 
@@ -60,6 +61,13 @@ class DPSGDConfig:
       static batch of B rows; :class:`dpjax.sgd.sampling.TruncatedPoissonSampling`, accounted
       by ``dp_accounting``'s truncated event: PLD only, no tuning, no mesh). None: Poisson
       sampling, never truncated.
+    noise_strategy: optional :class:`dpjax.sgd.correlation.BandedToeplitz` C with b bands:
+      correlated (BandMF) noise, with cyclic Poisson sampling of cycle ``cycle_length``
+      (default b; at least b) — :class:`dpjax.sgd.sampling.CyclicPoissonSampling`, whose event
+      is ⌈T/b⌉ Poisson-sampled Gaussian rounds at the group rate ``L·b/N`` (amplified BandMF).
+      Needs ``L·b ≤ N``; not with ``max_batch_size`` or a mesh.
+    cycle_length: optional b ≥ 1: cyclic Poisson sampling with or without a noise strategy
+      (without one, independent noise; each example then takes part in at most ⌈T/b⌉ steps).
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
       Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP). A subspace event is
       then composed once, outside the repetition: a Gaussian release made before the tuning and
@@ -70,7 +78,8 @@ class DPSGDConfig:
     TypeError: non-integer N or T; a subspace event that is neither an event nor a release.
     ValueError: neither or both of ``epsilon`` and ``noise_multiplier``; L ∉ (0, N]; bad ε, δ,
       σ, accountant or tuning; a release stated under another relation; a subspace given both
-      ways; ``max_batch_size`` below 1, or with the RDP accountant or tuning.
+      ways; ``max_batch_size`` below 1, or with the RDP accountant or tuning; a cycle length
+      below the strategy's bands, ``L·b > N``, or cyclic sampling with ``max_batch_size``.
   """
   num_examples: int
   expected_batch_size: float
@@ -84,6 +93,8 @@ class DPSGDConfig:
   subspace_delta: float = 0.0
   tuning: accounting.HyperparameterTuning | None = None
   max_batch_size: int | None = None
+  noise_strategy: Any = None
+  cycle_length: int | None = None
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
@@ -113,6 +124,22 @@ class DPSGDConfig:
         raise ValueError("truncated Poisson sampling (max_batch_size) is accounted by PLD only "
                          "(dp_accounting's TruncatedSubsampledGaussianDpEvent has no RDP "
                          "curve, which tuning needs): use accountant='pld' and no tuning.")
+    set_("noise_strategy", noise_lib.check_noise_strategy(self.noise_strategy, self.steps))
+    bands = 1 if self.noise_strategy is None else self.noise_strategy.bands
+    if self.cycle_length is None and bands > 1:
+      set_("cycle_length", bands)
+    if self.cycle_length is not None:
+      set_("cycle_length", v.check_int(self.cycle_length, "cycle_length", low=1))
+      if self.cycle_length < min(bands, self.steps):
+        raise ValueError(
+            f"cycle_length={self.cycle_length} is below the strategy's {bands} bands: an "
+            "example's contributions would share a band, which the amplified BandMF event "
+            "does not cover. Use cycle_length >= bands.")
+      if self.max_batch_size is not None:
+        raise ValueError("cyclic Poisson sampling (a noise strategy or cycle_length) with "
+                         "max_batch_size: truncated cyclic sampling is not supported.")
+      sampling.cyclic_poisson_sampling(self.num_examples, self.expected_batch_size,
+                                       self.cycle_length)          # raises for L·b > N
 
   @property
   def neighboring(self) -> NeighboringRelation:
@@ -120,10 +147,13 @@ class DPSGDConfig:
     return NeighboringRelation.ADD_OR_REMOVE_ONE
 
   @property
-  def batch_selection(self) -> sampling.PoissonSampling | sampling.TruncatedPoissonSampling:
+  def batch_selection(self):
     """The batch selection whose ``dp_event`` each step's event is: Poisson sampling at
-    q = L/N (its micro-batch size is a performance flag set by :meth:`make`), or truncated to
-    ``max_batch_size``."""
+    q = L/N (its micro-batch size is a performance flag set by :meth:`make`), truncated to
+    ``max_batch_size``, or cyclic Poisson sampling of cycle ``cycle_length`` (q_g = L·b/N)."""
+    if self.cycle_length is not None:
+      return sampling.cyclic_poisson_sampling(self.num_examples, self.expected_batch_size,
+                                              self.cycle_length)
     if self.max_batch_size is not None:
       return sampling.truncated_poisson_sampling(self.num_examples, self.expected_batch_size,
                                                  self.max_batch_size)
@@ -131,7 +161,7 @@ class DPSGDConfig:
 
   @property
   def sampling_prob(self) -> float:
-    """q = L/N."""
+    """q = L/N (cyclic Poisson sampling: the group rate L·b/N)."""
     return self.batch_selection.sampling_prob
 
   def calibrate(self) -> accounting.DPSGDBudget:

@@ -20,7 +20,7 @@ from dpjax import linalg
 from dpjax.sgd import bases as bases_lib
 from dpjax.sgd import per_example
 
-__all__ = ["EmbeddingResidualGradSum", "embedding_residual_grad_sum"]
+__all__ = ["EmbeddingResidualGradSum", "embedding_residual_grad_sum", "sum_shapes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,3 +122,14 @@ def embedding_residual_grad_sum(loss_fn, *, embedding_clip: float, residual_clip
   return EmbeddingResidualGradSum(fn, 1.0 if joint else math.sqrt(2.0),
                                    embedding_clip=embedding_clip, residual_clip=residual_clip,
                                    joint=bool(joint))
+
+
+def sum_shapes(params, bases):
+  """The structure of GEP's grad sum for ``params`` and ``bases``: ``{"embedding", "residual"}``
+  trees of ``jax.ShapeDtypeStruct`` (what :func:`dpjax.sgd.dp_noise` releases)."""
+  def one_example(params):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    pairs = [_split(g, U, 1.0, 1.0) for g, U in zip(leaves, treedef.flatten_up_to(bases))]
+    return {"embedding": treedef.unflatten([e for e, _ in pairs]),
+            "residual": treedef.unflatten([r for _, r in pairs])}
+  return jax.eval_shape(one_example, params)

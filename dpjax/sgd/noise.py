@@ -55,17 +55,19 @@ from jax.flatten_util import ravel_pytree
 from dpjax import _validation as v
 from dpjax import linalg
 from dpjax.sgd import bases as bases_lib
-from dpjax.sgd import gep
+from dpjax.sgd import correlation, gep
 
-__all__ = ["RELEASES", "NoiseState", "StepKeys", "dp_noise", "l2_norm_bound", "noise_state",
-           "release_of", "step_keys", "update_bases"]
+__all__ = ["RELEASES", "NoiseState", "StepKeys", "check_noise_strategy", "dp_noise",
+           "l2_norm_bound", "noise_state", "partition_key", "release_of", "step_keys",
+           "update_bases"]
 
 RELEASES = ("full", "flat", "layers", "embedding_residual")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["key", "bases", "base_std", "noise_std", "step", "origin"],
-                   meta_fields=["release", "steps"])
+                   data_fields=["key", "bases", "base_std", "noise_std", "step", "origin",
+                                "correlation"],
+                   meta_fields=["release", "steps", "noise_strategy"])
 @dataclasses.dataclass(frozen=True)
 class NoiseState:
   """The state of :func:`dp_noise` (one type for every release map).
@@ -81,7 +83,10 @@ class NoiseState:
     steps: T, the updates the budget covers (static; None: not limited). An update past T
       is all NaN (and ``step`` counts on past T): it cannot pass unnoticed.
     origin: uint32 key data of the key the state started from (names the run: a plan refuses
-      another run's state); never drawn from.
+      another run's state); drawn from only through :func:`partition_key`.
+    correlation: None (independent noise), or one ``jax_privacy`` ``StreamingMatrix`` state per
+      noised block of the release (the buffers of ``C⁻¹``: earlier steps' noise, never data).
+    noise_strategy: None or the :class:`dpjax.sgd.correlation.BandedToeplitz` (static).
   """
   key: jax.Array
   bases: Any
@@ -91,25 +96,42 @@ class NoiseState:
   step: Any = 0
   steps: int | None = None
   origin: Any = None
+  correlation: Any = None
+  noise_strategy: Any = None
 
 
 class StepKeys(NamedTuple):
   """One step's streams: one ``split`` of the noise state's key into named purposes.
 
   ``next`` becomes the state's key after the update; ``noise`` (and GEP's ``residual_noise``)
-  draw the update's Gaussian noise; ``sample`` draws the step's Poisson sample. Nothing else is
-  derived from the state's key (never ``fold_in``: under partitionable threefry
-  ``fold_in(k, i)`` is ``split(k, n)[i]``).
+  draw the update's Gaussian noise; ``sample`` draws the step's Poisson sample; ``partition`` is
+  used only from the run's first key (:func:`partition_key`: cyclic Poisson sampling's groups).
+  Nothing else is derived from the state's key (never ``fold_in``: under partitionable threefry
+  ``fold_in(k, i)`` is ``split(k, n)[i]``; appending a purpose leaves the others' keys as they
+  were, since ``split(k, n)[i]`` does not depend on n).
   """
   next: jax.Array
   noise: jax.Array
   residual_noise: jax.Array
   sample: jax.Array
+  partition: jax.Array
 
 
 def step_keys(key: jax.Array) -> StepKeys:
   """:class:`StepKeys` of a noise state's key (traceable)."""
   return StepKeys(*jax.random.split(key, len(StepKeys._fields)))
+
+
+def partition_key(state: NoiseState) -> jax.Array:
+  """The run's one partition key (traceable): the ``partition`` purpose of the key the state
+  started from (its ``origin``), the same at every step of the run."""
+  if jnp.issubdtype(state.key.dtype, jax.dtypes.prng_key):
+    shape = jax.random.key_data(state.key).shape
+    first = jax.random.wrap_key_data(jnp.asarray(state.origin).reshape(shape),
+                                      impl=jax.random.key_impl(state.key))
+  else:
+    first = jnp.asarray(state.origin).reshape(state.key.shape)
+  return step_keys(first).partition
 
 
 def key_origin(key: jax.Array) -> jax.Array:
@@ -160,8 +182,8 @@ def release_of(grad_fn, basis=None, bases=None) -> str:
 
 
 def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, key: jax.Array,
-             basis=None, bases=None, tol: float = 1e-3,
-             steps: int | None = None) -> optax.GradientTransformation:
+             basis=None, bases=None, tol: float = 1e-3, steps: int | None = None,
+             noise_strategy=None) -> optax.GradientTransformation:
   """The DP-SGD privatiser for ``grad_fn``'s sums: release map, Gaussian noise, division by L.
 
   ``update(S)``: S is one step's sum of clipped per-example gradients from ``grad_fn`` (over a
@@ -171,7 +193,12 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
 
   Privacy: (module docstring) each update is the Gaussian mechanism with noise multiplier σ for a
   statistic of ℓ2-sensitivity Δ under add/remove-one; with Poisson sampling at rate q, T updates
-  are :func:`dpjax.accounting.dpsgd_event` ``(σ, q, T)``, whatever the release map.
+  are :func:`dpjax.accounting.dpsgd_event` ``(σ, q, T)``, whatever the release map. With a
+  ``noise_strategy`` C (banded, columns of norm 1) the T steps' noise in the released
+  coordinates is ``σΔν·C⁻¹Z`` instead of ``σΔν·Z``; the releases are post-processing of
+  ``C·(M S) + σΔν Z``, and with cyclic Poisson sampling of cycle ≥ b they are the event of
+  :class:`dpjax.sgd.sampling.CyclicPoissonSampling` (docs/algorithms.md §6.6). With another
+  selection the plan refuses the strategy.
 
   Example::
 
@@ -195,6 +222,10 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
     steps: optional T, the updates the budget covers (:func:`dpjax.sgd.dp_sgd_plan` passes
       its T): the state counts updates, and every update past T is released as NaN, so a step
       the budget does not cover cannot pass unnoticed, even inside a user's own jitted loop.
+    noise_strategy: optional :class:`dpjax.sgd.correlation.BandedToeplitz` (needs ``steps``;
+      ``jax_privacy`` installed): correlated noise, each block of released coordinates with its
+      own buffer of ``b − 1`` earlier draws (``p`` numbers a band for the full release, ``k``
+      for a flat basis). Independent noise when None.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`NoiseState`; updates have the
@@ -212,6 +243,7 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
   tol = v.check_positive(tol, "tol")
   steps = None if steps is None else v.check_int(steps, "steps", low=1)
   release = release_of(grad_fn, basis, bases)
+  noise_strategy = check_noise_strategy(noise_strategy, steps)
   if release == "flat":
     basis = bases_lib.check_basis(basis, tol=tol)
   base_std = round_up_float32(sigma * delta)
@@ -231,13 +263,17 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
       checked = bases_lib.check_layer_bases(bases, params, tol=tol)
       if release == "layers":
         nu = bases_lib.bases_norm_bound(checked)
-    return NoiseState(key, checked, jnp.asarray(base_std, jnp.float32),
-                      jnp.asarray(_noise_std(base_std, nu), jnp.float32), release,
-                      jnp.zeros((), jnp.int32), steps, key_origin(key))
+    state = NoiseState(key, checked, jnp.asarray(base_std, jnp.float32),
+                       jnp.asarray(_noise_std(base_std, nu), jnp.float32), release,
+                       jnp.zeros((), jnp.int32), steps, key_origin(key), None, noise_strategy)
+    if noise_strategy is None:
+      return state
+    like = gep.sum_shapes(params, checked) if release == "embedding_residual" else params
+    return dataclasses.replace(state, correlation=_initial_buffers(state, like, batch, scales))
 
   def update_fn(updates, state, params=None):
     del params
-    out, new = _RELEASE_FNS[state.release](updates, state, batch, scales)
+    out, new = _release(state, updates, batch, scales)
     if state.steps is not None:       # past T: not covered by the budget, so released as NaN
       over = jnp.asarray(state.step) >= state.steps
       out = jax.tree_util.tree_map(lambda x: jnp.where(over, jnp.full_like(x, jnp.nan), x), out)
@@ -246,29 +282,46 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def check_noise_strategy(noise_strategy, steps):
+  """None, or a :class:`dpjax.sgd.correlation.BandedToeplitz` with the T it is planned for.
+
+  Raises:
+    TypeError: another kind of strategy. ValueError: a strategy without ``steps``.
+  """
+  if noise_strategy is None:
+    return None
+  if not isinstance(noise_strategy, correlation.BandedToeplitz):
+    raise TypeError("noise_strategy must be a dpjax.sgd.BandedToeplitz (banded_toeplitz(...) or "
+                    f"optimal_banded_toeplitz(...)), got {type(noise_strategy).__name__}.")
+  if steps is None:
+    raise ValueError("a noise_strategy is built for T steps (its columns are normalised for "
+                     "T): give steps=T.")
+  return noise_strategy
+
+
 def _noise_std(base_std, nu: float) -> np.float32:
   return round_up_float32(float(base_std) * max(1.0, nu))
 
 
-def _full(updates, state, batch, scales):
+def _full(updates, state, batch, scales, draw):
   del scales
   next_key, noise_key = step_keys(state.key)[:2]
   leaves, treedef = jax.tree_util.tree_flatten(updates)
   keys = jax.random.split(noise_key, len(leaves))
-  noisy = [_noised_leaf(g, state.noise_std, k, batch) for g, k in zip(leaves, keys)]
+  noisy = [_noised_leaf(g, state.noise_std, k, batch, draw) for g, k in zip(leaves, keys)]
   return jax.tree_util.tree_unflatten(treedef, noisy), dataclasses.replace(state, key=next_key)
 
 
-def _noised_leaf(g, noise_std, key, batch):
+def _noised_leaf(g, noise_std, key, batch, draw):
   """``(g + s·N(0, I)) / L`` for one unprojected leaf, computed in at least float32: the std s
   (float32, rounded up) is never rounded to a 16-bit value below it, nor the draws to 16-bit
   values; casting the noisy result back to g's dtype is post-processing."""
   dtype = jnp.promote_types(g.dtype, jnp.float32)
-  out = g.astype(dtype) + noise_std.astype(dtype) * jax.random.normal(key, g.shape, dtype)
+  out = g.astype(dtype) + noise_std.astype(dtype) * draw(key, g.shape, dtype)
   return (out / jnp.asarray(batch, dtype)).astype(g.dtype)
 
 
-def _flat(updates, state, batch, scales):
+def _flat(updates, state, batch, scales, draw):
   del scales
   next_key, noise_key = step_keys(state.key)[:2]
   flat, unravel = ravel_pytree(updates)
@@ -277,7 +330,7 @@ def _flat(updates, state, batch, scales):
   # rounding of them. Casting the noisy result back is post-processing.
   dtype = jnp.promote_types(jnp.promote_types(flat.dtype, state.bases.dtype), jnp.float32)
   V = state.bases.astype(dtype)
-  noise = jax.random.normal(noise_key, (V.shape[1],), dtype)
+  noise = draw(noise_key, (V.shape[1],), dtype)
   coefficients = linalg.matmul(V.T, flat.astype(dtype)) + state.noise_std.astype(dtype) * noise
   out = (linalg.matmul(V, coefficients) / jnp.asarray(batch, dtype)).astype(flat.dtype)
   return unravel(out), dataclasses.replace(state, key=next_key)
@@ -289,7 +342,7 @@ def _coefficient_dtype(g, basis):
                           jnp.promote_types(g.dtype, jnp.float32))
 
 
-def _layers(updates, state, batch, scales):
+def _layers(updates, state, batch, scales, draw):
   del scales
   next_key, noise_key = step_keys(state.key)[:2]
   leaves, treedef = jax.tree_util.tree_flatten(updates)
@@ -298,18 +351,18 @@ def _layers(updates, state, batch, scales):
   out = []
   for g, U, k in zip(leaves, leaf_bases, keys):
     if U is None:
-      out.append(_noised_leaf(g, state.noise_std, k, batch))
+      out.append(_noised_leaf(g, state.noise_std, k, batch, draw))
       continue
     dtype = _coefficient_dtype(g, U)
     coefficients = bases_lib.embed(g.reshape(g.shape[0], -1).astype(dtype), U)
-    coefficients = coefficients + state.noise_std.astype(dtype) * jax.random.normal(
+    coefficients = coefficients + state.noise_std.astype(dtype) * draw(
         k, coefficients.shape, dtype)
     out.append((bases_lib.lift(coefficients, U) / jnp.asarray(batch, dtype))
                .reshape(g.shape).astype(g.dtype))
   return jax.tree_util.tree_unflatten(treedef, out), dataclasses.replace(state, key=next_key)
 
 
-def _embedding_residual(updates, state, batch, scales):
+def _embedding_residual(updates, state, batch, scales, draw):
   c_e, c_r = scales
   # The one split into named streams (StepKeys): the embedding draws from the full release's
   # noise stream (identity bases: the same draws), the residual from its own.
@@ -323,19 +376,60 @@ def _embedding_residual(updates, state, batch, scales):
   for e, r, U, k, k_r in zip(emb, res, leaf_bases, keys, residual_keys):
     dtype = jnp.promote_types(e.dtype, jnp.float32)
     std = state.noise_std.astype(dtype)
-    noisy_e = e.astype(dtype) + std * jax.random.normal(k, e.shape, dtype)
+    noisy_e = e.astype(dtype) + std * draw(k, e.shape, dtype)
     if U is None:
       out.append((c_e * noisy_e / batch).astype(e.dtype))
       continue
     back = (c_e * bases_lib.lift(noisy_e, U)).reshape(r.shape)
     if not bases_lib.is_full(U):            # a full basis leaves no residual: nothing to release
-      back = back + c_r * (r.astype(dtype) + std * jax.random.normal(k_r, r.shape, dtype))
+      back = back + c_r * (r.astype(dtype) + std * draw(k_r, r.shape, dtype))
     out.append((back / batch).astype(r.dtype))
   return jax.tree_util.tree_unflatten(treedef, out), dataclasses.replace(state, key=next_key)
 
 
 _RELEASE_FNS = {"full": _full, "flat": _flat, "layers": _layers,
                 "embedding_residual": _embedding_residual}
+
+
+class _Draws:
+  """A step's Gaussian draws, block by block in the release's fixed order: ``jax.random.normal``
+  of the block's key, or with a noise strategy the block's next ``(C⁻¹ Z)_t`` — the i.i.d. draw
+  ``Z_t`` fed to ``C⁻¹`` through the block's own buffer (``new`` collects the buffers)."""
+
+  def __init__(self, matrix=None, buffers=None):
+    self.matrix, self.buffers, self.new = matrix, buffers, []
+
+  def __call__(self, key, shape, dtype):
+    z = jax.random.normal(key, shape, dtype)
+    if self.matrix is None:
+      return z
+    w, buffer = self.matrix.multiply_next(z, self.buffers[len(self.new)])
+    self.new.append(buffer)
+    return w.astype(dtype)
+
+
+def _release(state, updates, batch, scales):
+  """The state's release map on ``updates``, its noise correlated by its strategy if any."""
+  if state.noise_strategy is None:
+    return _RELEASE_FNS[state.release](updates, state, batch, scales, jax.random.normal)
+  draws = _Draws(state.noise_strategy.noising_matrix(state.steps), state.correlation)
+  out, new = _RELEASE_FNS[state.release](updates, state, batch, scales, draws)
+  return out, dataclasses.replace(new, correlation=draws.new)
+
+
+def _initial_buffers(state, like, batch, scales):
+  """One zero buffer of ``C⁻¹`` per block the release draws (shapes from an abstract run)."""
+  blocks = []
+
+  def record(key, shape, dtype):
+    del key
+    blocks.append(jax.ShapeDtypeStruct(shape, dtype))
+    return jnp.zeros(shape, dtype)
+
+  jax.eval_shape(lambda u, st: _RELEASE_FNS[st.release](u, st, batch, scales, record)[0],
+                 like, state)
+  matrix = state.noise_strategy.noising_matrix(state.steps)
+  return [matrix.init_multiply(jnp.zeros(b.shape, b.dtype)) for b in blocks]
 
 
 def _is_state(x):

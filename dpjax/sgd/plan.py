@@ -84,7 +84,8 @@ class DPSGDPlan:
   """
   config: config_lib.DPSGDConfig
   grad_fn: Any
-  batch_selection: sampling.PoissonSampling | sampling.TruncatedPoissonSampling
+  batch_selection: (sampling.PoissonSampling | sampling.TruncatedPoissonSampling
+                    | sampling.CyclicPoissonSampling)
   release: str
   noise: optax.GradientTransformation = dataclasses.field(compare=False)
   mesh: jax.sharding.Mesh | None = None
@@ -227,6 +228,9 @@ class DPSGDPlan:
              (quantile_clipping.quantile_clip_state(opt_state).clip_norm,)
              if isinstance(self.grad_fn, quantile_clipping.QuantileClippedGradSum) else ())
     selection = self.batch_selection
+    if isinstance(selection, sampling.CyclicPoissonSampling):
+      return selection.clipped_sum(self.grad_fn, params, data, key, *extra, step=state.step,
+                                   partition_key=noise.partition_key(state))
     if self.mesh is None:
       return selection.clipped_sum(self.grad_fn, params, data, key, *extra)
     return distributed.sharded_poisson_clipped_sum(
@@ -390,14 +394,21 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
       raise ValueError("truncated Poisson sampling sums one static batch of max_batch_size "
                        "rows on one device: give no mesh and no microbatch_size.")
     selection = config.batch_selection
+  elif config.cycle_length is not None:
+    if mesh is not None:
+      raise ValueError("cyclic Poisson sampling (a noise strategy or cycle_length) runs on one "
+                       "device: give no mesh.")
+    selection = sampling.cyclic_poisson_sampling(config.num_examples,
+                                                 config.expected_batch_size, config.cycle_length,
+                                                 microbatch_size=microbatch_size)
   else:
     selection = sampling.poisson_sampling(config.num_examples, config.expected_batch_size,
                                           microbatch_size=microbatch_size, devices=devices)
   basis, bases, events = _released_bases(basis, bases)
   if isinstance(grad_fn, quantile_clipping.QuantileClippedGradSum) and (
-      basis is not None or bases is not None):
+      basis is not None or bases is not None or config.noise_strategy is not None):
     raise ValueError("adaptive clipping releases its count beside the gradient sum in the full "
-                     "release: give no basis or bases.")
+                     "release with independent noise: give no basis, bases or noise_strategy.")
   if events and tuple(events) != _leaves(config.subspace_event):
     raise ValueError(
         "a basis given as its private release must have its event in the config (σ is "
@@ -416,7 +427,8 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
   budget = config.calibrate()
   transform = noise.dp_noise(grad_fn, noise_multiplier=budget.noise_multiplier,
                              expected_batch_size=selection.expected_batch_size, key=key,
-                             basis=basis, bases=bases, tol=tol, steps=config.steps)
+                             basis=basis, bases=bases, tol=tol, steps=config.steps,
+                             noise_strategy=config.noise_strategy)
   if ledger is not None:
     record_budget(ledger.copy(), budget, config.accountant, selection)   # check the plan first
     record_budget(ledger, budget, config.accountant, selection)
@@ -443,7 +455,8 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
                 subspace_epsilon: float = 0.0, subspace_delta: float = 0.0,
                 subspace_event=None, accountant: str = "pld",
                 tuning: accounting.HyperparameterTuning | None = None,
-                max_batch_size: int | None = None,
+                max_batch_size: int | None = None, noise_strategy=None,
+                cycle_length: int | None = None,
                 microbatch_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
                 data_axis: str = distributed.DATA_AXIS, ledger=None,
                 tol: float = 1e-3) -> DPSGDPlan:
@@ -481,9 +494,11 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
   Args:
     grad_fn: sensitivity-bearing clipped-gradient sum (module docstring).
     num_examples, expected_batch_size, steps, epsilon, delta, noise_multiplier, accountant,
-      subspace_event, subspace_epsilon, subspace_delta, tuning, max_batch_size: the privacy
-      settings (:class:`dpjax.sgd.DPSGDConfig`; ``max_batch_size`` B: truncated Poisson
-      sampling, one static batch of B rows a step).
+      subspace_event, subspace_epsilon, subspace_delta, tuning, max_batch_size,
+      noise_strategy, cycle_length: the privacy settings (:class:`dpjax.sgd.DPSGDConfig`;
+      ``max_batch_size`` B: truncated Poisson sampling, one static batch of B rows a step;
+      ``noise_strategy``: correlated BandMF noise with cyclic Poisson sampling of cycle
+      ``cycle_length``, default its bands).
     key: the run's PRNG key (every step's sample and noise are drawn from it).
     basis, bases: optional flat basis ``V (p, k)`` or per-layer bases (required by GEP's grad
       sum); :func:`dpjax.sgd.dp_noise`. A private release may stand for a basis (the result of
@@ -510,7 +525,8 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
       num_examples=num_examples, expected_batch_size=expected_batch_size, steps=steps,
       epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier, accountant=accountant,
       subspace_event=subspace_event, subspace_epsilon=subspace_epsilon,
-      subspace_delta=subspace_delta, tuning=tuning, max_batch_size=max_batch_size)
+      subspace_delta=subspace_delta, tuning=tuning, max_batch_size=max_batch_size,
+      noise_strategy=noise_strategy, cycle_length=cycle_length)
   return config.make(grad_fn, key=key, basis=basis, bases=bases,
                      microbatch_size=microbatch_size, mesh=mesh, data_axis=data_axis,
                      ledger=ledger, tol=tol)

@@ -29,7 +29,8 @@ import numpy as np
 from dpjax import _validation as v
 from dpjax.sgd import per_example
 
-__all__ = ["PoissonSampling", "TruncatedPoissonSampling", "accumulate_microbatches",
+__all__ = ["CyclicPoissonSampling", "PoissonSampling", "TruncatedPoissonSampling",
+           "accumulate_microbatches", "cyclic_poisson_chosen", "cyclic_poisson_sampling",
            "poisson_clipped_sum", "poisson_mask", "poisson_microbatches", "poisson_sampling",
            "truncated_poisson_clipped_sum", "truncated_poisson_sampling"]
 
@@ -126,6 +127,10 @@ class PoissonSampling:
     """``PoissonSampledDpEvent(q, step_event)``: one sampled step (add/remove-one)."""
     return dp_accounting.PoissonSampledDpEvent(self.sampling_prob, step_event)
 
+  def compositions(self, steps: int) -> int:
+    """How many times :meth:`dp_event` composes over T steps: T."""
+    return steps
+
   def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args):
     """One step's clipped-gradient sum over a fresh Poisson sample drawn with ``key``
     (traceable; :func:`poisson_clipped_sum`). Use a fresh key per step."""
@@ -211,6 +216,10 @@ class TruncatedPoissonSampling:
         dataset_size=self.num_examples + 1, sampling_probability=self.sampling_prob,
         truncated_batch_size=self.max_batch_size, noise_multiplier=step_event.noise_multiplier)
 
+  def compositions(self, steps: int) -> int:
+    """How many times :meth:`dp_event` composes over T steps: T."""
+    return steps
+
   def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args):
     """One step's clipped-gradient sum over a fresh truncated Poisson sample drawn with ``key``
     (traceable; :func:`truncated_poisson_clipped_sum`). Use a fresh key per step."""
@@ -250,6 +259,91 @@ def truncated_poisson_chosen(key: jax.Array, num_examples: int, sampling_prob,
     indices = jnp.concatenate([indices, jnp.zeros((pad,), jnp.int32)])
     mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
   return indices, mask
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonSampling:
+  """Cyclic Poisson sampling: the examples are split once into b groups; step t samples only
+  group ``t mod b``, each of its examples independently with probability ``q_g = L·b/N``.
+
+  The batch selection of banded matrix-factorization noise (BandMF; :mod:`dpjax.sgd.correlation`):
+  an example can take part only in steps b apart, so with a b-banded strategy its
+  contributions never share a band. The groups are an INDEPENDENT partition (each example's
+  group uniform on {0, …, b−1}, drawn once per run from the plan's key, never from the data),
+  which is what the amplified analysis needs under add/remove-one (jax_privacy's
+  ``PartitionType.INDEPENDENT``). The expected batch is ``q_g·N/b = L`` at every step.
+
+  Its part of the privacy argument: :meth:`dp_event` is ``PoissonSampledDpEvent(q_g, step)``
+  and it composes ``⌈T/b⌉`` times (:meth:`compositions`) — the amplified BandMF theorem
+  (Choquette-Choo et al. 2023, Thm 4; jax_privacy's ``amplified_bandmf_event``) for noise whose
+  strategy C is at most b-banded with columns of norm ≤ 1; with independent noise (C = I) it is
+  plain: each example takes part in at most ``⌈T/b⌉`` steps, each a sampled Gaussian step.
+  docs/algorithms.md §6.1.
+
+  Attributes:
+    num_examples: N, the private training set's size (public).
+    expected_batch_size: L, with ``L·b ≤ N``.
+    cycle_length: b ≥ 1 (1: Poisson sampling).
+    microbatch_size: rows per jitted micro-batch (static).
+  """
+  num_examples: int
+  expected_batch_size: float
+  cycle_length: int
+  microbatch_size: int
+
+  @property
+  def sampling_prob(self) -> float:
+    """q_g = L·b/N, an example's inclusion probability in a step of its group."""
+    return min(1.0, self.expected_batch_size * self.cycle_length / self.num_examples)
+
+  def dp_event(self, step_event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """``PoissonSampledDpEvent(q_g, step_event)``: one of an example's rounds (add/remove-one)."""
+    return dp_accounting.PoissonSampledDpEvent(self.sampling_prob, step_event)
+
+  def compositions(self, steps: int) -> int:
+    """⌈T/b⌉: the most steps one example can take part in."""
+    return -(-steps // self.cycle_length)
+
+  def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args, step,
+                  partition_key: jax.Array):
+    """Step ``step``'s clipped-gradient sum over the Poisson sample of group ``step mod b``
+    (traceable): ``key`` this step's fresh sample key, ``partition_key`` the run's one
+    partition key (the same at every step)."""
+    chosen = cyclic_poisson_chosen(key, partition_key, _num_rows(data), self.sampling_prob,
+                                   self.cycle_length, step)
+    data = jax.tree_util.tree_map(jnp.asarray, data)
+    return sum_over_chosen(masked_call(grad_fn), params, data, chosen, self.microbatch_size,
+                           extra_args)
+
+
+def cyclic_poisson_sampling(num_examples: int, expected_batch_size: float, cycle_length: int, *,
+                            microbatch_size: int | None = None) -> CyclicPoissonSampling:
+  """Validated :class:`CyclicPoissonSampling` (default micro-batch size as
+  :func:`poisson_sampling`'s).
+
+  Raises:
+    ValueError: N < 1, L ∉ (0, N], b < 1, ``L·b > N`` (q_g would exceed 1), B < 1.
+    TypeError: non-integer N, b or B.
+  """
+  selection = poisson_sampling(num_examples, expected_batch_size, microbatch_size=microbatch_size)
+  b = v.check_int(cycle_length, "cycle_length", low=1)
+  if selection.expected_batch_size * b > selection.num_examples:
+    raise ValueError(f"cyclic Poisson sampling needs expected_batch_size·cycle_length <= "
+                     f"num_examples (each group of about N/b examples must hold the expected "
+                     f"batch L): {selection.expected_batch_size:g}·{b} > "
+                     f"{selection.num_examples}.")
+  return CyclicPoissonSampling(selection.num_examples, selection.expected_batch_size, b,
+                               selection.microbatch_size)
+
+
+def cyclic_poisson_chosen(key: jax.Array, partition_key: jax.Array, num_examples: int,
+                          sampling_prob, cycle_length: int, step) -> jax.Array:
+  """``(N,)`` bool, traceable: the examples of group ``step mod b`` (the independent partition
+  drawn from ``partition_key``: each example's group uniform on {0, …, b−1}), each kept with
+  probability ``sampling_prob`` (a Bernoulli mask drawn with ``key``, as :func:`poisson_mask`)."""
+  group = jax.random.randint(partition_key, (num_examples,), 0, cycle_length)
+  eligible = group == jnp.asarray(step, jnp.int32) % cycle_length
+  return eligible & jax.random.bernoulli(key, sampling_prob, (num_examples,))
 
 
 def _num_rows(data) -> int:

@@ -597,6 +597,84 @@ def test_truncated_audit_catches_poisson_accounting(audit_trials):
   _control("truncated Poisson accounted as Poisson", claimed, lb, n)
 
 
+_BANDMF = sgd.banded_toeplitz([1.0, 1.0])          # C = [[a, 0], [a, 1]], a = 1/√2
+
+
+@functools.cache
+def _bandmf_program(cycle_length: int):
+  """Two steps of DP-SGD with 2-band correlated noise (issue 52 §1) through the library's parts:
+  :class:`CyclicPoissonSampling` of cycle ``cycle_length`` at q_g = 1 (its partition, samples
+  and the noise all from the trial's key) and :func:`dpjax.sgd.dp_noise` with the strategy at
+  σ = 1 (C = 1). Only the canary row (5·e_0, clipped to e_0) can be a member, so the sums are
+  e_0 at the canary's steps. Feature: the auditor applies the public C to the two released
+  coordinates 0 (post-processing: C·Y = C·S + σZ) and takes the larger projection on the columns
+  where the canary can have been (its group is random): ``max_g ⟨C_{:,g}, C Y⟩`` with cycle 2,
+  ``⟨C_{:,0} + C_{:,1}, C Y⟩/‖·‖`` when it is in both steps (cycle 1)."""
+  grad_fn = _linear_grad_fn()
+  n = 6
+  selection = sampling_lib.cyclic_poisson_sampling(n, n / cycle_length, cycle_length)
+  tx = sgd.dp_noise(grad_fn, noise_multiplier=1.0, expected_batch_size=1.0,
+                    key=jax.random.key(0), steps=2, noise_strategy=_BANDMF)
+  params = np.zeros(8, np.float32)
+  state0 = tx.init(params)
+  rows = _linear_rows()
+  C = jnp.asarray(_BANDMF.materialize(2), jnp.float32)
+  both = (C[:, 0] + C[:, 1]) / jnp.linalg.norm(C[:, 0] + C[:, 1])
+
+  def run(key, member):
+    k0, k1, part, k_noise = jax.random.split(key, 4)
+    state = dataclasses.replace(state0, key=k_noise)
+    released = []
+    for t, k in enumerate((k0, k1)):
+      summed = selection.clipped_sum(grad_fn, params, (rows, member), k, step=t,
+                                     partition_key=part)
+      update, state = tx.update(summed, state, params)
+      released.append(update[0])
+    cy = C @ jnp.stack(released)
+    if cycle_length == 1:
+      return both @ cy
+    return jnp.maximum(C[:, 0] @ cy, C[:, 1] @ cy)
+  return selection, jax.jit(run)
+
+
+def _bandmf_claim():
+  """The library's claim for the two steps: the config's amplified BandMF event (one round of
+  the Poisson-sampled Gaussian at q_g = 1, σ = 1), PLD at δ = 0.02."""
+  config = sgd.DPSGDConfig(num_examples=6, expected_batch_size=3.0, steps=2, noise_multiplier=1.0,
+                           delta=0.02, noise_strategy=_BANDMF)
+  assert config.dp_event.count == 1
+  return config.calibrate().epsilon
+
+
+def _bandmf_masks():
+  with_canary = np.zeros(6, np.float32)
+  with_canary[0] = 1.0
+  return np.zeros(6, np.float32), with_canary
+
+
+def test_dp_sgd_with_correlated_noise_and_cyclic_poisson_sampling(audit_trials):
+  """Two steps, 2-band BandMF noise, cyclic Poisson sampling of cycle 2: the amplified event's
+  ε holds (the canary is in one step only, whose group is random)."""
+  n = audit_trials(5_000, 100_000)
+  _, run = _bandmf_program(2)
+  without, with_canary = _bandmf_masks()
+  lb = audit.audit(jax.random.key(65), run, without, with_canary, delta=0.02, trials=n,
+                   batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _check("DP-SGD, 2-band correlated noise, cyclic Poisson", _bandmf_claim(), lb, n)
+
+
+def test_bandmf_audit_catches_a_wrong_participation_schedule(audit_trials):
+  """Negative control (not in EXPECTED): the same strategy and claim, but every example is
+  eligible at every step (cycle 1 < 2 bands), so the canary's two contributions share a band:
+  the sensitivity of C·S is ‖C_{:,0} + C_{:,1}‖ = 1.85, not 1."""
+  n = audit_trials(50_000, 50_000)
+  _, run = _bandmf_program(1)
+  without, with_canary = _bandmf_masks()
+  lb = audit.audit(jax.random.key(66), run, without, with_canary, delta=0.02, trials=n,
+                   batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _control("BandMF noise with a cycle below its bands", _bandmf_claim(), lb, n)
+
+
 def _quantile_grad_fn():
   return sgd.quantile_clipped_grad_sum(_linear_loss, initial_clip_norm=1.0, count_weight=6.0)
 
@@ -1537,6 +1615,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             # (issue 35 §3)
             "DP-SGD step", "ghost DP-SGD step", "subspace DP-SGD step",
             "DP-SGD step, per-layer clipping (Δ = 3)", "DP-SGD step, truncated Poisson sampling",
+            "DP-SGD, 2-band correlated noise, cyclic Poisson",
             "DP-SGD step, adaptive clipping (Δ = √10)",
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",

@@ -1,6 +1,8 @@
 """The Gaussian mechanism (docs/algorithms.md §1.2): analytic and classic calibrations, sampler law."""
 
 import math
+import random
+from fractions import Fraction
 
 import dp_accounting
 import jax
@@ -156,6 +158,77 @@ def test_discrete_gaussian_sampler_has_the_exact_law():
   again = M.discrete_gaussian(jax.random.key(5), (N,), sigma=sigma)
   assert np.array_equal(z, again)
   assert not np.array_equal(z, M.discrete_gaussian(jax.random.key(6), (N,), sigma=sigma))
+
+
+def _discrete_gaussian_pvalue(z, sigma, half_width):
+  """Chi-square p-value of integer draws against the exact pmf ∝ exp(−z²/(2σ²)), σ² rounded up
+  as the sampler does; the outer bins pool the tails."""
+  s2 = float(discrete.discrete_gaussian_sigma2(sigma))
+  support = np.arange(-400, 401)
+  pmf = np.exp(-support.astype(float) ** 2 / (2 * s2))
+  pmf /= pmf.sum()
+  inner = slice(400 - half_width, 400 + half_width + 1)
+  probs = pmf[inner].copy()
+  probs[0] += pmf[:400 - half_width].sum()
+  probs[-1] += pmf[400 + half_width + 1:].sum()
+  observed = np.bincount(np.clip(z, -half_width, half_width) + half_width,
+                         minlength=2 * half_width + 1)
+  return stats.chisquare(observed, probs * z.size).pvalue
+
+
+@pytest.mark.parametrize("sigma,half_width", [(0.4, 2), (3.0, 8), (40.0, 120)])
+def test_vectorised_discrete_gaussian_has_the_exact_law(sigma, half_width):
+  z = discrete.discrete_gaussian_host(np.random.default_rng(11), (N,), sigma)
+  assert z.dtype == np.int64
+  assert _discrete_gaussian_pvalue(z, sigma, half_width) > 1e-3
+
+
+def test_tiny_and_huge_sigma():
+  """σ = 0.05: P(Z ≠ 0) ≈ e^-170, all zeros. σ = 2^40 (the limit): Gaussian moments and shape."""
+  assert not discrete.discrete_gaussian_host(np.random.default_rng(0), (1000,), 0.05).any()
+  sigma = 2.0**40
+  z = discrete.discrete_gaussian_host(np.random.default_rng(1), (N,), sigma) / sigma
+  assert abs(z.mean()) < 4 / math.sqrt(N) and abs(z.std() - 1) < 0.03
+  assert stats.kstest(z, "norm").pvalue > 1e-3
+
+
+def test_undecided_coins_are_settled_exactly(monkeypatch):
+  """The acceptance coins the float estimate cannot settle go to exact rationals. A margin of
+  2^-6 (instead of 2^-30) sends a few percent of them there — the law must not move — and a
+  float-γ limit of 0.5 sends every γ > 0.5 through the exact Python Bernoulli(exp(−γ))."""
+  calls = {"below": 0, "exp": 0}
+  below, bern = discrete._uniform_below, discrete._bernoulli_exp
+
+  def counted_below(*args):
+    calls["below"] += 1
+    return below(*args)
+
+  def counted_exp(*args):
+    calls["exp"] += 1
+    return bern(*args)
+
+  monkeypatch.setattr(discrete, "_uniform_below", counted_below)
+  monkeypatch.setattr(discrete, "_bernoulli_exp", counted_exp)
+  monkeypatch.setattr(discrete, "_MARGIN", 2.0**-6)
+  z = discrete.discrete_gaussian_host(np.random.default_rng(12), (N,), 0.4)
+  assert calls["below"] > 100
+  assert _discrete_gaussian_pvalue(z, 0.4, 2) > 1e-3
+  monkeypatch.setattr(discrete, "_MAX_FLOAT_GAMMA", 0.5)
+  z = discrete.discrete_gaussian_host(np.random.default_rng(13), (N,), 1.3)
+  assert calls["exp"] > 100
+  assert _discrete_gaussian_pvalue(z, 1.3, 4) > 1e-3
+
+
+def test_uniform_below_is_exact():
+  """U uniform on [prefix, prefix+1)·2^-53 against a rational p: sure outside, Bernoulli of the
+  fractional part inside."""
+  rng = random.Random(0)
+  one = 2**-53
+  assert discrete._uniform_below(rng, 5, Fraction(6) * Fraction(one))       # P = 6 ≥ prefix + 1
+  assert not discrete._uniform_below(rng, 5, Fraction(5) * Fraction(one))   # P = 5 ≤ prefix
+  inside = Fraction(21, 4) * Fraction(one)                                  # P − prefix = 1/4
+  hits = sum(discrete._uniform_below(rng, 5, inside) for _ in range(4000))
+  assert abs(hits / 4000 - 0.25) < 0.03
 
 
 def test_float64_and_key_hygiene():

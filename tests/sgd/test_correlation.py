@@ -1,0 +1,235 @@
+"""Correlated (BandMF) noise and cyclic Poisson sampling (issue 52 §1, §3; docs/algorithms.md
+§6.6): the released noise is exactly C⁻¹ of the independent draws on every release map, the
+T-step covariance is std²·C⁻¹C⁻ᵀ, the plan's event is jax_privacy's amplified BandMF event, and
+the slips (a cycle below the bands, L·b > N, a strategy with truncation, a mesh or adaptive
+clipping) are refused."""
+
+import dataclasses
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpjax import sgd
+from dpjax.ledger import PrivacyLedger
+from dpjax.sgd import correlation, noise, sampling
+
+T = 6
+STRATEGY = sgd.banded_toeplitz([1.0, 0.6, 0.3])
+
+
+def _linear(w, example):
+  x, y = example
+  return (x @ w["w"] + w["b"][0] - y) ** 2
+
+
+GRAD_FN = sgd.clipped_grad_sum(_linear, clip_norm=1.0)
+PARAMS = {"w": jnp.zeros(5), "b": jnp.zeros(1)}
+
+
+def _released(tx, params, updates, steps=T):
+  """The T updates of ``tx`` on the same ``updates`` (times L: the released sums)."""
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  out = []
+  for _ in range(steps):
+    u, state = update(updates, state)
+    out.append(u)
+  return out, state
+
+
+def _stack(updates, leaf):
+  return np.stack([np.asarray(leaf(u)).reshape(-1) for u in updates])
+
+
+@pytest.mark.parametrize("release", ["full", "flat", "layers", "embedding_residual"])
+def test_correlated_noise_is_the_inverse_strategy_of_the_independent_draws(release):
+  """C·Y (correlated) equals the independent release Y' drawn with the same key, on every
+  release map: the same Z, fed through C⁻¹ (zero updates: only noise is released)."""
+  params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+  kwargs = {}
+  grad_fn = sgd.clipped_grad_sum(lambda p, ex: jnp.sum(p["w"]) + jnp.sum(p["b"]), clip_norm=1.0)
+  updates = jax.tree_util.tree_map(jnp.zeros_like, params)
+  if release == "flat":
+    kwargs["basis"] = np.eye(15, 4, dtype=np.float32)
+  elif release == "layers":
+    kwargs["bases"] = {"w": np.eye(4, 2, dtype=np.float32), "b": None}
+  elif release == "embedding_residual":
+    kwargs["bases"] = {"w": np.eye(4, 2, dtype=np.float32), "b": None}
+    grad_fn = sgd.embedding_residual_grad_sum(lambda p, ex: jnp.sum(p["w"]), embedding_clip=1.0,
+                                              residual_clip=1.0)
+    updates = {"embedding": {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)},
+               "residual": {"w": jnp.zeros((4, 3)), "b": jnp.zeros((0,))}}
+  common = dict(noise_multiplier=1.0, expected_batch_size=1.0, key=jax.random.key(3), steps=T)
+  assert noise.release_of(grad_fn, kwargs.get("basis"), kwargs.get("bases")) == release
+  corr, state = _released(noise.dp_noise(grad_fn, noise_strategy=STRATEGY, **common, **kwargs),
+                          params, updates)
+  iid, _ = _released(noise.dp_noise(grad_fn, **common, **kwargs), params, updates)
+  C = STRATEGY.materialize(T)
+  for leaf in (lambda u: u["w"], lambda u: u["b"]):
+    np.testing.assert_allclose(C @ _stack(corr, leaf), _stack(iid, leaf), atol=2e-5)
+  assert len(state.correlation) == {"full": 2, "flat": 1, "layers": 2,
+                                    "embedding_residual": 3}[release]
+
+
+def test_one_band_is_independent_noise_and_cyclic_sampling_of_one_is_poisson():
+  """C = I: the same draws as no strategy; cycle 1: the same sample as Poisson sampling."""
+  common = dict(noise_multiplier=1.0, expected_batch_size=1.0, key=jax.random.key(4), steps=T)
+  updates = jax.tree_util.tree_map(jnp.zeros_like, PARAMS)
+  one, _ = _released(noise.dp_noise(GRAD_FN, noise_strategy=sgd.banded_toeplitz([2.0]),
+                                    **common), PARAMS, updates)
+  iid, _ = _released(noise.dp_noise(GRAD_FN, **common), PARAMS, updates)
+  np.testing.assert_allclose(_stack(one, lambda u: u["w"]), _stack(iid, lambda u: u["w"]),
+                             rtol=1e-6)
+  key, part = jax.random.split(jax.random.key(5))
+  chosen = sampling.cyclic_poisson_chosen(key, part, 300, 0.2, 1, 7)
+  assert np.array_equal(chosen, sampling.poisson_mask(key, 300, 0.2))
+
+
+def test_the_noise_covariance_over_the_steps_is_that_of_the_inverse_strategy():
+  """2,000 runs of 6 steps: cov(Y) = std²·C⁻¹C⁻ᵀ (std = σΔ = 2)."""
+  tx = noise.dp_noise(GRAD_FN, noise_multiplier=2.0, expected_batch_size=1.0,
+                      key=jax.random.key(0), steps=T, noise_strategy=STRATEGY)
+  updates = jax.tree_util.tree_map(jnp.zeros_like, PARAMS)
+
+  def run(key):
+    state = dataclasses.replace(tx.init(PARAMS), key=key)
+
+    def body(state, _):
+      u, state = tx.update(updates, state)
+      return state, u["w"][0]
+    return jax.lax.scan(body, state, None, length=T)[1]
+  Y = np.asarray(jax.jit(jax.vmap(run))(jax.random.split(jax.random.key(1), 2000)))
+  Cinv = np.linalg.inv(STRATEGY.materialize(T))
+  expected = 4.0 * Cinv @ Cinv.T
+  np.testing.assert_allclose(np.cov(Y.T), expected, atol=0.1 * np.abs(expected).max())
+
+
+def test_materialize_matches_jax_privacy_and_has_unit_columns():
+  C = STRATEGY.materialize(T)
+  np.testing.assert_allclose(np.linalg.norm(C, axis=0), 1.0, rtol=1e-12)
+  assert np.allclose(np.triu(C, 1), 0) and np.allclose(np.tril(C, -STRATEGY.bands), 0)
+  from jax_privacy.matrix_factorization import streaming_matrix
+  Cinv = np.asarray(streaming_matrix.StreamingMatrix.materialize(STRATEGY.noising_matrix(T), T))
+  np.testing.assert_allclose(Cinv @ C, np.eye(T), atol=1e-5)
+
+
+def test_optimal_strategy_is_unit_norm_and_beats_independent_noise_on_prefix_sums():
+  strategy = sgd.optimal_banded_toeplitz(32, 4, max_optimizer_steps=50)
+  assert strategy.bands == 4 and abs(np.linalg.norm(strategy.coefs) - 1) < 1e-9
+  C = strategy.materialize(32)
+  A = np.tril(np.ones((32, 32)))                     # the prefix-sum workload
+  error = np.sum((A @ np.linalg.inv(C)) ** 2)        # at sensitivity 1 (unit columns)
+  assert error < 0.8 * np.sum(A ** 2)                # independent noise: ‖A‖_F²
+  assert sgd.optimal_banded_toeplitz(10, 1) == sgd.BandedToeplitz((1.0,))
+
+
+def test_cyclic_sampling_draws_only_the_step_group_at_the_group_rate():
+  key = jax.random.key(6)
+  part = jax.random.key(7)
+  n, b, q = 3000, 3, 0.5
+  masks = np.stack([np.asarray(sampling.cyclic_poisson_chosen(k, part, n, q, b, t))
+                    for t, k in enumerate(jax.random.split(key, 6))])
+  group = np.asarray(jax.random.randint(part, (n,), 0, b))
+  for t in range(6):
+    assert not masks[t][group != t % b].any()
+    rate = masks[t][group == t % b].mean()
+    assert abs(rate - q) < 0.05
+  assert abs(np.bincount(group, minlength=b) / n - 1 / b).max() < 0.03
+
+
+def test_the_plan_event_is_jax_privacys_amplified_bandmf_event():
+  from jax_privacy.experimental import accounting as jpa
+  config = sgd.DPSGDConfig(num_examples=600, expected_batch_size=50, steps=20,
+                           noise_multiplier=1.5, noise_strategy=STRATEGY)
+  assert config.cycle_length == 3 and config.sampling_prob == pytest.approx(0.25)
+  assert config.dp_event == jpa.amplified_bandmf_event(1.5, 20, num_bands=3, sampling_prob=0.25)
+  assert config.batch_selection.compositions(20) == 7
+  ledger = PrivacyLedger(epsilon=100.0, delta=1e-3)
+  plan = config.make(GRAD_FN, key=jax.random.key(0), ledger=ledger)
+  assert isinstance(plan.batch_selection, sampling.CyclicPoissonSampling)
+  assert ledger.entries[-1].event == config.dp_event
+
+
+def test_a_plan_with_correlated_noise_trains_on_every_release_and_counts_its_steps():
+  rng = np.random.default_rng(0)
+  X = rng.normal(size=(300, 5)).astype(np.float32)
+  y = X @ np.arange(1.0, 6.0, dtype=np.float32)
+  opt = optax.sgd(0.05)
+  for kwargs in ({}, {"basis": np.eye(6, 3, dtype=np.float32)}):
+    plan = sgd.dp_sgd_plan(GRAD_FN, num_examples=300, expected_batch_size=30, steps=8,
+                           noise_multiplier=0.5, key=jax.random.key(1), noise_strategy=STRATEGY,
+                           **kwargs)
+    state = plan.init(PARAMS, opt)
+    params, state = plan.run(PARAMS, state, plan.prepare((X, y)), opt, steps=4)
+    params, state = plan.step(params, state, plan.prepare((X, y)), opt)
+    assert plan.steps_taken(state) == 5 and np.all(np.isfinite(params["w"]))
+  with pytest.raises(ValueError, match="budget"):
+    plan.run(params, state, plan.prepare((X, y)), opt, steps=4)
+
+
+def test_the_partition_is_the_runs_one_draw():
+  """The groups come from the run's first key: the same at every step, another for another
+  run's key; never from a step's key."""
+  tx = noise.dp_noise(GRAD_FN, noise_multiplier=1.0, expected_batch_size=1.0,
+                      key=jax.random.key(9), steps=T)
+  state = tx.init(PARAMS)
+  later = tx.update(jax.tree_util.tree_map(jnp.zeros_like, PARAMS), state)[1]
+  first = noise.partition_key(state)
+  assert np.array_equal(jax.random.key_data(first),
+                        jax.random.key_data(noise.partition_key(later)))
+  other = noise.partition_key(tx.init(PARAMS).__class__(**{**state.__dict__,
+                                                           "key": jax.random.key(10),
+                                                           "origin": noise.key_origin(
+                                                               jax.random.key(10))}))
+  assert not np.array_equal(jax.random.key_data(first), jax.random.key_data(other))
+  legacy = dataclasses.replace(state, key=jax.random.PRNGKey(9),
+                               origin=noise.key_origin(jax.random.PRNGKey(9)))
+  assert np.array_equal(np.asarray(noise.partition_key(legacy)),
+                        np.asarray(jax.random.key_data(first)))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(noise_strategy=STRATEGY, cycle_length=2), ValueError, "bands"),
+    (dict(noise_strategy=STRATEGY, expected_batch_size=250), ValueError, "cycle_length"),
+    (dict(noise_strategy=STRATEGY, max_batch_size=40), ValueError, "truncated"),
+    (dict(noise_strategy=(1.0, 0.5)), TypeError, "BandedToeplitz"),
+    (dict(cycle_length=0), ValueError, "cycle_length"),
+])
+def test_slips_are_refused(kwargs, error, match):
+  args = dict(num_examples=600, expected_batch_size=50, steps=20, noise_multiplier=1.0) | kwargs
+  with pytest.raises(error, match=match):
+    sgd.DPSGDConfig(**args)
+
+
+def test_refusals_at_make_and_in_dp_noise():
+  config = sgd.DPSGDConfig(num_examples=600, expected_batch_size=50, steps=20,
+                           noise_multiplier=1.0, noise_strategy=STRATEGY)
+  quantile = sgd.quantile_clipped_grad_sum(_linear, initial_clip_norm=1.0)
+  with pytest.raises(ValueError, match="noise_strategy"):
+    config.make(quantile, key=jax.random.key(0))
+  mesh = sgd.data_mesh()
+  with pytest.raises(ValueError, match="mesh"):
+    config.make(GRAD_FN, key=jax.random.key(0), mesh=mesh)
+  with pytest.raises(ValueError, match="steps"):
+    noise.dp_noise(GRAD_FN, noise_multiplier=1.0, expected_batch_size=1.0,
+                   key=jax.random.key(0), noise_strategy=STRATEGY)
+  for bad in ([], [0.0, 1.0], [1.0, np.nan]):
+    with pytest.raises(ValueError, match="coefs"):
+      sgd.banded_toeplitz(bad)
+
+
+def test_update_bases_keeps_the_buffers():
+  basis = np.eye(6, 3, dtype=np.float32)
+  tx = noise.dp_noise(GRAD_FN, noise_multiplier=1.0, expected_batch_size=1.0,
+                      key=jax.random.key(2), steps=T, basis=basis, noise_strategy=STRATEGY)
+  state = tx.init(PARAMS)
+  _, state = tx.update(jax.tree_util.tree_map(jnp.zeros_like, PARAMS), state)
+  swapped = noise.update_bases(state, basis=np.eye(6, 3, k=-1, dtype=np.float32))
+  for a, b in zip(jax.tree_util.tree_leaves(state.correlation),
+                  jax.tree_util.tree_leaves(swapped.correlation)):
+    assert np.array_equal(a, b)
+  assert correlation.BandedToeplitz((1.0,)).bands == 1
