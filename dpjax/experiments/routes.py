@@ -625,7 +625,10 @@ def _private_input_bases(keys, X, eps_s, delta_s, settings, event):
       raise RuntimeError(f"the release is {release.dp_event}, σ was calibrated for {event}.")
     bases.append(np.asarray(release.basis, np.float32))
   bases = np.stack(bases)
-  return np.einsum("nd,kdr->knr", np.asarray(X, np.float32), bases), bases
+  X = np.asarray(X, np.float32)
+  # One BLAS product per run (np.einsum's default path is a plain loop: 112 s against ~6 s
+  # for the main job's 54,000 × 3,969 rows and rank 2,048).
+  return np.stack([X @ B for B in bases]), bases
 
 
 def train_route(route: str, keys: jax.Array, learning_rates, data, *, init_fn: Callable,

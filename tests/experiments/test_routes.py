@@ -608,3 +608,20 @@ def test_a_model_written_with_dense_is_clipped_by_ghost_norms(route):
   expected = jax.tree_util.tree_map(lambda g: jnp.tensordot(mask, g, axes=1), per)
   for g, w in zip(jax.tree_util.tree_leaves(total), jax.tree_util.tree_leaves(expected)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_noise_bands_run_bandmf_noise_with_cyclic_sampling_on_the_amplified_event(data):
+  """settings.noise_bands = 2: the route's plans draw BandMF noise (optimal 2-band strategy for
+  T) with cyclic Poisson sampling; σ is the config's, calibrated on the amplified event; GEP's
+  two plans and tuning are refused."""
+  run = _run("dp_sgd", data, jnp.stack([jax.random.key(0), jax.random.key(1)]), epsilon=0.5,
+             settings=_S(noise_bands=2))
+  config = sgd.DPSGDConfig(num_examples=N, expected_batch_size=32, steps=12, epsilon=0.5,
+                           delta=1e-5, accountant="rdp",
+                           noise_strategy=sgd.optimal_banded_toeplitz(12, 2))
+  assert run.noise_multiplier == pytest.approx(config.calibrate().noise_multiplier, rel=1e-9)
+  assert run.noise_multiplier > _sigma(0.5, N, 12)
+  assert np.all(np.isfinite(jax.tree_util.tree_leaves(run.params)[0]))
+  with pytest.raises(ValueError, match="noise_bands"):
+    _run("gep_trajectory", data, jnp.stack([jax.random.key(0)]), epsilon=0.5,
+         settings=_S(noise_bands=2))
