@@ -717,7 +717,8 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
                            stability: float = DEFAULT_STABILITY,
                            embedding_clip: float | None = None,
                            residual_clip: float | None = None,
-                           joint: bool = True) -> per_example.ClippedGradSum:
+                           joint: bool = True,
+                           per_layer: str | None = None) -> per_example.ClippedGradSum:
   """``fn(params, batch, mask)`` = ``Σ_i mask_i · clip_C(∇ loss_i)`` by ghost clipping.
 
   The same sum as ``dpjax.sgd.clipped_grad_sum(model_loss(apply_fn, example_loss), ...)``
@@ -799,7 +800,11 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
   Args:
     apply_fn: ``apply_fn(params, x, *, dense)`` (one example).
     example_loss: ``example_loss(outputs, y) -> scalar`` (one example).
-    clip_norm: C > 0 (plain clipping; None with GEP's clips).
+    clip_norm: C > 0 (plain clipping; None with GEP's clips), or per-layer norms: a prefix tree
+      of the params' structure, each subtree clipped by its own ghost norms at its C_g
+      (Δ = √(Σ C_g²)), as :func:`dpjax.sgd.clipped_grad_sum`'s.
+    per_layer: None, ``"uniform"`` or ``"by_size"``: one C split over the leaves, each leaf
+      clipped at its C_ℓ (Δ = C), as :func:`dpjax.sgd.clipped_grad_sum`'s.
     clipping: ``"clip"`` (``g / max(1, ‖g‖/C)``) or ``"normalize"`` (``C·g/(‖g‖ + γ)``).
     stability: γ > 0 of ``"normalize"`` (default 0.01).
     embedding_clip, residual_clip: ``C_e, C_ρ > 0``: GEP instead of plain clipping.
@@ -813,7 +818,8 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
     :func:`dpjax.sgd.sampling.accumulate_microbatches` and :func:`dpjax.sgd.dp_sgd_plan`.
 
   Raises:
-    ValueError: C ≤ 0 or not finite; γ ≤ 0; an unknown ``clipping``; both or neither of
+    ValueError: C ≤ 0 or not finite (any group's); per-layer norms that are not a prefix of the
+      params (at trace time); γ ≤ 0; an unknown ``clipping``; both or neither of
       ``clip_norm`` and GEP's clips, or one GEP clip without the other; at trace time, batch
       leaves without a shared leading axis, a mask not of shape ``(B,)``, bad dense shapes.
     TypeError: ``apply_fn`` or ``example_loss`` not callable; at trace time, a batch that is
@@ -833,12 +839,15 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
     raise ValueError("give clip_norm (plain clipping) or both embedding_clip and residual_clip "
                      f"(GEP), got clip_norm={clip_norm!r}, embedding_clip={embedding_clip!r}, "
                      f"residual_clip={residual_clip!r}.")
+  if split and per_layer is not None:
+    raise ValueError("per_layer splits a plain clip norm; GEP's ghost clipping takes "
+                     "embedding_clip and residual_clip.")
   if split:
     return _ghost_gep(apply_fn, example_loss,
                       v.check_positive(embedding_clip, "embedding_clip"),
                       v.check_positive(residual_clip, "residual_clip"), bool(joint), clipping,
                       stability)
-  clip_norm = v.check_positive(clip_norm, "clip_norm")
+  clip, bound = per_example.layer_clip_norms(clip_norm, per_layer)
 
   def fn(params, batch, mask):
     size = _split_batch(batch)[2]
@@ -846,15 +855,19 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
       raise ValueError(f"mask must have shape ({size},), got {jnp.shape(mask)}.")
     plan, leaves, treedef, size, parts = _ghost(apply_fn, example_loss, params, batch)
     out = [jnp.zeros(jnp.shape(x), jnp.result_type(x)) for x in leaves]
-    if parts:
-      m, top = _global_norm(list(parts.values()))
+    groups, norms = per_example.leaf_groups(params, clip)
+    for g, c in enumerate(norms):        # one clip per group (one group: global clipping)
+      members = {i: p for i, p in parts.items() if groups[i] == g}
+      if not members:
+        continue
+      m, top = _global_norm(list(members.values()))
       factor, keep = per_example.clip_factor(
-          m, clip_norm, clipping, stability, exponents=top,
-          num_entries=sum(p.size for p in parts.values()))
-      out = _totals(parts, out, factor, keep, top, mask)
+          m, c, clipping, stability, exponents=top,
+          num_entries=sum(p.size for p in members.values()))
+      out = _totals(members, out, factor, keep, top, mask)
     return jax.tree_util.tree_unflatten(treedef, out)
 
-  return per_example.ClippedGradSum(fn, clip_norm)
+  return per_example.ClippedGradSum(fn, bound)
 
 
 def _totals(parts, out, factor, keep, top, mask, scale=1.0):

@@ -480,6 +480,38 @@ def layer_clip_norms(clip_norm, per_layer: str | None = None):
   return c, c
 
 
+def _split_norms(clip, leaves) -> np.ndarray:
+  """A split C's per-leaf norms C_ℓ, rounded down so that Σ C_ℓ² ≤ C²."""
+  split, c = clip
+  sizes = np.asarray([max(np.size(x), 1) for x in leaves], np.float64)
+  share = (np.full(len(leaves), 1.0 / len(leaves)) if split == "uniform"
+           else sizes / sizes.sum())
+  return c * np.sqrt(share) * (1 - _SPLIT_SLACK)
+
+
+def leaf_groups(params, clip) -> tuple[list[int], list[float]]:
+  """``(group of each leaf, norm C_g of each group)`` for ``clip`` from :func:`layer_clip_norms`
+  on a pytree shaped like ``params`` (leaves in ``tree_flatten`` order): one group for a float
+  C, one per leaf for a split C, one per subtree of a prefix tree of norms — the groups
+  :func:`clip_layers` clips, for clipping that works group by group (ghost clipping)."""
+  leaves = jax.tree_util.tree_leaves(params)
+  if isinstance(clip, float):
+    return [0] * len(leaves), [clip]
+  if isinstance(clip, _Split):
+    return list(range(len(leaves))), [float(n) for n in _split_norms(clip, leaves)]
+  norms = []
+
+  def tag(c, sub):
+    norms.append(float(c))
+    return jax.tree_util.tree_map(lambda _: len(norms) - 1, sub)
+  try:
+    groups = jax.tree_util.tree_leaves(jax.tree_util.tree_map(tag, clip, params))
+  except ValueError as e:
+    raise ValueError(f"clip_norm's per-layer norms must be a prefix of the gradient's pytree "
+                     f"structure: {e}") from None
+  return groups, norms
+
+
 def clip_layers(tree, clip, clipping: str = "clip", stability: float = DEFAULT_STABILITY):
   """One example's pytree clipped by ``clip`` from :func:`layer_clip_norms`: globally (a float),
   per group (a prefix tree of norms: each subtree by :func:`_clip_one` at its own norm), or per
@@ -487,12 +519,8 @@ def clip_layers(tree, clip, clipping: str = "clip", stability: float = DEFAULT_S
   if isinstance(clip, float):
     return _clip_one(tree, clip, clipping, stability)
   if isinstance(clip, _Split):
-    split, c = clip
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    sizes = np.asarray([max(np.size(x), 1) for x in leaves], np.float64)
-    share = (np.full(len(leaves), 1.0 / len(leaves)) if split == "uniform"
-             else sizes / sizes.sum())
-    norms = c * np.sqrt(share) * (1 - _SPLIT_SLACK)
+    norms = _split_norms(clip, leaves)
     return jax.tree_util.tree_unflatten(
         treedef, [_clip_one(x, float(n), clipping, stability) for x, n in zip(leaves, norms)])
   try:
