@@ -2,7 +2,7 @@
 without a learned subspace: scattering features + linear on full MNIST.
 
     python benchmarks/correlated_noise.py [--quick] [--epsilons 1 2 8] [--bands 1 4 16]
-        [--seeds 2] [--subspace none dp_pca] [--json PATH]
+        [--seeds 2] [--subspace none dp_pca] [--filter none low_pass] [--json PATH]
 
 The main job's scatnet model (softmax regression on the scattering features of the first
 ``--rows`` = 54,000 canonical training digits, ``dpjax.features.scattering_features``) trained
@@ -21,6 +21,10 @@ and ``--subspace``:
   private rows' features (``dpjax.sgd.private_input_basis``, Analyze Gauss on the unit-scaled
   rows, continuous noise, 5% of ε and 10% of δ, its Gaussian event composed into the plan by
   PLD): the correlated noise then lives in the 2,048·10 released coefficients.
+
+and ``--filter``: ``none``, or ``low_pass`` — DOPPLER's first-order low-pass filter of the
+released updates before Adam (``dpjax.sgd.low_pass()``, post-processing; docs/algorithms.md
+§6.8).
 
 Each row: test accuracy on the canonical 10,000 test digits, mean and range over ``--seeds``
 (the same seeds for every cell: paired), σ, and seconds a run. The learning rate is the main
@@ -62,7 +66,8 @@ def unit_rows(X: np.ndarray) -> np.ndarray:
   return np.divide(X, norms, out=np.zeros_like(X), where=norms > 0)
 
 
-def one_run(key, train, test, *, epsilon, bands, subspace, rank, batch, steps) -> dict:
+def one_run(key, train, test, *, epsilon, bands, subspace, rank, batch, steps,
+            filter_="none") -> dict:
   """One DP-SGD run; its test accuracy, σ and time."""
   basis_key, plan_key = jax.random.split(key)             # one split into named purposes
   X, y = train
@@ -81,13 +86,16 @@ def one_run(key, train, test, *, epsilon, bands, subspace, rank, batch, steps) -
                          bases=bases, noise_strategy=strategy, **budget)
   params = {"w": jnp.zeros((d, classes)), "b": jnp.zeros(classes)}
   opt = optax.adam(LEARNING_RATE)
+  if filter_ == "low_pass":
+    opt = optax.chain(sgd.low_pass(), opt)
   start = time.perf_counter()
   trained, _ = plan.run(params, plan.init(params, opt), plan.prepare(train), opt)
   trained = jax.block_until_ready(trained)
   seconds = time.perf_counter() - start
   Xte, yte = test
   accuracy = float(((Xte @ trained["w"] + trained["b"]).argmax(-1) == yte).mean())
-  return {"epsilon": epsilon, "bands": bands, "subspace": subspace, "sigma": plan.noise_multiplier,
+  return {"epsilon": epsilon, "bands": bands, "subspace": subspace, "filter": filter_,
+          "sigma": plan.noise_multiplier,
           "test_accuracy": accuracy, "run_seconds": seconds, "plan_epsilon": plan.epsilon}
 
 
@@ -97,6 +105,7 @@ def main(argv=None) -> int:
   parser.add_argument("--epsilons", type=float, nargs="+", default=None)
   parser.add_argument("--bands", type=int, nargs="+", default=None)
   parser.add_argument("--subspace", nargs="+", default=None, choices=("none", "dp_pca"))
+  parser.add_argument("--filter", nargs="+", default=None, choices=("none", "low_pass"))
   parser.add_argument("--seeds", type=int, default=None)
   parser.add_argument("--rows", type=int, default=None)
   parser.add_argument("--rank", type=int, default=2048)
@@ -106,6 +115,7 @@ def main(argv=None) -> int:
   epsilons = args.epsilons or ([2.0] if args.quick else [1.0, 2.0, 8.0])
   bands = args.bands or ([1, 4] if args.quick else [1, 4, 16])
   subspaces = args.subspace or (["none"] if args.quick else ["none", "dp_pca"])
+  filters = args.filter or ["none"]
   seeds = args.seeds or (1 if args.quick else 2)
   rank = min(args.rank, 256) if args.quick else args.rank
   steps, batch = (60, 512) if args.quick else (528, 1_024)
@@ -120,23 +130,23 @@ def main(argv=None) -> int:
                     "learning_rate": LEARNING_RATE, "delta": DELTA, "rank": rank,
                     "seeds": seeds}, "rows": []}
   start = time.perf_counter()
-  for epsilon in epsilons:
-    for subspace in subspaces:
-      for b in bands:
-        runs = [one_run(jax.random.key(seed), train, test, epsilon=epsilon, bands=b,
-                        subspace=subspace, rank=rank, batch=batch, steps=steps)
-                for seed in range(seeds)]
-        accs = [r["test_accuracy"] for r in runs]
-        row = dict(runs[0], test_accuracy=float(np.mean(accs)), accuracies=accs,
-                   run_seconds=float(np.mean([r["run_seconds"] for r in runs])))
-        out["rows"].append(row)
-        print(f"ε = {epsilon:g} {subspace:6s} bands {b:2d}: σ = {row['sigma']:6.3f}  test acc "
-              f"{row['test_accuracy']:.4f} [{min(accs):.4f}, {max(accs):.4f}]  "
-              f"({row['run_seconds']:.0f} s a run)", flush=True)
-        if args.json:                      # written as the rows come: a long run keeps them
-          out["wall_seconds"] = time.perf_counter() - start
-          with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+  cells = [(e, s, b, f) for e in epsilons for s in subspaces for b in bands for f in filters]
+  for epsilon, subspace, b, filter_ in cells:
+    runs = [one_run(jax.random.key(seed), train, test, epsilon=epsilon, bands=b,
+                    subspace=subspace, rank=rank, batch=batch, steps=steps,
+                    filter_=filter_)
+            for seed in range(seeds)]
+    accs = [r["test_accuracy"] for r in runs]
+    row = dict(runs[0], test_accuracy=float(np.mean(accs)), accuracies=accs,
+               run_seconds=float(np.mean([r["run_seconds"] for r in runs])))
+    out["rows"].append(row)
+    print(f"ε = {epsilon:g} {subspace:6s} bands {b:2d} {filter_:8s}: σ = {row['sigma']:6.3f}  "
+          f"test acc {row['test_accuracy']:.4f} [{min(accs):.4f}, {max(accs):.4f}]  "
+          f"({row['run_seconds']:.0f} s a run)", flush=True)
+    if args.json:                      # written as the rows come: a long run keeps them
+      out["wall_seconds"] = time.perf_counter() - start
+      with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
   out["wall_seconds"] = time.perf_counter() - start
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:

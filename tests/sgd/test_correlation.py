@@ -233,3 +233,18 @@ def test_update_bases_keeps_the_buffers():
                   jax.tree_util.tree_leaves(swapped.correlation)):
     assert np.array_equal(a, b)
   assert correlation.BandedToeplitz((1.0,)).bands == 1
+
+
+def test_cyclic_sampling_with_independent_noise():
+  """cycle_length alone: cyclic Poisson groups, independent noise, ⌈T/b⌉ rounds at L·b/N."""
+  config = sgd.DPSGDConfig(num_examples=600, expected_batch_size=50, steps=20,
+                           noise_multiplier=1.0, cycle_length=3)
+  assert config.noise_strategy is None and config.sampling_prob == pytest.approx(0.25)
+  assert config.dp_event == dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(1.0)), 7)
+  plan = config.make(GRAD_FN, key=jax.random.key(3))
+  X = np.random.default_rng(1).normal(size=(600, 5)).astype(np.float32)
+  data = plan.prepare((X, X[:, 0]))
+  state = plan.init(PARAMS, optax.sgd(0.1))
+  assert plan.clipped_sum(PARAMS, data, state)["w"].shape == (5,)
+  assert noise.noise_state(state).correlation is None
