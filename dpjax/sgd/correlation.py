@@ -1,5 +1,5 @@
 """Correlated noise for DP-SGD: banded matrix-factorization strategies (BandMF), driven by
-``jax_privacy`` (docs/algorithms.md §6.6).
+``jax_privacy`` (docs/algorithms.md §6.7).
 
 DP-SGD with matrix-factorization noise releases, over the T steps, ``Y = S + C⁻¹ Z`` instead of
 ``S + Z``: the per-step sums S (in the release map's coordinates) plus noise correlated across
@@ -59,6 +59,13 @@ class BandedToeplitz:
   """
   coefs: tuple[float, ...]
 
+  def __post_init__(self):
+    c = np.asarray(self.coefs, np.float64).reshape(-1)
+    if c.size == 0 or not np.all(np.isfinite(c)) or c[0] <= 0:
+      raise ValueError(f"coefs must be finite with coefs[0] > 0 (C must be invertible), got "
+                       f"{list(c)}.")
+    object.__setattr__(self, "coefs", tuple(float(x) for x in c))
+
   @property
   def bands(self) -> int:
     """b, the number of non-zero diagonals of C."""
@@ -87,11 +94,8 @@ def banded_toeplitz(coefs) -> BandedToeplitz:
   Raises:
     ValueError: no coefficients, a non-finite one, or ``c_0 ≤ 0`` (C must be invertible).
   """
-  c = np.asarray(coefs, np.float64).reshape(-1)
-  if c.size == 0 or not np.all(np.isfinite(c)) or c[0] <= 0:
-    raise ValueError(f"coefs must be finite with coefs[0] > 0, got {list(c)}.")
-  c = c / np.linalg.norm(c)
-  return BandedToeplitz(tuple(float(x) for x in c))
+  c = np.asarray(BandedToeplitz(tuple(np.asarray(coefs, np.float64).reshape(-1))).coefs)
+  return BandedToeplitz(tuple(c / np.linalg.norm(c)))
 
 
 def optimal_banded_toeplitz(steps: int, bands: int, *,

@@ -197,7 +197,7 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
   ``noise_strategy`` C (banded, columns of norm 1) the T steps' noise in the released
   coordinates is ``σΔν·C⁻¹Z`` instead of ``σΔν·Z``; the releases are post-processing of
   ``C·(M S) + σΔν Z``, and with cyclic Poisson sampling of cycle ≥ b they are the event of
-  :class:`dpjax.sgd.sampling.CyclicPoissonSampling` (docs/algorithms.md §6.6). With another
+  :class:`dpjax.sgd.sampling.CyclicPoissonSampling` (docs/algorithms.md §6.7). With another
   selection the plan refuses the strategy.
 
   Example::

@@ -217,9 +217,11 @@ def test_refusals_at_make_and_in_dp_noise():
   with pytest.raises(ValueError, match="steps"):
     noise.dp_noise(GRAD_FN, noise_multiplier=1.0, expected_batch_size=1.0,
                    key=jax.random.key(0), noise_strategy=STRATEGY)
-  for bad in ([], [0.0, 1.0], [1.0, np.nan]):
+  for bad in ([], [0.0, 1.0], [1.0, np.nan], [-1.0, 0.5]):
     with pytest.raises(ValueError, match="coefs"):
       sgd.banded_toeplitz(bad)
+    with pytest.raises(ValueError, match="coefs"):
+      sgd.BandedToeplitz(tuple(bad))           # built directly: the same check
 
 
 def test_update_bases_keeps_the_buffers():
