@@ -20,7 +20,8 @@ from dpjax.sgd.ghost import dense, ghost_clipped_grad_sum
 from dpjax.sgd.noise import dp_noise, update_bases
 from dpjax.sgd.per_example import clipped_grad_sum
 from dpjax.sgd.plan import DPSGDPlan, dp_sgd_plan
-from dpjax.sgd.quantile_clipping import quantile_clip_state, quantile_clipped_grad_sum
+from dpjax.sgd.quantile_clipping import (ghost_quantile_clipped_grad_sum, quantile_clip_state,
+                                          quantile_clipped_grad_sum)
 from dpjax.sgd.sources import (private_gradient_subspace, private_input_basis,
                                public_gradient_subspace, public_input_basis)
 from dpjax.sgd.training import train_dp_sgd
@@ -28,7 +29,8 @@ from dpjax.sgd.training import train_dp_sgd
 __all__ = ["BandedToeplitz", "DPSGDConfig", "DPSGDPlan", "TwoSidedBasis", "averaged_params",
            "banded_toeplitz", "bases_like", "clipped_grad_sum",
            "data_mesh", "dense", "dp_aggregate", "dp_noise", "dp_sgd_plan",
-           "embedding_residual_grad_sum", "ghost_clipped_grad_sum", "iterate_average", "linen_apply", "low_pass", "low_rank_denoise",
+           "embedding_residual_grad_sum", "ghost_clipped_grad_sum", "ghost_quantile_clipped_grad_sum",
+           "iterate_average", "linen_apply", "low_pass", "low_rank_denoise",
            "nnx_apply", "nnx_model", "optimal_banded_toeplitz",
            "private_gradient_subspace", "private_input_basis", "public_gradient_subspace",
            "public_input_basis", "quantile_clip_state", "quantile_clipped_grad_sum",

@@ -378,9 +378,11 @@ def _warn_uncovered(params, plan):
                   stacklevel=3)
 
 
-def _forward_backward(apply_fn, example_loss, plan, leaves, treedef, inputs, targets, size):
+def _forward_backward(apply_fn, example_loss, plan, leaves, treedef, inputs, targets, size,
+                      divisor=None):
   """One vmapped forward and backward: ``(δ per tapped call, x per tapped call, per-example
-  gradients of the uncovered leaves)``, each with a leading batch axis."""
+  gradients of the uncovered leaves)``, each with a leading batch axis; of the loss divided by
+  ``divisor`` (a public scalar) if given."""
   tapped = [out for iw, ib, out, _ in plan.calls if iw is not None or ib is not None]
   taps = [jnp.zeros((size,) + s.shape, s.dtype) for s in tapped]
   free = [leaves[i] for i in plan.uncovered]
@@ -409,6 +411,8 @@ def _forward_backward(apply_fn, example_loss, plan, leaves, treedef, inputs, tar
 
     loss = example_loss(apply_fn(jax.tree_util.tree_unflatten(treedef, full), inputs_i,
                                  dense=_Hook(recording)), targets_i)
+    if divisor is not None:
+      loss = loss / jnp.asarray(divisor, loss.dtype)
     if count[0] != len(plan.calls):
       raise RuntimeError("apply_fn must call dense on the same layers in the same order "
                          "every time it is traced.")
@@ -670,13 +674,13 @@ def _global_norm(parts):
   return jnp.sqrt(per_example.sum_squares(scaled)), top
 
 
-def _ghost(apply_fn, example_loss, params, batch):
+def _ghost(apply_fn, example_loss, params, batch, divisor=None):
   inputs, targets, size = _split_batch(batch)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   plan = _plan(apply_fn, example_loss, leaves, treedef, inputs, targets)
   _warn_uncovered(params, plan)
   deltas, xs, free_grads = _forward_backward(apply_fn, example_loss, plan, leaves, treedef,
-                                             inputs, targets, size)
+                                             inputs, targets, size, divisor)
   return plan, leaves, treedef, size, _partials(plan, deltas, xs, free_grads, leaves)
 
 
@@ -850,9 +854,7 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
   clip, bound = per_example.layer_clip_norms(clip_norm, per_layer)
 
   def fn(params, batch, mask):
-    size = _split_batch(batch)[2]
-    if jnp.shape(mask) != (size,):
-      raise ValueError(f"mask must have shape ({size},), got {jnp.shape(mask)}.")
+    _check_mask(batch, mask)
     plan, leaves, treedef, size, parts = _ghost(apply_fn, example_loss, params, batch)
     out = [jnp.zeros(jnp.shape(x), jnp.result_type(x)) for x in leaves]
     groups, norms = per_example.leaf_groups(params, clip)
@@ -868,6 +870,40 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
     return jax.tree_util.tree_unflatten(treedef, out)
 
   return per_example.ClippedGradSum(fn, bound)
+
+
+def _check_mask(batch, mask):
+  size = _split_batch(batch)[2]
+  if jnp.shape(mask) != (size,):
+    raise ValueError(f"mask must have shape ({size},), got {jnp.shape(mask)}.")
+
+
+def scaled_clipped_sum(apply_fn: Callable, example_loss: Callable, clipping: str = "clip",
+                       stability: float = DEFAULT_STABILITY) -> Callable:
+  """``fn(params, batch, mask, scale)`` → ``(Σ_i mask_i·clip₁(∇loss_i / s), below)`` by ghost
+  clipping, ``below (B,)`` bool: ``‖∇loss_i / s‖ ≤ 1`` as computed (False for a non-finite
+  norm). The ghost path of adaptive clipping (:mod:`dpjax.sgd.quantile_clipping`): the loss is
+  divided by the public scale ``s = C_t`` before the backward pass, so every term is the
+  clipped gradient of a loss, clipped at the static norm 1 — :func:`ghost_clipped_grad_sum`'s
+  proof (``‖term‖ ≤ 1`` over the values as materialised) holds unchanged for any traced s.
+  Global clipping only. Arguments as :func:`ghost_clipped_grad_sum`'s."""
+  clipping, stability = per_example.check_clipping(clipping, stability)
+  _check_callables(apply_fn, example_loss)
+
+  def fn(params, batch, mask, scale):
+    _check_mask(batch, mask)
+    _, leaves, treedef, size, parts = _ghost(apply_fn, example_loss, params, batch,
+                                             divisor=scale)
+    out = [jnp.zeros(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+    if not parts:
+      return jax.tree_util.tree_unflatten(treedef, out), jnp.ones((size,), bool)
+    m, top = _global_norm(list(parts.values()))
+    factor, keep = per_example.clip_factor(m, 1.0, clipping, stability, exponents=top,
+                                           num_entries=sum(p.size for p in parts.values()))
+    out = _totals(parts, out, factor, keep, top, mask)
+    return jax.tree_util.tree_unflatten(treedef, out), _ldexp(m, top) <= 1.0
+
+  return fn
 
 
 def _totals(parts, out, factor, keep, top, mask, scale=1.0):

@@ -38,10 +38,10 @@ import numpy as np
 import optax
 
 from dpjax import _validation as v
-from dpjax.sgd import per_example
+from dpjax.sgd import ghost, per_example
 
-__all__ = ["QuantileClipState", "QuantileClippedGradSum", "quantile_clip_state",
-           "quantile_clip_update", "quantile_clipped_grad_sum"]
+__all__ = ["QuantileClipState", "QuantileClippedGradSum", "ghost_quantile_clipped_grad_sum",
+           "quantile_clip_state", "quantile_clip_update", "quantile_clipped_grad_sum"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +106,11 @@ def quantile_clipped_grad_sum(loss_fn: Callable, *, initial_clip_norm: float,
     ValueError: a bound out of range.
     TypeError: ``loss_fn`` not callable.
   """
-  c0 = v.check_positive(initial_clip_norm, "initial_clip_norm")
-  gamma = v.check_probability(target_quantile, "target_quantile", open_high=True)
-  eta = v.check_positive(clip_learning_rate, "clip_learning_rate")
-  r = v.check_positive(count_weight, "count_weight")
+  settings = _settings(initial_clip_norm, target_quantile, clip_learning_rate, count_weight)
   clipping, stability = per_example.check_clipping(clipping, stability)
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-  # ±v exactly representable: v rounded toward zero to float32, Δ from that v, rounded up.
-  value = np.float32(r / 2)
-  if float(value) > r / 2:
-    value = np.nextafter(value, np.float32(0))
-  bound = math.sqrt(1.0 + float(value) ** 2) * (1 + 1e-12)
+  value = settings[1]
   grad = jax.grad(loss_fn)
 
   def one(params, example, clip_norm):
@@ -137,7 +130,70 @@ def quantile_clipped_grad_sum(loss_fn: Callable, *, initial_clip_norm: float,
         lambda g: jnp.tensordot(m.astype(g.dtype), g, axes=1, precision="highest"), grads)
     return {"grads": total, "count": jnp.sum(jnp.where(m, counts, 0.0))}
 
-  return QuantileClippedGradSum(fn, bound, float(value), c0, gamma, eta)
+  return QuantileClippedGradSum(fn, *settings)
+
+
+def _settings(initial_clip_norm, target_quantile, clip_learning_rate, count_weight):
+  """``(Δ, v, C_0, γ, η)`` validated: ±v exactly representable (r/2 rounded toward zero to
+  float32), Δ = √(1 + v²) from that v, rounded up."""
+  c0 = v.check_positive(initial_clip_norm, "initial_clip_norm")
+  gamma = v.check_probability(target_quantile, "target_quantile", open_high=True)
+  eta = v.check_positive(clip_learning_rate, "clip_learning_rate")
+  r = v.check_positive(count_weight, "count_weight")
+  value = np.float32(r / 2)
+  if float(value) > r / 2:
+    value = np.nextafter(value, np.float32(0))
+  bound = math.sqrt(1.0 + float(value) ** 2) * (1 + 1e-12)
+  return bound, float(value), c0, gamma, eta
+
+
+def ghost_quantile_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
+                                    initial_clip_norm: float, target_quantile: float = 0.5,
+                                    clip_learning_rate: float = 0.2, count_weight: float = 0.05,
+                                    clipping: str = "clip",
+                                    stability: float = per_example.DEFAULT_STABILITY
+                                    ) -> QuantileClippedGradSum:
+  """Adaptive (quantile) clipping by ghost clipping: :func:`quantile_clipped_grad_sum` for a
+  model given as :func:`dpjax.sgd.ghost_clipped_grad_sum` takes it.
+
+  Usage::
+
+      grad_fn = dpjax.sgd.ghost_quantile_clipped_grad_sum(
+          apply_fn, example_loss, initial_clip_norm=1.0, target_quantile=0.5)
+      plan = dpjax.sgd.dp_sgd_plan(grad_fn, num_examples=N, expected_batch_size=L, steps=T,
+                                   epsilon=2.0, delta=1e-5, key=key)
+
+  ``fn(params, (inputs, targets), mask, C_t)`` returns ``{"grads": Σ_i mask_i clip₁(g_i/C_t),
+  "count": Σ_i mask_i v(2·1[‖g_i/C_t‖ ≤ 1] − 1)}``. The gradients of the loss divided by the
+  public C_t are clipped at 1 by ghost norms (one forward and one backward pass), so every term
+  obeys ghost clipping's proven bound ``‖term‖ ≤ 1`` whatever C_t (the bound is over the values
+  as materialised, of whichever loss); the count's bit reads the same ghost norm.
+
+  Privacy: (plan.epsilon, plan.delta)-DP under add/remove-one, as
+  :func:`quantile_clipped_grad_sum` (Δ = √(1 + v²); docs/algorithms.md §6.1).
+
+  Args:
+    apply_fn, example_loss: the model and loss, as :func:`dpjax.sgd.ghost_clipped_grad_sum`.
+    initial_clip_norm, target_quantile, clip_learning_rate, count_weight, clipping, stability:
+      as :func:`quantile_clipped_grad_sum`.
+
+  Returns:
+    A :class:`QuantileClippedGradSum` (global clipping; no per-layer norms, no GEP).
+
+  Raises:
+    ValueError: a bound out of range.
+    TypeError: ``apply_fn`` or ``example_loss`` not callable.
+  """
+  settings = _settings(initial_clip_norm, target_quantile, clip_learning_rate, count_weight)
+  terms = ghost.scaled_clipped_sum(apply_fn, example_loss, clipping, stability)
+  value = settings[1]
+
+  def fn(params, batch, mask, clip_norm):
+    grads, below = terms(params, batch, mask, jnp.asarray(clip_norm, jnp.float32))
+    counts = jnp.where(below, value, -value)
+    return {"grads": grads, "count": jnp.sum(jnp.where(jnp.asarray(mask), counts, 0.0))}
+
+  return QuantileClippedGradSum(fn, *settings)
 
 
 def quantile_clip_state(opt_state) -> QuantileClipState:

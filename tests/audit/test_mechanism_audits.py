@@ -675,57 +675,77 @@ def test_bandmf_audit_catches_a_wrong_participation_schedule(audit_trials):
   _control("BandMF noise with a cycle below its bands", _bandmf_claim(), lb, n)
 
 
-def _quantile_grad_fn():
+def _ghost_linear(params, x, *, dense):
+  return dense(params["lin"], x)[0]
+
+
+def _ghost_member_loss(output, member):
+  return member * output                           # gradient = member · x, as _linear_loss
+
+
+def _quantile_grad_fn(path="vmap"):
+  if path == "ghost":
+    return sgd.ghost_quantile_clipped_grad_sum(_ghost_linear, _ghost_member_loss,
+                                               initial_clip_norm=1.0, count_weight=6.0)
   return sgd.quantile_clipped_grad_sum(_linear_loss, initial_clip_norm=1.0, count_weight=6.0)
 
 
 @functools.cache
-def _quantile_program() -> _Program:
+def _quantile_program(path="vmap") -> _Program:
   """One step of adaptive clipping (issue 52 §2; C_t = 1, v = 3 so Δ = √10): the canary 5·e_0
   (clipped gradient e_0, count −v: clipped) and five rows of 0.1 (counted +v); q = 1. The
   release is the plan's full noise on the pair (the count a coordinate of the sum; σΔ comes in
   the state); the feature projects it on the canary's direction (e_0, −v)."""
-  grad_fn = _quantile_grad_fn()
+  grad_fn = _quantile_grad_fn(path)
   noise = sgd.dp_noise(grad_fn, noise_multiplier=1.0, expected_batch_size=6,
                        key=jax.random.key(0))
-  params = np.zeros(8, np.float32)
+  params = (np.zeros(8, np.float32) if path == "vmap"
+            else {"lin": {"w": np.zeros((8, 1), np.float32)}})
   rows = _linear_rows()
 
   def run(key, data):
     member, state = data
     summed = grad_fn(params, (rows, member), np.ones(6, bool), 1.0)
     update, _ = noise.update(summed, dataclasses.replace(state, key=key), params)
-    return update["grads"][0] - grad_fn.count_value * update["count"]
+    first = jax.tree_util.tree_leaves(update["grads"])[0].reshape(-1)[0]
+    return first - grad_fn.count_value * update["count"]
   return _Program(jax.jit(run), params)
 
 
-def _quantile_state(declared=None):
+def _quantile_state(path="vmap", declared=None):
   """The plan's claim (σ = 1) and its noise state; ``declared``: the state of a noise built
   from a grad fn that declares this bound instead (a control)."""
-  grad_fn = _quantile_grad_fn()
+  grad_fn = _quantile_grad_fn(path)
   plan = _sgd_plan(grad_fn)
   bound = grad_fn if declared is None else per_example.ClippedGradSum(grad_fn.fun, declared)
   noise = sgd.dp_noise(bound, noise_multiplier=1.0, expected_batch_size=6,
                        key=jax.random.key(0))
-  return plan.epsilon, noise.init(np.zeros(8, np.float32))
+  return plan.epsilon, noise.init(_quantile_program(path).params)
 
 
-def test_dp_sgd_step_with_adaptive_clipping(audit_trials):
+_QUANTILE_NAMES = {"vmap": "DP-SGD step, adaptive clipping (Δ = √10)",
+                   "ghost": "DP-SGD step, adaptive clipping by ghost clipping (Δ = √10)"}
+
+
+@pytest.mark.parametrize("path", ["vmap", "ghost"])
+def test_dp_sgd_step_with_adaptive_clipping(audit_trials, path):
   """The gradient sum and the clipped count, released together with noise σΔ (Δ = √10), keep
-  the plan's ε: the count is one more coordinate of the sum, not a separate release."""
+  the plan's ε: the count is one more coordinate of the sum, not a separate release. By
+  ``vmap(grad)`` and by ghost clipping (the loss divided by C_t, clipped at 1)."""
   n = audit_trials(5_000, 100_000)
-  claimed, state = _quantile_state()
-  lb = _audit_step(jax.random.key(65), _quantile_program(), state, n, _batch(audit_trials))
-  _check("DP-SGD step, adaptive clipping (Δ = √10)", claimed, lb, n)
+  claimed, state = _quantile_state(path)
+  lb = _audit_step(jax.random.key(65), _quantile_program(path), state, n, _batch(audit_trials))
+  _check(_QUANTILE_NAMES[path], claimed, lb, n)
 
 
-def test_adaptive_clipping_audit_catches_an_unaccounted_count(audit_trials):
+@pytest.mark.parametrize("path", ["vmap", "ghost"])
+def test_adaptive_clipping_audit_catches_an_unaccounted_count(audit_trials, path):
   """Negative control (not in EXPECTED): the same release with noise for the gradient alone
   (Δ = 1): the count's sensitivity v = 3 left out of the noise."""
   n = audit_trials(10_000, 20_000)
-  claimed, state = _quantile_state(declared=1.0)
-  lb = _audit_step(jax.random.key(66), _quantile_program(), state, n, _batch(audit_trials))
-  _control("adaptive clipping: count left out of Δ", claimed, lb, n)
+  claimed, state = _quantile_state(path, declared=1.0)
+  lb = _audit_step(jax.random.key(66), _quantile_program(path), state, n, _batch(audit_trials))
+  _control(f"adaptive clipping ({path}): count left out of Δ", claimed, lb, n)
 
 
 def _stretching_basis(stretch):
@@ -1617,6 +1637,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "DP-SGD step, per-layer clipping (Δ = 3)", "DP-SGD step, truncated Poisson sampling",
             "DP-SGD, 2-band correlated noise, cyclic Poisson",
             "DP-SGD step, adaptive clipping (Δ = √10)",
+            "DP-SGD step, adaptive clipping by ghost clipping (Δ = √10)",
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",
             "ghost DP-SGD step, Gram route, adversarial canary",

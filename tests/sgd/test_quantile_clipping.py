@@ -120,3 +120,84 @@ def test_adaptive_clipping_refuses_bases_and_a_state_without_its_clip_norm():
 def test_bad_settings(kwargs, match):
   with pytest.raises(ValueError, match=match):
     dpjax.sgd.quantile_clipped_grad_sum(_linear_loss, **kwargs)
+
+
+def _mlp(params, x, *, dense):
+  return dense(params["out"], jnp.tanh(dense(params["hidden"], x)))
+
+
+def _ce(outputs, label):
+  return optax.softmax_cross_entropy_with_integer_labels(outputs, label)
+
+
+def _mlp_params(dtype=jnp.float32):
+  keys = jax.random.split(jax.random.key(3), 2)
+  return {"hidden": {"w": (jax.random.normal(keys[0], (6, 5)) * 0.5).astype(dtype),
+                     "b": jnp.zeros(5, dtype)},
+          "out": {"w": (jax.random.normal(keys[1], (5, 3)) * 0.5).astype(dtype),
+                  "b": jnp.zeros(3, dtype)}}
+
+
+@pytest.mark.parametrize("clip_norm", [1e-3, "median", 1e3])
+def test_ghost_adaptive_clipping_equals_the_vmap_path(clip_norm):
+  """The ghost sum and count equal the vmap(grad) path's on an MLP (to float rounding), at
+  clip norms below, inside and above the per-example norms."""
+  kwargs = {"initial_clip_norm": 1.0, "count_weight": 0.4}
+  ghost_fn = dpjax.sgd.ghost_quantile_clipped_grad_sum(_mlp, _ce, **kwargs)
+  vmap_fn = dpjax.sgd.quantile_clipped_grad_sum(
+      dpjax.sgd.ghost.model_loss(_mlp, _ce), **kwargs)
+  assert (ghost_fn.l2_norm_bound, ghost_fn.count_value) == (vmap_fn.l2_norm_bound,
+                                                            vmap_fn.count_value)
+  rng = np.random.default_rng(1)
+  batch = (jnp.asarray(rng.normal(size=(9, 6)) * rng.choice([0.01, 1.0, 30.0], (9, 1)),
+                       jnp.float32), jnp.asarray(rng.integers(0, 3, 9)))
+  mask = jnp.asarray(rng.random(9) < 0.7)
+  params = _mlp_params()
+  middle = clip_norm == "median"
+  if middle:
+    norms = np.asarray(dpjax.sgd.ghost.ghost_norms(_mlp, _ce)(params, batch))[np.asarray(mask)]
+    low, high = np.sort(norms)[len(norms) // 2 - 1:len(norms) // 2 + 1]
+    clip_norm = float(np.sqrt(low * high))          # between two norms, at neither
+  got = jax.jit(ghost_fn.fun)(params, batch, mask, clip_norm)
+  want = jax.jit(vmap_fn.fun)(params, batch, mask, clip_norm)
+  for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6)
+  if middle:                            # some examples clipped, some not
+    assert abs(float(got["count"])) < float(jnp.sum(mask)) * ghost_fn.count_value
+
+
+@pytest.mark.parametrize("clip_norm", [1e-3, 1.0, 1e3])
+def test_ghost_adaptive_clipping_moves_the_pair_by_at_most_delta(clip_norm):
+  """One example at a time (one-hot masks), rows at 1e-4 … 1e4 times the clip norm, huge
+  values, zeros and NaN: the ghost path's (clip₁(g/C), ±v) has exact ℓ2 norm ≤ Δ."""
+  grad_fn = dpjax.sgd.ghost_quantile_clipped_grad_sum(_mlp, _ce, initial_clip_norm=1.0,
+                                                      count_weight=0.7)
+  rng = np.random.default_rng(0)
+  scales = np.asarray([1e-4, 1e-2, 0.3, 1, 3, 1e2, 1e4], np.float64)
+  X = rng.normal(size=(len(scales), 6)) * scales[:, None] * clip_norm
+  X = np.concatenate([X, np.full((1, 6), 1e30), np.zeros((1, 6)), np.full((1, 6), np.nan)])
+  batch = (jnp.asarray(X, jnp.float32), jnp.asarray(rng.integers(0, 3, len(X))))
+  rows = _contributions(grad_fn, _mlp_params(), batch, clip_norm)
+  norms = np.linalg.norm(rows, axis=1)
+  assert np.all(np.isfinite(norms)) and norms.max() <= grad_fn.l2_norm_bound
+  np.testing.assert_array_equal(np.abs(rows[:, -1]), grad_fn.count_value)
+  assert rows[-1, -1] == -grad_fn.count_value                     # NaN: counted as clipped
+
+
+def test_the_plan_runs_ghost_adaptive_clipping_and_tracks_the_quantile():
+  """On the plan (Poisson sampling, noise σΔ), the ghost path's C_t moves from 100× too large
+  towards the median per-example norm."""
+  rng = np.random.default_rng(2)
+  X = jnp.asarray(rng.normal(size=(512, 6)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 3, 512))
+  grad_fn = dpjax.sgd.ghost_quantile_clipped_grad_sum(_mlp, _ce, initial_clip_norm=100.0,
+                                                      count_weight=0.5)
+  plan = dpjax.sgd.dp_sgd_plan(grad_fn, num_examples=512, expected_batch_size=128, steps=60,
+                               epsilon=8.0, delta=1e-5, key=jax.random.key(4))
+  params = _mlp_params()
+  optimizer = optax.sgd(0.0)                                    # C_t alone moves
+  params, state = plan.run(params, plan.init(params, optimizer), (X, y), optimizer)
+  clip = float(dpjax.sgd.quantile_clip_state(state).clip_norm)
+  norms = dpjax.sgd.ghost.ghost_norms(_mlp, _ce)(params, (X, y))
+  median = float(np.median(np.asarray(norms)))
+  assert clip < 100.0 * 0.2 and abs(np.log(clip / median)) < np.log(3), (clip, median)
