@@ -2,7 +2,7 @@
 without a learned subspace: scattering features + linear on full MNIST.
 
     python benchmarks/correlated_noise.py [--quick] [--epsilons 1 2 8] [--bands 1 4 16]
-        [--seeds 2] [--subspace none dp_pca] [--filter none low_pass] [--json PATH]
+        [--seeds 2] [--subspace none dp_pca] [--filter none low_pass kalman] [--json PATH]
 
 The main job's scatnet model (softmax regression on the scattering features of the first
 ``--rows`` = 54,000 canonical training digits, ``dpjax.features.scattering_features``) trained
@@ -22,9 +22,11 @@ and ``--subspace``:
   rows, continuous noise, 5% of ε and 10% of δ, its Gaussian event composed into the plan by
   PLD): the correlated noise then lives in the 2,048·10 released coefficients.
 
-and ``--filter``: ``none``, or ``low_pass`` — DOPPLER's first-order low-pass filter of the
-released updates before Adam (``dpjax.sgd.low_pass()``, post-processing; docs/algorithms.md
-§6.8).
+and ``--filter``: ``none``; ``low_pass`` — DOPPLER's first-order low-pass filter of the
+released updates before Adam (``dpjax.sgd.low_pass()``); or ``kalman`` — DiSK's simplified
+Kalman filter around Adam (``dpjax.sgd.kalman_filter(adam, kappa=0.7)``, the gradient at the
+extrapolated point, the model ``kalman_filter_iterate``); both post-processing,
+docs/algorithms.md §6.8.
 
 Each row: test accuracy on the canonical 10,000 test digits, mean and range over ``--seeds``
 (the same seeds for every cell: paired), σ, and seconds a run. The learning rate is the main
@@ -88,8 +90,12 @@ def one_run(key, train, test, *, epsilon, bands, subspace, rank, batch, steps,
   opt = optax.adam(LEARNING_RATE)
   if filter_ == "low_pass":
     opt = optax.chain(sgd.low_pass(), opt)
+  elif filter_ == "kalman":
+    opt = sgd.kalman_filter(opt, kappa=0.7)
   start = time.perf_counter()
-  trained, _ = plan.run(params, plan.init(params, opt), plan.prepare(train), opt)
+  trained, state = plan.run(params, plan.init(params, opt), plan.prepare(train), opt)
+  if filter_ == "kalman":
+    trained = sgd.kalman_filter_iterate(trained, state)
   trained = jax.block_until_ready(trained)
   seconds = time.perf_counter() - start
   Xte, yte = test
@@ -105,7 +111,7 @@ def main(argv=None) -> int:
   parser.add_argument("--epsilons", type=float, nargs="+", default=None)
   parser.add_argument("--bands", type=int, nargs="+", default=None)
   parser.add_argument("--subspace", nargs="+", default=None, choices=("none", "dp_pca"))
-  parser.add_argument("--filter", nargs="+", default=None, choices=("none", "low_pass"))
+  parser.add_argument("--filter", nargs="+", default=None, choices=("none", "low_pass", "kalman"))
   parser.add_argument("--seeds", type=int, default=None)
   parser.add_argument("--rows", type=int, default=None)
   parser.add_argument("--rank", type=int, default=2048)

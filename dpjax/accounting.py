@@ -41,7 +41,7 @@ __all__ = ["DPSGDBudget", "EpsilonDeltaDpEvent", "HyperparameterTuning", "Privac
            "analytic_gaussian_sigma", "calibrate_gaussian_composition",
            "calibrate_noise_multiplier", "classic_gaussian_sigma", "compose_basic",
            "compose_events", "dpsgd_budget", "dpsgd_epsilon", "dpsgd_event", "dpsgd_plan_event",
-           "event_epsilon",
+           "event_epsilon", "event_neighboring",
            "gaussian_composition_epsilon", "plan_dpsgd_budget", "rdp_gaussian_sigma",
            "release_event", "split_event", "tuning_event", "tuning_repetitions"]
 
@@ -93,19 +93,40 @@ def quiet_rdp_logs():
     logger.removeFilter(drop)
 
 
-def make_accountant(name: str) -> dp_accounting.PrivacyAccountant:
-  """A fresh ``dp_accounting`` accountant: ``"rdp"`` (RDP) or ``"pld"`` (PLD), add/remove-one.
+def make_accountant(name: str, neighboring: NeighboringRelation = NeighboringRelation.
+                    ADD_OR_REMOVE_ONE) -> dp_accounting.PrivacyAccountant:
+  """A fresh ``dp_accounting`` accountant: ``"rdp"`` (RDP) or ``"pld"`` (PLD), under
+  ``neighboring`` (default add/remove-one).
 
   Raises:
     ValueError: another name.
   """
   v.check_choice(name, "accountant", ACCOUNTANTS)
   if name == "rdp":
-    return dp_accounting.rdp.RdpAccountant()
-  return dp_accounting.pld.PLDAccountant()
+    return dp_accounting.rdp.RdpAccountant(neighboring_relation=neighboring)
+  return dp_accounting.pld.PLDAccountant(neighboring_relation=neighboring)
 
 
-_accountant = make_accountant
+def event_neighboring(event: dp_accounting.DpEvent) -> NeighboringRelation:
+  """The relation an event is composed under: ``REPLACE_ONE`` when it holds a fixed-size sample
+  (``SampledWithoutReplacementDpEvent``, which ``dp_accounting`` composes under replace-one
+  only: :class:`dpjax.sgd.sampling.FixedSizeSampling`), ``ADD_OR_REMOVE_ONE`` otherwise. The
+  event is the one source of the relation: every ε of it is computed under this relation."""
+  stack = [event]
+  while stack:
+    e = stack.pop()
+    if isinstance(e, dp_accounting.SampledWithoutReplacementDpEvent):
+      return NeighboringRelation.REPLACE_ONE
+    if isinstance(e, dp_accounting.ComposedDpEvent):
+      stack.extend(e.events)
+    elif hasattr(e, "event") and isinstance(e.event, dp_accounting.DpEvent):
+      stack.append(e.event)
+  return NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def _accountant(name: str, event: dp_accounting.DpEvent) -> dp_accounting.PrivacyAccountant:
+  """A fresh accountant for ``event``, under the event's relation (:func:`event_neighboring`)."""
+  return make_accountant(name, event_neighboring(event))
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +240,8 @@ def event_epsilon(event: dp_accounting.DpEvent, delta: float, *,
   ``ε = Σ ε_i + ε_accountant(δ − Σ δ_i)`` (basic composition of the (ε, δ) leaves with the
   accountant's composition of the rest); ``Σ ε_i`` alone when there is no other leaf; ∞ when
   ``Σ δ_i ≥ δ`` or a leaf is not private. The neighboring relation is the one the events are
-  stated under (add/remove-one for the accountants' sampled events).
+  stated under (:func:`event_neighboring`: add/remove-one for the accountants' Poisson-sampled
+  events, replace-one for a fixed-size sample).
 
   Raises:
     ValueError: δ ∉ (0, 1), an unknown accountant, or an event the accountant cannot compose.
@@ -231,8 +253,8 @@ def event_epsilon(event: dp_accounting.DpEvent, delta: float, *,
   left = delta - parts.delta
   if left <= 0 or math.isinf(parts.epsilon):
     return math.inf
-  acc = make_accountant(accountant)
   composed = dp_accounting.ComposedDpEvent(list(parts.accountable))
+  acc = _accountant(accountant, composed)
   if not acc.supports(composed):
     raise ValueError(f"the {accountant!r} accountant cannot compose {composed!r}; use the "
                      "other accountant, or state the release by its (ε, δ).")
@@ -503,7 +525,7 @@ def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, del
   event = dpsgd_event(noise_multiplier, sampling_prob, steps, batch_selection=batch_selection)
   if tuning is not None:
     event = tuning_event(event, tuning)
-  return float(_accountant(accountant).compose(event).get_epsilon(delta))
+  return float(_accountant(accountant, event).compose(event).get_epsilon(delta))
 
 
 # --------------------------------------------------------------------------------------------
@@ -711,7 +733,8 @@ def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, ste
     return event if tuning is None else tuning_event(event, tuning)
 
   def eps_at(sigma: float) -> float:
-    return float(_accountant(accountant).compose(event_at(sigma)).get_epsilon(target_delta))
+    event = event_at(sigma)
+    return float(_accountant(accountant, event).compose(event).get_epsilon(target_delta))
 
   if accountant == "pld":
     # RDP's ε is the looser bound, so PLD's σ lies below RDP's (2–15% below, where measured).
@@ -741,8 +764,9 @@ def _calibrate_noise_multiplier(target_epsilon, target_delta, sampling_prob, ste
     return upper
   # dp_accounting widens [low, upper] upward while ε(upper) is still above the target (PLD's
   # discretisation can put it there), then runs Brent's method.
+  relation = event_neighboring(event_at(1.0))
   return float(dp_accounting.calibrate_dp_mechanism(
-      lambda: _accountant(accountant),
+      lambda: make_accountant(accountant, relation),
       event_at, target_epsilon, target_delta,
       bracket_interval=dp_accounting.LowerEndpointAndGuess(low, max(upper, 1.25 * low)),
       tol=1e-5 * low))
@@ -822,7 +846,8 @@ class DPSGDBudget(NamedTuple):
     sgd_epsilon, sgd_delta: ε at δ_sgd = δ − δ_s of the accountant's part: the T steps composed
       with the subspace release's other leaves (e.g. a Gaussian Analyze Gauss release).
     epsilon, delta: the composed totals ``(ε_s + ε_sgd, δ_s + δ_sgd)``.
-    neighboring: the relation of every figure above (``NeighboringRelation.ADD_OR_REMOVE_ONE``).
+    neighboring: the relation of every figure above: ``ADD_OR_REMOVE_ONE``, or ``REPLACE_ONE``
+      for fixed-size sampling (:func:`event_neighboring` of ``dp_event``).
     tuning: the :class:`HyperparameterTuning` σ was calibrated for (None: one run).
     subspace_event: the subspace release's ``dp_accounting`` event (``NoOpDpEvent`` if none).
     dp_event: the whole plan's event: the subspace release composed with the T steps (the
@@ -1018,11 +1043,11 @@ def _budget(sigma, q, steps, delta, sub_event, accountant, tuning,
     # The accountant's part of the one event: its leaves other than the (ε, δ) ones.
     sgd_epsilon = event_epsilon(compose_events(*split_event(event).accountable), sgd_delta,
                                 accountant=accountant)
-  add_remove = NeighboringRelation.ADD_OR_REMOVE_ONE
-  total = compose_basic(PrivacySpend(parts.epsilon, parts.delta, add_remove),
-                        PrivacySpend(sgd_epsilon, sgd_delta, add_remove))
+  relation = event_neighboring(event)
+  total = compose_basic(PrivacySpend(parts.epsilon, parts.delta, relation),
+                        PrivacySpend(sgd_epsilon, sgd_delta, relation))
   return DPSGDBudget(sigma, q, steps, parts.epsilon, parts.delta, sgd_epsilon, sgd_delta,
-                     total.epsilon, total.delta, add_remove, tuning, sub_event, event)
+                     total.epsilon, total.delta, relation, tuning, sub_event, event)
 
 
 def _check_tuned_release(tuning, parts: EventParts) -> None:
@@ -1047,7 +1072,8 @@ def _calibrate_composed(target_epsilon, target_delta, sampling_prob, steps, acco
       steps_event = tuning_event(steps_event, tuning)
     return compose_events(*other, steps_event)
 
-  if not make_accountant(accountant).supports(event_at(1.0)):
+  relation = event_neighboring(event_at(1.0))
+  if not make_accountant(accountant, relation).supports(event_at(1.0)):
     raise ValueError(f"the {accountant!r} accountant cannot compose the subspace event "
                      f"{other!r} with the DP-SGD steps; use the other accountant, or state the "
                      "release by its (ε, δ).")
@@ -1061,7 +1087,7 @@ def _calibrate_composed(target_epsilon, target_delta, sampling_prob, steps, acco
                      f"target_epsilon={target_epsilon} with the subspace release composed in; "
                      "it alone may spend the budget.")
   return float(dp_accounting.calibrate_dp_mechanism(
-      lambda: make_accountant(accountant), event_at, target_epsilon, target_delta,
+      lambda: make_accountant(accountant, relation), event_at, target_epsilon, target_delta,
       bracket_interval=dp_accounting.LowerEndpointAndGuess(low, 1.25 * low),
       tol=1e-5 * low))
 

@@ -549,22 +549,26 @@ def test_one_run_audit_options(tmp_path):
   assert all(r["canaries"] == 400 and 0.8 < r["test_accuracy"] <= 1.0 for r in rows.values())
 
 
-@pytest.mark.slow(reason="the correlated-noise benchmark: eight small DP-SGD runs on scattering "
+@pytest.mark.slow(reason="the correlated-noise benchmark: twelve small DP-SGD runs on scattering "
                          "features (independent and BandMF noise, with and without a DP-PCA "
-                         "basis, with and without the low-pass filter)")
+                         "basis, without a filter, with the low-pass and the Kalman filter)")
 def test_correlated_noise_options(tmp_path):
   """Every option at a small size: each (subspace, bands) cell runs at its plan's ε, learns,
   and the JSON has the rows as printed."""
   path = tmp_path / "out.json"
   rc = _load("correlated_noise").main(["--quick", "--rows", "3000", "--epsilons", "2",
                                        "--bands", "1", "4", "--subspace", "none", "dp_pca",
-                                       "--filter", "none", "low_pass", "--seeds", "1", "--rank",
+                                       "--filter", "none", "low_pass", "kalman", "--seeds", "1",
+                                       "--rank",
                                        "64", "--json", str(path)])
   assert rc == 0
   rows = [r for r in json.loads(path.read_text())["rows"] if r["filter"] == "none"]
   assert {(r["subspace"], r["bands"]) for r in rows} == {("none", 1), ("none", 4),
                                                          ("dp_pca", 1), ("dp_pca", 4)}
-  assert len(json.loads(path.read_text())["rows"]) == 8
+  everything = json.loads(path.read_text())["rows"]
+  assert len(everything) == 12 and {r["filter"] for r in everything} == {"none", "low_pass",
+                                                                          "kalman"}
+  assert all(0.5 < r["test_accuracy"] <= 1.0 for r in everything)
   for r in rows:
     assert r["plan_epsilon"] == pytest.approx(2.0, rel=0.02)
     assert 0.5 < r["test_accuracy"] <= 1.0 and len(r["accuracies"]) == 1

@@ -13,7 +13,7 @@ from dpjax.sgd.config import DPSGDConfig
 from dpjax.sgd.correlation import BandedToeplitz, banded_toeplitz, optimal_banded_toeplitz
 from dpjax.sgd.denoise import low_rank_denoise
 from dpjax.sgd.distributed import data_mesh
-from dpjax.sgd.filters import low_pass
+from dpjax.sgd.filters import kalman_filter, kalman_filter_iterate, low_pass
 from dpjax.sgd.flax_layers import linen_apply, nnx_apply, nnx_model
 from dpjax.sgd.gep import embedding_residual_grad_sum
 from dpjax.sgd.ghost import dense, ghost_clipped_grad_sum
@@ -30,7 +30,7 @@ __all__ = ["BandedToeplitz", "DPSGDConfig", "DPSGDPlan", "TwoSidedBasis", "avera
            "banded_toeplitz", "bases_like", "clipped_grad_sum",
            "data_mesh", "dense", "dp_aggregate", "dp_noise", "dp_sgd_plan",
            "embedding_residual_grad_sum", "ghost_clipped_grad_sum", "ghost_quantile_clipped_grad_sum",
-           "iterate_average", "linen_apply", "low_pass", "low_rank_denoise",
+           "iterate_average", "kalman_filter", "kalman_filter_iterate", "linen_apply", "low_pass", "low_rank_denoise",
            "nnx_apply", "nnx_model", "optimal_banded_toeplitz",
            "private_gradient_subspace", "private_input_basis", "public_gradient_subspace",
            "public_input_basis", "quantile_clip_state", "quantile_clipped_grad_sum",

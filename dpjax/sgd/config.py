@@ -31,7 +31,8 @@ __all__ = ["DPSGDConfig"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPSGDConfig:
-  """The privacy-relevant settings of one DP-SGD run (add/remove-one of one example).
+  """The privacy-relevant settings of one DP-SGD run (add/remove-one of one example;
+  replace-one with ``fixed_size``).
 
   Usage::
 
@@ -68,6 +69,12 @@ class DPSGDConfig:
       Needs ``L·b ≤ N``; not with ``max_batch_size`` or a mesh.
     cycle_length: optional b ≥ 1: cyclic Poisson sampling with or without a noise strategy
       (without one, independent noise; each example then takes part in at most ⌈T/b⌉ steps).
+    fixed_size: True: fixed-size sampling, each step a uniformly random batch of exactly
+      ``expected_batch_size`` (an integer B) distinct examples
+      (:class:`dpjax.sgd.sampling.FixedSizeSampling`). Its event is stated under REPLACE-ONE
+      (``dp_accounting`` composes sampling without replacement under that relation only, and
+      by RDP only): every figure of the plan is then replace-one (:attr:`neighboring`), and it
+      needs ``accountant="rdp"``; no subspace release, tuning, truncation, cycle or mesh.
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
       Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP). A subspace event is
       then composed once, outside the repetition: a Gaussian release made before the tuning and
@@ -95,6 +102,7 @@ class DPSGDConfig:
   max_batch_size: int | None = None
   noise_strategy: Any = None
   cycle_length: int | None = None
+  fixed_size: bool = False
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
@@ -140,17 +148,43 @@ class DPSGDConfig:
                          "max_batch_size: truncated cyclic sampling is not supported.")
       sampling.cyclic_poisson_sampling(self.num_examples, self.expected_batch_size,
                                        self.cycle_length)          # raises for L·b > N
+    if not isinstance(self.fixed_size, bool):
+      raise TypeError(f"fixed_size must be a bool, got {type(self.fixed_size).__name__}.")
+    if self.fixed_size:
+      self._check_fixed_size()
+
+  def _check_fixed_size(self):
+    if not float(self.expected_batch_size).is_integer():
+      raise ValueError("fixed-size sampling draws exactly expected_batch_size examples a step: "
+                       f"give an integer, got {self.expected_batch_size}.")
+    if self.accountant != "rdp":
+      raise ValueError("fixed-size sampling is accounted by RDP only (dp_accounting composes "
+                       "SampledWithoutReplacementDpEvent with its RDP accountant, under "
+                       "replace-one): use accountant='rdp'.")
+    others = {"a subspace release": not isinstance(self.subspace_event,
+                                                   dp_accounting.NoOpDpEvent),
+              "tuning": self.tuning is not None, "max_batch_size": self.max_batch_size
+              is not None, "a noise strategy or cycle_length": self.cycle_length is not None}
+    given = [name for name, on in others.items() if on]
+    if given:
+      raise ValueError(f"fixed-size sampling (replace-one) with {', '.join(given)}: not "
+                       "supported (a subspace release's event is stated under add/remove-one; "
+                       "the others are Poisson schemes).")
 
   @property
   def neighboring(self) -> NeighboringRelation:
-    """The relation every figure is stated under: add/remove-one."""
-    return NeighboringRelation.ADD_OR_REMOVE_ONE
+    """The relation every figure is stated under: add/remove-one; replace-one for
+    ``fixed_size`` (the batch selection's)."""
+    return getattr(self.batch_selection, "neighboring", NeighboringRelation.ADD_OR_REMOVE_ONE)
 
   @property
   def batch_selection(self):
     """The batch selection whose ``dp_event`` each step's event is: Poisson sampling at
     q = L/N (its micro-batch size is a performance flag set by :meth:`make`), truncated to
-    ``max_batch_size``, or cyclic Poisson sampling of cycle ``cycle_length`` (q_g = L·b/N)."""
+    ``max_batch_size``, cyclic Poisson sampling of cycle ``cycle_length`` (q_g = L·b/N), or
+    fixed-size sampling of B = L (``fixed_size``)."""
+    if self.fixed_size:
+      return sampling.fixed_size_sampling(self.num_examples, int(self.expected_batch_size))
     if self.cycle_length is not None:
       return sampling.cyclic_poisson_sampling(self.num_examples, self.expected_batch_size,
                                               self.cycle_length)

@@ -136,8 +136,9 @@ class DPSGDPlan:
 
   @property
   def neighboring(self) -> NeighboringRelation:
-    """The relation the guarantee is stated under: add/remove-one."""
-    return NeighboringRelation.ADD_OR_REMOVE_ONE
+    """The relation the guarantee is stated under: add/remove-one (replace-one for fixed-size
+    sampling; the config's)."""
+    return self.config.neighboring
 
   neighbouring = renamed_attribute("neighboring", "neighbouring")
 
@@ -394,6 +395,12 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
       raise ValueError("truncated Poisson sampling sums one static batch of max_batch_size "
                        "rows on one device: give no mesh and no microbatch_size.")
     selection = config.batch_selection
+  elif config.fixed_size:
+    if mesh is not None:
+      raise ValueError("fixed-size sampling runs on one device: give no mesh.")
+    selection = sampling.fixed_size_sampling(config.num_examples,
+                                             int(config.expected_batch_size),
+                                             microbatch_size=microbatch_size)
   elif config.cycle_length is not None:
     if mesh is not None:
       raise ValueError("cyclic Poisson sampling (a noise strategy or cycle_length) runs on one "
@@ -456,7 +463,7 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
                 subspace_event=None, accountant: str = "pld",
                 tuning: accounting.HyperparameterTuning | None = None,
                 max_batch_size: int | None = None, noise_strategy=None,
-                cycle_length: int | None = None,
+                cycle_length: int | None = None, fixed_size: bool = False,
                 microbatch_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
                 data_axis: str = distributed.DATA_AXIS, ledger=None,
                 tol: float = 1e-3) -> DPSGDPlan:
@@ -470,7 +477,8 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
   subspace_delta)`` — are ``(epsilon, delta)``-DP) or ``noise_multiplier`` (σ given; the budget
   is what the accountant certifies at ``delta``).
 
-  Privacy: ``(plan.epsilon, plan.delta)``-DP under add/remove-one of one example for everything
+  Privacy: ``(plan.epsilon, plan.delta)``-DP under add/remove-one of one example
+  (``plan.budget.neighboring``: replace-one with ``fixed_size``) for everything
   computed from the T released updates — provided each step's ``clipped_sum`` and transform
   update share the state the previous update returned (as :meth:`DPSGDPlan.step` and
   :meth:`~DPSGDPlan.run` do; the plan draws the keys), at most T times (enforced: ``step`` and
@@ -495,10 +503,11 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
     grad_fn: sensitivity-bearing clipped-gradient sum (module docstring).
     num_examples, expected_batch_size, steps, epsilon, delta, noise_multiplier, accountant,
       subspace_event, subspace_epsilon, subspace_delta, tuning, max_batch_size,
-      noise_strategy, cycle_length: the privacy settings (:class:`dpjax.sgd.DPSGDConfig`;
-      ``max_batch_size`` B: truncated Poisson sampling, one static batch of B rows a step;
-      ``noise_strategy``: correlated BandMF noise with cyclic Poisson sampling of cycle
-      ``cycle_length``, default its bands).
+      noise_strategy, cycle_length, fixed_size: the privacy settings
+      (:class:`dpjax.sgd.DPSGDConfig`; ``max_batch_size`` B: truncated Poisson sampling, one
+      static batch of B rows a step; ``noise_strategy``: correlated BandMF noise with cyclic
+      Poisson sampling of cycle ``cycle_length``, default its bands; ``fixed_size``: exactly
+      ``expected_batch_size`` examples a step, every figure under replace-one, RDP).
     key: the run's PRNG key (every step's sample and noise are drawn from it).
     basis, bases: optional flat basis ``V (p, k)`` or per-layer bases (required by GEP's grad
       sum); :func:`dpjax.sgd.dp_noise`. A private release may stand for a basis (the result of
@@ -526,7 +535,7 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
       epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier, accountant=accountant,
       subspace_event=subspace_event, subspace_epsilon=subspace_epsilon,
       subspace_delta=subspace_delta, tuning=tuning, max_batch_size=max_batch_size,
-      noise_strategy=noise_strategy, cycle_length=cycle_length)
+      noise_strategy=noise_strategy, cycle_length=cycle_length, fixed_size=fixed_size)
   return config.make(grad_fn, key=key, basis=basis, bases=bases,
                      microbatch_size=microbatch_size, mesh=mesh, data_axis=data_axis,
                      ledger=ledger, tol=tol)
@@ -569,7 +578,7 @@ def record_budget(ledger, budget: accounting.DPSGDBudget, accountant: str | None
   if accountant is not None and accountant != ledger.accountant and budget.noise_multiplier > 0:
     ledger.record_approx_dp(budget.epsilon, budget.delta,
                             label=f"DP-SGD plan, its (ε, δ) by the {accountant} accountant",
-                            neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
+                            neighboring=budget.neighboring)
     return
   if not isinstance(budget.subspace_event, dp_accounting.NoOpDpEvent):
     ledger.record_event(budget.subspace_event,
@@ -580,7 +589,7 @@ def record_budget(ledger, budget: accounting.DPSGDBudget, accountant: str | None
   elif batch_selection is not None and not isinstance(batch_selection, sampling.PoissonSampling):
     ledger.record_event(accounting.dpsgd_event(budget.noise_multiplier, budget.sampling_prob,
                                                budget.steps, batch_selection=batch_selection),
-                        label="dp-sgd", neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
+                        label="dp-sgd", neighboring=budget.neighboring)
   else:
     ledger.record_dpsgd(noise_multiplier=budget.noise_multiplier,
                         sampling_prob=budget.sampling_prob, steps=budget.steps)

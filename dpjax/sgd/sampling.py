@@ -29,8 +29,9 @@ import numpy as np
 from dpjax import _validation as v
 from dpjax.sgd import per_example
 
-__all__ = ["CyclicPoissonSampling", "PoissonSampling", "TruncatedPoissonSampling",
-           "accumulate_microbatches", "cyclic_poisson_chosen", "cyclic_poisson_sampling",
+__all__ = ["CyclicPoissonSampling", "FixedSizeSampling", "PoissonSampling",
+           "TruncatedPoissonSampling", "accumulate_microbatches", "cyclic_poisson_chosen",
+           "cyclic_poisson_sampling", "fixed_size_chosen", "fixed_size_sampling",
            "poisson_clipped_sum", "poisson_mask", "poisson_microbatches", "poisson_sampling",
            "truncated_poisson_clipped_sum", "truncated_poisson_sampling"]
 
@@ -344,6 +345,93 @@ def cyclic_poisson_chosen(key: jax.Array, partition_key: jax.Array, num_examples
   group = jax.random.randint(partition_key, (num_examples,), 0, cycle_length)
   eligible = group == jnp.asarray(step, jnp.int32) % cycle_length
   return eligible & jax.random.bernoulli(key, sampling_prob, (num_examples,))
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeSampling:
+  """Fixed-size sampling: each step a uniformly random batch of exactly B distinct examples
+  (sampling without replacement), the same B at every step.
+
+  Its part of the privacy argument is :meth:`dp_event`, stated under REPLACE-ONE (the datasets
+  have the same public size N and differ in one example's value): ``dp_accounting`` composes
+  ``SampledWithoutReplacementDpEvent`` (Wang, Balle & Kasiviswanathan 2019, Thm 27) under
+  ``NeighboringRelation.REPLACE_ONE`` and by RDP only. Replacing one example moves the clipped
+  sum by up to 2Δ (its old term out, its new one in), so the step's Gaussian with std σΔ has
+  noise multiplier σ/2 relative to that sensitivity: the event is
+  ``SampledWithoutReplacementDpEvent(N, B, GaussianDpEvent(σ/2))``. A plan with this selection
+  states every figure under replace-one (``plan.budget.neighboring``); compare with an
+  add/remove-one plan only after :func:`dpjax.accounting.replace_one_from_add_remove`.
+  docs/algorithms.md §6.1.
+
+  Attributes:
+    num_examples: N (public; the same in both neighbours).
+    batch_size: B ∈ [1, N], an integer.
+    microbatch_size: rows per jitted micro-batch (static).
+  """
+  num_examples: int
+  batch_size: int
+  microbatch_size: int
+
+  neighboring = dp_accounting.NeighboringRelation.REPLACE_ONE
+
+  @property
+  def expected_batch_size(self) -> float:
+    """B (the batch is always B)."""
+    return float(self.batch_size)
+
+  @property
+  def sampling_prob(self) -> float:
+    """B/N, each example's inclusion probability in a step."""
+    return self.batch_size / self.num_examples
+
+  def dp_event(self, step_event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """``SampledWithoutReplacementDpEvent(N, B, GaussianDpEvent(σ/2))`` for the step's
+    ``GaussianDpEvent(σ)`` (replace-one: sensitivity 2Δ).
+
+    Raises:
+      ValueError: a step event that is not a ``GaussianDpEvent``.
+    """
+    if not isinstance(step_event, dp_accounting.GaussianDpEvent):
+      raise ValueError("fixed-size sampling is accounted for the Gaussian mechanism only, got "
+                       f"{step_event}.")
+    return dp_accounting.SampledWithoutReplacementDpEvent(
+        self.num_examples, self.batch_size,
+        dp_accounting.GaussianDpEvent(step_event.noise_multiplier / 2))
+
+  def compositions(self, steps: int) -> int:
+    """How many times :meth:`dp_event` composes over T steps: T."""
+    return steps
+
+  def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args):
+    """One step's clipped-gradient sum over a fresh batch of B examples drawn with ``key``
+    (traceable). Use a fresh key per step."""
+    chosen = fixed_size_chosen(key, _num_rows(data), self.batch_size)
+    data = jax.tree_util.tree_map(jnp.asarray, data)
+    return sum_over_chosen(masked_call(grad_fn), params, data, chosen, self.microbatch_size,
+                           extra_args)
+
+
+def fixed_size_sampling(num_examples: int, batch_size: int, *,
+                        microbatch_size: int | None = None) -> FixedSizeSampling:
+  """Validated :class:`FixedSizeSampling` (default micro-batch: the whole batch B).
+
+  Raises:
+    ValueError: N < 1, B ∉ [1, N], micro-batch < 1.
+    TypeError: non-integer N, B or micro-batch size.
+  """
+  n = v.check_int(num_examples, "num_examples", low=1)
+  b = v.check_int(batch_size, "batch_size", low=1, high=n)
+  microbatch_size = v.check_int(b if microbatch_size is None else microbatch_size,
+                                "microbatch_size", low=1)
+  return FixedSizeSampling(n, b, microbatch_size)
+
+
+def fixed_size_chosen(key: jax.Array, num_examples: int, batch_size: int) -> jax.Array:
+  """``(N,)`` bool with exactly B True: a uniformly random subset of B of the N examples (the
+  first B of ``jax.random.permutation``, whose sort rounds make ties of its random keys
+  negligible — float priorities would tie for N in the tens of thousands), traceable."""
+  indices = jax.random.permutation(key, num_examples)[:batch_size]
+  return jnp.zeros((num_examples,), bool).at[indices].set(True)
 
 
 def _num_rows(data) -> int:

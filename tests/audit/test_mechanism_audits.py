@@ -597,6 +597,62 @@ def test_truncated_audit_catches_poisson_accounting(audit_trials):
   _control("truncated Poisson accounted as Poisson", claimed, lb, n)
 
 
+@functools.cache
+def _fixed_size_program():
+  """One step with fixed-size sampling (issue 52 §3; N = 6, B = 5): the library's
+  :meth:`FixedSizeSampling.clipped_sum` (its batch from the trial's key) and
+  :func:`dpjax.sgd.dp_noise`'s full release at σ = 2 (C = 1). The neighbours are REPLACE-ONE
+  ones, the relation the event is stated under: row 0 is the canary 5·e_0 (clipped gradient
+  e_0) in one and −5·e_0 (−e_0) in the other, five zero rows beside it. Feature: the released
+  coordinate 0."""
+  grad_fn = _linear_grad_fn()
+  selection = sampling_lib.fixed_size_sampling(6, 5)
+  noise = sgd.dp_noise(grad_fn, noise_multiplier=2.0, expected_batch_size=5,
+                       key=jax.random.key(0))
+  params = np.zeros(8, np.float32)
+  state = noise.init(params)
+
+  def run(key, rows):
+    sample_key, noise_key = jax.random.split(key)
+    summed = selection.clipped_sum(grad_fn, params, (rows, np.ones(len(rows), np.float32)),
+                                   sample_key)
+    update, _ = noise.update(summed, dataclasses.replace(state, key=noise_key), params)
+    return update[0]
+  zeros = np.zeros((5, 8), np.float32)
+  canary = np.concatenate([5 * np.eye(8, dtype=np.float32)[[0]], zeros])
+  replaced = np.concatenate([-5 * np.eye(8, dtype=np.float32)[[0]], zeros])
+  return selection, jax.jit(run), replaced, canary
+
+
+def _replace_one_epsilon(event, delta=0.02):
+  return dp_accounting.rdp.RdpAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE).compose(
+          event).get_epsilon(delta)
+
+
+def test_dp_sgd_step_with_fixed_size_sampling(audit_trials):
+  """The fixed-size step keeps the ε of its replace-one event (RDP at δ = 0.02: 2.63 at σ = 2,
+  the event's multiplier σ/2 for the replace-one sensitivity 2C)."""
+  n = audit_trials(5_000, 100_000)
+  selection, run, replaced, canary = _fixed_size_program()
+  claimed = _replace_one_epsilon(selection.dp_event(dp_accounting.GaussianDpEvent(2.0)))
+  lb = audit.audit(jax.random.key(67), run, replaced, canary, delta=0.02, trials=n,
+                   batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _check("DP-SGD step, fixed-size sampling (replace-one)", claimed, lb, n)
+
+
+def test_fixed_size_audit_catches_the_add_remove_sensitivity(audit_trials):
+  """Negative control (not in EXPECTED): the same step accounted with the multiplier σ, as if
+  the sensitivity were C (the add/remove one) under replace-one: 1.14 at δ = 0.02."""
+  n = audit_trials(50_000, 50_000)
+  _, run, replaced, canary = _fixed_size_program()
+  claimed = _replace_one_epsilon(dp_accounting.SampledWithoutReplacementDpEvent(
+      6, 5, dp_accounting.GaussianDpEvent(2.0)))
+  lb = audit.audit(jax.random.key(68), run, replaced, canary, delta=0.02, trials=n,
+                   batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _control("fixed-size sampling accounted at sensitivity C", claimed, lb, n)
+
+
 _BANDMF = sgd.banded_toeplitz([1.0, 1.0])          # C = [[a, 0], [a, 1]], a = 1/√2
 
 
@@ -1638,6 +1694,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "DP-SGD, 2-band correlated noise, cyclic Poisson",
             "DP-SGD step, adaptive clipping (Δ = √10)",
             "DP-SGD step, adaptive clipping by ghost clipping (Δ = √10)",
+            "DP-SGD step, fixed-size sampling (replace-one)",
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",
             "ghost DP-SGD step, Gram route, adversarial canary",

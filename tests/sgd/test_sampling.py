@@ -280,3 +280,99 @@ def test_truncated_plan_takes_no_mesh_or_microbatch_size():
                                  noise_multiplier=1.0, max_batch_size=40)
   with pytest.raises(ValueError, match="one static batch"):
     config.make(_masked_sum, key=jax.random.key(0), microbatch_size=8)
+
+
+# ------------------------------------------------------------------- fixed-size sampling
+
+
+def test_fixed_size_batches_hold_exactly_b_distinct_examples_uniformly():
+  """Every draw holds exactly B examples; over 4,000 draws each example's inclusion rate is
+  B/N (chi-square) and pairs are included at the without-replacement rate B(B−1)/(N(N−1))."""
+  n, b = 12, 5
+  draw = jax.jit(jax.vmap(lambda k: sampling.fixed_size_chosen(k, n, b)))
+  chosen = np.asarray(draw(jax.random.split(jax.random.key(0), 4_000)))
+  assert chosen.shape == (4_000, n) and np.all(chosen.sum(1) == b)
+  counts = chosen.sum(0)
+  assert stats.chisquare(counts).pvalue > 1e-3
+  pair = np.mean(chosen[:, 0] & chosen[:, 1])
+  assert pair == pytest.approx(b * (b - 1) / (n * (n - 1)), abs=0.02)
+  np.testing.assert_array_equal(draw(jax.random.split(jax.random.key(0), 3)), chosen[:3])
+
+
+def test_fixed_size_sum_is_the_clipped_sum_of_its_batch_in_any_microbatching():
+  sel = sampling.fixed_size_sampling(N, 37, microbatch_size=8)
+  w = jnp.ones(D)
+  key = jax.random.key(3)
+  chosen = sampling.fixed_size_chosen(key, N, 37)
+  want = _masked_sum(w, DATA, chosen)
+  got = jax.jit(lambda k: sel.clipped_sum(_masked_sum, w, DATA, k))(key)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  whole = sampling.fixed_size_sampling(N, 37)
+  assert whole.microbatch_size == 37
+  np.testing.assert_allclose(whole.clipped_sum(_masked_sum, w, DATA, key), want, rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_fixed_size_event_is_replace_one_sampling_without_replacement_at_half_sigma():
+  """σ is std/Δ; replacing one example moves the sum by 2Δ, so dp_accounting's multiplier (std
+  over the sensitivity of the relation) is σ/2; ε is RDP's under REPLACE_ONE."""
+  import dpjax
+  sel = sampling.fixed_size_sampling(1_000, 50)
+  event = sel.dp_event(dp_accounting.GaussianDpEvent(1.2))
+  assert event == dp_accounting.SampledWithoutReplacementDpEvent(
+      1_000, 50, dp_accounting.GaussianDpEvent(0.6))
+  assert dpjax.accounting.event_neighboring(event) == dp_accounting.NeighboringRelation.REPLACE_ONE
+  want = dp_accounting.rdp.RdpAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE).compose(
+          event, 100).get_epsilon(1e-5)
+  got = dpjax.accounting.dpsgd_epsilon(1.2, 0.05, 100, 1e-5, batch_selection=sel)
+  assert got == pytest.approx(want, rel=1e-9)
+  with pytest.raises(ValueError, match="Gaussian"):
+    sel.dp_event(dp_accounting.LaplaceDpEvent(1.0))
+
+
+def test_a_fixed_size_plan_calibrates_under_replace_one_trains_and_books_its_relation():
+  import optax
+  import dpjax
+  rows = (X, (X[:, 0] > 0).astype(jnp.int32))
+
+  def xent(w, example):
+    x, label = example
+    return optax.softmax_cross_entropy_with_integer_labels(x @ w, label)
+  grad_fn = dpjax.sgd.clipped_grad_sum(xent, clip_norm=1.0)
+  replace_one = dp_accounting.NeighboringRelation.REPLACE_ONE
+  ledger = dpjax.ledger.PrivacyLedger(4.0, 1e-5, neighboring=replace_one, accountant="rdp")
+  plan = dpjax.sgd.dp_sgd_plan(grad_fn, num_examples=N, expected_batch_size=40, steps=30,
+                               epsilon=2.0, delta=1e-5, accountant="rdp", fixed_size=True,
+                               key=jax.random.key(0), ledger=ledger)
+  assert isinstance(plan.batch_selection, sampling.FixedSizeSampling)
+  assert plan.neighboring == plan.budget.neighboring == replace_one
+  assert plan.epsilon == pytest.approx(2.0, rel=1e-3)
+  assert ledger.spent.epsilon == pytest.approx(plan.epsilon, rel=1e-6)
+  poisson = dpjax.sgd.DPSGDConfig(num_examples=N, expected_batch_size=40, steps=30, epsilon=2.0,
+                                  accountant="rdp").calibrate().noise_multiplier
+  assert plan.noise_multiplier > 1.3 * poisson                # sensitivity 2Δ under replace-one
+  w = jnp.zeros((D, 2))
+  opt = optax.sgd(0.5)
+  trained, _ = plan.run(w, plan.init(w, opt), plan.prepare(rows), opt)
+  assert float(((X @ trained).argmax(-1) == rows[1]).mean()) > 0.8
+  with pytest.raises(ValueError, match="REPLACE_ONE"):     # an add/remove ledger refuses it
+    dpjax.sgd.dp_sgd_plan(grad_fn, num_examples=N, expected_batch_size=40, steps=30,
+                          epsilon=2.0, accountant="rdp", fixed_size=True, key=jax.random.key(1),
+                          ledger=dpjax.ledger.PrivacyLedger(4.0, 1e-5, accountant="rdp"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "RDP only"),
+    ({"accountant": "rdp", "expected_batch_size": 40.5}, "integer"),
+    ({"accountant": "rdp", "subspace_epsilon": 0.1}, "subspace release"),
+    ({"accountant": "rdp", "cycle_length": 2}, "cycle_length"),
+    ({"accountant": "rdp", "tuning": "tuning"}, "tuning"),
+])
+def test_fixed_size_config_refuses_what_it_cannot_account(kwargs, match):
+  import dpjax
+  if kwargs.get("tuning") == "tuning":
+    kwargs = dict(kwargs, tuning=dpjax.accounting.HyperparameterTuning(3.0))
+  kwargs = {"expected_batch_size": 40, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    dpjax.sgd.DPSGDConfig(num_examples=N, steps=3, epsilon=1.0, fixed_size=True, **kwargs)
