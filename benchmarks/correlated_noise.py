@@ -2,7 +2,8 @@
 without a learned subspace: scattering features + linear on full MNIST.
 
     python benchmarks/correlated_noise.py [--quick] [--epsilons 1 2 8] [--bands 1 4 16]
-        [--seeds 2] [--subspace none dp_pca] [--filter none low_pass kalman] [--json PATH]
+        [--seeds 2] [--subspace none dp_pca] [--filter none low_pass kalman]
+        [--strategy banded blt] [--json PATH]
 
 The main job's scatnet model (softmax regression on the scattering features of the first
 ``--rows`` = 54,000 canonical training digits, ``dpjax.features.scattering_features``) trained
@@ -13,6 +14,11 @@ final iterate) with
 * ``--bands 1``: independent noise and Poisson sampling (plain DP-SGD);
 * ``--bands b > 1``: BandMF noise, ``dpjax.sgd.optimal_banded_toeplitz(T, b)``, with cyclic
   Poisson sampling of cycle b (docs/algorithms.md §6.7; σ calibrated on the amplified event);
+
+and ``--strategy blt``: a BLT strategy (``dpjax.sgd.optimal_buffered_toeplitz(T, N // L)``)
+normalised to min-sep sensitivity 1, with cyclic sampling of cycle ``N // L`` (one epoch: an
+example's steps are an epoch apart) and NO amplification — the run is one Gaussian mechanism
+(docs/algorithms.md §6.7); ``--bands`` is then ignored;
 
 and ``--subspace``:
 
@@ -37,6 +43,7 @@ job's public choice for this model, not tuned per cell: a comparison of noises a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -68,14 +75,23 @@ def unit_rows(X: np.ndarray) -> np.ndarray:
   return np.divide(X, norms, out=np.zeros_like(X), where=norms > 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _strategy(kind: str, steps: int, bands: int, epoch: int):
+  if kind == "blt":
+    return sgd.optimal_buffered_toeplitz(steps, epoch)
+  return sgd.optimal_banded_toeplitz(steps, bands) if bands > 1 else None
+
+
 def one_run(key, train, test, *, epsilon, bands, subspace, rank, batch, steps,
-            filter_="none") -> dict:
+            filter_="none", strategy_kind="banded") -> dict:
   """One DP-SGD run; its test accuracy, σ and time."""
   basis_key, plan_key = jax.random.split(key)             # one split into named purposes
   X, y = train
   n, d = X.shape
   classes = int(y.max()) + 1
-  strategy = sgd.optimal_banded_toeplitz(steps, bands) if bands > 1 else None
+  strategy = _strategy(strategy_kind, steps, bands, n // batch)
+  if strategy_kind == "blt":
+    bands = strategy.min_sep
   bases = None
   budget = {"epsilon": epsilon}
   if subspace == "dp_pca":
@@ -101,6 +117,7 @@ def one_run(key, train, test, *, epsilon, bands, subspace, rank, batch, steps,
   Xte, yte = test
   accuracy = float(((Xte @ trained["w"] + trained["b"]).argmax(-1) == yte).mean())
   return {"epsilon": epsilon, "bands": bands, "subspace": subspace, "filter": filter_,
+          "strategy": strategy_kind,
           "sigma": plan.noise_multiplier,
           "test_accuracy": accuracy, "run_seconds": seconds, "plan_epsilon": plan.epsilon}
 
@@ -112,6 +129,7 @@ def main(argv=None) -> int:
   parser.add_argument("--bands", type=int, nargs="+", default=None)
   parser.add_argument("--subspace", nargs="+", default=None, choices=("none", "dp_pca"))
   parser.add_argument("--filter", nargs="+", default=None, choices=("none", "low_pass", "kalman"))
+  parser.add_argument("--strategy", nargs="+", default=None, choices=("banded", "blt"))
   parser.add_argument("--seeds", type=int, default=None)
   parser.add_argument("--rows", type=int, default=None)
   parser.add_argument("--rank", type=int, default=2048)
@@ -122,6 +140,7 @@ def main(argv=None) -> int:
   bands = args.bands or ([1, 4] if args.quick else [1, 4, 16])
   subspaces = args.subspace or (["none"] if args.quick else ["none", "dp_pca"])
   filters = args.filter or ["none"]
+  strategies = args.strategy or ["banded"]
   seeds = args.seeds or (1 if args.quick else 2)
   rank = min(args.rank, 256) if args.quick else args.rank
   steps, batch = (60, 512) if args.quick else (528, 1_024)
@@ -136,17 +155,19 @@ def main(argv=None) -> int:
                     "learning_rate": LEARNING_RATE, "delta": DELTA, "rank": rank,
                     "seeds": seeds}, "rows": []}
   start = time.perf_counter()
-  cells = [(e, s, b, f) for e in epsilons for s in subspaces for b in bands for f in filters]
-  for epsilon, subspace, b, filter_ in cells:
+  cells = [(e, s, b, f, k) for e in epsilons for s in subspaces for k in strategies
+           for b in (bands if k == "banded" else [0]) for f in filters]
+  for epsilon, subspace, b, filter_, kind in cells:
     runs = [one_run(jax.random.key(seed), train, test, epsilon=epsilon, bands=b,
                     subspace=subspace, rank=rank, batch=batch, steps=steps,
-                    filter_=filter_)
+                    filter_=filter_, strategy_kind=kind)
             for seed in range(seeds)]
     accs = [r["test_accuracy"] for r in runs]
     row = dict(runs[0], test_accuracy=float(np.mean(accs)), accuracies=accs,
                run_seconds=float(np.mean([r["run_seconds"] for r in runs])))
     out["rows"].append(row)
-    print(f"ε = {epsilon:g} {subspace:6s} bands {b:2d} {filter_:8s}: σ = {row['sigma']:6.3f}  "
+    label = f"bands {b:2d}" if kind == "banded" else f"BLT sep {row['bands']:2d}"
+    print(f"ε = {epsilon:g} {subspace:6s} {label} {filter_:8s}: σ = {row['sigma']:6.3f}  "
           f"test acc {row['test_accuracy']:.4f} [{min(accs):.4f}, {max(accs):.4f}]  "
           f"({row['run_seconds']:.0f} s a run)", flush=True)
     if args.json:                      # written as the rows come: a long run keeps them

@@ -10,7 +10,9 @@ from dpjax.sgd.aggregate import dp_aggregate
 from dpjax.sgd.averaging import averaged_params, iterate_average
 from dpjax.sgd.bases import TwoSidedBasis, bases_like, trajectory_bases
 from dpjax.sgd.config import DPSGDConfig
-from dpjax.sgd.correlation import BandedToeplitz, banded_toeplitz, optimal_banded_toeplitz
+from dpjax.sgd.correlation import (BandedToeplitz, BufferedToeplitz, banded_toeplitz,
+                                   buffered_toeplitz, optimal_banded_toeplitz,
+                                   optimal_buffered_toeplitz)
 from dpjax.sgd.denoise import low_rank_denoise
 from dpjax.sgd.distributed import data_mesh
 from dpjax.sgd.filters import kalman_filter, kalman_filter_iterate, low_pass
@@ -26,12 +28,12 @@ from dpjax.sgd.sources import (private_gradient_subspace, private_input_basis,
                                public_gradient_subspace, public_input_basis)
 from dpjax.sgd.training import train_dp_sgd
 
-__all__ = ["BandedToeplitz", "DPSGDConfig", "DPSGDPlan", "TwoSidedBasis", "averaged_params",
-           "banded_toeplitz", "bases_like", "clipped_grad_sum",
+__all__ = ["BandedToeplitz", "BufferedToeplitz", "DPSGDConfig", "DPSGDPlan", "TwoSidedBasis", "averaged_params",
+           "banded_toeplitz", "bases_like", "buffered_toeplitz", "clipped_grad_sum",
            "data_mesh", "dense", "dp_aggregate", "dp_noise", "dp_sgd_plan",
            "embedding_residual_grad_sum", "ghost_clipped_grad_sum", "ghost_quantile_clipped_grad_sum",
            "iterate_average", "kalman_filter", "kalman_filter_iterate", "linen_apply", "low_pass", "low_rank_denoise",
-           "nnx_apply", "nnx_model", "optimal_banded_toeplitz",
+           "nnx_apply", "nnx_model", "optimal_banded_toeplitz", "optimal_buffered_toeplitz",
            "private_gradient_subspace", "private_input_basis", "public_gradient_subspace",
            "public_input_basis", "quantile_clip_state", "quantile_clipped_grad_sum",
            "train_dp_sgd", "trajectory_bases", "update_bases"]

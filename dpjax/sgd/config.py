@@ -66,7 +66,10 @@ class DPSGDConfig:
       correlated (BandMF) noise, with cyclic Poisson sampling of cycle ``cycle_length``
       (default b; at least b) — :class:`dpjax.sgd.sampling.CyclicPoissonSampling`, whose event
       is ⌈T/b⌉ Poisson-sampled Gaussian rounds at the group rate ``L·b/N`` (amplified BandMF).
-      Needs ``L·b ≤ N``; not with ``max_batch_size`` or a mesh.
+      Or a :class:`dpjax.sgd.correlation.BufferedToeplitz` (BLT) with ``min_sep`` b: the same
+      cyclic sampling (cycle ≥ b), and the run is ONE Gaussian mechanism at σ (the strategy is
+      normalised to min-sep sensitivity 1; no amplification). Needs ``L·b ≤ N``; not with
+      ``max_batch_size`` or a mesh.
     cycle_length: optional b ≥ 1: cyclic Poisson sampling with or without a noise strategy
       (without one, independent noise; each example then takes part in at most ⌈T/b⌉ steps).
     fixed_size: True: fixed-size sampling, each step a uniformly random batch of exactly
@@ -133,21 +136,23 @@ class DPSGDConfig:
                          "(dp_accounting's TruncatedSubsampledGaussianDpEvent has no RDP "
                          "curve, which tuning needs): use accountant='pld' and no tuning.")
     set_("noise_strategy", noise_lib.check_noise_strategy(self.noise_strategy, self.steps))
-    bands = 1 if self.noise_strategy is None else self.noise_strategy.bands
-    if self.cycle_length is None and bands > 1:
+    strategy = self.noise_strategy
+    bands = 1 if strategy is None else strategy.min_separation
+    if self.cycle_length is None and (bands > 1 or (strategy is not None
+                                                    and not strategy.amplified)):
       set_("cycle_length", bands)
     if self.cycle_length is not None:
       set_("cycle_length", v.check_int(self.cycle_length, "cycle_length", low=1))
       if self.cycle_length < min(bands, self.steps):
-        raise ValueError(
-            f"cycle_length={self.cycle_length} is below the strategy's {bands} bands: an "
-            "example's contributions would share a band, which the amplified BandMF event "
-            "does not cover. Use cycle_length >= bands.")
+        what = ("bands: an example's contributions would share a band, which the amplified "
+                "BandMF event does not cover" if strategy.amplified else
+                "min_sep: its sensitivity is bounded for steps at least min_sep apart")
+        raise ValueError(f"cycle_length={self.cycle_length} is below the strategy's {bands} "
+                         f"{what}. Use cycle_length >= {bands}.")
       if self.max_batch_size is not None:
         raise ValueError("cyclic Poisson sampling (a noise strategy or cycle_length) with "
                          "max_batch_size: truncated cyclic sampling is not supported.")
-      sampling.cyclic_poisson_sampling(self.num_examples, self.expected_batch_size,
-                                       self.cycle_length)          # raises for L·b > N
+      self.batch_selection                                          # raises for L·b > N
     if not isinstance(self.fixed_size, bool):
       raise TypeError(f"fixed_size must be a bool, got {type(self.fixed_size).__name__}.")
     if self.fixed_size:
@@ -187,11 +192,17 @@ class DPSGDConfig:
       return sampling.fixed_size_sampling(self.num_examples, int(self.expected_batch_size))
     if self.cycle_length is not None:
       return sampling.cyclic_poisson_sampling(self.num_examples, self.expected_batch_size,
-                                              self.cycle_length)
+                                              self.cycle_length, amplified=self._amplified)
     if self.max_batch_size is not None:
       return sampling.truncated_poisson_sampling(self.num_examples, self.expected_batch_size,
                                                  self.max_batch_size)
     return sampling.poisson_sampling(self.num_examples, self.expected_batch_size)
+
+  @property
+  def _amplified(self) -> bool:
+    """Whether the cyclic sampling's event is amplified (independent noise, BandMF) or one
+    Gaussian mechanism for the run (a BLT strategy normalised to min-sep sensitivity 1)."""
+    return self.noise_strategy is None or self.noise_strategy.amplified
 
   @property
   def sampling_prob(self) -> float:

@@ -24,23 +24,31 @@ used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dpjax import _validation as v
 
-__all__ = ["BandedToeplitz", "banded_toeplitz", "optimal_banded_toeplitz"]
+__all__ = ["BandedToeplitz", "BufferedToeplitz", "banded_toeplitz", "buffered_toeplitz",
+           "optimal_banded_toeplitz", "optimal_buffered_toeplitz"]
 
 
-def _toeplitz():
+def _factorization(module: str = "toeplitz"):
   try:
-    from jax_privacy.matrix_factorization import toeplitz
+    from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
   except ImportError as err:       # an optional dependency: say how to get it
     raise ImportError("correlated noise drives jax_privacy's matrix factorization: "
                       "pip install 'dpjax[interop]' (jax-privacy >= 2.0).") from err
-  return toeplitz
+  return {"toeplitz": toeplitz, "buffered_toeplitz": buffered_toeplitz}[module]
+
+
+def _toeplitz():
+  return _factorization("toeplitz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +78,13 @@ class BandedToeplitz:
   def bands(self) -> int:
     """b, the number of non-zero diagonals of C."""
     return len(self.coefs)
+
+  @property
+  def min_separation(self) -> int:
+    """The least cycle length of the sampling: b (an example's steps never share a band)."""
+    return self.bands
+
+  amplified = True   # its event: ⌈T/b⌉ Poisson-sampled rounds (the amplified BandMF theorem)
 
   def noising_matrix(self, steps: int):
     """``C⁻¹`` for T steps as ``jax_privacy``'s ``StreamingMatrix`` (column-normalised C:
@@ -126,3 +141,157 @@ def optimal_banded_toeplitz(steps: int, bands: int, *,
   if not math.isclose(float(np.linalg.norm(coefs)), 1.0, rel_tol=1e-4) or coefs[0] <= 0:
     raise ValueError(f"jax_privacy's optimiser returned unusable coefficients {coefs}.")
   return banded_toeplitz(coefs)
+
+
+class _Scaled(NamedTuple):
+  """``scale · M`` for a jax_privacy ``StreamingMatrix`` M (its two streaming methods)."""
+  matrix: Any
+  scale: float
+
+  def init_multiply(self, like):
+    return self.matrix.init_multiply(like)
+
+  def multiply_next(self, x, state):
+    y, state = self.matrix.multiply_next(x, state)
+    return y * jnp.asarray(self.scale, y.dtype), state
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferedToeplitz:
+  """A buffered-linear-Toeplitz strategy C (BLT; Dvijotham et al. 2024, McMahan et al. 2024),
+  scaled so that its min-separation sensitivity is 1, for multi-epoch matrix factorization
+  WITHOUT amplification.
+
+  C is lower-triangular Toeplitz with ``c_0 = 1`` and ``c_j = Σ_i ω_i θ_i^{j−1}`` (``θ`` the
+  buffer decays, ``ω`` the output scales): its noise ``C⁻¹Z`` streams with one buffer per
+  ``θ_i`` (a handful), whatever T. An example may take part in steps at least ``min_sep`` apart
+  (cyclic sampling of cycle ≥ ``min_sep``), so at most ``k = ⌈T/min_sep⌉`` times; with
+  non-negative, non-increasing coefficients the worst case is k steps exactly ``min_sep``
+  apart (jax_privacy's ``toeplitz.minsep_sensitivity_squared``; Kalinin & Lampert 2024, Thm 2),
+  and :meth:`sensitivity` is that bound. The noise is ``s·C⁻¹Z`` — the mechanism of
+  ``C/s``, whose sensitivity is 1 — so the whole run is ONE Gaussian mechanism at the plan's σ
+  (no amplification is claimed; sampling within a group only helps). docs/algorithms.md §6.7.
+
+  Usage::
+
+      strategy = dpjax.sgd.optimal_buffered_toeplitz(steps=T, min_sep=N // L)
+      plan = dpjax.sgd.dp_sgd_plan(grad_fn, num_examples=N, expected_batch_size=L, steps=T,
+                                   epsilon=8.0, key=key, noise_strategy=strategy)
+
+  Attributes:
+    buf_decay: ``(θ_1, …, θ_m)``, each in (0, 1).
+    output_scale: ``(ω_1, …, ω_m)``, with C's coefficients non-negative and non-increasing.
+    min_sep: the least separation of an example's steps (the sampling's cycle length).
+  """
+  buf_decay: tuple[float, ...]
+  output_scale: tuple[float, ...]
+  min_sep: int
+
+  def __post_init__(self):
+    theta = np.asarray(self.buf_decay, np.float64).reshape(-1)
+    omega = np.asarray(self.output_scale, np.float64).reshape(-1)
+    if theta.shape != omega.shape or not np.all(np.isfinite(np.concatenate([theta, omega]))):
+      raise ValueError("buf_decay and output_scale must be finite and of one length, got "
+                       f"{list(theta)} and {list(omega)}.")
+    if np.any((theta <= 0) | (theta >= 1)):
+      raise ValueError(f"every buf_decay must lie in (0, 1), got {list(theta)}.")
+    object.__setattr__(self, "buf_decay", tuple(float(x) for x in theta))
+    object.__setattr__(self, "output_scale", tuple(float(x) for x in omega))
+    object.__setattr__(self, "min_sep", v.check_int(self.min_sep, "min_sep", low=1))
+
+  @property
+  def min_separation(self) -> int:
+    """The least cycle length of the sampling: ``min_sep``."""
+    return self.min_sep
+
+  amplified = False  # its event: one Gaussian mechanism for the whole run
+
+  def coefficients(self, steps: int) -> np.ndarray:
+    """``(c_0, …, c_{T−1})`` of C (float64, host)."""
+    T = v.check_int(steps, "steps", low=1)
+    j = np.arange(T - 1, dtype=np.float64)
+    tail = (np.asarray(self.output_scale)[:, None]
+            * np.asarray(self.buf_decay)[:, None] ** j[None, :]).sum(0)
+    return np.concatenate([[1.0], tail])
+
+  def sensitivity(self, steps: int) -> float:
+    """s: the ℓ2 norm of the largest sum of ``k = ⌈T/min_sep⌉`` columns of C at least
+    ``min_sep`` apart (jax_privacy's min-sep bound, in float64, rounded up by 10⁻⁹; computed
+    once per T, on the host).
+
+    Raises:
+      ValueError: coefficients that are negative or increasing (the bound needs both).
+    """
+    return _blt_sensitivity(self, v.check_int(steps, "steps", low=1))
+
+  def noising_matrix(self, steps: int):
+    """``s·C⁻¹`` for T steps, streamed (jax_privacy's BLT inverse in float32, one buffer per
+    decay), so the released ``C/s · Y`` has sensitivity 1."""
+    blt = _factorization("buffered_toeplitz").BufferedToeplitz(
+        buf_decay=np.asarray(self.buf_decay, np.float32),
+        output_scale=np.asarray(self.output_scale, np.float32))
+    return _Scaled(blt.inverse_as_streaming_matrix(), self.sensitivity(steps))
+
+  def materialize(self, steps: int) -> np.ndarray:
+    """The ``(T, T)`` float64 strategy ``C/s`` (host; for tests and audits)."""
+    T = v.check_int(steps, "steps", low=1)
+    c = self.coefficients(T)
+    C = np.zeros((T, T))
+    for j in range(T):
+      C[j:, j] = c[:T - j]
+    return C / self.sensitivity(T)
+
+
+@functools.lru_cache(maxsize=64)
+def _blt_sensitivity(strategy: BufferedToeplitz, steps: int) -> float:
+  with jax.ensure_compile_time_eval(), jax.enable_x64(True):
+    squared = _toeplitz().minsep_sensitivity_squared(
+        np.asarray(strategy.coefficients(steps), np.float64), min_sep=strategy.min_sep,
+        max_participations=None, n=steps, skip_checks=False)
+    squared = float(squared)
+  return math.sqrt(squared) * (1 + 1e-9)
+
+
+def buffered_toeplitz(buf_decay, output_scale, min_sep: int) -> BufferedToeplitz:
+  """A validated :class:`BufferedToeplitz` (its min-sep bound is checked now for 1,000 steps).
+
+  Raises:
+    ValueError: decays outside (0, 1), lengths that differ, or coefficients that are negative
+      or increasing.
+  """
+  strategy = BufferedToeplitz(tuple(np.asarray(buf_decay, np.float64).reshape(-1)),
+                              tuple(np.asarray(output_scale, np.float64).reshape(-1)), min_sep)
+  strategy.sensitivity(1_000)
+  return strategy
+
+
+def optimal_buffered_toeplitz(steps: int, min_sep: int, *,
+                              max_buffers: int = 6) -> BufferedToeplitz:
+  """The BLT strategy of least maximum squared error on the prefix sums of T steps under
+  min-sep participation (``jax_privacy.matrix_factorization.buffered_toeplitz.optimize`` with
+  ``min_sep`` and ``⌈T/min_sep⌉`` participations; seconds to a minute on a CPU).
+
+  Args:
+    steps: T ≥ 1.
+    min_sep: b ≥ 1, the sampling's cycle length (e.g. the number of batches in an epoch).
+    max_buffers: the most buffers the optimiser tries (jax_privacy allows ≤ 15).
+
+  Raises:
+    ValueError / TypeError: T, b or ``max_buffers`` not a positive integer; an optimised
+      strategy that fails :func:`buffered_toeplitz`'s checks.
+    ImportError: ``jax_privacy`` is not installed.
+
+  References:
+    McMahan, Xu & Zhang, "A Hassle-free Algorithm for Private Learning in Practice: Don't Use
+    Tree Aggregation, Use BLTs", 2024 (arXiv 2408.08868); Dvijotham, McMahan, Pillutla, Steinke
+    & Thakurta, "Efficient and Near-Optimal Noise Generation for Streaming Differential
+    Privacy", FOCS 2024.
+  """
+  T = v.check_int(steps, "steps", low=1)
+  b = v.check_int(min_sep, "min_sep", low=1)
+  nbuf = v.check_int(max_buffers, "max_buffers", low=1, high=15)
+  with jax.enable_x64(True):
+    blt = _factorization("buffered_toeplitz").optimize(n=T, min_sep=b, max_participations=None,
+                                                       max_buffers=nbuf)
+    theta, omega = np.asarray(blt.buf_decay), np.asarray(blt.output_scale)
+  return buffered_toeplitz(theta, omega, b)

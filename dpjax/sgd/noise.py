@@ -283,19 +283,22 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
 
 
 def check_noise_strategy(noise_strategy, steps):
-  """None, or a :class:`dpjax.sgd.correlation.BandedToeplitz` with the T it is planned for.
+  """None, or a :class:`dpjax.sgd.correlation.BandedToeplitz` or
+  :class:`~dpjax.sgd.correlation.BufferedToeplitz` with the T it is planned for.
 
   Raises:
     TypeError: another kind of strategy. ValueError: a strategy without ``steps``.
   """
   if noise_strategy is None:
     return None
-  if not isinstance(noise_strategy, correlation.BandedToeplitz):
+  if not isinstance(noise_strategy, (correlation.BandedToeplitz,
+                                     correlation.BufferedToeplitz)):
     raise TypeError("noise_strategy must be a dpjax.sgd.BandedToeplitz (banded_toeplitz(...) or "
-                    f"optimal_banded_toeplitz(...)), got {type(noise_strategy).__name__}.")
+                    "optimal_banded_toeplitz(...)) or a dpjax.sgd.BufferedToeplitz "
+                    f"(optimal_buffered_toeplitz(...)), got {type(noise_strategy).__name__}.")
   if steps is None:
-    raise ValueError("a noise_strategy is built for T steps (its columns are normalised for "
-                     "T): give steps=T.")
+    raise ValueError("a noise_strategy is built for T steps (it is normalised to sensitivity 1 "
+                     "over T): give steps=T.")
   return noise_strategy
 
 

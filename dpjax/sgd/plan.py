@@ -405,9 +405,9 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
     if mesh is not None:
       raise ValueError("cyclic Poisson sampling (a noise strategy or cycle_length) runs on one "
                        "device: give no mesh.")
-    selection = sampling.cyclic_poisson_sampling(config.num_examples,
-                                                 config.expected_batch_size, config.cycle_length,
-                                                 microbatch_size=microbatch_size)
+    selection = sampling.cyclic_poisson_sampling(
+        config.num_examples, config.expected_batch_size, config.cycle_length,
+        microbatch_size=microbatch_size, amplified=config.batch_selection.amplified)
   else:
     selection = sampling.poisson_sampling(config.num_examples, config.expected_batch_size,
                                           microbatch_size=microbatch_size, devices=devices)

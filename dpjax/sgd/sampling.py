@@ -281,16 +281,25 @@ class CyclicPoissonSampling:
   plain: each example takes part in at most ``⌈T/b⌉`` steps, each a sampled Gaussian step.
   docs/algorithms.md §6.1.
 
+  Unamplified (``amplified=False``, for a BLT strategy normalised to min-sep sensitivity 1,
+  :class:`dpjax.sgd.correlation.BufferedToeplitz`): :meth:`dp_event` is the step's Gaussian
+  itself and it composes once — the whole run is one Gaussian mechanism. Given the partition
+  and every sampling coin (independent of the data), the added example takes part in steps at
+  least b apart, at most ⌈T/b⌉ of them, so the normalised strategy's output moves by at most Δ;
+  mixing over the coins keeps the Gaussian's (ε, δ) curve (docs/algorithms.md §6.7).
+
   Attributes:
     num_examples: N, the private training set's size (public).
     expected_batch_size: L, with ``L·b ≤ N``.
     cycle_length: b ≥ 1 (1: Poisson sampling).
     microbatch_size: rows per jitted micro-batch (static).
+    amplified: True (the amplified event) or False (one Gaussian for the run).
   """
   num_examples: int
   expected_batch_size: float
   cycle_length: int
   microbatch_size: int
+  amplified: bool = True
 
   @property
   def sampling_prob(self) -> float:
@@ -298,11 +307,16 @@ class CyclicPoissonSampling:
     return min(1.0, self.expected_batch_size * self.cycle_length / self.num_examples)
 
   def dp_event(self, step_event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
-    """``PoissonSampledDpEvent(q_g, step_event)``: one of an example's rounds (add/remove-one)."""
+    """``PoissonSampledDpEvent(q_g, step_event)``: one of an example's rounds (add/remove-one);
+    unamplified, ``step_event`` itself (the run's one Gaussian)."""
+    if not self.amplified:
+      return step_event
     return dp_accounting.PoissonSampledDpEvent(self.sampling_prob, step_event)
 
   def compositions(self, steps: int) -> int:
-    """⌈T/b⌉: the most steps one example can take part in."""
+    """⌈T/b⌉: the most steps one example can take part in (unamplified: 1, the run)."""
+    if not self.amplified:
+      return 1
     return -(-steps // self.cycle_length)
 
   def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args, step,
@@ -318,7 +332,8 @@ class CyclicPoissonSampling:
 
 
 def cyclic_poisson_sampling(num_examples: int, expected_batch_size: float, cycle_length: int, *,
-                            microbatch_size: int | None = None) -> CyclicPoissonSampling:
+                            microbatch_size: int | None = None,
+                            amplified: bool = True) -> CyclicPoissonSampling:
   """Validated :class:`CyclicPoissonSampling` (default micro-batch size as
   :func:`poisson_sampling`'s).
 
@@ -334,7 +349,7 @@ def cyclic_poisson_sampling(num_examples: int, expected_batch_size: float, cycle
                      f"batch L): {selection.expected_batch_size:g}·{b} > "
                      f"{selection.num_examples}.")
   return CyclicPoissonSampling(selection.num_examples, selection.expected_batch_size, b,
-                               selection.microbatch_size)
+                               selection.microbatch_size, bool(amplified))
 
 
 def cyclic_poisson_chosen(key: jax.Array, partition_key: jax.Array, num_examples: int,

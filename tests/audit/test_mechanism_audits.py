@@ -658,38 +658,43 @@ _BANDMF = sgd.banded_toeplitz([1.0, 1.0])          # C = [[a, 0], [a, 1]], a = 1
 
 @functools.cache
 def _bandmf_program(cycle_length: int):
-  """Two steps of DP-SGD with 2-band correlated noise (issue 52 §1) through the library's parts:
+  """Two steps of DP-SGD with 2-band correlated noise (issue 52 §1): :func:`_mf_program`."""
+  return _mf_program(_BANDMF, 2, cycle_length)
+
+
+def _mf_program(strategy, steps: int, cycle_length: int):
+  """``steps`` steps of DP-SGD with correlated noise (issue 52 §1) through the library's parts:
   :class:`CyclicPoissonSampling` of cycle ``cycle_length`` at q_g = 1 (its partition, samples
   and the noise all from the trial's key) and :func:`dpjax.sgd.dp_noise` with the strategy at
   σ = 1 (C = 1). Only the canary row (5·e_0, clipped to e_0) can be a member, so the sums are
-  e_0 at the canary's steps. Feature: the auditor applies the public C to the two released
-  coordinates 0 (post-processing: C·Y = C·S + σZ) and takes the larger projection on the columns
-  where the canary can have been (its group is random): ``max_g ⟨C_{:,g}, C Y⟩`` with cycle 2,
-  ``⟨C_{:,0} + C_{:,1}, C Y⟩/‖·‖`` when it is in both steps (cycle 1)."""
+  e_0 at the canary's steps. Feature: the auditor applies the public (normalised) C to the
+  released coordinates 0 (post-processing: C·Y = C·S + σZ) and takes the largest projection on
+  the unit directions ``Σ_{t∈π_g} C_{:,t}`` of the patterns the canary can have (its group g is
+  random: steps g, g + b, …)."""
   grad_fn = _linear_grad_fn()
   n = 6
   selection = sampling_lib.cyclic_poisson_sampling(n, n / cycle_length, cycle_length)
   tx = sgd.dp_noise(grad_fn, noise_multiplier=1.0, expected_batch_size=1.0,
-                    key=jax.random.key(0), steps=2, noise_strategy=_BANDMF)
+                    key=jax.random.key(0), steps=steps, noise_strategy=strategy)
   params = np.zeros(8, np.float32)
   state0 = tx.init(params)
   rows = _linear_rows()
-  C = jnp.asarray(_BANDMF.materialize(2), jnp.float32)
-  both = (C[:, 0] + C[:, 1]) / jnp.linalg.norm(C[:, 0] + C[:, 1])
+  C = strategy.materialize(steps)
+  patterns = [C[:, g::cycle_length].sum(1) for g in range(min(cycle_length, steps))]
+  directions = jnp.asarray(np.stack([u / np.linalg.norm(u) for u in patterns]), jnp.float32)
+  C = jnp.asarray(C, jnp.float32)
 
   def run(key, member):
-    k0, k1, part, k_noise = jax.random.split(key, 4)
+    keys = jax.random.split(key, steps + 2)
+    part, k_noise = keys[steps], keys[steps + 1]
     state = dataclasses.replace(state0, key=k_noise)
     released = []
-    for t, k in enumerate((k0, k1)):
-      summed = selection.clipped_sum(grad_fn, params, (rows, member), k, step=t,
+    for t in range(steps):
+      summed = selection.clipped_sum(grad_fn, params, (rows, member), keys[t], step=t,
                                      partition_key=part)
       update, state = tx.update(summed, state, params)
       released.append(update[0])
-    cy = C @ jnp.stack(released)
-    if cycle_length == 1:
-      return both @ cy
-    return jnp.maximum(C[:, 0] @ cy, C[:, 1] @ cy)
+    return jnp.max(directions @ (C @ jnp.stack(released)))
   return selection, jax.jit(run)
 
 
@@ -737,6 +742,42 @@ def _ghost_linear(params, x, *, dense):
 
 def _ghost_member_loss(output, member):
   return member * output                           # gradient = member · x, as _linear_loss
+
+
+_BLT = sgd.buffered_toeplitz([0.8, 0.3], [0.5, 0.2], min_sep=2)
+
+
+def _blt_claim():
+  """The library's claim for a BLT run of four steps (min_sep 2, q_g = 1, σ = 1): ONE Gaussian
+  mechanism (the strategy normalised to min-sep sensitivity 1), PLD at δ = 0.02."""
+  config = sgd.DPSGDConfig(num_examples=6, expected_batch_size=3.0, steps=4,
+                           noise_multiplier=1.0, delta=0.02, noise_strategy=_BLT)
+  assert config.dp_event == dp_accounting.SelfComposedDpEvent(
+      dp_accounting.GaussianDpEvent(1.0), 1)
+  return config.calibrate().epsilon
+
+
+def test_dp_sgd_with_blt_noise_and_min_sep_participation(audit_trials):
+  """Four steps, a 2-buffer BLT normalised for min_sep 2, cyclic sampling of cycle 2 at q_g = 1:
+  the canary takes part in steps g and g + 2, and the claimed one Gaussian holds."""
+  n = audit_trials(5_000, 100_000)
+  _, run = _mf_program(_BLT, 4, 2)
+  without, with_canary = _bandmf_masks()
+  lb = audit.audit(jax.random.key(69), run, without, with_canary, delta=0.02, trials=n,
+                   batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _check("DP-SGD, BLT noise, min-sep participation (one Gaussian)", _blt_claim(), lb, n)
+
+
+def test_blt_audit_catches_a_participation_below_min_sep(audit_trials):
+  """Negative control (not in EXPECTED): the same strategy and claim, every example eligible at
+  every step (cycle 1 < min_sep 2): the canary's four columns sum to norm
+  ‖Σ_t C_{:,t}‖/s > 1."""
+  n = audit_trials(50_000, 50_000)
+  _, run = _mf_program(_BLT, 4, 1)
+  without, with_canary = _bandmf_masks()
+  lb = audit.audit(jax.random.key(70), run, without, with_canary, delta=0.02, trials=n,
+                   batch_size=_batch(audit_trials)).epsilon_lower_bound
+  _control("BLT noise with participation below its min_sep", _blt_claim(), lb, n)
 
 
 def _quantile_grad_fn(path="vmap"):
@@ -1695,6 +1736,7 @@ EXPECTED = {"laplace", "gaussian (analytic)", "gaussian (secure)", "truncated la
             "DP-SGD step, adaptive clipping (Δ = √10)",
             "DP-SGD step, adaptive clipping by ghost clipping (Δ = √10)",
             "DP-SGD step, fixed-size sampling (replace-one)",
+            "DP-SGD, BLT noise, min-sep participation (one Gaussian)",
             "ghost DP-SGD step, Flax Conv", "ghost DP-SGD step, Flax Embed",
             "ghost DP-SGD step, Flax LayerNorm",
             "ghost DP-SGD step, Gram route, adversarial canary",

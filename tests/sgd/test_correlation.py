@@ -250,3 +250,99 @@ def test_cyclic_sampling_with_independent_noise():
   state = plan.init(PARAMS, optax.sgd(0.1))
   assert plan.clipped_sum(PARAMS, data, state)["w"].shape == (5,)
   assert noise.noise_state(state).correlation is None
+
+
+# --------------------------------------------------- BLT: multi-epoch MF without amplification
+
+BLT = correlation.buffered_toeplitz([0.8, 0.3], [0.5, 0.2], min_sep=2)
+
+
+def _minsep_sensitivity_brute(C, min_sep):
+  """max over every participation pattern (steps ≥ min_sep apart) of ‖Σ_{t∈π} C[:, t]‖ (all
+  patterns, by enumeration; C ≥ 0 so aligned contributions are the worst)."""
+  T = C.shape[1]
+  best = 0.0
+
+  def walk(start, total):
+    nonlocal best
+    best = max(best, float(np.linalg.norm(total)))
+    for t in range(start, T):
+      walk(t + min_sep, total + C[:, t])
+  walk(0, np.zeros(T))
+  return best
+
+
+@pytest.mark.parametrize("min_sep", [1, 2, 3])
+def test_blt_is_normalised_to_min_sep_sensitivity_one_over_every_pattern(min_sep):
+  """The strategy C/s has sensitivity exactly 1 over EVERY participation pattern with steps at
+  least min_sep apart (enumerated for T = 9), not only the evenly spaced one the bound uses."""
+  strategy = dataclasses.replace(BLT, min_sep=min_sep)
+  C = strategy.materialize(9)
+  assert _minsep_sensitivity_brute(C, min_sep) == pytest.approx(1.0, rel=1e-8)
+  assert _minsep_sensitivity_brute(C, min_sep) <= 1.0 + 1e-12
+  np.testing.assert_allclose(strategy.coefficients(4),
+                             [1.0, 0.7, 0.5 * 0.8 + 0.2 * 0.3, 0.5 * 0.64 + 0.2 * 0.09])
+
+
+def test_blt_noise_is_s_times_the_inverse_strategy_of_the_independent_draws():
+  """C·Y/s equals the independent release of the same keys (full and flat releases), and the
+  streaming state is one buffer per decay, not T."""
+  updates = jax.tree_util.tree_map(jnp.zeros_like, PARAMS)
+  common = dict(noise_multiplier=1.0, expected_batch_size=1.0, key=jax.random.key(7), steps=T)
+  for kwargs in ({}, {"basis": np.eye(6, 3, dtype=np.float32)}):
+    corr, state = _released(noise.dp_noise(GRAD_FN, noise_strategy=BLT, **common, **kwargs),
+                            PARAMS, updates)
+    iid, _ = _released(noise.dp_noise(GRAD_FN, **common, **kwargs), PARAMS, updates)
+    C = BLT.materialize(T)
+    np.testing.assert_allclose(C @ _stack(corr, lambda u: u["w"]), _stack(iid, lambda u: u["w"]),
+                               atol=2e-5)
+    assert {b.shape[0] for b in jax.tree_util.tree_leaves(state.correlation)} == {2}
+
+
+def test_the_blt_plan_is_one_gaussian_with_cyclic_participation():
+  """The event of a BLT plan is the run's one Gaussian mechanism (no amplification), its cycle
+  the strategy's min_sep, and ε is the Gaussian's at σ; a cycle below min_sep is refused."""
+  config = sgd.DPSGDConfig(num_examples=600, expected_batch_size=300, steps=20,
+                           noise_multiplier=3.0, noise_strategy=BLT, accountant="rdp")
+  assert config.cycle_length == 2 and config.sampling_prob == 1.0
+  assert config.dp_event == dp_accounting.SelfComposedDpEvent(
+      dp_accounting.GaussianDpEvent(3.0), 1)
+  want = dp_accounting.rdp.RdpAccountant().compose(
+      dp_accounting.GaussianDpEvent(3.0)).get_epsilon(1e-5)
+  assert config.calibrate().epsilon == pytest.approx(want, rel=1e-9)
+  one_epoch_blt = dataclasses.replace(BLT, min_sep=1)
+  assert sgd.DPSGDConfig(num_examples=600, expected_batch_size=30, steps=20,
+                         noise_multiplier=3.0, noise_strategy=one_epoch_blt).cycle_length == 1
+  with pytest.raises(ValueError, match="min_sep"):
+    sgd.DPSGDConfig(num_examples=600, expected_batch_size=50, steps=20, noise_multiplier=1.0,
+                    noise_strategy=BLT, cycle_length=1)
+  rng = np.random.default_rng(0)
+  X = rng.normal(size=(600, 5)).astype(np.float32)
+  y = X @ np.arange(1.0, 6.0, dtype=np.float32)
+  plan = config.make(GRAD_FN, key=jax.random.key(2))
+  opt = optax.sgd(0.002)
+  params, state = plan.run(PARAMS, plan.init(PARAMS, opt), plan.prepare((X, y)), opt)
+  assert plan.steps_taken(state) == 20 and np.all(np.isfinite(params["w"]))
+  assert isinstance(plan.batch_selection, sampling.CyclicPoissonSampling)
+  assert not plan.batch_selection.amplified
+
+
+def test_optimal_blt_beats_independent_noise_on_the_prefix_sums_under_min_sep():
+  """jax_privacy's optimiser: on T = 64 steps with min_sep 8 the normalised BLT's max error on
+  the prefix sums (row norms of A·(C/s)⁻¹, A the prefix-sum matrix) is below independent
+  noise's at the same sensitivity (C = I / √k)."""
+  T_, b = 64, 8
+  strategy = correlation.optimal_buffered_toeplitz(T_, b, max_buffers=3)
+  A = np.tril(np.ones((T_, T_)))
+  blt_error = np.linalg.norm(A @ np.linalg.inv(strategy.materialize(T_)), axis=1).max()
+  independent_error = np.linalg.norm(A * np.sqrt(T_ // b), axis=1).max()
+  assert blt_error < 0.8 * independent_error, (blt_error, independent_error)
+
+
+@pytest.mark.parametrize("args,match", [
+    (([0.5], [0.1, 0.2], 1), "one length"), (([1.2], [0.1], 1), r"\(0, 1\)"),
+    (([0.5], [-0.9], 1), "non-negative|non-increasing"), (([0.5], [1.5], 1), "non-increasing"),
+])
+def test_bad_blts_are_refused(args, match):
+  with pytest.raises(ValueError, match=match):
+    correlation.buffered_toeplitz(*args)
