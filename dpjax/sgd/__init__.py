@@ -11,7 +11,7 @@ from dpjax.sgd.averaging import averaged_params, iterate_average
 from dpjax.sgd.bases import TwoSidedBasis, bases_like, trajectory_bases
 from dpjax.sgd.config import DPSGDConfig
 from dpjax.sgd.correlation import (BandedToeplitz, BufferedToeplitz, banded_toeplitz,
-                                   buffered_toeplitz, optimal_banded_toeplitz,
+                                   buffered_toeplitz, lambda_cgd, optimal_banded_toeplitz,
                                    optimal_buffered_toeplitz)
 from dpjax.sgd.denoise import low_rank_denoise
 from dpjax.sgd.distributed import data_mesh
@@ -32,7 +32,8 @@ __all__ = ["BandedToeplitz", "BufferedToeplitz", "DPSGDConfig", "DPSGDPlan", "Tw
            "banded_toeplitz", "bases_like", "buffered_toeplitz", "clipped_grad_sum",
            "data_mesh", "dense", "dp_aggregate", "dp_noise", "dp_sgd_plan",
            "embedding_residual_grad_sum", "ghost_clipped_grad_sum", "ghost_quantile_clipped_grad_sum",
-           "iterate_average", "kalman_filter", "kalman_filter_iterate", "linen_apply", "low_pass", "low_rank_denoise",
+           "iterate_average", "kalman_filter", "kalman_filter_iterate", "lambda_cgd",
+           "linen_apply", "low_pass", "low_rank_denoise",
            "nnx_apply", "nnx_model", "optimal_banded_toeplitz", "optimal_buffered_toeplitz",
            "private_gradient_subspace", "private_input_basis", "public_gradient_subspace",
            "public_input_basis", "quantile_clip_state", "quantile_clipped_grad_sum",

@@ -35,7 +35,7 @@ import numpy as np
 from dpjax import _validation as v
 
 __all__ = ["BandedToeplitz", "BufferedToeplitz", "banded_toeplitz", "buffered_toeplitz",
-           "optimal_banded_toeplitz", "optimal_buffered_toeplitz"]
+           "lambda_cgd", "optimal_banded_toeplitz", "optimal_buffered_toeplitz"]
 
 
 def _factorization(module: str = "toeplitz"):
@@ -263,6 +263,26 @@ def buffered_toeplitz(buf_decay, output_scale, min_sep: int) -> BufferedToeplitz
                               tuple(np.asarray(output_scale, np.float64).reshape(-1)), min_sep)
   strategy.sensitivity(1_000)
   return strategy
+
+
+def lambda_cgd(lam: float, min_sep: int) -> BufferedToeplitz:
+  """DP-λCGD's noise: each step's noise correlated with the previous step's only,
+  ``w_t = s(z_t − λ z_{t−1})`` — the one-buffer BLT with ``θ = ω = λ`` (``C⁻¹ = I − λ·shift``,
+  ``c_j = λ^j``), normalised to min-sep sensitivity 1 and accounted as every BLT (one Gaussian
+  for the run, no amplification; docs/algorithms.md §6.7). It keeps one buffer (the previous
+  draw); the variant that regenerates ``z_{t−1}`` from its key instead is not built.
+
+  Raises:
+    ValueError: λ outside (0, 1); min_sep not a positive integer.
+
+  References:
+    Kalinin et al. 2026, DP-λCGD (as cited in issue 52): noise correlated with the previous
+    step only. The accounting here is dpjax's min-sep argument, not the paper's.
+  """
+  lam = float(lam)
+  if not 0.0 < lam < 1.0:
+    raise ValueError(f"lam must lie in (0, 1), got {lam}.")
+  return buffered_toeplitz([lam], [lam], min_sep)
 
 
 def optimal_buffered_toeplitz(steps: int, min_sep: int, *,

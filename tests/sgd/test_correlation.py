@@ -346,3 +346,19 @@ def test_optimal_blt_beats_independent_noise_on_the_prefix_sums_under_min_sep():
 def test_bad_blts_are_refused(args, match):
   with pytest.raises(ValueError, match=match):
     correlation.buffered_toeplitz(*args)
+
+
+def test_lambda_cgd_noise_is_the_previous_draw_subtracted():
+  """DP-λCGD: step t's noise is s(z_t − λ z_{t−1}) of the independent draws z (one buffer)."""
+  strategy = sgd.lambda_cgd(0.6, min_sep=1)
+  assert strategy.coefficients(4) == pytest.approx([1.0, 0.6, 0.36, 0.216])
+  updates = jax.tree_util.tree_map(jnp.zeros_like, PARAMS)
+  common = dict(noise_multiplier=1.0, expected_batch_size=1.0, key=jax.random.key(8), steps=T)
+  corr, state = _released(noise.dp_noise(GRAD_FN, noise_strategy=strategy, **common), PARAMS,
+                          updates)
+  iid, _ = _released(noise.dp_noise(GRAD_FN, **common), PARAMS, updates)
+  z = _stack(iid, lambda u: u["w"])
+  want = strategy.sensitivity(T) * (z - 0.6 * np.concatenate([np.zeros_like(z[:1]), z[:-1]]))
+  np.testing.assert_allclose(_stack(corr, lambda u: u["w"]), want, rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="lam"):
+    sgd.lambda_cgd(1.0, min_sep=1)
