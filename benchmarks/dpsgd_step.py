@@ -37,6 +37,12 @@ The sides:
   noise (issue 52 §1, §6; :func:`dpjax.sgd.banded_toeplitz` of 4 bands): the same normals a
   step, plus 3 multiply-adds per released coordinate and a buffer of 3 copies of the released
   coordinates (p of them, or k·h on the projected kernel); unavailable without jax_privacy.
+* ``ghost_blt`` — the full release with DP-λCGD's one-buffer BLT noise
+  (:func:`dpjax.sgd.lambda_cgd` at λ = 0.8: one buffer of p, one multiply-add per coordinate);
+  unavailable without jax_privacy.
+* ``ghost_adaptive`` — adaptive clipping by ghost clipping
+  (:func:`dpjax.sgd.ghost_quantile_clipped_grad_sum`: the loss divided by C_t, the count
+  released inside the sum), the noise, the clip norm's update from the state, and sgd.
 * ``vmap`` — :func:`dpjax.sgd.clipped_grad_sum` (``vmap(grad)``, per-example gradients
   materialised), the same noise and sgd.
 * ``vmap_per_layer`` — the same with per-layer clipping (``per_layer="uniform"``: C/√K per
@@ -96,7 +102,8 @@ from dpjax.sgd import sampling
 DEFAULT_MODELS = ("784-1024-256-10", "cnn", "transformer", "784-4096-1664-10")
 QUICK_MODELS = ("784-1024-256-10", "cnn", "transformer")
 SIDES = ("nonprivate", "ghost", "ghost_no_noise", "ghost_subspace", "ghost_bandmf",
-         "ghost_subspace_bandmf", "vmap", "vmap_per_layer", "optax_dpsgd", "jax_privacy")
+         "ghost_subspace_bandmf", "ghost_blt", "ghost_adaptive", "vmap", "vmap_per_layer",
+         "optax_dpsgd", "jax_privacy")
 BANDS, BANDMF_STEPS = 4, 1_000_000   # BandMF sides: b bands, normalised for a long run
 CLIP, SIGMA, LR = 1.0, 1.0, 0.1
 MIN_SAMPLE_S = 0.2     # a timed sample repeats a short step to last about this long
@@ -304,6 +311,28 @@ def make_steps(bench, batch, micro, micro_rows, rank=16):
       build(tx, lambda p, X, y: ghost(p, (X, y), mask), f"{BANDS} bands")
     except ImportError as err:
       steps[side] = (None, None, f"unavailable: {err}")
+
+  side = "ghost_blt"
+  try:
+    tx = optax.chain(sgd.dp_noise(ghost, noise_multiplier=SIGMA, expected_batch_size=batch,
+                                  key=jax.random.key(1), steps=BANDMF_STEPS,
+                                  noise_strategy=sgd.lambda_cgd(0.8, min_sep=1)),
+                     optax.sgd(LR))
+    build(tx, lambda p, X, y: ghost(p, (X, y), mask), "DP-λCGD: one buffer")
+  except ImportError as err:
+    steps[side] = (None, None, f"unavailable: {err}")
+  side = "ghost_adaptive"
+  adaptive = sgd.ghost_quantile_clipped_grad_sum(apply_fn, example_loss, initial_clip_norm=CLIP)
+  adaptive_tx = optax.chain(
+      sgd.dp_noise(adaptive, noise_multiplier=SIGMA, expected_batch_size=batch,
+                   key=jax.random.key(1)),
+      sgd.quantile_clipping.quantile_clip_update(adaptive), optax.sgd(LR))
+
+  def adaptive_step(params, state, X, y):
+    clip = sgd.quantile_clip_state(state).clip_norm
+    updates, state = adaptive_tx.update(adaptive(params, (X, y), mask, clip), state, params)
+    return optax.apply_updates(params, updates), state
+  steps[side] = (jax.jit(adaptive_step), adaptive_tx.init(params), "C_t from the state")
 
   def per_example_side(grad_fn):
     """A vmap(grad) clipped sum, in micro-batches when the per-example gradients are large."""

@@ -452,7 +452,7 @@ def test_dpsgd_step_options(tmp_path):
   assert small["ghost_vs_vmap_max_rel_diff"] < 1e-5
   assert set(big["median_s"]) >= {"nonprivate", "ghost", "ghost_no_noise", "vmap", "optax_dpsgd",
                                   "ghost_subspace", "vmap_per_layer", "ghost_bandmf",
-                                  "ghost_subspace_bandmf"}
+                                  "ghost_subspace_bandmf", "ghost_blt", "ghost_adaptive"}
   # The subspace release draws k·h normals on the first kernel (--subspace-rank 4: 4·16, not
   # 20·16): 404 − 320 + 64 = 148; on 10-4, 44 − 40 + 16 = 20.
   assert big["noise_draws"] == {"full": 404, "subspace": 148}
