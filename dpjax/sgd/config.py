@@ -69,7 +69,7 @@ class DPSGDConfig:
       Or a :class:`dpjax.sgd.correlation.BufferedToeplitz` (BLT) with ``min_sep`` b: the same
       cyclic sampling (cycle ≥ b), and the run is ONE Gaussian mechanism at σ (the strategy is
       normalised to min-sep sensitivity 1; no amplification). Needs ``L·b ≤ N``; not with
-      ``max_batch_size`` or a mesh.
+      ``max_batch_size``; a mesh shards its sample like any other.
     cycle_length: optional b ≥ 1: cyclic Poisson sampling with or without a noise strategy
       (without one, independent noise; each example then takes part in at most ⌈T/b⌉ steps).
     fixed_size: True: fixed-size sampling, each step a uniformly random batch of exactly
@@ -77,7 +77,7 @@ class DPSGDConfig:
       (:class:`dpjax.sgd.sampling.FixedSizeSampling`). Its event is stated under REPLACE-ONE
       (``dp_accounting`` composes sampling without replacement under that relation only, and
       by RDP only): every figure of the plan is then replace-one (:attr:`neighboring`), and it
-      needs ``accountant="rdp"``; no subspace release, tuning, truncation, cycle or mesh.
+      needs ``accountant="rdp"``; no subspace release, tuning, truncation or cycle.
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
       Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP). A subspace event is
       then composed once, outside the repetition: a Gaussian release made before the tuning and

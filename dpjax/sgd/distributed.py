@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dpjax import _validation as v
 from dpjax.sgd import sampling
 
-__all__ = ["DATA_AXIS", "data_mesh", "padded_size", "shard_examples",
+__all__ = ["DATA_AXIS", "data_mesh", "padded_size", "shard_examples", "sharded_chosen_sum",
            "sharded_poisson_clipped_sum"]
 
 DATA_AXIS = "data"
@@ -132,13 +132,29 @@ def sharded_poisson_clipped_sum(grad_fn: Callable, params, data, key: jax.Array,
     TypeError / ValueError: not a mesh, an unknown axis, a leading size that is not
       ``padded_size(N, mesh)``, ``microbatch_size < 1``.
   """
+  chosen = jax.random.bernoulli(key, sampling_prob, (num_examples,))
+  return sharded_chosen_sum(grad_fn, params, data, chosen, microbatch_size=microbatch_size,
+                            mesh=mesh, data_axis=data_axis, extra_args=extra_args)
+
+
+def sharded_chosen_sum(grad_fn: Callable, params, data, chosen: jax.Array, *,
+                       microbatch_size: int, mesh: jax.sharding.Mesh,
+                       data_axis: str = DATA_AXIS, extra_args=()):
+  """The clipped-gradient sum over the examples marked in ``chosen`` (``(N,)`` bool, any batch
+  selection's draw: Poisson, cyclic Poisson, fixed-size), the examples sharded over a mesh:
+  each device sums the chosen examples it holds in micro-batches (never truncated), then
+  ``lax.psum``. Traceable; the single-device sum up to the order of float additions.
+
+  Raises:
+    ValueError: ``data``'s leading axis is not ``padded_size(N, mesh)``; micro-batch < 1.
+  """
   microbatch_size = v.check_int(microbatch_size, "microbatch_size", low=1)
+  num_examples = chosen.shape[0]
   total = padded_size(num_examples, mesh, data_axis)
   sizes = {x.shape[0] for x in jax.tree_util.tree_leaves(data)}
   if sizes != {total}:
     raise ValueError(f"data's leading axis must be padded_size(N={num_examples}) = {total} "
                      f"(shard_examples pads it), got {sorted(sizes)}.")
-  chosen = jax.random.bernoulli(key, sampling_prob, (num_examples,))
   chosen = jnp.pad(chosen, (0, total - num_examples))
   call = sampling.masked_call(grad_fn)
 

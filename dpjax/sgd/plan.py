@@ -229,15 +229,14 @@ class DPSGDPlan:
              (quantile_clipping.quantile_clip_state(opt_state).clip_norm,)
              if isinstance(self.grad_fn, quantile_clipping.QuantileClippedGradSum) else ())
     selection = self.batch_selection
-    if isinstance(selection, sampling.CyclicPoissonSampling):
-      return selection.clipped_sum(self.grad_fn, params, data, key, *extra, step=state.step,
-                                   partition_key=noise.partition_key(state))
+    cyclic = isinstance(selection, sampling.CyclicPoissonSampling)
+    where = {"step": state.step, "partition_key": noise.partition_key(state)} if cyclic else {}
     if self.mesh is None:
-      return selection.clipped_sum(self.grad_fn, params, data, key, *extra)
-    return distributed.sharded_poisson_clipped_sum(
-        self.grad_fn, params, data, key, num_examples=selection.num_examples,
-        sampling_prob=selection.sampling_prob, microbatch_size=selection.microbatch_size,
-        mesh=self.mesh, data_axis=self.data_axis, extra_args=extra)
+      return selection.clipped_sum(self.grad_fn, params, data, key, *extra, **where)
+    return distributed.sharded_chosen_sum(
+        self.grad_fn, params, data, selection.chosen(key, **where),
+        microbatch_size=selection.microbatch_size, mesh=self.mesh, data_axis=self.data_axis,
+        extra_args=extra)
 
   def update(self, params, opt_state, data, optimizer):
     """One DP-SGD step, traceable: :meth:`clipped_sum`, the transform's update, the new
@@ -396,15 +395,10 @@ def make_plan(config: config_lib.DPSGDConfig, grad_fn, *, key: jax.Array, basis=
                        "rows on one device: give no mesh and no microbatch_size.")
     selection = config.batch_selection
   elif config.fixed_size:
-    if mesh is not None:
-      raise ValueError("fixed-size sampling runs on one device: give no mesh.")
     selection = sampling.fixed_size_sampling(config.num_examples,
                                              int(config.expected_batch_size),
                                              microbatch_size=microbatch_size)
   elif config.cycle_length is not None:
-    if mesh is not None:
-      raise ValueError("cyclic Poisson sampling (a noise strategy or cycle_length) runs on one "
-                       "device: give no mesh.")
     selection = sampling.cyclic_poisson_sampling(
         config.num_examples, config.expected_batch_size, config.cycle_length,
         microbatch_size=microbatch_size, amplified=config.batch_selection.amplified)

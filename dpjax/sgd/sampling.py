@@ -132,6 +132,10 @@ class PoissonSampling:
     """How many times :meth:`dp_event` composes over T steps: T."""
     return steps
 
+  def chosen(self, key: jax.Array, **_) -> jax.Array:
+    """``(N,)`` bool: this step's sample (the mask a mesh's devices sum their rows of)."""
+    return jax.random.bernoulli(key, self.sampling_prob, (self.num_examples,))
+
   def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args):
     """One step's clipped-gradient sum over a fresh Poisson sample drawn with ``key``
     (traceable; :func:`poisson_clipped_sum`). Use a fresh key per step."""
@@ -319,6 +323,11 @@ class CyclicPoissonSampling:
       return 1
     return -(-steps // self.cycle_length)
 
+  def chosen(self, key: jax.Array, *, step, partition_key: jax.Array, **_) -> jax.Array:
+    """``(N,)`` bool: step ``step``'s sample (:func:`cyclic_poisson_chosen`)."""
+    return cyclic_poisson_chosen(key, partition_key, self.num_examples, self.sampling_prob,
+                                 self.cycle_length, step)
+
   def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args, step,
                   partition_key: jax.Array):
     """Step ``step``'s clipped-gradient sum over the Poisson sample of group ``step mod b``
@@ -416,6 +425,10 @@ class FixedSizeSampling:
   def compositions(self, steps: int) -> int:
     """How many times :meth:`dp_event` composes over T steps: T."""
     return steps
+
+  def chosen(self, key: jax.Array, **_) -> jax.Array:
+    """``(N,)`` bool: this step's batch (:func:`fixed_size_chosen`)."""
+    return fixed_size_chosen(key, self.num_examples, self.batch_size)
 
   def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args):
     """One step's clipped-gradient sum over a fresh batch of B examples drawn with ``key``

@@ -1,8 +1,8 @@
 """Correlated (BandMF) noise and cyclic Poisson sampling (issue 52 §1, §3; docs/algorithms.md
 §6.6): the released noise is exactly C⁻¹ of the independent draws on every release map, the
 T-step covariance is std²·C⁻¹C⁻ᵀ, the plan's event is jax_privacy's amplified BandMF event, and
-the slips (a cycle below the bands, L·b > N, a strategy with truncation, a mesh or adaptive
-clipping) are refused."""
+the slips (a cycle below the bands, L·b > N, a strategy with truncation or adaptive clipping)
+are refused; on a mesh the cyclic sample is the single-device one."""
 
 import dataclasses
 
@@ -211,9 +211,6 @@ def test_refusals_at_make_and_in_dp_noise():
   quantile = sgd.quantile_clipped_grad_sum(_linear, initial_clip_norm=1.0)
   with pytest.raises(ValueError, match="noise_strategy"):
     config.make(quantile, key=jax.random.key(0))
-  mesh = sgd.data_mesh()
-  with pytest.raises(ValueError, match="mesh"):
-    config.make(GRAD_FN, key=jax.random.key(0), mesh=mesh)
   with pytest.raises(ValueError, match="steps"):
     noise.dp_noise(GRAD_FN, noise_multiplier=1.0, expected_batch_size=1.0,
                    key=jax.random.key(0), noise_strategy=STRATEGY)
@@ -362,3 +359,29 @@ def test_lambda_cgd_noise_is_the_previous_draw_subtracted():
   np.testing.assert_allclose(_stack(corr, lambda u: u["w"]), want, rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="lam"):
     sgd.lambda_cgd(1.0, min_sep=1)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"noise_strategy": STRATEGY}, {"noise_strategy": BLT},
+    {"fixed_size": True, "accountant": "rdp"}])
+def test_on_a_mesh_cyclic_and_fixed_size_samples_are_the_single_device_ones(kwargs):
+  """A one-device mesh here (four devices in tests/sgd/test_distributed.py): the sharded clipped
+  sum equals the unsharded one for the same state, at two steps (two groups of the cycle)."""
+  rng = np.random.default_rng(0)
+  X = rng.normal(size=(301, 5)).astype(np.float32)
+  y = X @ np.arange(1.0, 6.0, dtype=np.float32)
+
+  def plan(**more):
+    return sgd.dp_sgd_plan(GRAD_FN, num_examples=301, expected_batch_size=30, steps=4,
+                           noise_multiplier=1.0, key=jax.random.key(5), microbatch_size=16,
+                           **kwargs, **more)
+  meshed, single = plan(mesh=sgd.data_mesh()), plan()
+  opt = optax.sgd(0.1)
+  s_mesh, s_single = meshed.init(PARAMS, opt), single.init(PARAMS, opt)
+  for _ in range(2):
+    got = meshed.clipped_sum(PARAMS, meshed.prepare((X, y)), s_mesh)
+    want = single.clipped_sum(PARAMS, single.prepare((X, y)), s_single)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    _, s_mesh = meshed.step(PARAMS, s_mesh, meshed.prepare((X, y)), opt)
+    _, s_single = single.step(PARAMS, s_single, single.prepare((X, y)), opt)

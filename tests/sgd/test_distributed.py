@@ -69,6 +69,18 @@ summed = sharded.clipped_sum(jnp.zeros(D), prepared, sharded.init(jnp.zeros(D), 
 out["sum_sharded"] = np.asarray(summed).tolist()
 out["sum_single"] = np.asarray(single.clipped_sum(
     jnp.zeros(D), (X, Y), single.init(jnp.zeros(D), optax.sgd(1.0)))).tolist()
+# Cyclic Poisson (BandMF) and fixed-size sampling: the same sample, sharded.
+for name, kw in (("cyclic", dict(noise_strategy=sgd.banded_toeplitz([1.0, 0.5]))),
+                 ("fixed", dict(fixed_size=True, accountant="rdp"))):
+  def scheme(**more):
+    return sgd.dp_sgd_plan(sgd.clipped_grad_sum(loss, clip_norm=1.0), num_examples=N,
+                           expected_batch_size=100, steps=2, key=jax.random.key(3),
+                           noise_multiplier=1.0, microbatch_size=16, **kw, **more)
+  a, b = scheme(mesh=mesh), scheme()
+  out[name] = [np.asarray(a.clipped_sum(jnp.zeros(D), a.prepare((X, Y)),
+                                        a.init(jnp.zeros(D), optax.sgd(1.0)))).tolist(),
+               np.asarray(b.clipped_sum(jnp.zeros(D), (X, Y),
+                                        b.init(jnp.zeros(D), optax.sgd(1.0)))).tolist()]
 print(json.dumps(out))
 """
 
@@ -90,6 +102,10 @@ def test_one_and_four_devices_agree_for_a_fixed_key(four_devices):
   assert not np.allclose(four_devices["sub_one"], four_devices["one"])
   np.testing.assert_allclose(four_devices["sum_sharded"], four_devices["sum_single"],
                              rtol=1e-5, atol=1e-5)
+  for scheme in ("cyclic", "fixed"):                 # cyclic Poisson and fixed-size samples
+    sharded, single = four_devices[scheme]
+    np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
+    assert np.linalg.norm(single) > 0
   assert np.linalg.norm(four_devices["one"]) > 0
 
 
