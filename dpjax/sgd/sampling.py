@@ -250,14 +250,18 @@ def truncated_poisson_sampling(num_examples: int, expected_batch_size: float,
 def truncated_poisson_chosen(key: jax.Array, num_examples: int, sampling_prob,
                              max_batch_size: int) -> tuple[jax.Array, jax.Array]:
   """``(indices, mask)``, both ``(B,)``: a Poisson sample at q truncated to a uniformly random
-  subset of at most B of its examples (traceable). ``key`` is split once into the sample's and
+  subset of at most B of its examples (the first B of the sample in a random permutation's
+  order; traceable). ``key`` is split once into the sample's and
   the subset's streams. The mask marks the kept examples; like the sample, it never enters a
   released value (:mod:`dpjax.sgd.sampling`)."""
   sample_key, subset_key = jax.random.split(key)
   sampled = jax.random.bernoulli(sample_key, sampling_prob, (num_examples,))
-  priority = jnp.where(sampled, jax.random.uniform(subset_key, (num_examples,)), 2.0)
-  _, indices = jax.lax.top_k(-priority, min(max_batch_size, num_examples))
-  indices = indices.astype(jnp.int32)
+  # A uniform subset of the sample: the sampled examples in a uniformly random order (a
+  # permutation, not float priorities, which tie for N in the tens of thousands and would be
+  # broken by index), the first B kept.
+  order = jax.random.permutation(subset_key, num_examples)
+  first = jnp.argsort(~sampled[order], stable=True)
+  indices = order[first][:min(max_batch_size, num_examples)].astype(jnp.int32)
   mask = sampled[indices]
   pad = max_batch_size - indices.shape[0]
   if pad:                                        # B > N: a batch of B rows all the same
