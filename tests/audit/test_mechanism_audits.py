@@ -820,10 +820,6 @@ def _quantile_state(path="vmap", declared=None):
   return plan.epsilon, noise.init(_quantile_program(path).params)
 
 
-_QUANTILE_NAMES = {"vmap": "DP-SGD step, adaptive clipping (Δ = √10)",
-                   "ghost": "DP-SGD step, adaptive clipping by ghost clipping (Δ = √10)"}
-
-
 @pytest.mark.parametrize("path", ["vmap", "ghost"])
 def test_dp_sgd_step_with_adaptive_clipping(audit_trials, path):
   """The gradient sum and the clipped count, released together with noise σΔ (Δ = √10), keep
@@ -832,7 +828,8 @@ def test_dp_sgd_step_with_adaptive_clipping(audit_trials, path):
   n = audit_trials(5_000, 100_000)
   claimed, state = _quantile_state(path)
   lb = _audit_step(jax.random.key(65), _quantile_program(path), state, n, _batch(audit_trials))
-  _check(_QUANTILE_NAMES[path], claimed, lb, n)
+  by = "" if path == "vmap" else "by ghost clipping "
+  _check(f"DP-SGD step, adaptive clipping {by}(Δ = √10)", claimed, lb, n)
 
 
 @pytest.mark.parametrize("path", ["vmap", "ghost"])
