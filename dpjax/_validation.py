@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 
 import jax
@@ -141,6 +142,7 @@ def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.A
   if dtype == bool or not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
                            or dtype == jnp.bfloat16):
     raise TypeError(f"{name} must have a real floating dtype, got dtype={dtype}.")
+  check_not_pixels(arr, name)
   if arr.ndim != ndim:
     raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(arr.shape)}.")
   if arr.shape[0] < min_rows:
@@ -155,6 +157,55 @@ def check_data(X, name: str = "X", *, ndim: int = 2, min_rows: int = 1) -> jax.A
   if not is_traced(out) and not _concrete_all_finite(out):
     raise ValueError(f"{name} contains NaN or infinite entries; remove or impute them first.")
   return out
+
+
+def check_not_pixels(x, name: str = "X") -> None:
+  """Refuses ``uint8`` arrays: raw image pixels in 0–255, whose scale dpjax must not guess
+  (issue 53: they were taken as 0–255 values, silently, by DP-SGD, DPASE and CoinPress, whose
+  bounds and clip norms are then off by 255×).
+
+  Raises:
+    TypeError: ``x`` has dtype uint8, with the conversion to write instead.
+  """
+  if np.dtype(getattr(x, "dtype", np.float32)) == np.uint8:
+    raise TypeError(
+        f"{name} has dtype uint8 (raw pixels in 0–255?); dpjax does not guess their scale. "
+        f"Convert explicitly: {name}.astype(np.float32) / 255 for values in [0, 1], or "
+        f"{name}.astype(np.float32) to keep 0–255 (then set the public bounds, e.g. the clip "
+        "norm or data_norm, for that range).")
+
+
+def check_no_pixels(tree, name: str = "data") -> None:
+  """:func:`check_not_pixels` for every leaf of a pytree of examples with two or more axes
+  (``(N, …)`` features or images; 1-D uint8 leaves, e.g. class labels, are fine)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if np.ndim(leaf) >= 2:
+      check_not_pixels(leaf, f"{name}{jax.tree_util.keystr(path)}")
+
+
+_LIBRARY_DIRS = None
+
+
+def user_stacklevel() -> int:
+  """The ``stacklevel`` that makes a warning point at the user's call: past the frames of dpjax
+  and of the libraries that trace it (jax, optax, flax, equinox) and of Python's own helpers
+  (functools, contextlib), counted from the caller of ``warnings.warn``."""
+  global _LIBRARY_DIRS
+  if _LIBRARY_DIRS is None:
+    import contextlib
+    import functools
+    import os
+    roots = [os.path.dirname(os.path.abspath(__file__))]
+    for name in ("jax", "jaxlib", "optax", "flax", "equinox"):
+      module = sys.modules.get(name)
+      if module is not None and getattr(module, "__file__", None):
+        roots.append(os.path.dirname(os.path.abspath(module.__file__)))
+    roots += [os.path.abspath(functools.__file__), os.path.abspath(contextlib.__file__)]
+    _LIBRARY_DIRS = tuple(roots)
+  frame, level = sys._getframe(1), 1      # the frame that calls warnings.warn is level 1
+  while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def is_traced(*trees) -> bool:

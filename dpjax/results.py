@@ -258,7 +258,38 @@ class ERMResult(DPResult):
   nonprivate_gradient_norm: jax.Array
 
 
+def _short(value, width: int = 60) -> str:
+  """An array as ``dtype[shape]`` (a concrete scalar as its value); a dict of them likewise;
+  anything else as its repr, cut at ``width`` characters."""
+  if isinstance(value, dict):
+    return "{" + ", ".join(f"{k!r}: {_short(val, width)}" for k, val in value.items()) + "}"
+  if hasattr(value, "shape") and hasattr(value, "dtype"):
+    if value.shape == () and not isinstance(value, jax.core.Tracer):
+      return repr(value.item())
+    return f"{value.dtype}[{', '.join(str(n) for n in value.shape)}]"
+  text = repr(value)
+  return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _summary_repr(self) -> str:
+  """A result in one screen: arrays by dtype and shape, ε, δ and the relation by value, the
+  public info by its keys, the event cut short."""
+  fields = []
+  for f in dataclasses.fields(self):
+    value = getattr(self, f.name)
+    if f.name == "info":
+      fields.append("info={" + ", ".join(value) + "}")
+    elif f.name == "neighboring":
+      fields.append(f"neighboring={getattr(value, 'name', None)}")
+    elif f.name == "released" and not value:
+      continue
+    else:
+      fields.append(f"{f.name}={_short(value)}")
+  return f"{type(self).__name__}(" + ", ".join(fields) + ")"
+
+
 for _cls in (DPResult, SubspaceResult, EstimateResult, GaussianResult, SyntheticDataResult,
              ERMResult):
   jax.tree_util.register_dataclass(_cls)
+  _cls.__repr__ = _summary_repr
 

@@ -207,3 +207,24 @@ def test_neighboring_is_spelled_as_dp_accounting_spells_it_with_a_deprecated_ali
     old.record_approx_dp(0.1, 0.0, neighbouring=NeighboringRelation.REPLACE_ONE)
   with pytest.raises(TypeError, match="only"):
     PrivacyLedger(1.0, 1e-5, neighboring=NeighboringRelation.REPLACE_ONE, neighbouring=ADD_REMOVE)
+
+
+def test_results_and_plans_print_in_one_screen():
+  """Issue 53: a result printed every array in full. Now arrays show as dtype[shape], the info
+  by its keys, and a plan prints its guarantee, σ, T, selection, release and Δ in one line."""
+  import jax
+  import numpy as np
+  import dpjax
+  X = np.random.default_rng(0).normal(size=(500, 40)) / 10
+  result = dpjax.subspace.analyze_gauss(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=3,
+                                        clip_norm=1.0)
+  text = repr(result)
+  assert "basis=float32[40, 3]" in text or "basis=float64[40, 3]" in text
+  assert "ok=True" in text and "neighboring=REPLACE_ONE" in text and len(text) < 400
+  assert "info={clip_norm" in text and "[[" not in text
+  grad_fn = dpjax.sgd.clipped_grad_sum(lambda w, ex: (ex[0] @ w - ex[1]) ** 2, clip_norm=1.0)
+  plan = dpjax.sgd.dp_sgd_plan(grad_fn, num_examples=1000, expected_batch_size=100, steps=50,
+                               epsilon=2.0, key=jax.random.key(0), accountant="rdp")
+  line = repr(plan)
+  assert line.startswith("DPSGDPlan(ε=2, δ=1e-05 add/remove-one, σ=") and "\n" not in line
+  assert "T=50, L=100 of N=1000, PoissonSampling, release=full" in line and len(line) < 200

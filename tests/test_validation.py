@@ -454,3 +454,28 @@ def test_al_subspace_refuses_when_bottom_is_certain_and_warns_when_likely():
     warnings.simplefilter("error")
     al_subspace_parameters(400, 3, epsilon=1.0, delta=1e-6)
     al_subspace_parameters(4000, 3, epsilon=1.0, delta=1e-6, num_groups=k_min)
+
+
+def test_uint8_pixels_are_refused_with_the_conversion_to_write():
+  """Issue 53: uint8 pixels were taken as 0–255 values by DP-SGD, DPASE and CoinPress in
+  silence; now every learner refuses them and says how to convert."""
+  import optax
+  import dpjax
+  pixels = np.random.default_rng(0).integers(0, 256, (64, 6)).astype(np.uint8)
+  with pytest.raises(TypeError, match=r"uint8.*astype\(np.float32\) / 255"):
+    dpjax.subspace.dpase(jax.random.key(0), pixels, epsilon=1.0, delta=1e-6, k=1, gamma=0.1)
+  with pytest.raises(TypeError, match="uint8"):
+    dpjax.coinpress.coinpress_covariance(jax.random.key(0), pixels, epsilon=1.0, delta=1e-6,
+                                         kappa=10.0)
+  labels = np.zeros(64, np.uint8)                  # 1-D uint8 labels are fine
+  grad_fn = dpjax.sgd.clipped_grad_sum(
+      lambda w, ex: optax.sigmoid_binary_cross_entropy(ex[0] @ w, ex[1]), clip_norm=1.0)
+  plan = dpjax.sgd.dp_sgd_plan(grad_fn, num_examples=64, expected_batch_size=8, steps=2,
+                               noise_multiplier=1.0, key=jax.random.key(1))
+  with pytest.raises(TypeError, match=r"data\[0\] has dtype uint8"):
+    plan.prepare((pixels, labels))
+  opt = optax.sgd(0.1)
+  with pytest.raises(TypeError, match="uint8"):
+    plan.clipped_sum(jnp.zeros(6), (pixels, labels), plan.init(jnp.zeros(6), opt))
+  prepared = plan.prepare((pixels.astype(np.float32) / 255, labels))
+  assert prepared[0].dtype == jnp.float32

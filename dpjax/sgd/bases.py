@@ -186,7 +186,10 @@ def check_layer_bases(bases, params, *, tol: float = 1e-3):
     raise ValueError("bases must have the structure of the params, with None for the leaves "
                      "that are not projected.")
   if all(b is None for b in leaves):
-    raise ValueError("bases has no projected leaf; pass no bases for full noise.")
+    raise ValueError("bases has no projected leaf; pass no bases for full noise. (A select "
+                     "that tests w.shape[0] against the input size matches no (out, in) kernel: "
+                     "Equinox and PyTorch-style layers store (out, in); use "
+                     "bases_like(params, select, layout='out_in') with w.shape[-1].)")
 
   def check(basis, leaf):
     if basis is None:
@@ -209,8 +212,13 @@ def _check_side(basis, shape, rows, side, tol):
   if basis.shape[0] != rows:
     what = ("the product of the leaf's other axes" if side == "right"
             else "the leaf's first, input-side axis")
+    hint = ""
+    if not side and len(shape) == 2 and basis.shape[0] == shape[1]:
+      hint = (f" This leaf looks like an (out, in) kernel (Equinox, PyTorch-style): project its "
+              f"input side with TwoSidedBasis(jnp.eye({shape[0]}), U), or build the bases with "
+              "bases_like(params, select, layout='out_in'), which does that.")
     raise ValueError(f"a {side + ' ' if side else ''}basis for a leaf of shape {shape} must "
-                     f"have {rows} rows ({what}), got {tuple(basis.shape)}.")
+                     f"have {rows} rows ({what}), got {tuple(basis.shape)}.{hint}")
   return basis
 
 
@@ -223,20 +231,47 @@ def bases_norm_bound(bases) -> float:
   return max([1.0] + bounds)
 
 
-def bases_like(params, select) -> Any:
+def bases_like(params, select, *, layout: str = "in_out") -> Any:
   """A per-layer bases pytree: ``select(path, leaf)`` for every leaf of ``params`` (a basis, a
   :class:`TwoSidedBasis` or None), e.g. the first kernel's input basis::
 
       bases = bases_like(params, lambda path, w: U if "Dense_0" in jax.tree_util.keystr(path)
                          and w.ndim == 2 else None)
 
-  Works on any params pytree (dicts, Flax NNX ``nnx.State``, Linen, Equinox arrays); no check
-  here: the noise checks the result against the params (:func:`check_layer_bases`).
+  Kernels stored ``(out, in)`` (Equinox's ``eqx.nn.Linear``, PyTorch-style)::
+
+      bases = bases_like(model_params, lambda _, w: U if w.ndim == 2 and w.shape[-1] == 784
+                         else None, layout="out_in")
+
+  ``layout="out_in"`` turns each plain basis ``U (in, k)`` that ``select`` returns for a 2-D
+  leaf into ``TwoSidedBasis(I_out, U)``: the noise then lives in ``out × k`` coefficients of the
+  leaf's input side, as ``U`` does on an ``(in, out)`` kernel (docs/algorithms.md §6.0).
+
+  Works on any params pytree (dicts, Flax NNX ``nnx.State``, Linen, Equinox arrays); no other
+  check here: the noise checks the result against the params (:func:`check_layer_bases`).
+
+  Raises:
+    TypeError: ``select`` not callable.
+    ValueError: an unknown ``layout``; with ``"out_in"``, a plain basis for a leaf that is not
+      2-D.
   """
   if not callable(select):
     raise TypeError(f"select must be callable (path, leaf) -> basis or None, got "
                     f"{type(select).__name__}.")
-  return jax.tree_util.tree_map_with_path(select, params)
+  if layout not in ("in_out", "out_in"):
+    raise ValueError(f"layout must be 'in_out' (Flax, dpjax.sgd.dense) or 'out_in' (Equinox, "
+                     f"PyTorch-style), got {layout!r}.")
+
+  def pick(path, leaf):
+    basis = select(path, leaf)
+    if layout == "in_out" or basis is None or isinstance(basis, TwoSidedBasis):
+      return basis
+    if jnp.ndim(leaf) != 2:
+      raise ValueError(f"layout='out_in' projects the input (last) axis of 2-D kernels; "
+                       f"{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}.")
+    return TwoSidedBasis(jnp.eye(jnp.shape(leaf)[0], dtype=jnp.float32), basis)
+
+  return jax.tree_util.tree_map_with_path(pick, params)
 
 
 def trajectory_bases(released, rank: int, *, min_dim: int = 2, noise_std=None,

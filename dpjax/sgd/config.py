@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from typing import Any
 
 import dp_accounting
@@ -25,6 +27,8 @@ from dpjax import _validation as v
 from dpjax import accounting, results
 from dpjax.sgd import distributed, sampling
 from dpjax.sgd import noise as noise_lib
+
+_LOG = logging.getLogger("dpjax")    # silent unless the user enables INFO (README)
 
 __all__ = ["DPSGDConfig"]
 
@@ -228,6 +232,17 @@ class DPSGDConfig:
 
   @functools.cached_property
   def _budget(self) -> accounting.DPSGDBudget:
+    what = (f"calibrating σ for (ε, δ) = ({self.epsilon:g}, {self.delta:g}) with the "
+            f"{self.accountant.upper()} accountant" if self.epsilon is not None
+            else f"accounting σ = {self.noise_multiplier:g}")
+    _LOG.info("%s (%d steps)…", what, self.steps)
+    start = time.perf_counter()
+    budget = self._compute_budget()
+    _LOG.info("%s: σ = %.4g, ε = %.4g (%.1f s)", what, budget.noise_multiplier, budget.epsilon,
+              time.perf_counter() - start)
+    return budget
+
+  def _compute_budget(self) -> accounting.DPSGDBudget:
     event = None if isinstance(self.subspace_event, dp_accounting.NoOpDpEvent) else \
         self.subspace_event
     common = dict(steps=self.steps, subspace_event=event, accountant=self.accountant,

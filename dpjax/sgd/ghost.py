@@ -368,14 +368,30 @@ def _plan(apply_fn, example_loss, leaves, treedef, inputs, targets) -> _Plan:
   return _Plan(calls, uncovered, unused)
 
 
-def _warn_uncovered(params, plan):
-  if plan.uncovered:
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    warnings.warn("ghost clipping: parameters " + ", ".join(paths[i] for i in plan.uncovered)
-                  + " are not (only) read by one recorded layer call (dense, or a layer of "
-                  "dpjax.sgd.ghost.layer / dpjax.sgd.flax_layers) at apply_fn's top level; their "
-                  "per-example gradients are computed by vmap(grad) (exact, slower).",
-                  stacklevel=3)
+def _warn_uncovered(params, plan, reasons=None):
+  """One warning naming the leaves that fall back to ``vmap(grad)``, why, whether it matters and
+  how to avoid it, pointed at the user's call. ``reasons``: ``{leaf index: why}`` for leaves
+  moved there for another reason than coverage (GEP's bases)."""
+  if not plan.uncovered:
+    return
+  reasons = reasons or {}
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  uncovered = [paths[i] for i in plan.uncovered if i not in reasons]
+  parts = []
+  if uncovered:
+    parts.append(
+        ", ".join(uncovered) + " " + ("is" if len(uncovered) == 1 else "are") + " not read by "
+        "exactly one recorded layer call at apply_fn's top level (weight tying, a table indexed "
+        "directly, a layer inside lax.scan/cond/checkpoint/jit/vmap). To cover it, call the "
+        "layer through dpjax.sgd.dense or dpjax.sgd.ghost.layer once, at the top level (Flax: "
+        "nnx.Linear/LinearGeneral/Conv/Embed, e.g. nnx.Embed for a position table, instead of "
+        "indexing a raw nnx.Param)")
+  for i, why in sorted(reasons.items()):
+    parts.append(f"{paths[i]} {why}")
+  warnings.warn("ghost clipping: per-example gradients by vmap(grad) for " + "; ".join(parts)
+                + ". Safe to ignore: the result and its privacy are exact and the same; only "
+                "these leaves cost per-example memory and time.",
+                stacklevel=v.user_stacklevel())
 
 
 def _forward_backward(apply_fn, example_loss, plan, leaves, treedef, inputs, targets, size,
@@ -949,6 +965,22 @@ def _gep_plan(plan, leaf_bases, leaves):
   return _Plan(calls, tuple(sorted(set(plan.uncovered) | two)), plan.unused)
 
 
+def _gep_reasons(plain, plan, leaf_bases, leaves) -> dict:
+  """Why GEP moved covered leaves to the fallback: a two-sided basis, or a basis on a kernel
+  that is not a 2-D dense one (a 3-D attention kernel, a convolution, an embedding)."""
+  kinds = {iw: kind for iw, _, _, kind in plain.calls if iw is not None}
+  out = {}
+  for i in set(plan.uncovered) - set(plain.uncovered):
+    if isinstance(leaf_bases[i], bases_lib.TwoSidedBasis):
+      out[i] = ("has a two-sided basis: GEP splits it from its materialised gradient (a "
+                "one-sided basis on a 2-D dense kernel is split without one)")
+    else:
+      out[i] = (f"is a {type(kinds.get(i)).__name__} kernel of shape {jnp.shape(leaves[i])} "
+                "with a basis: GEP's ghost split covers 2-D dense kernels only (its basis acts "
+                "on the leaf's first axis, split from the materialised gradient)")
+  return out
+
+
 def _gep_blocks(plan, deltas, xs, free_grads, leaves, leaf_bases):
   """``(embedding blocks, residual blocks)`` by leaf index (module docstring of the GEP path in
   :func:`ghost_clipped_grad_sum`): a covered kernel with basis U gives the blocks of inputs
@@ -991,9 +1023,9 @@ def _ghost_gep(apply_fn, example_loss, c_e, c_r, joint, clipping, stability):
       raise ValueError(f"mask must have shape ({size},), got {jnp.shape(mask)}.")
     leaves, treedef = jax.tree_util.tree_flatten(params)
     leaf_bases = treedef.flatten_up_to(bases)
-    plan = _gep_plan(_plan(apply_fn, example_loss, leaves, treedef, inputs, targets),
-                     leaf_bases, leaves)
-    _warn_uncovered(params, plan)
+    plain = _plan(apply_fn, example_loss, leaves, treedef, inputs, targets)
+    plan = _gep_plan(plain, leaf_bases, leaves)
+    _warn_uncovered(params, plan, _gep_reasons(plain, plan, leaf_bases, leaves))
     deltas, xs, free_grads = _forward_backward(apply_fn, example_loss, plan, leaves, treedef,
                                                inputs, targets, size)
     emb, res = _gep_blocks(plan, deltas, xs, free_grads, leaves, leaf_bases)

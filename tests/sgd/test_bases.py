@@ -213,3 +213,44 @@ def test_two_sided_trajectory_bases_are_the_top_singular_pairs():
                              np.linalg.norm(ruled.right, axis=0), atol=1e-5)
   assert 0 < float(np.linalg.norm(ruled.left, axis=0).sum()) < 3
   bases_lib.check_layer_bases({"w": ruled}, {"w": jnp.zeros((8, 6))})
+
+
+def test_equinox_out_in_kernels_take_an_input_basis_by_layout():
+  """Issue 53: Equinox stores kernels (out, in); README (b)'s select matched no leaf and the
+  error did not lead to the fix. layout='out_in' projects their input side, and the errors name
+  the fix."""
+  import equinox as eqx
+  import optax
+  from dpjax import sgd
+  model = eqx.nn.MLP(12, 3, width_size=8, depth=1, key=jax.random.key(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  U = np.linalg.qr(np.random.default_rng(0).normal(size=(12, 4)))[0].astype(np.float32)
+  assert params.layers[0].weight.shape == (8, 12)
+
+  def loss(p, example):
+    logits = eqx.combine(p, static)(example[0])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, example[1])
+  grad_fn = sgd.clipped_grad_sum(loss, clip_norm=1.0)
+  common = dict(num_examples=64, expected_batch_size=16, steps=2, noise_multiplier=1.0,
+                key=jax.random.key(1))
+  with pytest.raises(ValueError, match=r"layout='out_in'"):       # the README's select
+    sgd.dp_sgd_plan(grad_fn, bases=sgd.bases_like(
+        params, lambda _, w: U if w.ndim == 2 and w.shape[0] == 12 else None), **common).init(
+            params, optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"TwoSidedBasis\(jnp.eye\(8\), U\)"):   # U on in_out
+    sgd.dp_sgd_plan(grad_fn, bases=sgd.bases_like(
+        params, lambda _, w: U if w.ndim == 2 and w.shape[-1] == 12 else None), **common).init(
+            params, optax.sgd(0.1))
+  bases = sgd.bases_like(params, lambda _, w: U if w.ndim == 2 and w.shape[-1] == 12 else None,
+                         layout="out_in")
+  assert isinstance(bases.layers[0].weight, sgd.TwoSidedBasis)
+  plan = sgd.dp_sgd_plan(grad_fn, bases=bases, **common)
+  X = np.random.default_rng(1).normal(size=(64, 12)).astype(np.float32)
+  y = np.random.default_rng(2).integers(0, 3, 64)
+  opt = optax.sgd(0.1)
+  state = plan.init(params, opt)
+  new, _ = plan.step(params, state, plan.prepare((X, y)), opt)
+  change = np.asarray(new.layers[0].weight - params.layers[0].weight)
+  np.testing.assert_allclose(change, change @ U @ U.T, atol=1e-5)   # every row in span(U)
+  with pytest.raises(ValueError, match="layout"):
+    sgd.bases_like(params, lambda _, w: None, layout="torch")

@@ -118,3 +118,28 @@ def test_ghost_gep_needs_both_clips_and_not_clip_norm():
       ghost.ghost_clipped_grad_sum(apply_fn, example_loss, **kwargs)
   with pytest.raises(ValueError, match="residual_clip"):
     ghost.ghost_clipped_grad_sum(apply_fn, example_loss, embedding_clip=1.0, residual_clip=0.0)
+
+
+def test_the_fallback_warning_gives_the_reason_the_fix_and_points_at_the_caller():
+  """Issue 53: the fallback warning pointed into dpjax/sgd/ghost.py, gave no way out, did not
+  say it was safe to ignore, and under GEP blamed coverage for a two-sided basis or a 3-D
+  attention kernel. Now: the caller's line, the reason per leaf, how to avoid it, "safe"."""
+  params, batch = _setup()
+  fast, _ = _pair(True, "clip")
+  with pytest.warns(UserWarning, match="ghost clipping") as caught:
+    fast.fun(params, batch, jnp.ones(B, bool), BASES["two-sided (vmap fallback)"]())
+  message = str(caught[0].message)
+  assert caught[0].filename == __file__
+  assert "['l2']['w'] has a two-sided basis" in message and "Safe to ignore" in message
+  assert "not read by exactly one" not in message            # not a coverage problem
+  params3 = {"l1": {"w": params["l1"]["w"].reshape(D, H, 1),
+                    "b": params["l1"]["b"].reshape(H, 1)}}
+
+  def head(p, x, *, dense):             # a 3-D (in, heads, dim) kernel, as attention's
+    return ghost.layer(dense, ghost.DenseLayer(), p["l1"], x,
+                       lambda q, h: jnp.einsum("a,ahd->hd", h, q["w"]) + q["b"])[:, 0]
+  three = ghost.ghost_clipped_grad_sum(head, example_loss, embedding_clip=1.0,
+                                       residual_clip=1.0)
+  with pytest.warns(UserWarning, match="2-D dense kernels only") as caught:
+    three.fun(params3, batch, jnp.ones(B, bool), {"l1": {"w": _orth(D, 2, 1), "b": None}})
+  assert caught[0].filename == __file__

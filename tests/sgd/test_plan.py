@@ -726,3 +726,55 @@ def test_a_hook_cannot_move_the_key_stream_or_the_count():
   tx = plan.transform(opt)
   with pytest.raises(RuntimeError, match="started already"):
     plan.run(jnp.zeros(D), s2, data, opt, steps=1, hook=lambda p, s: tx.init(p))
+
+
+def test_an_eager_clipped_sum_warns_once_per_plan_and_a_jitted_one_never():
+  """Issue 53: plan.clipped_sum called op by op in a loop was ~200× slower than jitted, in
+  silence. Now the first eager call (clipped_sum or update) warns, once per plan; a jitted step
+  and plan.step never warn."""
+  import warnings
+  plan = _plan()
+  opt = optax.sgd(0.1)
+  state = plan.init(jnp.zeros(D), opt)
+  with pytest.warns(UserWarning, match="eagerly.*plan.step / plan.run") as caught:
+    plan.clipped_sum(jnp.zeros(D), DATA, state)
+    plan.update(jnp.zeros(D), state, DATA, opt)
+  assert sum("eagerly" in str(w.message) for w in caught) == 1
+  quiet = _plan()
+  state = quiet.init(jnp.zeros(D), opt)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.jit(lambda p, s: quiet.clipped_sum(p, DATA, s))(jnp.zeros(D), state)
+    quiet.step(jnp.zeros(D), state, DATA, opt)
+
+
+def test_run_reports_progress_and_logs_what_it_is_doing(caplog):
+  """Issue 53: 45–65 s of silence before a transformer's first step. With progress the run is
+  reported between chunks (a callable, or a tqdm bar) and gives the same result; the "dpjax"
+  logger says at INFO when σ is calibrated and the step compiled (silent by default)."""
+  import logging
+  calls = []
+  with caplog.at_level(logging.INFO, logger="dpjax"):
+    plan = _plan(epsilon=2.0, steps=120, accountant="rdp")
+    plan.budget
+  assert any("calibrating σ" in r.message and "RDP" in r.message for r in caplog.records)
+  opt = optax.sgd(0.01)
+  state = plan.init(jnp.zeros(D), opt)
+  with caplog.at_level(logging.INFO, logger="dpjax"):
+    chunked, s1 = plan.run(jnp.zeros(D), state, DATA, opt,
+                           progress=lambda done, total: calls.append((done, total)))
+  assert any("compiling the DP-SGD step" in r.message for r in caplog.records)
+  assert calls[-1] == (120, 120) and len(calls) >= 40
+  assert [c[0] for c in calls] == sorted(c[0] for c in calls)
+  whole = _plan(epsilon=2.0, steps=120, accountant="rdp")
+  plain, s2 = whole.run(jnp.zeros(D), whole.init(jnp.zeros(D), opt), DATA, opt)
+  np.testing.assert_allclose(chunked, plain, rtol=1e-5, atol=1e-6)
+  assert plan.steps_taken(s1) == 120
+  with pytest.raises(ValueError, match="budget"):
+    plan.run(chunked, s1, DATA, opt, steps=1, progress=True)
+  bar = _plan(steps=10)
+  out, _ = bar.run(jnp.zeros(D), bar.init(jnp.zeros(D), opt), DATA, opt, progress=True)
+  assert np.all(np.isfinite(out))
+  with pytest.raises(TypeError, match="progress"):
+    other = _plan(steps=3)
+    other.run(jnp.zeros(D), other.init(jnp.zeros(D), opt), DATA, opt, progress="yes")
