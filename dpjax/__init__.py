@@ -20,7 +20,8 @@ _SUBPACKAGES = ("accounting", "ashtiani_liaw", "audit", "classic", "coinpress", 
 # Names re-exported at the top level: {name: the subpackage that defines it}.
 _NAMES = {"DPResult": "results", "ERMResult": "results", "EstimateResult": "results",
           "GaussianResult": "results", "SubspaceResult": "results",
-          "SyntheticDataResult": "results", "calibrate_cell_length": "subspace",
+          "SyntheticDataResult": "results", "UnderpoweredWarning": "results",
+          "calibrate_cell_length": "subspace",
           "dpase": "subspace", "dpase_parameters": "subspace"}
 
 __all__ = [*_SUBPACKAGES, *_NAMES]
@@ -44,5 +45,5 @@ if TYPE_CHECKING:       # what static tools see: the eager imports this module s
   from dpjax import (accounting, ashtiani_liaw, audit, classic, coinpress, data, features, ledger,
                      linalg, mechanisms, metrics, results, robust_stats, sgd, subspace, synthetic)
   from dpjax.results import (DPResult, ERMResult, EstimateResult, GaussianResult,
-                             SubspaceResult, SyntheticDataResult)
+                             SubspaceResult, SyntheticDataResult, UnderpoweredWarning)
   from dpjax.subspace import calibrate_cell_length, dpase, dpase_parameters

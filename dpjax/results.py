@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import math
 import numbers
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -26,7 +27,7 @@ from dpjax import accounting
 from dpjax._core.deprecation import renamed_attribute
 
 __all__ = ["DPResult", "ERMResult", "EstimateResult", "GaussianResult", "PublicInfo",
-           "SubspaceResult", "SyntheticDataResult"]
+           "SubspaceResult", "SyntheticDataResult", "UnderpoweredWarning", "warn_underpowered"]
 
 _NAN = float("nan")       # one NaN object, so that equal infos compare equal (NaN != NaN)
 
@@ -51,6 +52,21 @@ def _freeze(value, name: str):
     return tuple(_freeze(x, name) for x in value)
   raise TypeError(f"info[{name!r}] must be a public scalar, string, tuple or mapping, got "
                   f"{type(value).__name__}; arrays (DP releases) belong in `released`.")
+
+
+class UnderpoweredWarning(UserWarning):
+  """A learner ran with fewer rows than it needs to be useful at its (ε, δ): the result is still
+  private, but probably says little. Every such warning gives the rows needed and the helper
+  that computes that number (``dpjax.coinpress.covariance_required_n``,
+  ``dpjax.subspace.dpase_required_n``, ...); the same helper's number is the one a refusal quotes.
+  Turn it into an error with ``warnings.simplefilter("error", dpjax.UnderpoweredWarning)``."""
+
+
+def warn_underpowered(message: str, stacklevel: int | None = None) -> None:
+  """Emits :class:`UnderpoweredWarning` at the user's call."""
+  from dpjax import _validation as v
+  warnings.warn(message, UnderpoweredWarning,
+                stacklevel=v.user_stacklevel() if stacklevel is None else stacklevel)
 
 
 class PublicInfo(Mapping):

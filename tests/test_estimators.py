@@ -168,3 +168,33 @@ def test_the_default_pca_is_the_stronger_release():
                     random_state=0)
   got, weak, best = energy(default.fit(X).components_), energy(sulq.fit(X).components_), energy(top)
   assert got > 0.8 * best and got > 2 * weak, (got, weak, best)
+
+
+def test_a_statistician_on_wine_is_told_the_rows_each_learner_needs():
+  """Issue 53's statistician: scikit-learn's wine (178 rows, d = 13). CoinPress used to return
+  a 47×-wrong covariance in silence; now it warns with covariance_required_n's figures.
+  learn_covariance refused with a lower bound 140× below al_covariance's required_n and said
+  neither was its own; now it quotes learn_covariance_required_n, the same number the helper
+  returns. DPASE said "more rows help"; now it quotes dpase_required_n."""
+  import re
+  import jax
+  import dpjax
+  from sklearn.datasets import load_wine
+  X = load_wine().data
+  X = (X - X.mean(0)) / X.std(0)
+  with pytest.warns(dpjax.UnderpoweredWarning, match="coinpress_covariance") as caught:
+    dpjax.coinpress.coinpress_covariance(jax.random.key(0), X, epsilon=1.0, delta=1e-6,
+                                         kappa=100.0)
+  message = str(caught[0].message)
+  figures = [int(x.replace(",", "")) for x in re.findall(r"n ≥ ([\d,]+)", message)]
+  assert figures == [dpjax.coinpress.covariance_required_n(13, kappa=100.0, epsilon=1.0,
+                                                           delta=1e-6, accuracy=a)
+                     for a in (1.0, 0.1)]
+  assert caught[0].filename == __file__
+  need = dpjax.ashtiani_liaw.learn_covariance_required_n(13, 1.0, 1e-6)
+  with pytest.raises(ValueError, match=f"n >= {need:,} rows"):
+    dpjax.ashtiani_liaw.learn_covariance(jax.random.key(0), X, epsilon=1.0, delta=1e-6)
+  rows = dpjax.subspace.dpase_required_n(13, 2, epsilon=1.0, delta=1e-6, gamma=0.3)
+  with pytest.warns(dpjax.UnderpoweredWarning, match=f"n ≥ {rows:,} rows"):
+    dpjax.subspace.dpase(jax.random.key(1), X, epsilon=1.0, delta=1e-6, k=2, gamma=0.3)
+  assert dpjax.subspace.dpase_required_n(13, 2, epsilon=1.0, delta=1e-6, gamma=0.6) is None

@@ -465,7 +465,11 @@ def simulated_candidate_accuracy(d: int, m: int, k: int, *, replicates: int = 10
 
 
 def required_n(d: int, epsilon: float, delta: float, **kwargs) -> int:
-  """Rows the covariance learner needs for ``(d, ε, δ)`` under the public calibration.
+  """Rows :func:`dpjax.ashtiani_liaw.al_covariance` needs for ``(d, ε, δ)`` under the public
+  calibration (the number its refusal quotes). For :func:`learn_covariance` (the AL step at its
+  own defaults plus a CoinPress refinement) use :func:`learn_covariance_required_n`: a
+  different learner, a different number (d = 13, ε = 1, δ = 1e-6: 2,483,868 here against
+  1,142,781 there).
 
   ``covariance_calibration(d, ε, δ, **kwargs).required_n``; keyword arguments as there. Use it
   to plan a study before collecting data: with the conservative defaults it grows like

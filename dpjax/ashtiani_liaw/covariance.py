@@ -265,6 +265,7 @@ def learn_covariance_plan(n: int, d: int, *, epsilon: float, delta: float,
     coarse_rows = v.check_int(coarse_rows, "coarse_rows", low=1)
     if coarse_rows >= n:
       raise ValueError(f"coarse_rows={coarse_rows} leaves no rows of n={n} for the refinement.")
+  coarse_given = coarse_rows
   try:
     if coarse_rows is None:
       # n goes in for the calibration's fail-fast check only: the AL step gets required_n rows.
@@ -272,6 +273,20 @@ def learn_covariance_plan(n: int, d: int, *, epsilon: float, delta: float,
       coarse_rows = min(cal.required_n, n)
     plan = _al_plan(coarse_rows, d, epsilon, delta, **al_args)
   except _TooFewRows as err:
+    if refine and coarse_fraction is None and coarse_given is None:
+      # The default split: quote the helper's exact total (issue 53: the cheap lower bound
+      # here and al_covariance's required_n were 140× apart, and neither was this learner's).
+      total = learn_covariance_required_n(
+          d, epsilon, delta, refine_accuracy=refine_accuracy, unknown_mean=unknown_mean,
+          eta_accuracy=eta_accuracy, radius=al_args["radius"], num_groups=al_args["num_groups"],
+          min_group_size=al_args["min_group_size"], **al_kwargs)
+      raise ValueError(
+          f"learn_covariance needs n >= {total:,} rows for d={d}, epsilon={epsilon:g}, "
+          f"delta={delta:g}, got n={n}: learn_covariance_required_n({d}, {epsilon:g}, "
+          f"{delta:g}) = {total:,} (its AL step's groups plus the CoinPress refinement; "
+          "al_covariance alone is a different learner with its own required_n). Collect more "
+          "rows, raise epsilon, or pass num_groups/min_group_size to trade accuracy for "
+          "rows.") from None
     refine_text = ("" if refine_accuracy is None else
                    ", plus rows for the CoinPress refinement (learn_covariance_plan)")
     split = "" if err.n == n else f"; the AL step gets {err.n} of the n={n} rows"
@@ -279,9 +294,7 @@ def learn_covariance_plan(n: int, d: int, *, epsilon: float, delta: float,
         f"learn_covariance needs n >= {err.rows} rows{'' if err.exact else ' at the very least'}"
         f" for its AL step alone{refine_text}, for d={d}, epsilon={err.epsilon:g}, "
         f"delta={err.delta:g} ({err.groups_text()}), got n={n}{split}. Collect more rows, "
-        "raise epsilon, or pass num_groups/min_group_size to trade accuracy for rows "
-        "(learn_covariance_required_n gives the total"
-        f"{'' if err.exact else ', after a simulation that takes a while at large d'}).") from None
+        "raise epsilon, or pass num_groups/min_group_size to trade accuracy for rows.") from None
   K = _preconditioner_factor(plan)
   if not math.isfinite(K):
     raise ValueError(f"the AL step's preconditioner factor K = (1 + c)(1 + α) is not finite at "
@@ -309,8 +322,17 @@ def learn_covariance_required_n(d: int, epsilon: float, delta: float, **kwargs) 
   """Rows :func:`learn_covariance` needs at its default split: the AL step's ``required_n`` plus
   the refinement's :func:`~dpjax.coinpress.covariance_required_n` (doubled with
   ``unknown_mean``). Keyword arguments as in :func:`learn_covariance_plan` (not
-  ``coarse_rows`` / ``coarse_fraction``). Public numbers only; takes the calibration's time.
+  ``coarse_rows`` / ``coarse_fraction``). Public numbers only; takes the calibration's time
+  (seconds at d = 13, half a minute at d = 60), remembered per arguments. It is the number
+  :func:`learn_covariance`'s refusal quotes. Not :func:`dpjax.ashtiani_liaw.required_n`, which
+  is :func:`al_covariance`'s (a different learner, at its own, more conservative defaults).
   """
+  return _learn_covariance_required_n(d, epsilon, delta, tuple(sorted(kwargs.items())))
+
+
+@functools.lru_cache(maxsize=32)
+def _learn_covariance_required_n(d, epsilon, delta, items) -> int:
+  kwargs = dict(items)
   if "coarse_rows" in kwargs or "coarse_fraction" in kwargs:
     raise ValueError("learn_covariance_required_n is the default split's requirement; it takes "
                      "no coarse_rows / coarse_fraction.")

@@ -22,7 +22,7 @@ from dpjax.coinpress.schedule import (_check_common, _standard_normal, default_f
                                       gaussian_norm_radius, steps_event)
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, discretized_gaussian_mechanism
 from dpjax.mechanisms.grid import discretization
-from dpjax.results import EstimateResult
+from dpjax.results import EstimateResult, warn_underpowered
 from dpjax.ledger import with_ledger
 
 __all__ = ["choose_covariance_steps", "coinpress_covariance", "covariance_required_n"]
@@ -151,6 +151,8 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
                                                      accountant=accountant)
   zs = tuple(s / math.sqrt(f) for f in fractions)
   plan = _covariance_plan(n, d, kappa, beta, fractions, s, secure=secure)
+  if plan.typical_error > 1.0:
+    _warn_underpowered(n, d, kappa, epsilon, delta, beta, plan.typical_error)
   norm_radius, sens, sigmas, etas = plan.norm_radius, plan.sensitivity, plan.sigmas, plan.etas
   ok, estimate, releases = float64(
       "coinpress_covariance", _covariance_release, key, X64, m0=1.0 / math.sqrt(kappa),
@@ -167,6 +169,22 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
                         released={"releases": releases} if secure else {}, epsilon=spent,
                         delta=delta, neighboring=NeighboringRelation.REPLACE_ONE, info=info,
                         dp_event=steps_event(zs, secure))
+
+
+def _warn_underpowered(n, d, kappa, epsilon, delta, beta, typical):
+  """The :class:`dpjax.UnderpoweredWarning` of a run whose typical error exceeds 1, with the
+  rows :func:`covariance_required_n` gives for errors 1 and 0.1."""
+  args = f"{d}, kappa={kappa:g}, epsilon={epsilon:g}, delta={delta:g}"
+  need_1 = covariance_required_n(d, kappa=kappa, epsilon=epsilon, delta=delta, accuracy=1.0,
+                                 beta=beta)
+  need_01 = covariance_required_n(d, kappa=kappa, epsilon=epsilon, delta=delta, accuracy=0.1,
+                                  beta=beta)
+  warn_underpowered(
+      f"coinpress_covariance: at n={n} rows its typical error ‖Σ^-1/2 Σ̂ Σ^-1/2 − I‖₂ is about "
+      f"{typical:.3g} (d={d}, κ={kappa:g}, ε={epsilon:g}, δ={delta:g}): the estimate says "
+      f"little. An error of 1 needs n ≥ {need_1:,} rows and of 0.1 n ≥ {need_01:,} "
+      f"(dpjax.coinpress.covariance_required_n({args}, accuracy=...)); or raise epsilon, or "
+      "lower kappa with a tighter public bound. The result is still private.")
 
 
 def choose_covariance_steps(n: int, d: int, *, kappa: float, epsilon: float, delta: float,

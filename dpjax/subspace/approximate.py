@@ -31,12 +31,13 @@ from dpjax import _validation as v
 from dpjax import ledger as ledger_lib
 from dpjax import linalg
 from dpjax.mechanisms import histogram
-from dpjax.results import SubspaceResult
+from dpjax.results import SubspaceResult, warn_underpowered
 from dpjax.subspace import streaming
 from dpjax.subspace.partition import (permutation_index, random_label_index, random_labels,
                                       subset_capacity)
 
-__all__ = ["DPASEParameters", "dpase", "dpase_parameters", "num_subsets_for"]
+__all__ = ["DPASEParameters", "dpase", "dpase_parameters", "dpase_required_n",
+           "num_subsets_for"]
 
 ELL_RULES = ("paper_proof", "l1_safe", "paper_formula")
 PARTITIONS = ("permutation", "random_labels")
@@ -169,10 +170,16 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
   noise_norm = gamma * (math.sqrt(m) + math.sqrt(d) + w)
   denominator = math.sqrt(m) - math.sqrt(k) - w - noise_norm
   if denominator <= 0 or noise_norm / denominator >= 1.0:
-    warnings.warn(
-        f"DPASE: with m={m} rows per subset, d={d}, k={k} and gamma={gamma:g} the per-subset "
-        "subspaces are not guaranteed to be close to each other; DPASE will most likely return "
-        "⊥ (the run is still private). More rows or a smaller gamma help.", stacklevel=3)
+    need = dpase_required_n(d, k, epsilon=epsilon, delta=delta, gamma=gamma, noise=noise,
+                            num_subsets=t)
+    needed = (f"it needs n ≥ {need:,} rows (dpjax.subspace.dpase_required_n({d}, {k}, "
+              f"epsilon={epsilon:g}, delta={delta:g}, gamma={gamma:g}))" if need is not None
+              else f"no n suffices at gamma={gamma:g} ≥ 1/2 (the bound needs γ < 1/2)")
+    warn_underpowered(
+        f"DPASE: with m={m} rows in each of its t={t} subsets (n={n}), d={d}, k={k} and "
+        f"gamma={gamma:g}, the subsets' subspaces are not guaranteed to agree, and it will most "
+        f"likely return ⊥ (still private); {needed}. Collect rows, raise epsilon (fewer "
+        "subsets), or check gamma, the public bound on sqrt(λ_{k+1}/λ_k).")
     xi = 1.0
   else:
     xi = noise_norm / denominator
@@ -186,6 +193,45 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
   if ell <= 0.0:  # gamma == 0: any positive cell works; keep cells of unit side.
     ell = 1.0
   return DPASEParameters(t, m, q, _cap(ell, alpha, d, k, q), ell_rule, xi, radius, tau)
+
+
+def dpase_required_n(d: int, k: int, *, epsilon: float, delta: float, gamma: float,
+                     noise: str = "discrete", num_subsets: int | None = None) -> int | None:
+  """Rows DPASE needs for its per-subset subspaces to be guaranteed to agree (the ``ξ̂ < 1``
+  condition of :func:`dpase_parameters`, below which it most likely answers ⊥).
+
+  Usage::
+
+      n = dpjax.subspace.dpase_required_n(d=784, k=10, epsilon=1.0, delta=1e-6, gamma=0.1)
+
+  With ``t`` subsets (:func:`num_subsets_for`) and ``w = sqrt(2 ln(2t/0.05))``, ξ̂ < 1 holds
+  when each subset's ``m`` rows satisfy ``√m (1 − 2γ) > √k + w + 2γ(√d + w)``; the answer is
+  ``t·m`` for the smallest such m (at least ``k + 1``). A public planning figure (utility only);
+  it is the number DPASE's :class:`dpjax.UnderpoweredWarning` quotes. None when γ ≥ 1/2 (no
+  number of rows meets the condition).
+
+  Args:
+    d, k: the dimension and the subspace's dimension, ``1 ≤ k ≤ d``.
+    epsilon, delta: DPASE's budget (they set t).
+    gamma: γ ≥ 0, the public bound on ``sqrt(λ_{k+1}/λ_k)`` (0: data in an exact k-subspace).
+    noise: DPASE's histogram noise (sets t), ``"discrete"`` or ``"laplace"``.
+    num_subsets: t, if given to DPASE explicitly.
+
+  Raises:
+    ValueError / TypeError: bad arguments.
+  """
+  d = v.check_int(d, "d", low=1)
+  k = v.check_int(k, "k", low=1, high=d)
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  gamma = v.check_positive(gamma, "gamma", allow_zero=True)
+  t = (num_subsets_for(epsilon, delta, noise=noise) if num_subsets is None
+       else v.check_int(num_subsets, "num_subsets", low=1))
+  if gamma >= 0.5:
+    return None
+  w = math.sqrt(2.0 * math.log(2.0 * t / _BETA_S))
+  root = (math.sqrt(k) + w + 2.0 * gamma * (math.sqrt(d) + w)) / (1.0 - 2.0 * gamma)
+  m = max(k + 1, math.floor(root * root) + 1)
+  return t * m
 
 
 def _cap(ell: float, alpha: float | None, d: int, k: int, q: int) -> float:
