@@ -492,6 +492,10 @@ def dpsgd_epsilon(noise_multiplier: float, sampling_prob: float, steps: int, del
                   batch_selection=None) -> float:
   """ε of T steps of Poisson-sampled DP-SGD at ``delta``, under add/remove-one.
 
+  >>> import dpjax
+  >>> round(dpjax.accounting.dpsgd_epsilon(1.1, 0.01, 1000, 1e-5), 2)    # σ, q, T, δ (RDP)
+  1.71
+
   The figure is exactly ``dp_accounting``'s: the RDP accountant (fast; an upper bound through the
   [BBGHS20] conversion) or the PLD accountant (tighter, slower, memory grows as σ shrinks). With
   ``tuning``, ε of the best of a random number of such runs (:func:`tuning_event`; RDP only).

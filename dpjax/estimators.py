@@ -98,10 +98,13 @@ def _fitted_rows(estimator, X) -> np.ndarray:
 class PrivatePCA(TransformerMixin, BaseEstimator):
   """Differentially private PCA with scikit-learn's ``PCA`` interface (uncentred).
 
-  Usage::
-
-      pca = PrivatePCA(n_components=2, epsilon=1.0, delta=1e-6, data_norm=1.0).fit(X)
-      Z = pca.transform(X)
+  >>> import numpy as np
+  >>> from dpjax.estimators import PrivatePCA
+  >>> X = np.random.default_rng(0).normal(size=(2000, 6)) * [3, 2, 1, .1, .1, .1] / 10
+  >>> pca = PrivatePCA(n_components=2, epsilon=1.0, delta=1e-6, data_norm=1.0,
+  ...                  random_state=0).fit(X)
+  >>> pca.transform(X).shape, pca.result_.neighboring.name
+  ((2000, 2), 'REPLACE_ONE')
 
   ``method``:
 

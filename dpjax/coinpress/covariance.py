@@ -235,6 +235,10 @@ def covariance_required_n(d: int, *, kappa: float, epsilon: float, delta: float,
                           accuracy: float = 0.1, beta: float = 0.01) -> int:
   """[PROPOSED] Rows :func:`coinpress_covariance` needs for a typical error ``accuracy``.
 
+  >>> import dpjax
+  >>> dpjax.coinpress.covariance_required_n(10, kappa=100.0, epsilon=1.0, delta=1e-6)
+  85952
+
   The smallest n at which the best T in 1..8 has the typical-case error proxy of
   :func:`choose_covariance_steps` (the ``error_bound`` recursion without its tail terms, an
   estimate of ``‖Σ^{-1/2}Σ̂Σ^{-1/2} − I‖_2`` at the worst spread ``I ⪯ Σ ⪯ κI``) at most

@@ -88,7 +88,9 @@ class DPSGDConfig:
       shared by all its runs (a feature normalisation, one basis for all runs), never one
       release per run; an (ε_s, δ_s) one is refused.
 
-  Raises (at construction, before anything is calibrated):
+  Every check runs at construction, before anything is calibrated.
+
+  Raises:
     TypeError: non-integer N or T; a subspace event that is neither an event nor a release.
     ValueError: neither or both of ``epsilon`` and ``noise_multiplier``; L ∉ (0, N]; bad ε, δ,
       σ, accountant or tuning; a release stated under another relation; a subspace given both

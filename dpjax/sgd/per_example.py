@@ -561,6 +561,14 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm, per_layer: str | None = No
                      stability: float = DEFAULT_STABILITY) -> ClippedGradSum:
   """``fn(params, batch, mask)`` = ``Σ_i mask_i · clip_C(T(∇ loss_fn(params, example_i)))``.
 
+  >>> import jax.numpy as jnp, dpjax
+  >>> loss = lambda w, ex: (ex[0] @ w - ex[1]) ** 2           # one example's loss
+  >>> grad_fn = dpjax.sgd.clipped_grad_sum(loss, clip_norm=1.0)
+  >>> X, y = jnp.array([[3.0, 0.0], [0.0, 0.1]]), jnp.array([0.0, 1.0])
+  >>> s = grad_fn(jnp.array([1.0, 1.0]), (X, y), jnp.array([True, True]))
+  >>> [round(float(v), 4) for v in s], grad_fn.l2_norm_bound   # each term clipped to norm ≤ 1
+  ([1.0, -0.18], 1.0)
+
   The sum of clipped per-example gradients, fused in one jittable function: ``vmap`` of
   grad → optional transform T → clip, then the masked sum. Per-example values and the realised
   batch size are never returned (both are private).

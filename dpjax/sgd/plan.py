@@ -567,6 +567,14 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
                 tol: float = 1e-3) -> DPSGDPlan:
   """Plans DP-SGD on N examples in one call: ``DPSGDConfig(...).make(...)``.
 
+  >>> import jax, dpjax
+  >>> loss = lambda w, ex: (ex[0] @ w - ex[1]) ** 2
+  >>> plan = dpjax.sgd.dp_sgd_plan(dpjax.sgd.clipped_grad_sum(loss, clip_norm=1.0),
+  ...                              num_examples=1000, expected_batch_size=100, steps=100,
+  ...                              noise_multiplier=1.0, accountant="rdp", key=jax.random.key(0))
+  >>> plan
+  DPSGDPlan(ε=7.904, δ=1e-05 add/remove-one, σ=1, T=100, L=100 of N=1000, PoissonSampling, ...)
+
   A thin wrapper over :class:`dpjax.sgd.DPSGDConfig` (the privacy settings, calibrated once)
   and its :meth:`~dpjax.sgd.DPSGDConfig.make`; a private release given as ``basis=`` or a leaf
   of ``bases=`` has its event put in the config (so σ is calibrated with it). Either
@@ -599,13 +607,15 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
 
   Args:
     grad_fn: sensitivity-bearing clipped-gradient sum (module docstring).
-    num_examples, expected_batch_size, steps, epsilon, delta, noise_multiplier, accountant,
-      subspace_event, subspace_epsilon, subspace_delta, tuning, max_batch_size,
-      noise_strategy, cycle_length, fixed_size: the privacy settings
-      (:class:`dpjax.sgd.DPSGDConfig`; ``max_batch_size`` B: truncated Poisson sampling, one
-      static batch of B rows a step; ``noise_strategy``: correlated BandMF noise with cyclic
-      Poisson sampling of cycle ``cycle_length``, default its bands; ``fixed_size``: exactly
-      ``expected_batch_size`` examples a step, every figure under replace-one, RDP).
+    num_examples, expected_batch_size, steps: N, L and T (:class:`dpjax.sgd.DPSGDConfig`).
+    epsilon, delta, noise_multiplier, accountant: the budget (or σ) and its accountant.
+    subspace_event, subspace_epsilon, subspace_delta: a private basis's cost, composed in.
+    tuning: a Papernot–Steinke tuning σ is calibrated for (:class:`dpjax.sgd.DPSGDConfig`).
+    max_batch_size: B: truncated Poisson sampling, one static batch of B rows a step.
+    noise_strategy, cycle_length: correlated (BandMF or BLT) noise with cyclic Poisson
+      sampling of cycle ``cycle_length``, default the strategy's bands or min_sep.
+    fixed_size: exactly ``expected_batch_size`` examples a step, every figure under
+      replace-one, RDP.
     key: the run's PRNG key (every step's sample and noise are drawn from it).
     basis, bases: optional flat basis ``V (p, k)`` or per-layer bases (required by GEP's grad
       sum); :func:`dpjax.sgd.dp_noise`. A private release may stand for a basis (the result of

@@ -200,9 +200,9 @@ def dpase_required_n(d: int, k: int, *, epsilon: float, delta: float, gamma: flo
   """Rows DPASE needs for its per-subset subspaces to be guaranteed to agree (the ``ξ̂ < 1``
   condition of :func:`dpase_parameters`, below which it most likely answers ⊥).
 
-  Usage::
-
-      n = dpjax.subspace.dpase_required_n(d=784, k=10, epsilon=1.0, delta=1e-6, gamma=0.1)
+  >>> import dpjax
+  >>> dpjax.subspace.dpase_required_n(784, 10, epsilon=1.0, delta=1e-6, gamma=0.1)
+  10602
 
   With ``t`` subsets (:func:`num_subsets_for`) and ``w = sqrt(2 ln(2t/0.05))``, ξ̂ < 1 holds
   when each subset's ``m`` rows satisfy ``√m (1 − 2γ) > √k + w + 2γ(√d + w)``; the answer is

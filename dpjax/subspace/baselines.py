@@ -28,6 +28,13 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
                   ) -> SubspaceResult:
   """Analyze Gauss (Dwork, Talwar, Thakurta & Zhang 2014): noisy second moment, top-k eigenvectors.
 
+  >>> import jax, numpy as np, dpjax
+  >>> X = np.random.default_rng(0).normal(size=(1000, 20)) / 10    # rows are individuals
+  >>> r = dpjax.subspace.analyze_gauss(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=3,
+  ...                                  clip_norm=1.0)
+  >>> bool(r.ok), r.basis.shape, r.neighboring.name, r.epsilon
+  (True, (20, 3), 'REPLACE_ONE', 1.0)
+
   Rows are clipped to the public norm C (``x ↦ x·min(1, C/‖x‖)``), ``A = XᵀX`` gets a symmetric
   Gaussian matrix ``E`` (upper triangle and diagonal i.i.d. ``N(0, σ²)``, mirrored), and the answer
   is the top-k eigenvectors of ``A + E``.
