@@ -7,7 +7,8 @@ import importlib
 import pytest
 
 MODULES = ["dpjax.sgd.per_example", "dpjax.sgd.plan", "dpjax.accounting",
-           "dpjax.coinpress.covariance", "dpjax.subspace.approximate", "dpjax.subspace.baselines",
+           "dpjax.coinpress.covariance", "dpjax.coinpress.mean", "dpjax.subspace.approximate",
+           "dpjax.subspace.baselines",
            "dpjax.estimators"]
 
 

@@ -198,3 +198,18 @@ def test_a_statistician_on_wine_is_told_the_rows_each_learner_needs():
   with pytest.warns(dpjax.UnderpoweredWarning, match=f"n ≥ {rows:,} rows"):
     dpjax.subspace.dpase(jax.random.key(1), X, epsilon=1.0, delta=1e-6, k=2, gamma=0.3)
   assert dpjax.subspace.dpase_required_n(13, 2, epsilon=1.0, delta=1e-6, gamma=0.6) is None
+
+
+def test_coinpress_mean_warns_exactly_below_its_helpers_rows():
+  """The warning fires exactly when n is below mean_required_n(accuracy = radius/2), and quotes
+  that number."""
+  import jax
+  import dpjax
+  need = dpjax.coinpress.mean_required_n(13, radius=50.0, epsilon=1.0, delta=1e-6, accuracy=25.0)
+  X = np.random.default_rng(0).normal(size=(need, 13)) + 3
+  kwargs = dict(epsilon=1.0, delta=1e-6, center=np.zeros(13), radius=50.0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", dpjax.UnderpoweredWarning)
+    dpjax.coinpress.coinpress_mean(jax.random.key(0), X, **kwargs)
+  with pytest.warns(dpjax.UnderpoweredWarning, match=f"n ≥ {need:,} rows"):
+    dpjax.coinpress.coinpress_mean(jax.random.key(0), X[:need - 1], **kwargs)

@@ -21,10 +21,10 @@ from dpjax.coinpress.schedule import (_check_common, _standard_normal, gaussian_
                                       steps_event)
 from dpjax.mechanisms.gaussian import discretized_gaussian_mechanism
 from dpjax.mechanisms.grid import discretization
-from dpjax.results import EstimateResult
+from dpjax.results import EstimateResult, warn_underpowered
 from dpjax.ledger import with_ledger
 
-__all__ = ["coinpress_mean"]
+__all__ = ["coinpress_mean", "mean_required_n"]
 
 
 @with_ledger
@@ -127,6 +127,35 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
   s, spent = accounting.calibrate_gaussian_composition(epsilon, delta, fractions,
                                                      accountant=accountant)
   zs = tuple(s / math.sqrt(f) for f in fractions)
+  norm_radius, radii, clip_radii, sens, sigmas, grids = _mean_schedule(n, d, radius, zs, beta,
+                                                                       secure)
+  typical = _typical_error(d, n, sigmas)
+  if typical > radius / 2:                        # exactly when n < mean_required_n(radius/2)
+    need = mean_required_n(d, radius=radius, epsilon=epsilon, delta=delta, accuracy=radius / 2,
+                           fractions=fractions, beta=beta, accountant=accountant,
+                           secure=secure)
+    _warn_underpowered(n, d, radius, epsilon, delta, typical, need)
+
+  ok, estimate, centers = float64(
+      "coinpress_mean", _mean_release, key, X64, center64, clip_radii=tuple(clip_radii),
+      sigmas=tuple(sigmas), sensitivities=tuple(sens), noise_multipliers=zs,
+      grids=tuple(grids) if secure else None)
+  info = dict(steps=T, fractions=fractions, noise_scale=s, noise_multipliers=zs,
+              sigmas=tuple(sigmas), sensitivities=tuple(sens), clip_radii=tuple(clip_radii),
+              radii=tuple(radii), error_bound=radii[-1], norm_radius=norm_radius,
+              beta=beta, zcdp_rho=1.0 / (2.0 * s * s), accountant=accountant,
+              secure=bool(secure))
+  if secure:
+    info["grids"] = tuple(grids)
+  return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, released={"centers": centers},
+                        epsilon=spent, delta=delta, neighboring=NeighboringRelation.REPLACE_ONE,
+                        info=info, dp_event=steps_event(zs, secure))
+
+
+def _mean_schedule(n, d, radius, zs, beta, secure):
+  """The public schedule ``(γ, r_0..r_T, R_t, Δ_t, σ_t, Λ_t)`` of :func:`coinpress_mean` for n
+  rows (docstring's algorithm)."""
+  T = len(zs)
   norm_radius = gaussian_norm_radius(d, beta / (2.0 * n))
   step_radius = gaussian_norm_radius(d, beta / (2.0 * T))
   radii, clip_radii, sens, sigmas, grids = [radius], [], [], [], []
@@ -145,21 +174,66 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
     else:
       sigmas.append(z * sens[-1])
     radii.append(step_radius * math.sqrt(1.0 / n + sigmas[-1] ** 2))
+  return norm_radius, radii, clip_radii, sens, sigmas, grids
 
-  ok, estimate, centers = float64(
-      "coinpress_mean", _mean_release, key, X64, center64, clip_radii=tuple(clip_radii),
-      sigmas=tuple(sigmas), sensitivities=tuple(sens), noise_multipliers=zs,
-      grids=tuple(grids) if secure else None)
-  info = dict(steps=T, fractions=fractions, noise_scale=s, noise_multipliers=zs,
-              sigmas=tuple(sigmas), sensitivities=tuple(sens), clip_radii=tuple(clip_radii),
-              radii=tuple(radii), error_bound=radii[-1], norm_radius=norm_radius,
-              beta=beta, zcdp_rho=1.0 / (2.0 * s * s), accountant=accountant,
-              secure=bool(secure))
-  if secure:
-    info["grids"] = tuple(grids)
-  return EstimateResult(ok=jnp.asarray(ok), estimate=estimate, released={"centers": centers},
-                        epsilon=spent, delta=delta, neighboring=NeighboringRelation.REPLACE_ONE,
-                        info=info, dp_event=steps_event(zs, secure))
+
+def _typical_error(d, n, sigmas) -> float:
+  """The typical ‖μ̂ − μ‖ (Σ = I): that of ``N(0, (1/n + σ_{T−1}²) I_d)``, ≈ sqrt(d(1/n + σ²))."""
+  return math.sqrt(d * (1.0 / n + sigmas[-1] ** 2))
+
+
+def mean_required_n(d: int, *, radius: float, epsilon: float, delta: float,
+                    accuracy: float, steps: int | None = None,
+                    fractions: Sequence[float] | None = None, beta: float = 0.01,
+                    accountant: str | None = None, secure: bool = True) -> int:
+  """Rows :func:`coinpress_mean` needs for a typical error ``‖μ̂ − μ‖ ≤ accuracy`` (in the
+  units where ``Σ ⪯ I``), with the same schedule arguments (``steps``, ``fractions``,
+  ``beta``, ``accountant``, ``secure``); the number its :class:`dpjax.UnderpoweredWarning`
+  quotes, which it gives exactly when n is below it.
+
+  >>> import dpjax
+  >>> dpjax.coinpress.mean_required_n(10, radius=100.0, epsilon=1.0, delta=1e-6, accuracy=0.5)
+  786
+
+  The typical error is that of ``N(0, (1/n + σ_{T−1}²) I_d)`` (the docstring's utility
+  argument): ``sqrt(d(1/n + σ_{T−1}²))``, with σ_{T−1} from the public schedule at n rows; the
+  answer is the smallest n reaching ``accuracy`` (bisection; it falls with n). At least
+  ``d/accuracy²`` (the non-private sampling error). Public numbers only.
+
+  Raises:
+    ValueError: bad arguments, or no n up to 10¹² reaches ``accuracy``.
+  """
+  d = v.check_int(d, "d", low=1)
+  radius = v.check_positive(radius, "radius")
+  accuracy = v.check_positive(accuracy, "accuracy")
+  epsilon, delta, beta, fractions, accountant = _check_common(
+      epsilon, delta, beta, steps, fractions, accountant, secure)
+  s, _ = accounting.calibrate_gaussian_composition(epsilon, delta, fractions,
+                                                   accountant=accountant)
+  zs = tuple(s / math.sqrt(f) for f in fractions)
+
+  def enough(n):
+    return _typical_error(d, n, _mean_schedule(n, d, radius, zs, beta, secure)[4]) <= accuracy
+
+  lo, hi = 1, 2
+  while not enough(hi):
+    lo, hi = hi, hi * 2
+    if hi > 10 ** 12:
+      raise ValueError(f"no n up to 1e12 reaches accuracy={accuracy:g} for d={d}.")
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+  return max(hi, 2)
+
+
+def _warn_underpowered(n, d, radius, epsilon, delta, typical, need):
+  warn_underpowered(
+      f"coinpress_mean: at n={n} rows its typical error ‖μ̂ − μ‖ is about {typical:.3g}, over "
+      f"half the prior radius {radius:g} (d={d}, ε={epsilon:g}, δ={delta:g}): the estimate says "
+      f"little beyond the prior centre. Half the radius needs n ≥ {need:,} rows "
+      f"(dpjax.coinpress.mean_required_n({d}, radius={radius:g}, epsilon={epsilon:g}, "
+      f"delta={delta:g}, accuracy={radius / 2:g}) with this call's schedule); or raise "
+      "epsilon. The result is still private.")
 
 
 def _mean_release(key, X, center, *, clip_radii, sigmas, sensitivities, noise_multipliers,
