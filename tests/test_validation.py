@@ -377,19 +377,18 @@ def test_dpaseb_too_few_rows_names_the_users_n_and_blocks():
 
 
 def test_learn_covariance_too_few_rows_names_the_users_n_and_the_split():
-  """The user's n, not the AL step's share of it (al_covariance's message would say n=100)."""
-  from dpjax.ashtiani_liaw import learn_covariance
-  # n = 200 is below the cheap bound k·(d + 1) = 372: the error comes before the AL step's
-  # group-size simulation (at n = 1000 that simulation ran first, most of this test's time).
+  """The user's n, not the AL step's share of it (al_covariance's message would say n=100), and
+  (issue 53) the exact total its helper returns, not a lower bound."""
+  from dpjax.ashtiani_liaw import learn_covariance, learn_covariance_required_n
   X = np.random.default_rng(0).standard_normal((200, 3))
   with pytest.raises(ValueError) as err:
     learn_covariance(KEY, X, epsilon=20.0, delta=1e-6)
   message = str(err.value)
-  for part in ("learn_covariance needs n >=", "rows at the very least for its AL step alone",
-               "plus rows for the CoinPress refinement", "got n=200.",
-               "learn_covariance_required_n gives the total"):
+  need = learn_covariance_required_n(3, 20.0, 1e-6)
+  for part in (f"learn_covariance needs n >= {need:,} rows", "got n=200:",
+               f"learn_covariance_required_n(3, 20, 1e-06) = {need:,}"):
     assert part in message, (part, message)
-  assert int(message.split("needs n >= ")[1].split(" ")[0]) > 200
+  assert need > 200 and "at the very least" not in message
   with pytest.raises(ValueError) as err:
     learn_covariance(KEY, X, epsilon=20.0, delta=1e-6, coarse_fraction=0.5)
   assert "got n=200; the AL step gets 100 of the n=200 rows" in str(err.value), err.value
