@@ -183,27 +183,23 @@ def check_no_pixels(tree, name: str = "data") -> None:
       check_not_pixels(leaf, f"{name}{jax.tree_util.keystr(path)}")
 
 
-_LIBRARY_DIRS = None
-
-
 def user_stacklevel() -> int:
   """The ``stacklevel`` that makes a warning point at the user's call: past the frames of dpjax
   and of the libraries that trace it (jax, optax, flax, equinox) and of Python's own helpers
-  (functools, contextlib), counted from the caller of ``warnings.warn``."""
-  global _LIBRARY_DIRS
-  if _LIBRARY_DIRS is None:
-    import contextlib
-    import functools
-    import os
-    roots = [os.path.dirname(os.path.abspath(__file__))]
-    for name in ("jax", "jaxlib", "optax", "flax", "equinox"):
-      module = sys.modules.get(name)
-      if module is not None and getattr(module, "__file__", None):
-        roots.append(os.path.dirname(os.path.abspath(module.__file__)))
-    roots += [os.path.abspath(functools.__file__), os.path.abspath(contextlib.__file__)]
-    _LIBRARY_DIRS = tuple(roots)
+  (functools, contextlib), counted from the caller of ``warnings.warn``. (Computed at each
+  warning: rare, and a library imported after the first one is then known.)"""
+  import contextlib
+  import functools
+  import os
+  roots = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+  for name in ("jax", "jaxlib", "optax", "flax", "equinox"):
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__file__", None):
+      roots.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
+  roots = tuple(roots + [os.path.abspath(functools.__file__),
+                         os.path.abspath(contextlib.__file__)])
   frame, level = sys._getframe(1), 1      # the frame that calls warnings.warn is level 1
-  while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+  while frame is not None and frame.f_code.co_filename.startswith(roots):
     frame, level = frame.f_back, level + 1
   return level
 

@@ -299,6 +299,8 @@ def check_noise_strategy(noise_strategy, steps):
   if steps is None:
     raise ValueError("a noise_strategy is built for T steps (it is normalised to sensitivity 1 "
                      "over T): give steps=T.")
+  if isinstance(noise_strategy, correlation.BufferedToeplitz):
+    noise_strategy.sensitivity(steps)     # its bound's conditions over T: now, not in a trace
   return noise_strategy
 
 

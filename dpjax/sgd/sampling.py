@@ -133,8 +133,9 @@ class PoissonSampling:
     return steps
 
   def chosen(self, key: jax.Array, **_) -> jax.Array:
-    """``(N,)`` bool: this step's sample (the mask a mesh's devices sum their rows of)."""
-    return jax.random.bernoulli(key, self.sampling_prob, (self.num_examples,))
+    """``(N,)`` bool: this step's sample (:func:`poisson_mask`; the mask a mesh's devices sum
+    their rows of)."""
+    return poisson_mask(key, self.num_examples, self.sampling_prob)
 
   def clipped_sum(self, grad_fn: Callable, params, data, key: jax.Array, *extra_args):
     """One step's clipped-gradient sum over a fresh Poisson sample drawn with ``key``

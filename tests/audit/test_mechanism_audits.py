@@ -551,10 +551,19 @@ def _truncated_program():
   here — a weighted-out row would still take a slot of the batch — so the neighbours are real
   add/remove ones: five rows whose gradient is −e_0, and the same with the canary 5·e_0 (clipped
   gradient e_0), which evicts one of them when it is kept. Feature: the released coordinate 0."""
-  grad_fn = _linear_grad_fn()
   selection = sampling_lib.truncated_poisson_sampling(5, 5.0, 5)
-  noise = sgd.dp_noise(grad_fn, noise_multiplier=2.0, expected_batch_size=5,
-                       key=jax.random.key(0))
+  others = -np.eye(8, dtype=np.float32)[[0] * 5]
+  with_canary = np.concatenate([5 * np.eye(8, dtype=np.float32)[[0]], others])
+  return selection, _selection_step(selection), others, with_canary
+
+
+def _selection_step(selection):
+  """One jitted step ``run(key, rows)``: ``selection``'s clipped sum of the linear rows (its
+  sample from the first half of the trial's key) and the full release at σ = 2 (C = 1, L =
+  the selection's batch), feature the released coordinate 0."""
+  grad_fn = _linear_grad_fn()
+  noise = sgd.dp_noise(grad_fn, noise_multiplier=2.0,
+                       expected_batch_size=selection.expected_batch_size, key=jax.random.key(0))
   params = np.zeros(8, np.float32)
   state = noise.init(params)
 
@@ -564,9 +573,7 @@ def _truncated_program():
                                    sample_key)
     update, _ = noise.update(summed, dataclasses.replace(state, key=noise_key), params)
     return update[0]
-  others = -np.eye(8, dtype=np.float32)[[0] * 5]
-  with_canary = np.concatenate([5 * np.eye(8, dtype=np.float32)[[0]], others])
-  return selection, jax.jit(run), others, with_canary
+  return jax.jit(run)
 
 
 def _truncated_epsilon(event, delta=0.02):
@@ -605,23 +612,11 @@ def _fixed_size_program():
   ones, the relation the event is stated under: row 0 is the canary 5·e_0 (clipped gradient
   e_0) in one and −5·e_0 (−e_0) in the other, five zero rows beside it. Feature: the released
   coordinate 0."""
-  grad_fn = _linear_grad_fn()
   selection = sampling_lib.fixed_size_sampling(6, 5)
-  noise = sgd.dp_noise(grad_fn, noise_multiplier=2.0, expected_batch_size=5,
-                       key=jax.random.key(0))
-  params = np.zeros(8, np.float32)
-  state = noise.init(params)
-
-  def run(key, rows):
-    sample_key, noise_key = jax.random.split(key)
-    summed = selection.clipped_sum(grad_fn, params, (rows, np.ones(len(rows), np.float32)),
-                                   sample_key)
-    update, _ = noise.update(summed, dataclasses.replace(state, key=noise_key), params)
-    return update[0]
   zeros = np.zeros((5, 8), np.float32)
   canary = np.concatenate([5 * np.eye(8, dtype=np.float32)[[0]], zeros])
   replaced = np.concatenate([-5 * np.eye(8, dtype=np.float32)[[0]], zeros])
-  return selection, jax.jit(run), replaced, canary
+  return selection, _selection_step(selection), replaced, canary
 
 
 def _replace_one_epsilon(event, delta=0.02):

@@ -385,3 +385,13 @@ def test_on_a_mesh_cyclic_and_fixed_size_samples_are_the_single_device_ones(kwar
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     _, s_mesh = meshed.step(PARAMS, s_mesh, meshed.prepare((X, y)), opt)
     _, s_single = single.step(PARAMS, s_single, single.prepare((X, y)), opt)
+
+
+def test_a_blt_whose_coefficients_rise_within_t_is_refused_at_the_config():
+  """Built directly (no check at 1,000 steps), a BLT whose coefficients turn negative only after
+  step 1,000 is refused when a config plans it for longer, not inside the jitted step."""
+  strategy = correlation.BufferedToeplitz((0.999, 0.9995), (0.5, -0.25), min_sep=1)
+  assert np.all(strategy.coefficients(1_000) >= 0) and strategy.coefficients(5_000).min() < 0
+  with pytest.raises(ValueError, match="non-negative"):
+    sgd.DPSGDConfig(num_examples=100_000, expected_batch_size=10, steps=5_000,
+                    noise_multiplier=1.0, noise_strategy=strategy)

@@ -47,13 +47,19 @@ def test_white_noise_is_averaged_down_and_an_alternating_input_attenuated():
   assert np.abs(_filtered(filters.low_pass(), alternating)[50:]).max() < 0.06
 
 
-def test_inside_a_plan_it_only_sees_released_updates():
+def _linear_plan():
+  """``(plan, grad_fn, (X, y))``: 30 steps of DP-SGD at σ = 1 on a noiseless linear model."""
   rng = np.random.default_rng(0)
   X = rng.normal(size=(200, 3)).astype(np.float32)
   y = X @ np.array([1.0, -2.0, 0.5], np.float32)
   grad_fn = sgd.clipped_grad_sum(lambda w, ex: (ex[0] @ w - ex[1]) ** 2, clip_norm=1.0)
   plan = sgd.dp_sgd_plan(grad_fn, num_examples=200, expected_batch_size=20, steps=30,
                          noise_multiplier=1.0, key=jax.random.key(0))
+  return plan, grad_fn, (X, y)
+
+
+def test_inside_a_plan_it_only_sees_released_updates():
+  plan, _, (X, y) = _linear_plan()
   opt = optax.chain(filters.low_pass(), optax.sgd(0.5))
   state = plan.init(jnp.zeros(3), opt)
   params, state = plan.run(jnp.zeros(3), state, plan.prepare((X, y)), opt)
@@ -131,12 +137,7 @@ def test_kalman_filter_tracks_the_gradient_without_lag_and_averages_its_noise():
 
 
 def test_kalman_filter_in_a_plan_and_bad_settings():
-  rng = np.random.default_rng(0)
-  X = rng.normal(size=(200, 3)).astype(np.float32)
-  y = X @ np.array([1.0, -2.0, 0.5], np.float32)
-  grad_fn = sgd.clipped_grad_sum(lambda w, ex: (ex[0] @ w - ex[1]) ** 2, clip_norm=1.0)
-  plan = sgd.dp_sgd_plan(grad_fn, num_examples=200, expected_batch_size=20, steps=30,
-                         noise_multiplier=1.0, key=jax.random.key(0))
+  plan, grad_fn, (X, y) = _linear_plan()
   opt = sgd.kalman_filter(optax.adam(0.05), kappa=0.5)
   state = plan.init(jnp.zeros(3), opt)
   params, state = plan.run(jnp.zeros(3), state, plan.prepare((X, y)), opt)
