@@ -204,6 +204,22 @@ def user_stacklevel() -> int:
   return level
 
 
+def smallest_n(enough, message: str, limit: int = 10 ** 12, start: int = 1) -> int:
+  """The smallest n ≥ start with ``enough(n)``, for ``enough`` monotone in n (false, then true):
+  doubling, then bisection. Raises ``ValueError(message)`` when no n up to ``limit`` is."""
+  if enough(start):
+    return start
+  lo, hi = start, 2 * start
+  while not enough(hi):
+    lo, hi = hi, hi * 2
+    if hi > limit:
+      raise ValueError(message + ".")
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+  return hi
+
+
 def is_traced(*trees) -> bool:
   """True if any leaf of ``trees`` is a JAX tracer (we are inside ``jit`` / ``vmap`` / ...)."""
   return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(trees))
@@ -296,7 +312,7 @@ def probability_text(p: float) -> str:
 
 
 def check_test_can_pass(pass_probability: float, delta: float, *, sure: bool,
-                        refusal: str, warning: str, stacklevel: int = 3) -> None:
+                        refusal: str, warning: str) -> None:
   """Refuses or warns when a private test's best-case pass probability is small (public only).
 
   A learner whose noisy test, even on the most favourable data, passes with probability
@@ -309,8 +325,7 @@ def check_test_can_pass(pass_probability: float, delta: float, *, sure: bool,
     delta: the refusal level (the test's δ).
     sure: True when the configuration is the recommended one (no warning).
     refusal: the ``ValueError`` message.
-    warning: the ``UserWarning`` message.
-    stacklevel: for :func:`warnings.warn` (3: the caller of the function that calls this).
+    warning: the :class:`dpjax.UnderpoweredWarning` message.
 
   Raises:
     ValueError: ``pass_probability <= delta`` (up to a relative 1e-9 for rounding).
@@ -318,7 +333,8 @@ def check_test_can_pass(pass_probability: float, delta: float, *, sure: bool,
   if pass_probability <= delta * (1.0 + 1e-9):
     raise ValueError(refusal)
   if not sure:
-    warnings.warn(warning, UserWarning, stacklevel=stacklevel)
+    from dpjax.results import warn_underpowered
+    warn_underpowered(warning)
 
 
 def check_shape(shape, name: str = "shape") -> tuple[int, ...]:

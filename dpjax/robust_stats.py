@@ -261,58 +261,30 @@ def filtered_mean(X, *, corruption: float, iterations: int | None = None,
                   score_threshold: float | None = None, return_info: bool = False):
   """Robust mean of an η-corrupted sample from ``N(μ, I_d)`` by iterative weighted filtering.
 
-  Algorithm — the weighted filter of [DK23, Ch. 2] ([DKKLMS16], [DKKLMS17]; [DHL19] use the same
-  certificate with a different scoring), with a fixed number of iterations. Start with weights
-  ``w = 1``. Each iteration:
+  NOT PRIVATE: the non-private ``Est`` of the robust private mean learner ([AL22] Algorithm 5).
 
-  1. ``μ_w``, ``Σ_w``: weighted mean and covariance; ``(λ, v)`` the top eigenpair of ``Σ_w``.
-  2. Certificate: if ``λ <= λ_stop = (1 + sqrt(d/n))² + C η ln(1/η)`` leave ``w`` unchanged
-     (``jnp.where``; the remaining iterations are no-ops). ``(1 + sqrt(d/n))²`` is the top
-     eigenvalue of a clean sample's covariance; the ``sqrt(d/n)`` part is lower order when
-     ``n ≳ d/η²``. Default ``C = 1``.
-  3. Otherwise score every row along ``v``: ``τ_i = (⟨v, x_i − μ_w⟩ − m)²`` with ``m`` the
-     weighted median of the projections (as in [DKKLMS17]'s code; centring at a robust location
-     keeps the inliers' scores small when ``μ_w`` is dragged away), and keep only the excess over
-     the Gaussian tail level ``T = 2 ln(1/η)``: ``f_i = (τ_i − T)_+`` (an inlier's ``τ`` exceeds
-     ``T`` with probability about ``η / sqrt(π ln(1/η))``).
-  4. Down-weight with the capped multiplicative rule ``w_i ← w_i (1 − min(1, f_i / c))`` (see
-     ``_capped_downweight``: it removes at least as much outlier weight as inlier weight whenever
-     the inliers carry at most a quarter of the score mass), never removing more than ``2ηn`` of
-     total weight.
+  Usage::
 
-  Return ``μ_w`` at the final weights.
+      mu = dpjax.robust_stats.filtered_mean(X, corruption=0.1)            # (d,)
+      mu, info = dpjax.robust_stats.filtered_mean(X, corruption=0.1, return_info=True)
 
-  Guarantee. The literature's analysis [DKKLMS16, DK23 Ch. 2] has three parts: (i) for
-  ``n = Ω̃(d / η²)`` Gaussian samples the inliers are, with high probability, *stable*: every
-  reweighting that removes an O(η) fraction of them moves their mean by ``O(η sqrt(ln(1/η)))``
-  and their covariance by ``O(η ln(1/η))``; (ii) certificate: if the weights removed no more
-  inlier than outlier weight and ``λ <= 1 + O(η ln(1/η))``, then
-  ``‖μ_w − μ‖ = O(η sqrt(ln(1/η)))``; (iii) filter invariant: while ``λ > 1 + C η ln(1/η)`` for a
-  large enough absolute constant C, each step removes at least as much outlier weight as inlier
-  weight. (iii) is proved there for the uncapped rule and other score functions; for the
-  thresholded scores and the cap used here it follows by the same argument (the inliers' score
-  mass above T is ``O(η / sqrt(ln(1/η)))`` per unit weight, the outliers' is at least
-  ``λ − 1 − O(η ln(1/η)) − ηT``), which we sketch, not prove. So, for C large enough and enough
-  iterations, ``‖μ̂ − μ‖ = O(η sqrt(ln(1/η)))`` w.h.p. (the information-theoretic rate is
-  ``Θ(η)``; the extra ``sqrt(ln(1/η))`` is what efficient algorithms are believed to need — a
-  statistical-query lower bound of Diakonikolas, Kane & Stewart, FOCS 2017).
+  The weighted filter of [DK23, Ch. 2] ([DKKLMS16], [DKKLMS17]) with a fixed number of
+  iterations, from weights 1: while the top eigenvalue λ of the weighted covariance exceeds the
+  certificate ``λ_stop = (1 + sqrt(d/n))² + C η ln(1/η)``, down-weight the rows whose squared
+  deviation along its eigenvector (from the weighted median) exceeds ``T = 2 ln(1/η)``, never
+  removing more than ``2ηn`` of total weight; return the weighted mean. With ``corruption = 0``
+  no row is down-weighted and the result is the empirical mean.
 
-  Our defaults (``C = 1``, ``T = 2 ln(1/η)``, cap ½) are practical choices tuned on the
-  adversaries of ``tests/covariance/test_filtering.py``; the proof's constant requirement is not
-  verified for them, so for the defaults the rate is an empirical statement. Measured at
-  ``d = 10, n = 2000, η = 0.1`` (``η sqrt(ln(1/η)) ≈ 0.15``, ``sqrt(d/n) ≈ 0.07``): clean error
-  ≈ 0.07 (as the empirical mean); a far cluster 0.08 (empirical mean 3.2); outliers at distance
-  ``sqrt(d)`` along one direction 0.08 (empirical 0.32); the worst placement we found — a cluster
-  at distance ≈ 2.3 along one direction, around ``sqrt(T) ≈ 2.1`` — ≈ 0.25 (empirical 0.24). At
-  η = 0.2: clean 0.06, far cluster 0.08, distance ``sqrt(d)`` 0.10, a cluster at distance 2 0.44
-  (empirical 0.40). Pass ``stop_constant=3`` for [DKKLMS17]'s more conservative certificate
-  ``1 + 3η ln(1/η)`` (fewer false alarms, more residual outlier weight).
-
-  The result also needs the loop to reach the certificate: a single flagged direction per step
-  means an adversary spreading outliers over many directions needs about one step per direction;
-  check ``info.certified`` (``return_info=True``) and raise ``iterations`` if it is False.
-
-  With ``corruption = 0`` no row is down-weighted and the result is the empirical mean.
+  Guarantee: for ``n = Ω̃(d/η²)`` Gaussian samples, a large enough constant C and enough
+  iterations, ``‖μ̂ − μ‖ = O(η sqrt(ln(1/η)))`` w.h.p. ([DKKLMS16, DK23 Ch. 2], proved there for
+  the uncapped rule; for the thresholded, capped rule here sketched, not proved). The defaults
+  (C = 1, T, cap ½) are practical choices, not verified against the proof's constant: for them
+  the rate is an empirical statement (measured errors 0.07–0.25 at d = 10, n = 2000, η = 0.1;
+  its worst case, a cluster near distance ``sqrt(T)`` along one direction, is no better than
+  the empirical mean).
+  The loop must also reach the certificate (outliers spread over many directions take about one
+  iteration each): check ``info.certified`` and raise ``iterations`` if it is False. Algorithm,
+  argument and measurements: docs/algorithms.md §3.7.
 
   Args:
     X: ``(n, d)`` float32 or float64 rows (integers are converted to the default float dtype).
@@ -321,7 +293,8 @@ def filtered_mean(X, *, corruption: float, iterations: int | None = None,
     corruption: η ∈ [0, 0.5), an upper bound on the fraction of corrupted rows.
     iterations: number of filter iterations (static; default ``2 d + 20``). Each costs
       ``O(n d² + d³ + n log n)``.
-    stop_constant: C >= 0 of the certificate ``λ_stop``.
+    stop_constant: C >= 0 of the certificate ``λ_stop`` (3: [DKKLMS17]'s more conservative
+      ``1 + 3η ln(1/η)``, fewer false alarms, more residual outlier weight).
     score_threshold: T >= 0 (default ``2 ln(1/η)``; ``inf`` when η = 0).
     return_info: also return a :class:`FilterInfo` (static).
 
@@ -379,48 +352,31 @@ def filtered_covariance(X, *, corruption: float, iterations: int | None = None,
                         score_threshold: float | None = None, return_info: bool = False):
   """Robust covariance of an η-corrupted sample from ``N(0, Σ)`` by filtering second moments.
 
-  Algorithm — the covariance filter of [DKKLMS16] (see also [DK23, Ch. 4]) in weighted form, with
-  a fixed number of iterations. Start with weights ``w = 1``. Each iteration:
+  NOT PRIVATE: the non-private ``Est`` of the robust private covariance learner ([AL22]
+  Algorithm 4).
 
-  1. ``Σ_w = Σ_i w_i x_i x_iᵀ / Σ_i w_i``; whiten ``z_i = Σ_w^{-1/2} x_i``.
-  2. Feature vectors ``y_i = svec(z_i z_iᵀ − I) ∈ R^D``, ``D = d(d+1)/2``, in the normalised
-     symmetric basis (diagonal entries as they are, off-diagonal entries times √2), so
-     ``⟨svec(A), svec(B)⟩ = tr(AB)``. For ``z ~ N(0, I)``, ``Cov(svec(z zᵀ)) = 2 I_D`` (variance 2
-     along every unit-Frobenius symmetric direction: ``Var(zᵀAz) = 2‖A‖_F²``).
-  3. ``M = Σ_i w_i y_i y_iᵀ / Σ_i w_i`` (the weighted mean of ``y`` is 0 by construction) and its
-     top eigenpair ``(λ, a)``; ``a = svec(A)`` with ``‖A‖_F = 1``.
-  4. Certificate: if ``λ <= λ_stop = 2 (1 + sqrt(D/n))² + C η ln²(1/η)`` leave ``w`` unchanged.
-     ``2 (1 + sqrt(D/n))²`` is about the top eigenvalue of ``M`` for a clean sample.
-  5. Otherwise score ``p_i = ⟨a, y_i⟩ = z_iᵀ A z_i − tr A`` and ``f_i = (p_i² − T)_+`` with
-     ``T = ln²(1/η)`` (``p`` is a centred Gaussian chaos of variance 2 with exponential tails), and
-     down-weight with the capped multiplicative rule of :func:`filtered_mean` (never more than
-     ``2ηn`` of total weight).
+  Usage::
 
-  Return ``Σ_w`` at the final weights: symmetric and positive semi-definite (a non-negative
-  combination of ``x_i x_iᵀ``). Every step is equivariant under ``x ↦ B x`` for invertible ``B``
-  (whitening maps ``z`` to ``O z`` for an orthogonal ``O``, which rotates the feature space
-  orthogonally), so ``filtered_covariance(X Bᵀ) = B filtered_covariance(X) Bᵀ`` up to rounding and
-  the accuracy does not depend on the condition number of Σ.
+      S = dpjax.robust_stats.filtered_covariance(X, corruption=0.1)       # (d, d)
 
-  Guarantee. [DKKLMS16] prove that their covariance filter (the same features, a certificate of
-  the form ``‖M − 2I‖ <= O(η ln²(1/η))``, hard removal of rows beyond a tail threshold) achieves
-  ``‖Σ^{-1/2} Σ̂ Σ^{-1/2} − I‖_F = O(η ln(1/η))`` w.h.p. from ``n = Ω̃(d² / η²)`` samples; this
-  is the estimator guarantee that [AL22] Thm 6.3 plugs in (docs/algorithms.md §3.7). The weighted form
-  with thresholded scores and the cap follows the same argument for a large enough constant C
-  (as sketched for :func:`filtered_mean`); with our practical defaults (``C = 1``,
-  ``T = ln²(1/η)``, cap ½) the rate is an empirical statement. Measured relative Frobenius
-  errors at ``d = 6, n = 2000, η = 0.1``, Σ of condition number 100 (mean of 5 seeds): clean 0.14
-  (as the empirical covariance); a far cluster 0.15 (empirical 60); ± outliers at 6 standard
-  deviations along Σ's smallest eigenvector 0.15 (empirical 3.5); at 3 standard deviations 0.27
-  (empirical 0.85). Known weak spots: the certificate is computed in coordinates whitened by the
-  *corrupted* ``Σ_w``, which hides moderate outliers (they inflate ``Σ_w`` in their own
-  direction). At η = 0.1: outliers 2 standard deviations out give 0.52 (empirical 0.42); outliers
-  at the origin, which shrink Σ̂ by ``1 − η`` and are not separated from the inliers by quadratic
-  scores while ``d ≲ ln²(1/η)``, give 0.46 (empirical 0.28). At η = 0.2 the first whitening is so
-  distorted that the filter also removes about 10% of the inliers (far cluster: 0.45 vs
-  empirical 120; clusters at 3–6 standard deviations ≈ 0.5 vs 1.7–7).
+  The covariance filter of [DKKLMS16] ([DK23, Ch. 4]) in weighted form, with a fixed number of
+  iterations, from weights 1: whiten the rows by the weighted covariance ``Σ_w``, map each to
+  ``y_i = svec(z_i z_iᵀ − I)`` (``D = d(d+1)/2`` coordinates), and while the top eigenvalue of
+  their weighted second moment exceeds ``λ_stop = 2 (1 + sqrt(D/n))² + C η ln²(1/η)``
+  down-weight the rows whose squared score along its eigenvector exceeds ``T = ln²(1/η)`` (as
+  :func:`filtered_mean`, at most ``2ηn`` of total weight); return ``Σ_w``. It is symmetric PSD
+  and affine equivariant (``filtered_covariance(X Bᵀ) = B filtered_covariance(X) Bᵀ`` up to
+  rounding), so the accuracy does not depend on Σ's condition number. With ``corruption = 0`` the
+  result is ``XᵀX / n``.
 
-  With ``corruption = 0`` no row is down-weighted and the result is ``XᵀX / n``.
+  Guarantee: [DKKLMS16] prove ``‖Σ^{-1/2} Σ̂ Σ^{-1/2} − I‖_F = O(η ln(1/η))`` w.h.p. from
+  ``n = Ω̃(d²/η²)`` samples for their filter (hard removal), the estimator guarantee [AL22]
+  Thm 6.3 plugs in; the weighted, capped form follows the same argument for a large enough C
+  (sketched). With the defaults (C = 1, T, cap ½) the rate is an empirical statement: measured
+  relative Frobenius errors 0.14–0.27 at d = 6, n = 2000, η = 0.1, but worse than the empirical
+  covariance for outliers 2 standard deviations out, hidden by the corrupted whitening (0.52
+  against 0.42), or at the origin (0.46 against 0.28), and ≈ 0.5 at η = 0.2. Algorithm,
+  argument and measurements: docs/algorithms.md §3.7.
 
   Args:
     X: ``(n, d)`` float32 or float64 rows with mean zero (for unknown mean use pair differences

@@ -364,6 +364,8 @@ def test_the_main_job_gives_each_model_method_and_seed_its_own_stream(tmp_path):
   assert _main_job_problems(tmp_path) == []
 
 
+@pytest.mark.slow(reason="the negative control of the check above: a second main-job run "
+                        "(about 30 s on 2 cores)")
 @pytest.mark.filterwarnings("ignore")
 def test_the_main_job_check_catches_the_shared_seed_key(tmp_path, monkeypatch):
   """Negative control: every method from ``key(seed)``, as before the fix."""

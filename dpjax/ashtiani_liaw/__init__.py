@@ -11,7 +11,8 @@ from dpjax.ashtiani_liaw.covariance import (LearnCovariancePlan, al_covariance,
                                             second_moment)
 from dpjax.ashtiani_liaw.exact_subspace import (ALSubspaceParameters, al_subspace,
                                                 al_subspace_parameters, released_basis)
-from dpjax.ashtiani_liaw.gaussian import gaussian_batch_sizes, learn_gaussian
+from dpjax.ashtiani_liaw.gaussian import (gaussian_batch_sizes, learn_gaussian,
+                                          learn_gaussian_required_n)
 from dpjax.ashtiani_liaw.masking import (MaskingCalibration, calibrate_masking, covariance_mask,
                                          masking_concentration, masking_epsilon,
                                          masking_privacy_loss, masking_rdp,
@@ -22,6 +23,8 @@ from dpjax.ashtiani_liaw.robust import robust_covariance, robust_mean
 from dpjax.ashtiani_liaw.semimetric import (closeness_matrix, euclidean_neighbour_counts,
                                             neighbour_counts, psd_distance)
 
-# The names a user meets; each module's own __all__ holds the rest (README, "API map").
-__all__ = ["al_covariance", "al_subspace", "covariance_mask", "learn_covariance", "learn_gaussian",
-           "ppme_mean", "psd_distance", "required_n", "robust_covariance", "robust_mean"]
+# The names a user meets; each module's own __all__ holds the rest (docs/reference/map.rst).
+__all__ = ["al_covariance", "al_subspace", "covariance_mask", "learn_covariance",
+           "learn_covariance_required_n", "learn_gaussian", "learn_gaussian_required_n",
+           "min_groups_for_test", "ppme_mean", "psd_distance", "required_n", "robust_covariance",
+           "robust_mean"]

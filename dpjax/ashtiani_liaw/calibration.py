@@ -184,7 +184,7 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *,
       rule); the message names n, d, ε, δ, k and the bound.
 
   Warns:
-    UserWarning: a ``num_groups`` below :func:`~dpjax.ashtiani_liaw.
+    UnderpoweredWarning: a ``num_groups`` below :func:`~dpjax.ashtiani_liaw.
       min_groups_for_test` (the test may fail even when every group agrees).
   """
   d = v.check_int(d, "d", low=1)
@@ -304,19 +304,9 @@ def _smallest_groups(feasible, start: int, d, epsilon, delta) -> int:
   Feasibility is monotone in k: γ_PPME, hence η_min(γ), and the test's pass target all fall as
   k grows.
   """
-  lo = start
-  if feasible(lo) is not None:
-    return lo
-  hi = lo
-  while feasible(hi) is None:
-    lo, hi = hi, hi * 2
-    if hi > 10**9:
-      raise ValueError("no number of groups up to 1e9 meets the covariance calibration for "
-                       f"d={d}, epsilon={epsilon}, delta={delta}.")
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (lo, mid) if feasible(mid) is not None else (mid, hi)
-  return hi
+  return v.smallest_n(lambda k: feasible(k) is not None,
+                      "no number of groups up to 1e9 meets the covariance calibration for "
+                      f"d={d}, epsilon={epsilon}, delta={delta}", limit=10**9, start=start)
 
 
 def _fewest_rows_groups(k_min: int, group_size, m_limit: int) -> int:

@@ -104,7 +104,7 @@ def al_subspace_parameters(n: int, d: int, *, epsilon: float, delta: float,
     TypeError: a non-integer ``num_groups``.
 
   Warns:
-    UserWarning: a ``num_groups`` with which unanimous groups do not pass surely (at most
+    UnderpoweredWarning: a ``num_groups`` with which unanimous groups do not pass surely (at most
       ``k_min − 1``); the message gives the largest pass probability and ``k_min``.
 
   References:
@@ -167,66 +167,35 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
                 snap_scale: float | None = None) -> SubspaceResult:
   """Learns ``range(Σ)`` exactly from zero-mean rows with the Ashtiani–Liaw exact learner.
 
-  For ``x_i ~ N(0, Σ)`` with Σ possibly singular, every group of ``m ≥ rank Σ`` rows spans
-  ``range(Σ)`` almost surely; the learner releases the projection onto it (to within the public
-  snapping grid) from ``n = O(d ln(1/δ)/ε)`` rows, or ⊥. Stable-mode form of [AL22] Algorithm 2
-  (docs/algorithms.md §3.3, PROPOSED)::
+  Usage::
 
-    rows → public random permutation → k groups of m = ⌊n/k⌋ rows        (k, m, d)
-    Π_i = projection onto the row space of group i (SVD; rank: σ > rank_tol·σ_max)
-    z_i = round(Π_i/s − ω) ∈ ℤ^{d×d}  (public s, public offset ω ~ U[0,1)^{d×d})
-    c_i = #{j : z_j = z_i};  c* = max_i c_i;  Π* = s(z_{i*} + ω) for i* = argmax c_i
-    Z ~ TLap(1, ε, δ/1.1);  A its bound
-    ok iff c* + Z > ⌊k/2⌋ + 1 + A;  release nearest_projection(Π*) (eigenvalues > 1/2), else ⊥
+      res = dpjax.ashtiani_liaw.al_subspace(jax.random.key(0), X, epsilon=1.0, delta=1e-6)
+      basis = dpjax.ashtiani_liaw.released_basis(res)   # (d, r): r the released rank, 0 on ⊥
 
-  Privacy guarantee: (ε, δ)-DP under replace-one (n public). Fix the public randomness
-  (permutation, ω). Replacing one row changes one group, and ``Π_i`` (hence ``z_i``) is a
-  deterministic function of group i's rows alone (the SVDs are batched only where block
-  independence is verified, :func:`dpjax.linalg.map_blocks`, so no group's floats depend on
-  another's). Snapping makes "same proposal" an exact
-  equivalence relation on integer matrices, so for every fixed value ``z`` the count
-  ``#{i : z_i = z}`` moves by at most 1, and so does ``c*``. Since ``|Z| ≤ A``:
+  For ``x_i ~ N(0, Σ)`` (Σ possibly singular) every group of ``m ≥ rank Σ`` rows spans
+  ``range(Σ)`` almost surely; the learner releases the majority of k groups' projections, snapped
+  to a public grid of step s, if a truncated-Laplace test on its count passes
+  (``n = O(d ln(1/δ)/ε)`` rows), else ⊥: when the groups disagree (data not exactly low-rank
+  within ``rank_tol``, ``m`` below the rank, outliers in about half of the groups). Full-rank
+  data give ``R^d``.
 
-  * if ``c* ≤ ⌊k/2⌋ + 1`` on both neighbours, both output ⊥ surely;
-  * otherwise one side has ``c* ≥ ⌊k/2⌋ + 2``, so its winning value ``z*`` has at least
-    ``⌊k/2⌋ + 1 > k/2`` groups on the other side too: ``z*`` is the strict majority, hence the
-    unique mode, on both sides, and both output "``Π* = s(z* + ω)`` or ⊥" with the same ``Π*``.
-    The decision thresholds ``f = #{i : z_i = z*}``, a count of sensitivity 1, with TLap(1, ε, δ_T)
-    noise, which is (ε, δ_T)-DP: on a unit shift only ``P[Z > A − 1] = δ_T`` falls outside the
-    common support.
-
-  Hence (ε, δ/1.1)-DP, for any ``s`` and any rank rule; the released value is identical on
-  neighbours, so the floating-point leak of §1.10 does not arise. The remaining δ/11 is kept
-  unspent as in :func:`dpese` (a margin; the argument above needs no snapping δ). The test is
-  computed as ``Z > A + (⌊k/2⌋ + 1 − c*)`` in float64, so ``c* ≤ ⌊k/2⌋ + 1`` fails exactly.
-
-  Utility: if all groups agree, ``c* = k`` and the test passes surely iff ``⌈k/2⌉ > 2A + 1``,
-  which ``k ≥ k_min = ⌈4A⌉ + 3`` guarantees; more generally it passes surely whenever
-  ``c* ≥ info["sure_pass_count"] = ⌊k/2⌋ + ⌊2A⌋ + 2``, so up to
-  ``info["outlier_groups_tolerated"]`` groups may be spoiled (e.g. by outlier rows). Groups that
-  agree in exact arithmetic snap apart only if a computed ``Π_i`` crosses a grid cell boundary
-  (probability ≤ ``d‖E_i‖_F/s`` for a numerical error ``E_i``). The released projection is
-  within ``d·s`` of the common one in operator norm.
-
-  Output is ⊥ when the groups disagree: data not exactly low-rank within ``rank_tol`` in some
-  groups with different spans, ``m`` below the rank (every group then spans a different
-  subspace), outliers in more than about half of the groups, or a data-dependent rank decision
-  close to ``rank_tol``. Full-rank data give ``Π_i = I`` in every group: the answer is ``R^d``.
-
-  Numerics: everything runs in float64 (JAX's x64 mode: inside, not global, for an eager
-  call). NumPy float64 input keeps its precision even when x64 is off; float32 rows are low-rank
-  only up to ≈ 1e-7 relative rounding, hence the looser float32 defaults (``rank_tol = 1e-5``,
-  ``s = 0.01/d``).
+  Privacy: (ε, δ)-DP under replace-one (n public): one row changes one group's snapped proposal,
+  so the majority count has sensitivity 1 and a winning majority is the same on both neighbours;
+  the test's TLap noise makes the decision (ε, δ/1.1)-DP (δ/11 kept unspent) and the released
+  value is identical on neighbours (no float leak, §1.10). Utility: the test passes surely when
+  ``info["sure_pass_count"]`` groups agree (up to ``info["outlier_groups_tolerated"]`` spoiled
+  groups); the release is within ``d·s`` of the common projection in operator norm. Algorithm
+  and proofs: docs/algorithms.md §3.3.
 
   Args:
     key: PRNG key (split into the permutation, the offset ω and the test noise).
     X: ``(n, d)`` real array, rows are individuals, zero mean (for an unknown mean pass pairwise
-      differences ``x_{2i} − x_{2i−1}``). Integer and float64 data are used exactly.
-    epsilon: ε > 0 (nats).
-    delta: δ ∈ (0, 1/2).
+      differences ``x_{2i} − x_{2i−1}``). Integer and float64 data are used exactly; float32
+      rows are low-rank only up to ≈ 1e-7 relative rounding, hence looser float32 defaults.
+    epsilon, delta: ε > 0 (nats), δ ∈ (0, 1/2).
     num_groups: ``k`` (default ``max(k_min, min(n // d, 4 k_min))``, see
-      :func:`al_subspace_parameters`); with an explicit ``k`` the group size may be below d (good
-      when rank Σ is known to be small).
+      :func:`al_subspace_parameters`); an explicit k may make groups smaller than d (good when
+      rank Σ is known to be small).
     rank_tol: relative singular-value threshold of a group's rank (default 1e-9 for float64 /
       integer data, 1e-5 for float32).
     snap_scale: the grid step ``s`` (default ``min(10 d e_F/(δ/11), 1/(100 d))``,
@@ -235,33 +204,28 @@ def al_subspace(key: jax.Array, X, *, epsilon: float, delta: float,
   Returns:
     :class:`~dpjax.results.SubspaceResult`: ``ok`` (bool scalar), ``basis (d, d)`` in X's dtype
     (16-bit floats upcast to float32) whose first ``r = released["rank"]`` columns are an
-    orthonormal basis of the released projection (ordered by decreasing eigenvalue of ``Π*``)
-    and whose other columns are zeros (static shapes: r is itself part of the release; all zeros
-    and ``r = 0`` on ⊥), ``epsilon``, ``delta``, ``neighboring=REPLACE_ONE``, and ``info``
-    with the public parameters (``num_groups``, ``group_size``, ``min_groups``, ``snap_scale``,
-    ``rank_tol``, ``threshold``, ``tlap_bound``, ``sure_pass_count``,
-    ``outlier_groups_tolerated``). :func:`released_basis` trims the basis to its r columns.
-
-  Traceable in ``key`` and ``X`` with JAX's x64 mode on (``with jax.enable_x64(True):`` around
-  the ``jit`` / ``vmap`` trace): the float64 computation (the groups' ranks and snapped
-  projections need float64 whatever JAX's x64 flag) is staged in the caller's program, with the
-  eager call's test bit and rank per key and its basis up to rounding; a non-finite traced ``X``
-  gives ⊥. Under a float32 trace (x64 off) it raises ``TypeError``.
+    orthonormal basis of the released projection (by decreasing eigenvalue) and whose other
+    columns are zeros (static shapes; all zeros and ``r = 0`` on ⊥), ``epsilon``, ``delta``,
+    ``neighboring=REPLACE_ONE``, and ``info`` with the public parameters (``num_groups``,
+    ``group_size``, ``min_groups``, ``snap_scale``, ``rank_tol``, ``threshold``, ``tlap_bound``,
+    ``sure_pass_count``, ``outlier_groups_tolerated``); :func:`released_basis` trims the basis.
+    Computed in float64; traceable in ``key`` and ``X`` inside ``with jax.enable_x64(True):``
+    (the eager test bit and rank per key, the basis up to rounding; non-finite ``X`` gives ⊥).
 
   Raises:
     TypeError: ``key`` is not a PRNG key, ``X`` not a real array, ``num_groups`` not an integer;
       traced with JAX's x64 mode off (call it eagerly, or trace inside ``jax.enable_x64(True)``).
-    ValueError: NaN/inf in a concrete ``X``, ``X`` not 2-D, ε ≤ 0, δ ∉ (0, 1/2), ``num_groups ∉ [3, n]``,
-      ``rank_tol ∉ (0, 1)``, ``snap_scale ∉ [2^-40, 1/(4d)]``, n too small for the default
-      ``num_groups`` (``n < k_min·d``), or ``num_groups ≤ 4`` (⊥ certain up to δ/1.1).
+    ValueError: NaN/inf in a concrete ``X``, ``X`` not 2-D, ε ≤ 0, δ ∉ (0, 1/2),
+      ``num_groups ∉ [3, n]``, ``rank_tol ∉ (0, 1)``, ``snap_scale ∉ [2^-40, 1/(4d)]``, n too
+      small for the default ``num_groups`` (``n < k_min·d``), or ``num_groups ≤ 4`` (⊥ certain
+      up to δ/1.1).
 
   Warns:
-    UserWarning: a ``num_groups`` with which even unanimous groups may fail the test (see
+    UnderpoweredWarning: a ``num_groups`` with which even unanimous groups may fail the test (see
     :func:`al_subspace_parameters`).
 
   References:
-    [AL22] Ashtiani & Liaw, "Private and polynomial time algorithms for learning Gaussians and
-    beyond", COLT 2022, Algorithm 2, Thm 4.1; docs/algorithms.md §3.3 (and §1.3 TLap, §1.10 rule 3).
+    [AL22] Ashtiani & Liaw, COLT 2022, Algorithm 2, Thm 4.1; docs/algorithms.md §3.3, §1.3, §1.10.
   """
   key = v.check_key(key)
   checked = v.check_data(X, "X")

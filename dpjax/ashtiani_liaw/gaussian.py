@@ -38,7 +38,6 @@ orthogonal error separately (:func:`dpjax.metrics.gaussian_tv` does the former).
 from __future__ import annotations
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -48,17 +47,17 @@ from dp_accounting import NeighboringRelation
 from dpjax import _validation as v
 from dpjax._host import eager_only
 from dpjax.ashtiani_liaw.covariance import (_sqrt_and_inverse_sqrt, learn_covariance,
-                                            pair_differences)
+                                            learn_covariance_required_n, pair_differences)
 from dpjax.ashtiani_liaw.exact_subspace import (al_subspace, al_subspace_info,
                                                 al_subspace_parameters, released_basis)
 from dpjax.ashtiani_liaw.populous_mean import min_groups_for_test, ppme_mean
 from dpjax.coinpress import coinpress_mean
 from dpjax.mechanisms.histogram import histogram_threshold, stable_histogram, top_bin
 from dpjax.results import GAUSSIAN_STEPS as STEPS
-from dpjax.results import GaussianResult
+from dpjax.results import GaussianResult, warn_underpowered
 from dpjax.ledger import with_ledger
 
-__all__ = ["gaussian_batch_sizes", "learn_gaussian"]
+__all__ = ["gaussian_batch_sizes", "learn_gaussian", "learn_gaussian_required_n"]
 
 # Public floor on step 4's PPME radius (2^-400 ≈ 3.9e-121). On all-zero (or ≲ 1e-140) rows the
 # released scale S is ≈ 2^-1016 and the radius 2^-40·S·√d subnormal; the analytic Gaussian
@@ -77,17 +76,68 @@ def gaussian_batch_sizes(n: int, d: int, *, epsilon: float, delta: float,
   Raises:
     ValueError: n too small for steps 1 and 4.
   """
+  n1, n4 = _fixed_rows(d, epsilon, delta)
+  rest = n - n1 - n4
+  if rest < 4:
+    raise ValueError(f"learn_gaussian needs more than {n1 + n4 + 4} rows for d={d}, "
+                     f"epsilon={epsilon}, delta={delta}, got n={n}.")
+  n2, n3 = _split_rest(rest, covariance_share)
+  return n1, n2, n3, n4
+
+
+def _fixed_rows(d, epsilon, delta):
+  """Steps 1 and 4's rows: the minimum they need, with a factor 2 margin."""
   k_sub = al_subspace_parameters(10**12, d, epsilon=epsilon, delta=delta).min_groups
   n1 = 2 * 2 * k_sub * d                                  # pairs, and a factor 2 margin
   k4 = min_groups_for_test(epsilon / 4, delta / 2)
   tau = histogram_threshold(epsilon, delta)
   n4 = 2 * max(8 * k4, int(4 * tau))                      # halves: PPME groups of ≥ 8, histogram
-  rest = n - n1 - n4
-  if rest < 4:
-    raise ValueError(f"learn_gaussian needs more than {n1 + n4 + 4} rows for d={d}, "
-                     f"epsilon={epsilon}, delta={delta}, got n={n}.")
+  return n1, n4
+
+
+def learn_gaussian_required_n(d: int, *, epsilon: float, delta: float, rank: int | None = None,
+                              covariance_kwargs: dict | None = None) -> int:
+  """Rows :func:`learn_gaussian` needs at its default :func:`gaussian_batch_sizes` for every
+  step's public requirement to hold when step 1 releases rank ``rank`` (default d, the most
+  rows); the number its refusal (``rank=0``: steps 1, 3 and 4 alone) and its step-2 ⊥ warning
+  (the released rank) quote.
+
+  Step 2 runs :func:`~dpjax.ashtiani_liaw.learn_covariance` on the pair differences of its
+  rows projected to the released rank r, so it needs ``n2 // 2 ≥``
+  :func:`~dpjax.ashtiani_liaw.learn_covariance_required_n` ``(r, ε, δ, **covariance_kwargs)``
+  (its calibration's time: seconds at r = 13); steps 3 and 4 need two rows per PPME group. The
+  answer is the smallest n meeting all of them (bisection). Public numbers only.
+
+  Raises:
+    ValueError: bad arguments.
+  """
+  d = v.check_int(d, "d", low=1)
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta, upper=0.5)
+  rank = d if rank is None else v.check_int(rank, "rank", low=0, high=d)
+  n1, n4 = _fixed_rows(d, epsilon, delta)
+  k_mean = _mean_groups(epsilon, delta)
+  pairs = (learn_covariance_required_n(rank, epsilon, delta, **(covariance_kwargs or {}))
+           if rank > 0 else 0)
+
+  def enough(n):
+    n2, n3 = _split_rest(n - n1 - n4)
+    return (_mean_steps_fit(n3, n4, k_mean) is None) and n2 // 2 >= pairs
+
+  return v.smallest_n(enough, f"learn_gaussian meets no requirement up to 1e12 rows at d={d}",
+                      start=n1 + n4 + 4)
+
+
+def _split_rest(rest, covariance_share=2.0 / 3.0):
   n2 = int(rest * covariance_share)
-  return n1, n2, rest - n2, n4
+  return n2, rest - n2
+
+
+def _mean_steps_fit(n3, n4, k_mean):
+  """None when steps 3 and 4 have two rows per PPME group, else ``(step, rows it needs, got)``."""
+  for step, rows in (("mean", n3 // 2), ("orthogonal-mean", n4 - n4 // 2)):
+    if rows // k_mean < 2:
+      return step, 4 * k_mean, 2 * rows
+  return None
 
 
 @with_ledger
@@ -115,7 +165,8 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
     ``released["rank"]`` (the released rank r of Σ, 0 on ⊥ at step 1) and ``info`` with the
     public ``batch_sizes`` and the subspace step's parameters. A step whose public row
     requirement depends on the released rank (step 2 at rank r) and is not met answers ⊥ with a
-    ``UserWarning`` naming the requirement, never an exception after a release.
+    :class:`dpjax.UnderpoweredWarning` naming the requirement and
+    :func:`learn_gaussian_required_n`'s rows for that rank, never an exception after a release.
 
   Eager only: the steps' shapes (r columns) and whether later steps run depend on released
   values, so the pipeline is orchestrated on the host and neither a ``jit`` program nor a host
@@ -136,15 +187,23 @@ def learn_gaussian(key: jax.Array, X, *, epsilon: float, delta: float,
   epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta, upper=0.5)
   beta = v.check_probability(beta, "beta", open_high=True)
   n, d = X.shape
-  sizes = (gaussian_batch_sizes(n, d, epsilon=epsilon, delta=delta) if batch_sizes is None
-           else tuple(v.check_int(s, "batch_sizes[i]", low=2) for s in batch_sizes))
+  if batch_sizes is None:
+    need = learn_gaussian_required_n(d, epsilon=epsilon, delta=delta, rank=0)
+    if n < need:
+      raise ValueError(
+          f"learn_gaussian needs n ≥ {need:,} rows for d={d}, epsilon={epsilon:g}, "
+          f"delta={delta:g} even if the released rank is 0, got n={n:,} "
+          f"(dpjax.ashtiani_liaw.learn_gaussian_required_n({d}, epsilon={epsilon:g}, "
+          f"delta={delta:g}, rank=...): rank d needs the most).")
+    sizes = gaussian_batch_sizes(n, d, epsilon=epsilon, delta=delta)
+  else:
+    sizes = tuple(v.check_int(s, "batch_sizes[i]", low=2) for s in batch_sizes)
   if len(sizes) != 4 or sum(sizes) > n:
     raise ValueError(f"batch_sizes must be 4 sizes summing to <= n={n}, got {sizes}.")
-  k_mean = _mean_groups(epsilon, delta)
-  for step, rows in (("mean", sizes[2] // 2), ("orthogonal-mean", sizes[3] - sizes[3] // 2)):
-    if rows // k_mean < 2:
-      raise ValueError(f"learn_gaussian's {step} step needs at least {4 * k_mean} rows "
-                       f"(batch_sizes), got {2 * rows}.")
+  misfit = _mean_steps_fit(sizes[2], sizes[3], _mean_groups(epsilon, delta))
+  if misfit is not None:
+    raise ValueError(f"learn_gaussian's {misfit[0]} step needs at least {misfit[1]} rows "
+                     f"(batch_sizes), got {misfit[2]}.")
   sub_params = al_subspace_parameters(sizes[0] // 2, d, epsilon=epsilon, delta=delta,
                                       **(subspace_kwargs or {}))
   info = {"batch_sizes": sizes, "subspace": al_subspace_info(sub_params)}
@@ -199,8 +258,9 @@ def _learn_gaussian(key, X, *, sizes, epsilon, delta, beta, covariance_kwargs, s
       cov = learn_covariance(k_covariance, pair_differences(B2) @ V, epsilon=epsilon, delta=delta,
                              **covariance_kwargs)
     except ValueError as err:          # the rows step 2 needs depend on the released rank r
-      warnings.warn(f"learn_gaussian: step 2 answers ⊥ at the released rank r={r}: {err}",
-                    UserWarning, stacklevel=3)
+      warn_underpowered(f"learn_gaussian: step 2 answers ⊥ at the released rank r={r}: {err}"
+                        + _rank_rows_hint(X.shape[0], d, r, epsilon, delta, covariance_kwargs,
+                                          sizes))
       return fail("covariance", r)
     if not bool(cov.ok):
       return fail("covariance", r)
@@ -283,6 +343,17 @@ def _constant_mean(k_ppme, B, U_perp, scale, tilt, trace, epsilon, delta, beta):
   res = ppme_mean(k_ppme, U, epsilon=epsilon, delta=delta, num_groups=k, radius=radius,
                   magnitude=4.0 * math.sqrt(B.shape[1]) * scale)
   return np.asarray(res.estimate) if bool(res.ok) else None
+
+
+def _rank_rows_hint(n, d, r, epsilon, delta, covariance_kwargs, sizes):
+  """The default split's rows for rank r (learn_gaussian_required_n), when it was used."""
+  if sizes != gaussian_batch_sizes(n, d, epsilon=epsilon, delta=delta):
+    return ""
+  need = learn_gaussian_required_n(d, epsilon=epsilon, delta=delta, rank=r,
+                                   covariance_kwargs=covariance_kwargs)
+  return (f" At the default batch sizes learn_gaussian needs n ≥ {need:,} rows for rank {r} "
+          f"(dpjax.ashtiani_liaw.learn_gaussian_required_n({d}, epsilon={epsilon:g}, "
+          f"delta={delta:g}, rank={r})).")
 
 
 def _mean_groups(epsilon: float, delta: float) -> int:

@@ -209,14 +209,14 @@ def min_groups_for_test(epsilon_test: float, delta_test: float,
 
 def check_test_can_pass(num_groups: int, epsilon_test: float, delta_test: float,
                         thresholds: PopulousThresholds = PopulousThresholds(), *,
-                        learner: str = "PPME", stacklevel: int = 3) -> float:
+                        learner: str = "PPME") -> float:
   """Refuses or warns when PPME's test answers ⊥ from public parameters alone; returns the
   best-case pass probability.
 
   Q ≤ 1, so even unanimous groups pass only when the test noise ``Z ~ TLap(2/k, ε1, δ1)``
   exceeds ``A1 − (1 − c0)``. If that probability is ≤ δ1 (``k ≤ 2/(1 − c0)``) ⊥ is certain up to
   δ1: ``ValueError``. Below :func:`min_groups_for_test` the test can fail even when all groups
-  agree: ``UserWarning`` with the probability. Public numbers only: privacy is unchanged.
+  agree: :class:`dpjax.UnderpoweredWarning` with the probability. Public numbers only: privacy is unchanged.
 
   Raises:
     ValueError: the best-case pass probability is ≤ δ1, or bad thresholds.
@@ -230,7 +230,7 @@ def check_test_can_pass(num_groups: int, epsilon_test: float, delta_test: float,
   needs = (f"min_groups_for_test(epsilon_test={epsilon_test:g}, delta_test={delta_test:g}) = "
            f"{recommended}")
   v.check_test_can_pass(
-      best, delta_test, sure=k >= recommended, stacklevel=stacklevel,
+      best, delta_test, sure=k >= recommended,
       refusal=(f"{learner} would answer ⊥ (almost) surely: with num_groups={k} even unanimous "
                f"groups pass the test with probability {best:.3g} <= delta_test="
                f"{delta_test:g}; it needs num_groups > 2/(1 - c0) = {2.0 / (1.0 - c0):g} and "
@@ -366,7 +366,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
       the test with probability ≤ δ1 (``num_groups ≤ 2/(1 − c0)``: ⊥ would be certain).
 
   Warns:
-    UserWarning: ``num_groups < min_groups_for_test(ε1, δ1)``: the test can fail even when all
+    UnderpoweredWarning: ``num_groups < min_groups_for_test(ε1, δ1)``: the test can fail even when all
       groups agree; the message gives the largest pass probability and the recommended k.
 
   References:
@@ -381,7 +381,7 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     raise ValueError(f"ppme_mean needs at least 2 rows per group: n={n} < 2·num_groups={2 * k}.")
   frac = v.check_probability(test_fraction, "test_fraction", open_high=True)
   eps1, eps2, delta1, delta2 = epsilon * frac, epsilon * (1 - frac), delta / 2, delta / 2
-  check_test_can_pass(k, eps1, delta1, thresholds, learner="ppme_mean", stacklevel=4)
+  check_test_can_pass(k, eps1, delta1, thresholds, learner="ppme_mean")
   cal = ppme_calibration(k, radius, eps1, delta1, space="euclidean", thresholds=thresholds,
                          radius_margin=radius_margin)
   vectorize = estimator is None                 # a user estimator may iterate: one group at a time

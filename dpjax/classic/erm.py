@@ -119,11 +119,11 @@ from dpjax import linalg
 from dpjax._core.noise import l2_laplace_sample
 from dpjax._host import float64
 from dpjax.mechanisms.grid import discretization
-from dpjax.results import ERMResult
+from dpjax.results import ERMResult, warn_underpowered
 from dpjax.ledger import with_ledger
 
 __all__ = ["ERMParameters", "ObjectivePerturbationBudget", "default_regularization", "erm_core",
-           "erm_parameters", "objective_perturbation", "objective_perturbation_budget",
+           "erm_parameters", "erm_required_n", "objective_perturbation", "objective_perturbation_budget",
            "one_vs_rest", "one_vs_rest_core", "output_perturbation", "predict"]
 
 LOSSES = ("logistic", "huber")
@@ -329,6 +329,83 @@ def erm_parameters(n: int, d: int, *, epsilon: float, method: str,
   params = ERMParameters(method, loss, huber_width, lam, extra, beta, data_norm, tol,
                          max_iterations, release, grid, bound)
   return params, info
+
+
+def erm_required_n(d: int, *, epsilon: float, method: str = "objective", accuracy: float = 1.0,
+                   regularization: float | None = None, loss: str = "logistic",
+                   huber_width: float = 0.5, tol: float = DEFAULT_TOL) -> int:
+  """Rows :func:`output_perturbation` / :func:`objective_perturbation` need for their noise to
+  move the coefficients typically by at most ``accuracy`` times the largest norm the minimiser
+  can have; the number their :class:`dpjax.UnderpoweredWarning` quotes (at the default
+  ``accuracy = 1``: the noise as large as any minimiser), which they give exactly when n is
+  below it. For :func:`one_vs_rest` pass the per-class ε (ε/K).
+
+  >>> import dpjax
+  >>> dpjax.classic.erm_required_n(64, epsilon=0.1, method="output")
+  2895
+
+  The largest minimiser norm is ``sqrt(2ℓ(0)/Λ_tot)`` (``(Λ_tot/2)‖f*‖² ≤ J(f*) ≤ J(0) = ℓ(0)``,
+  Λ_tot = Λ + Δ); the typical move is the noise's mean norm ``d/β`` for output perturbation and
+  ``d/(β n Λ_tot)`` for objective perturbation (the term ``bᵀf/n`` moves a Λ_tot-strongly
+  convex minimiser by at most ``‖b‖/(nΛ_tot)``), with the call's β, Λ (the default rule at each
+  n, or ``regularization``) and Δ (docs/algorithms.md §5.6). Measured: at ratio ≥ 1 breast_cancer
+  (output, ε = 0.1) scored 0.45 and digits one-vs-rest (objective, ε = 1) 0.13; a ratio below
+  1 is no promise (digits, output, ε = 10: ratio 0.3, accuracy 0.14). Public numbers only.
+
+  Raises:
+    ValueError: bad arguments, or no n up to 10¹² reaches ``accuracy``.
+  """
+  d = v.check_int(d, "d", low=1)
+  epsilon = v.check_epsilon(epsilon)
+  v.check_choice(method, "method", METHODS)
+  accuracy = v.check_positive(accuracy, "accuracy")
+  c = loss_curvature(loss, huber_width)
+  tol = v.check_positive(tol, "tol")
+  if regularization is not None:
+    regularization = v.check_positive(regularization, "regularization")
+  zero_loss = _zero_model_loss(loss, huber_width)
+
+  def enough(n):
+    lam = (default_regularization(n, d, epsilon, method) if regularization is None
+           else regularization)
+    if method == "output":
+      total, move = lam, d * (2.0 / (n * lam) + 2.0 * tol / lam) / epsilon
+    else:
+      budget = objective_perturbation_budget(n, epsilon, lam, c)
+      total = lam + budget.extra_regularization
+      move = d / (budget.beta * n * total)
+    return move <= accuracy * math.sqrt(2.0 * zero_loss / total)
+
+  return v.smallest_n(enough, f"no n up to 1e12 reaches accuracy={accuracy:g} for d={d}")
+
+
+def _zero_model_loss(loss: str, huber_width: float) -> float:
+  """``ℓ(0)``: ln 2 for the logistic loss; the Huber SVM's 1 (h < 1) or ``(1 + h)²/(4h)``."""
+  if loss == "logistic":
+    return math.log(2.0)
+  return 1.0 if huber_width < 1.0 else (1.0 + huber_width) ** 2 / (4.0 * huber_width)
+
+
+def _warn_if_underpowered(n, d, epsilon, method, regularization, loss, huber_width, tol,
+                          learner, per_class=""):
+  try:
+    need = erm_required_n(d, epsilon=epsilon, method=method, regularization=regularization,
+                          loss=loss, huber_width=huber_width, tol=tol)
+  except ValueError:                   # no n reaches it (ε so small that tol's term dominates)
+    warn_underpowered(
+        f"{learner}: no number of rows up to 1e12 makes its noise (d={d}, ε={epsilon:g}"
+        f"{per_class}, method={method!r}) smaller than the largest norm the minimiser can have "
+        "(dpjax.classic.erm_required_n): raise epsilon. The result is still private.")
+    return
+  if n < need:
+    options = "" if regularization is None else f", regularization={regularization:g}"
+    options += "" if loss == "logistic" else f", loss={loss!r}, huber_width={huber_width:g}"
+    warn_underpowered(
+        f"{learner}: at n={n:,} rows (d={d}, ε={epsilon:g}{per_class}, method={method!r}) its "
+        "noise typically moves the coefficients by more than the largest norm the minimiser "
+        f"can have: the classifier is mostly noise. Noise at most that large needs n ≥ "
+        f"{need:,} rows (dpjax.classic.erm_required_n({d}, epsilon={epsilon:g}, "
+        f"method={method!r}{options})); or raise epsilon. The result is still private.")
 
 
 def _coefficient_bound(loss: str, regularization: float, huber_width: float = 0.5,
@@ -663,6 +740,8 @@ def _fit(key, X, y, method, *, epsilon, clip, **kwargs) -> ERMResult:
   n, d = X.shape
   y = _check_labels(y, n, "y", allowed=(-1, 1), hint=" (map {0, 1} labels by 2*y - 1)")
   params, info = erm_parameters(n, d, epsilon=epsilon, method=method, **kwargs)
+  _warn_if_underpowered(n, d, float(epsilon), method, kwargs["regularization"],
+                        params.loss, params.huber_width, params.tol, f"{method}_perturbation")
   clip = bool(clip)
   if not v.is_traced(X):
     _check_norms(X, params.data_norm, clip)
@@ -731,6 +810,9 @@ def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: f
                                 regularization=regularization, loss=loss,
                                 huber_width=huber_width, data_norm=data_norm, tol=tol,
                                 max_iterations=max_iterations, release=release)
+  _warn_if_underpowered(n, d, epsilon / K, method, regularization, params.loss,
+                        params.huber_width, params.tol, "one_vs_rest",
+                        per_class=f" per class of ε={epsilon:g}")
   clip = bool(clip)
   if not v.is_traced(X):
     _check_norms(X, params.data_norm, clip)

@@ -43,6 +43,7 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import accounting, linalg
+from dpjax._core import pca_power
 from dpjax._core.second_moment import noisy_top_k, secure_top_k, unit_second_moment
 from dpjax._host import float64
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, rdp_gaussian_sigma
@@ -51,7 +52,7 @@ from dpjax.results import SubspaceResult
 from dpjax.ledger import with_ledger
 
 __all__ = ["bingham_sample", "matrix_bingham_sample", "mod_sulq", "mod_sulq_beta", "mod_sulq_core",
-           "ppca", "ppca_core", "scatter_matrix"]
+           "mod_sulq_required_n", "ppca", "ppca_core", "ppca_required_n", "scatter_matrix"]
 
 # Replace-one ℓ2-sensitivity of the upper triangle (diagonal included) of S = Σ u uᵀ, ‖u‖ ≤ 1:
 # ‖triu(uuᵀ − u'u'ᵀ)‖ ≤ ‖uuᵀ − u'u'ᵀ‖_F = sqrt(‖u‖⁴ + ‖u'‖⁴ − 2(u·u')²) ≤ √2, attained by
@@ -228,21 +229,12 @@ def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)
   beta = mod_sulq_beta(n, d, epsilon, delta)
+  _warn_mod_sulq(n, d, k, epsilon, delta, secure)
   info = {"beta": beta, "data_norm": float(data_norm), "clip": bool(clip),
           "secure": bool(secure)}
+  z, grid, unit_sigma = _mod_sulq_noise(n * beta, d, epsilon, delta, secure)
   if secure:
-    grid = discretization(SECOND_MOMENT_SENSITIVITY, d * (d + 1) // 2)
-    step = grid.grid_sensitivity * grid.grid             # the release's std per unit of z
-    z = n * beta / step
-    # The release is RDP with multiplier z (sensitivity √2): accept the paper's z if that gives
-    # (ε, δ), else (never seen) take the RDP calibration's.
-    if accounting.gaussian_composition_epsilon([z], delta, accountant="rdp") > epsilon:
-      z = max(z, rdp_gaussian_sigma(epsilon, delta))
-    unit_sigma = z * step
-    info.update(noise_multiplier=z, grid=grid.grid)
-  else:
-    unit_sigma = max(n * beta, analytic_gaussian_sigma(epsilon, delta,
-                                                       SECOND_MOMENT_SENSITIVITY))
+    info.update(noise_multiplier=z, grid=grid)
   info["sigma"] = unit_sigma / n
 
   # A NaN in a traced X makes S NaN: the secure release counts such entries as 0 and the
@@ -260,6 +252,60 @@ def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
     ok, basis = v.domain_bottom(X64, ok, basis)
   return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=delta,
                         neighboring=NeighboringRelation.REPLACE_ONE, info=info)
+
+
+def _mod_sulq_noise(n_beta, d, epsilon, delta, secure):
+  """``(noise multiplier, grid step, std on S = nA)``: the secure release's (z, grid) or
+  ``(None, None, ·)`` for the continuous one. ``n_beta`` is nβ, the paper's std on S."""
+  if not secure:
+    return None, None, max(n_beta, analytic_gaussian_sigma(epsilon, delta,
+                                                           SECOND_MOMENT_SENSITIVITY))
+  grid = discretization(SECOND_MOMENT_SENSITIVITY, d * (d + 1) // 2)
+  step = grid.grid_sensitivity * grid.grid             # the release's std per unit of z
+  z = n_beta / step
+  # The release is RDP with multiplier z (sensitivity √2): accept the paper's z if that gives
+  # (ε, δ), else (never seen) take the RDP calibration's.
+  if accounting.gaussian_composition_epsilon([z], delta, accountant="rdp") > epsilon:
+    z = max(z, rdp_gaussian_sigma(epsilon, delta))
+  return z, grid.grid, z * step
+
+
+def mod_sulq_required_n(d: int, k: int, *, epsilon: float, delta: float, accuracy: float = 0.1,
+                        secure: bool = True) -> int:
+  """Rows :func:`mod_sulq` needs so that its noise typically costs the basis at most
+  ``accuracy·n`` of captured energy (units of ``data_norm²``; n is the most n rows in the ball
+  can have); the number its :class:`dpjax.UnderpoweredWarning` quotes (at the default
+  ``accuracy = 1/10``), which it gives exactly when n is below it.
+
+  >>> import dpjax
+  >>> dpjax.classic.mod_sulq_required_n(30, 2, epsilon=1.0, delta=1e-6)
+  84258
+
+  As :func:`dpjax.subspace.analyze_gauss_required_n` (``⌈4kσ√d / accuracy⌉``, σ the std on
+  ``S = nA``, here nβ or the secure release's, which does not depend on n;
+  docs/algorithms.md §5.6): the paper's β is larger by a factor that grows like d, and so is
+  the number. Public numbers only.
+
+  Raises:
+    ValueError: bad d, k, ε, δ or accuracy (δ must make β defined, :func:`mod_sulq_beta`).
+  """
+  d = v.check_int(d, "d", low=1)
+  k = v.check_int(k, "k", low=1, high=d)
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  return pca_power.required_rows(_mod_sulq_loss(d, k, epsilon, delta, secure), accuracy)
+
+
+def _mod_sulq_loss(d, k, epsilon, delta, secure):
+  unit_sigma = _mod_sulq_noise(mod_sulq_beta(1, d, epsilon, delta), d, epsilon, delta, secure)[2]
+  return pca_power.gaussian_energy_loss(unit_sigma, d, k)
+
+
+def _warn_mod_sulq(n, d, k, epsilon, delta, secure):
+  pca_power.warn_if_underpowered(
+      "mod_sulq", n, _mod_sulq_loss(d, k, epsilon, delta, secure),
+      f"dpjax.classic.mod_sulq_required_n({d}, {k}, epsilon={epsilon:g}, delta={delta:g}, "
+      f"accuracy={{}}{'' if secure else ', secure=False'})",
+      f"d={d}, k={k}, ε={epsilon:g}, δ={delta:g}")
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
@@ -569,6 +615,10 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
     raise ValueError(f"epsilon·n/2 = {epsilon * n / 2:.3g} exceeds {MAX_CONCENTRATION:.3g}, "
                      "beyond the sampler's float64 range; ε that large gives no privacy.")
   sweeps = 0 if k == 1 else num_sweeps
+  pca_power.warn_if_underpowered(
+      "ppca", n, pca_power.bingham_energy_loss(epsilon, d, k),
+      f"dpjax.classic.ppca_required_n({d}, {k}, epsilon={epsilon:g}, accuracy={{}})",
+      f"d={d}, k={k}, ε={epsilon:g}")
 
   def run(key, X):
     # A NaN in a traced X makes S NaN: the sampler then draws from C = 0 (so it ends) and the
@@ -585,6 +635,31 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
           "clip": bool(clip)}
   return SubspaceResult(ok=ok, basis=basis, epsilon=epsilon, delta=0.0,
                         neighboring=NeighboringRelation.REPLACE_ONE, info=info)
+
+
+def ppca_required_n(d: int, k: int, *, epsilon: float, accuracy: float = 0.1) -> int:
+  """Rows :func:`ppca` needs so that its draw typically costs the basis at most ``accuracy·n``
+  of captured energy (units of ``data_norm²``); the number its
+  :class:`dpjax.UnderpoweredWarning` quotes (at the default ``accuracy = 1/10``), which it gives
+  exactly when n is below it.
+
+  >>> import dpjax
+  >>> dpjax.classic.ppca_required_n(30, 2, epsilon=1.0)
+  560
+
+  The typical loss of the matrix Bingham draw ``∝ exp((ε/2) tr(VᵀSV))`` is taken as
+  ``k(d − k)/ε``: ``1/ε`` for each of the k(d − k) directions of the Grassmannian, its Laplace
+  approximation (a Gaussian of variance ``1/(ε·gap)`` per direction, costing ``gap`` times that;
+  smaller where the gap is below ``1/ε``); the answer is ``⌈k(d − k)/(ε·accuracy)⌉``
+  (docs/algorithms.md §5.6). An approximation, not a bound. Public numbers only.
+
+  Raises:
+    ValueError: bad d, k, ε or accuracy.
+  """
+  d = v.check_int(d, "d", low=1)
+  k = v.check_int(k, "k", low=1, high=d)
+  epsilon = v.check_epsilon(epsilon)
+  return pca_power.required_rows(pca_power.bingham_energy_loss(epsilon, d, k), accuracy)
 
 
 def ppca_core(key: jax.Array, S: jax.Array, epsilon, *, k: int,

@@ -37,97 +37,57 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
                          accountant: str | None = None, secure: bool = True) -> EstimateResult:
   """CoinPress private covariance (the paper's MVCRec, Algorithms 3–4), (ε, δ)-DP, replace-one.
 
+  Usage::
+
+      res = dpjax.coinpress.coinpress_covariance(jax.random.key(0), X, epsilon=1.0,
+                                                 delta=1e-6, kappa=2.0)
+      res.estimate            # (d, d) float64, symmetric PSD
+
   Model (for utility only): rows ``x_i ~ N(0, Σ)`` i.i.d. with ``I ⪯ Σ ⪯ κ I`` for a public κ
-  (only ``Σ ⪯ κI`` is needed for the no-clipping event; ``I ⪯ Σ`` enters the error bound). For
-  an unknown mean use the differences ``(x_{2i} − x_{2i−1})/√2`` (n/2 rows).
+  (unknown mean: use ``(x_{2i} − x_{2i−1})/√2``, n/2 rows). After a preconditioner Σ̃ within a
+  factor K of Σ, feed ``sqrt(K) · X Σ̃^{-1/2}`` with ``kappa = K²`` and map back.
 
-  Use after a preconditioner (docs/algorithms.md §3.5): if Σ̃ satisfies ``(1/K) I ⪯ Σ_w ⪯ K I`` for
-  ``Σ_w = Σ̃^{-1/2} Σ Σ̃^{-1/2}``, feed ``Y = sqrt(K) · X Σ̃^{-1/2}`` (covariance ``K Σ_w``, so
-  ``I ⪯ K Σ_w ⪯ K² I``) with ``kappa = K²``, and map back
-  ``Σ̂ = Σ̃^{1/2} Σ̂_Y Σ̃^{1/2} / K``. Since Σ̃ is itself a DP release, this is post-processing of
-  it and the budgets compose.
-
-  Algorithm. Keep a whitening matrix ``M_t`` (``M_0 = κ^{-1/2} I``) with, on the good event,
-  ``Σ_t := M_t Σ M_tᵀ ⪯ I``. Public constants: ``γ = gaussian_norm_radius(d, β/(3n))``,
-  ``Δ = √2 γ²/n``, ``a = sqrt(d/n) + sqrt(2 ln(6/β)/n)``. For ``t = 0..T−1``:
-
-    1. whiten ``w_i = M_t x_i`` and clip to norm ≤ γ: ``w̃_i = w_i min(1, γ/‖w_i‖)``;
-    2. release ``Z_t = (1/n) Σ_i w̃_i w̃_iᵀ + E_t`` with ``E_t = σ_t (G + Gᵀ)/2``, G i.i.d.
-       ``N(0, 1)``, ``σ_t = z_t Δ`` (a Gaussian on symmetric matrices with the Frobenius norm;
-       by default the float-safe discretized Gaussian on the ``d(d+1)/2`` isometric coordinates,
-       σ_t then ``z_t`` times the grid sensitivity ≤ ``(1 + 2^-10)Δ``);
-    3. ``η_t = 2a + a² + σ_t (sqrt(2d) + sqrt(2 ln(6T/β)))`` (public), and
-       ``U_t = P_+(Z_t) + η_t I``, ``M_{t+1} = U_t^{-1/2} M_t`` (P_+: projection onto the PSD
-       cone).
-
-  Output ``Σ̂ = M_{T−1}^{-1} P_+(Z_{T−1}) M_{T−1}^{-ᵀ}``, symmetric PSD (P_+ and the change of basis
-  are post-processing).
-
-  Privacy. Step t is a Gaussian mechanism on ``f_t(X) = (1/n) Σ w̃_i w̃_iᵀ`` in the Euclidean space
-  of symmetric matrices with ``⟨A, B⟩ = tr(AB)`` (isometric to R^{d(d+1)/2} via the entries
-  ``A_ii`` and ``√2 A_ij``, i < j; in those coordinates ``E_t`` is ``N(0, σ_t² I)``). ``M_t`` is a
-  function of earlier releases only, and γ is public. Replace-one Frobenius sensitivity
-  ``Δ = √2 γ²/n``: replacing row i changes ``f_t`` by ``(w wᵀ − w' w'ᵀ)/n`` with
-  ``‖w‖, ‖w'‖ ≤ γ``, and
-  ``‖w wᵀ − w' w'ᵀ‖_F² = ‖w‖⁴ + ‖w'‖⁴ − 2 (wᵀw')² ≤ 2γ⁴`` (tight for orthogonal w, w' of norm
-  γ). The T steps are ``GaussianDpEvent(z_t)`` events composed by ``dp_accounting`` with
-  ``z_t = s/sqrt(f_t)`` and s calibrated to (ε, δ) under replace-one.
-
-  Utility [DERIVED, the paper's argument with explicit constants]. Write ``x_i = Σ^{1/2} g_i``.
-  Good event (prob ≥ 1 − β): all ``‖g_i‖ ≤ γ`` (β/3, union over rows); ``‖(1/n)Σ g_i g_iᵀ − I‖
-  ≤ 2a + a²`` (β/3, Gaussian singular values); and every ``‖E_t‖ ≤ σ_t(sqrt(2d) +
-  sqrt(2 ln(6T/β)))`` (β/(3T) each: ``E λ_max(E_t) ≤ σ_t sqrt(2d)`` by Sudakov–Fernique and
-  λ_max is σ_t-Lipschitz in the Gaussian coordinates). On it, by induction, ``Σ_t ⪯ I`` (so
-  nothing is clipped), ``‖Z_t − Σ_t‖ ≤ η_t``, ``Σ_t ⪯ U_t ⪯ Σ_t + 3η_t I`` and
-  ``λ_min(Σ_{t+1}) ≥ λ_{t+1} = λ_t/(λ_t + 3η_t)``, ``λ_0 = 1/κ``; finally
-  ``‖Σ^{-1/2} Σ̂ Σ^{-1/2} − I‖_2 ≤ 2a + a² + 2‖E_{T−1}‖/λ_{T−1} = info["error_bound"]``. This
-  bound is worst-case (η_t dominates λ_t when κ is large and n small); typical errors are much
-  smaller.
+  Privacy: (ε, δ)-DP under replace-one (n public). Each of the T steps is a Gaussian mechanism on
+  the second moment of the rows, whitened by earlier releases and clipped to a public radius γ,
+  of replace-one Frobenius sensitivity ``Δ = √2 γ²/n``; ``dp_accounting`` composes the steps.
+  Utility: under the model, w.p. ≥ 1 − β, ``‖Σ^{-1/2} Σ̂ Σ^{-1/2} − I‖_2 ≤ info["error_bound"]``
+  (worst-case; typical errors are much smaller). Algorithm and proofs: docs/algorithms.md §3.5.1.
 
   Args:
-    key: a JAX PRNG key, used once: split into the T steps' keys (``secure``), or one draw of
-      all T steps' noise.
+    key: a JAX PRNG key, used once (split into the T steps' keys, or one draw of all noise).
     X: ``(n, d)`` real array, rows are individuals, ``n ≥ 2``.
-    epsilon: ε > 0 (nats).
-    delta: δ ∈ (0, 1).
+    epsilon, delta: ε > 0 (nats), δ ∈ (0, 1).
     kappa: public κ ≥ 1 with ``I ⪯ Σ ⪯ κ I``.
     steps: number of steps T. Default (``steps`` and ``fractions`` both None) [PROPOSED]:
-      :func:`choose_covariance_steps`, a public function of ``(n, d, κ, ε, δ, β)`` — too many
-      steps hurt at small n (d = 10, n = 1e4, κ = 10, ε = 1: error ≈0.7 at T = 1, ≈3 at
-      T = 4). Otherwise ``len(fractions)``, or 4 when only ``fractions`` is None.
-    beta: failure probability of the utility guarantee, in (0, 1) (default 0.01). Sets the
-      public clipping radius γ and η_t; privacy does not depend on it.
-    fractions: per-step budget fractions ``f_t > 0`` summing to 1 (default
-      :func:`default_fractions`).
-    accountant: None (``"rdp"`` when ``secure``, else ``"analytic"``), ``"analytic"`` (exact
-      for continuous noise, see :func:`calibrate_noise_scale`), ``"pld"`` or ``"rdp"``. Only
-      ``"rdp"`` is valid with ``secure=True``.
+      :func:`choose_covariance_steps`, a public function of ``(n, d, κ, ε, δ, β)`` (too many
+      steps hurt at small n). Otherwise ``len(fractions)``, or 4 when only ``fractions`` is None.
+    beta: failure probability of the utility guarantee, in (0, 1) (default 0.01); sets γ and the
+      public η_t; privacy does not depend on it.
+    fractions: per-step budget fractions ``f_t > 0`` summing to 1 (:func:`default_fractions`).
+    accountant: None (``"rdp"`` if ``secure``, else ``"analytic"``), ``"analytic"`` (exact for
+      continuous noise, :func:`calibrate_noise_scale`), ``"pld"`` or ``"rdp"``; only ``"rdp"``
+      is valid with ``secure=True``.
     secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
     :class:`~dpjax.results.EstimateResult` (``ok`` True eagerly; neighboring ``REPLACE_ONE``;
-    ``epsilon`` the composed ε) with ``estimate`` a symmetric PSD ``(d, d)`` array — float64
-    NumPy eagerly (the whitening recursion runs in float64 whatever JAX's x64 flag) — and
-    ``info`` holding ``steps``, ``fractions``, ``noise_scale``, ``noise_multipliers``,
-    ``sigmas``, ``sensitivities`` (Δ per step), ``clip_radii`` (γ per step), ``etas``,
-    ``lower_bounds`` (λ_0..λ_{T−1}), ``error_bound``, ``beta``, ``steps_rule``
-    ("choose_covariance_steps" or "given"), ``zcdp_rho``, ``accountant``, ``secure`` and
-    (secure) ``grids`` (Λ_t); with ``secure=True`` ``released["releases"]`` holds the
-    ``(T, d, d)`` released Z_t (DP releases accounted in ε, on their grids in the isometric
-    coordinates). Traceable in ``key`` and ``X`` with JAX's x64 mode on (``with
-    jax.enable_x64(True):`` around the ``jit`` / ``vmap``): the float64 recursion is staged in
-    the caller's program (with ``secure=True`` each step's discretized release is a NumPy host
-    callback, the same draw per key as eagerly) and the outputs are float64 JAX arrays
-    (symmetric up to rounding: XLA may fuse the final mirroring); a non-finite traced ``X``
-    gives ``ok=False`` and zero outputs. Under a float32 trace (x64 off) it raises
-    ``TypeError``.
+    ``epsilon`` the composed ε): ``estimate`` a symmetric PSD ``(d, d)`` float64 NumPy array
+    eagerly (the recursion runs in float64 whatever JAX's x64 flag); ``info`` with ``steps``,
+    ``fractions``, ``noise_scale``, ``noise_multipliers``, ``sigmas``, ``sensitivities`` (Δ per
+    step), ``clip_radii`` (γ per step), ``etas``, ``lower_bounds`` (λ_0..λ_{T−1}),
+    ``error_bound``, ``beta``, ``steps_rule`` ("choose_covariance_steps" or "given"),
+    ``zcdp_rho``, ``accountant``, ``secure`` and (secure) ``grids`` (Λ_t); with ``secure=True``
+    ``released["releases"]``, the ``(T, d, d)`` released Z_t (covered by ε, on their grids).
+    Traceable in ``key`` and ``X`` inside ``with jax.enable_x64(True):`` (float64 JAX outputs,
+    symmetric up to rounding; secure releases by host callback, the same draw per key as
+    eagerly; a non-finite traced ``X`` gives ``ok=False`` and zeros).
 
   Raises:
     TypeError: ``key`` not a PRNG key; non-numeric ``X``; non-integer ``steps``; traced
       (``jit`` / ``vmap``) with JAX's x64 mode off.
-    ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in a concrete ``X``; ``kappa`` not finite or < 1; ε ≤ 0;
-      δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or ``steps``; unknown ``accountant``, or
-      ``"analytic"``/``"pld"`` with ``secure=True``.
+    ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in a concrete ``X``; ``kappa`` not finite or
+      ``kappa < 1``; ε ≤ 0; δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or ``steps``; unknown
+      ``accountant``, or ``"analytic"``/``"pld"`` with ``secure=True``.
 
   References:
     Biswas, Dong, Kamath & Ullman, NeurIPS 2020, Algorithms 3–4 (MVC, MVCRec);
@@ -274,17 +234,9 @@ def covariance_required_n(d: int, *, kappa: float, epsilon: float, delta: float,
     return min(_covariance_plan(n, d, kappa, beta, default_fractions(t), s0).typical_error
                for t in range(1, _AUTO_MAX_STEPS + 1)) <= accuracy / 1.1
 
-  lo, hi = 1, 2
-  while not reaches(hi):
-    lo, hi = hi, hi * 2
-    if hi > 10**12:
-      raise ValueError(f"coinpress_covariance reaches no typical error {accuracy:g} with up to "
-                       f"1e12 rows at d={d}, kappa={kappa:g}, epsilon={epsilon:g}, "
-                       f"delta={delta:g}.")
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
-  return hi
+  return v.smallest_n(reaches, f"coinpress_covariance reaches no typical error {accuracy:g} with "
+                      f"up to 1e12 rows at d={d}, kappa={kappa:g}, epsilon={epsilon:g}, "
+                      f"delta={delta:g}")
 
 
 class _CovariancePlan(NamedTuple):

@@ -34,82 +34,57 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
                    secure: bool = True) -> EstimateResult:
   """CoinPress private mean (the paper's MVMRec, Algorithms 1–2), (ε, δ)-DP under replace-one.
 
+  Usage::
+
+      res = dpjax.coinpress.coinpress_mean(jax.random.key(0), X, epsilon=1.0, delta=1e-6,
+                                           center=np.zeros(d), radius=100.0)
+      res.estimate            # (d,) float64, within res.info["error_bound"] of μ w.p. ≥ 0.99
+
   Model (for utility only): rows ``x_i ~ N(μ, Σ)`` i.i.d. with ``Σ ⪯ I`` and a public prior
-  ``‖μ − center‖ ≤ radius``. For data whitened by a preconditioner with
-  ``(1/K) I ⪯ Σ_w ⪯ K I`` divide the whitened rows, the prior centre and the radius by
-  ``sqrt(K)`` (then ``Σ ⪯ I``) and multiply the estimate back.
+  ``‖μ − center‖ ≤ radius``. For data whitened by a preconditioner with ``(1/K) I ⪯ Σ_w ⪯ K I``
+  divide the whitened rows, the centre and the radius by ``sqrt(K)``; multiply the estimate back.
 
-  Algorithm. With ``γ = gaussian_norm_radius(d, β/(2n))`` (all n rows lie within γ of μ w.p.
-  ≥ 1 − β/2) and ``γ' = gaussian_norm_radius(d, β/(2T))``, start from ``c_0 = center``,
-  ``r_0 = radius`` and for ``t = 0..T−1``:
-
-    1. clip every row to the ball ``B(c_t, R_t)``, ``R_t = r_t + γ``
-       (``x ↦ c_t + (x − c_t) min(1, R_t/‖x − c_t‖)``);
-    2. release ``c_{t+1} = mean(clipped rows) + N(0, σ_t² I_d)``, ``σ_t = z_t · 2R_t/n`` (by
-       default the float-safe discretized Gaussian: σ_t is then ``z_t`` times the grid
-       sensitivity, at most ``(1 + 2^-10)·2R_t/n``; module docstring). The float-safe release
-       is of the clipped rows' mean deviation from ``c_t`` (norm ≤ R_t), added back to ``c_t``
-       rounded to the step's grid Λ_t (public post-processing; ``R_t`` then includes
-       ``√d·Λ_t`` for that rounding), so its clamp never binds however far μ is from 0;
-    3. shrink: ``r_{t+1} = γ' sqrt(1/n + σ_t²)``.
-
-  Output ``c_T``. Every ``R_t``, ``σ_t`` and ``r_t`` is a public function of
-  ``(n, d, radius, ε, δ, β, fractions)``; no data-dependent radius is ever used.
-
-  Utility [DERIVED, the paper's argument]: on the event that all ``‖x_i − μ‖ ≤ γ`` (prob ≥ 1 −
-  β/2) and ``‖μ − c_t‖ ≤ r_t``, nothing is clipped, so ``c_{t+1} − μ = (x̄ − μ) + Y_t`` with
-  covariance ``Σ/n + σ_t² I ⪯ (1/n + σ_t²) I``, hence ``‖c_{t+1} − μ‖ ≤ r_{t+1}`` w.p.
-  ≥ 1 − β/(2T). By induction, w.p. ≥ 1 − β: ``‖μ̂ − μ‖ ≤ r_T = info["error_bound"]``; the
-  typical error is that of ``N(0, (1/n + σ_{T−1}²) I_d)``, about ``sqrt(d (1/n + σ_{T−1}²))``
-  (sampling plus the last step's noise). If the prior or the model is wrong the output is still
-  private, only less accurate.
-
-  Privacy. Step t releases a function of the rows clipped to ``B(c_t, R_t)``; ``c_t`` is an
-  earlier release and ``R_t`` is public, so (adaptive composition) the step is a Gaussian
-  mechanism on the clipped mean, whose replace-one ℓ2-sensitivity is ``Δ_t = 2R_t/n``: replacing
-  ``x`` by ``x'`` moves the mean by ``(x̃ − x̃')/n`` and both clipped rows lie in a ball of radius
-  ``R_t``. The T steps are ``GaussianDpEvent(z_t)`` events composed by ``dp_accounting``, with
-  ``z_t = s/sqrt(f_t)`` and s calibrated so the total is (ε, δ)-DP (replace-one; n is public).
+  Privacy: (ε, δ)-DP under replace-one (n public). Step t is a Gaussian mechanism on the mean of
+  the rows clipped to ``B(c_t, R_t)`` (``c_t`` an earlier release, ``R_t`` public), of
+  replace-one ℓ2-sensitivity ``2R_t/n``; ``dp_accounting`` composes the steps. Every radius and
+  noise scale is a public function of ``(n, d, radius, ε, δ, β, fractions)``. Utility: under the
+  model, w.p. ≥ 1 − β, ``‖μ̂ − μ‖ ≤ info["error_bound"]``; a wrong prior or model costs accuracy,
+  never privacy. Algorithm and proofs: docs/algorithms.md §3.5.1.
 
   Args:
-    key: a JAX PRNG key, used once: split into the T steps' keys (``secure``), or one draw of
-      all T steps' noise.
+    key: a JAX PRNG key, used once (split into the T steps' keys, or one draw of all noise).
     X: ``(n, d)`` real array, rows are individuals, ``n ≥ 2``; integer input is converted.
-    epsilon: ε > 0 (nats).
-    delta: δ ∈ (0, 1).
+    epsilon, delta: ε > 0 (nats), δ ∈ (0, 1).
     center: ``(d,)`` public prior centre.
     radius: public prior radius > 0 with ``‖μ − center‖ ≤ radius``.
     steps: number of steps T (default 4, or ``len(fractions)``).
     beta: failure probability of the utility guarantee, in (0, 1) (default 0.01, as in the
-      paper's code). It sets public radii only; privacy does not depend on it.
+      paper's code); it sets public radii only, privacy does not depend on it.
     fractions: per-step budget fractions ``f_t > 0`` summing to 1 (default
       :func:`default_fractions`: 3/4 to the last step, 1/4 shared by the others).
-    accountant: None (``"rdp"`` when ``secure``, else ``"analytic"``), ``"analytic"`` (exact
-      for continuous noise, see :func:`calibrate_noise_scale`), ``"pld"`` or ``"rdp"``. Only
-      ``"rdp"`` is valid with ``secure=True``.
+    accountant: None (``"rdp"`` if ``secure``, else ``"analytic"``), ``"analytic"`` (exact for
+      continuous noise, :func:`calibrate_noise_scale`), ``"pld"`` or ``"rdp"``; only ``"rdp"``
+      is valid with ``secure=True``.
     secure: float-safe discretized releases (default) or raw continuous noise.
 
   Returns:
     :class:`~dpjax.results.EstimateResult` (``ok`` True eagerly; ``epsilon`` the composed ε ≤ the
-    requested one; neighboring ``REPLACE_ONE``) with ``estimate`` a ``(d,)`` array — float64
-    NumPy eagerly (the algorithm runs in float64 whatever JAX's x64 flag: means of 1e6 keep
-    their digits), with ``secure=True`` a multiple of ``info["grids"][-1]`` —,
-    ``released["centers"]`` (``(T, d)``, the released c_1..c_T, covered by the guarantee) and
-    ``info`` holding ``steps``, ``fractions``, ``noise_scale`` (s), ``noise_multipliers``
-    (z_t), ``sigmas`` (σ_t), ``sensitivities`` (Δ_t), ``clip_radii`` (R_t), ``radii``
-    (r_0..r_T), ``error_bound`` (r_T), ``norm_radius``, ``beta``, ``zcdp_rho`` (= 1/(2s²)),
-    ``accountant``, ``secure`` and (secure) ``grids`` (Λ_t). Traceable in ``key``, ``X`` and
-    ``center`` with JAX's x64 mode on (``with jax.enable_x64(True):`` around the ``jit`` /
-    ``vmap``): the float64 steps are staged in the caller's program (with ``secure=True`` each
-    step's discretized release is a NumPy host callback, the same draw per key as eagerly) and
-    the outputs are float64 JAX arrays; a non-finite traced ``X`` or ``center`` gives
-    ``ok=False`` and zero outputs. Under a float32 trace (x64 off) it raises ``TypeError``.
+    requested one; neighboring ``REPLACE_ONE``): ``estimate`` a ``(d,)`` float64 NumPy array
+    eagerly (float64 whatever JAX's x64 flag: means of 1e6 keep their digits; with
+    ``secure=True`` a multiple of ``info["grids"][-1]``); ``released["centers"]`` ``(T, d)``, the
+    released c_1..c_T (covered by the guarantee); ``info`` with ``steps``, ``fractions``,
+    ``noise_scale`` (s), ``noise_multipliers`` (z_t), ``sigmas`` (σ_t), ``sensitivities`` (Δ_t),
+    ``clip_radii`` (R_t), ``radii`` (r_0..r_T), ``error_bound`` (r_T), ``norm_radius``, ``beta``,
+    ``zcdp_rho`` (= 1/(2s²)), ``accountant``, ``secure`` and (secure) ``grids`` (Λ_t). Traceable
+    in ``key``, ``X`` and ``center`` inside ``with jax.enable_x64(True):`` (float64 JAX outputs;
+    secure releases by host callback, the same draw per key as eagerly; a non-finite traced
+    ``X`` or ``center`` gives ``ok=False`` and zeros).
 
   Raises:
     TypeError: ``key`` not a PRNG key; non-numeric ``X``/``center``; non-integer ``steps``;
       traced (``jit`` / ``vmap``) with JAX's x64 mode off.
-    ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in a concrete ``X`` or ``center``; ``center`` not of
-      shape ``(d,)``; ``radius ≤ 0``; ε ≤ 0; δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or
+    ValueError: ``X`` not 2-D, ``n < 2``, NaN/inf in a concrete ``X`` or ``center``; ``center``
+      not of shape ``(d,)``; ``radius ≤ 0``; ε ≤ 0; δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or
       ``steps``; unknown ``accountant``, or ``"analytic"``/``"pld"`` with ``secure=True``.
 
   References:
@@ -215,15 +190,7 @@ def mean_required_n(d: int, *, radius: float, epsilon: float, delta: float,
   def enough(n):
     return _typical_error(d, n, _mean_schedule(n, d, radius, zs, beta, secure)[4]) <= accuracy
 
-  lo, hi = 1, 2
-  while not enough(hi):
-    lo, hi = hi, hi * 2
-    if hi > 10 ** 12:
-      raise ValueError(f"no n up to 1e12 reaches accuracy={accuracy:g} for d={d}.")
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (lo, mid) if enough(mid) else (mid, hi)
-  return max(hi, 2)
+  return max(v.smallest_n(enough, f"no n up to 1e12 reaches accuracy={accuracy:g} for d={d}"), 2)
 
 
 def _warn_underpowered(n, d, radius, epsilon, delta, typical, need):

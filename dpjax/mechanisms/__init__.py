@@ -24,7 +24,7 @@ from dpjax.mechanisms.truncated_laplace import (TruncatedLaplaceParams,
                                                 truncated_laplace_params,
                                                 truncated_laplace_survival)
 
-# The names a user meets; each module's own __all__ holds the rest (README, "API map").
+# The names a user meets; each module's own __all__ holds the rest (docs/reference/map.rst).
 __all__ = ["discrete_gaussian", "discrete_laplace", "discretization",
            "discretized_gaussian_mechanism", "exponential_mechanism", "gap_max",
            "gaussian_mechanism", "l2_laplace_mechanism", "laplace_mechanism", "snapping_mechanism",

@@ -46,7 +46,9 @@ class DPSGDConfig:
       plan = config.make(dpjax.sgd.clipped_grad_sum(loss, clip_norm=1.0), key=key)
 
   Give exactly one of ``epsilon`` (σ calibrated) and ``noise_multiplier`` (σ given; the budget
-  is what the accountant certifies at ``delta``; σ = 0 is no privacy, for tests).
+  is what the accountant certifies at ``delta``; σ = 0 is no privacy, for tests). Every check
+  runs at construction, before anything is calibrated. The events of the batch selections and
+  noise strategies, and why they hold: docs/algorithms.md §6.0, §6.1, §6.7.
 
   Attributes:
     num_examples: N ≥ 1, the private training set's size (public).
@@ -58,37 +60,31 @@ class DPSGDConfig:
     accountant: ``"pld"`` (default) or ``"rdp"``.
     subspace_event: a private basis release composed into the budget: its ``dp_accounting``
       event, or the release itself (a result with a ``dp_event`` stated under add/remove-one,
-      e.g. :func:`dpjax.sgd.private_input_basis`'s); stored as the event. A Gaussian release is
+      e.g. :func:`dpjax.sgd.private_input_basis`'s), stored as the event. A Gaussian release is
       composed with the steps by the accountant, (ε, δ) ones by basic composition.
     subspace_epsilon, subspace_delta: a private basis's cost by number instead (basic
       composition); stored as ``subspace_event``.
     max_batch_size: optional B: truncated Poisson sampling (at most B examples a step, one
-      static batch of B rows; :class:`dpjax.sgd.sampling.TruncatedPoissonSampling`, accounted
-      by ``dp_accounting``'s truncated event: PLD only, no tuning, no mesh). None: Poisson
-      sampling, never truncated.
-    noise_strategy: optional :class:`dpjax.sgd.correlation.BandedToeplitz` C with b bands:
-      correlated (BandMF) noise, with cyclic Poisson sampling of cycle ``cycle_length``
-      (default b; at least b) — :class:`dpjax.sgd.sampling.CyclicPoissonSampling`, whose event
-      is ⌈T/b⌉ Poisson-sampled Gaussian rounds at the group rate ``L·b/N`` (amplified BandMF).
-      Or a :class:`dpjax.sgd.correlation.BufferedToeplitz` (BLT) with ``min_sep`` b: the same
-      cyclic sampling (cycle ≥ b), and the run is ONE Gaussian mechanism at σ (the strategy is
-      normalised to min-sep sensitivity 1; no amplification). Needs ``L·b ≤ N``; not with
-      ``max_batch_size``; a mesh shards its sample like any other.
+      static batch of B rows; :class:`dpjax.sgd.sampling.TruncatedPoissonSampling`: PLD only, no
+      tuning, no mesh). None: Poisson sampling, never truncated.
+    noise_strategy: optional correlated noise with cyclic Poisson sampling
+      (:class:`dpjax.sgd.sampling.CyclicPoissonSampling`) of cycle ``cycle_length`` ≥ b (default
+      b; needs ``L·b ≤ N``; not with ``max_batch_size``): a
+      :class:`dpjax.sgd.correlation.BandedToeplitz` with b bands (BandMF, amplified: ⌈T/b⌉
+      Poisson-sampled Gaussian rounds at the group rate ``L·b/N``) or a
+      :class:`dpjax.sgd.correlation.BufferedToeplitz` with ``min_sep`` b (BLT: the run is ONE
+      Gaussian mechanism at σ, no amplification). A mesh shards its sample like any other.
     cycle_length: optional b ≥ 1: cyclic Poisson sampling with or without a noise strategy
       (without one, independent noise; each example then takes part in at most ⌈T/b⌉ steps).
-    fixed_size: True: fixed-size sampling, each step a uniformly random batch of exactly
-      ``expected_batch_size`` (an integer B) distinct examples
-      (:class:`dpjax.sgd.sampling.FixedSizeSampling`). Its event is stated under REPLACE-ONE
-      (``dp_accounting`` composes sampling without replacement under that relation only, and
-      by RDP only): every figure of the plan is then replace-one (:attr:`neighboring`), and it
-      needs ``accountant="rdp"``; no subspace release, tuning, truncation or cycle.
+    fixed_size: True: each step a uniformly random batch of exactly ``expected_batch_size`` (an
+      integer B) distinct examples (:class:`dpjax.sgd.sampling.FixedSizeSampling`), whose event
+      ``dp_accounting`` states under REPLACE-ONE only, by RDP only: every figure of the plan is
+      then replace-one (:attr:`neighboring`); needs ``accountant="rdp"``; no subspace release,
+      tuning, truncation or cycle.
     tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run of a
       Papernot–Steinke tuning whose released best run is (ε, δ)-DP (RDP). A subspace event is
-      then composed once, outside the repetition: a Gaussian release made before the tuning and
-      shared by all its runs (a feature normalisation, one basis for all runs), never one
-      release per run; an (ε_s, δ_s) one is refused.
-
-  Every check runs at construction, before anything is calibrated.
+      then composed once, outside the repetition (a Gaussian release shared by all runs, never
+      one per run); an (ε_s, δ_s) one is refused.
 
   Raises:
     TypeError: non-integer N or T; a subspace event that is neither an event nor a release.

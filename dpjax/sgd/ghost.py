@@ -741,115 +741,60 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
                            per_layer: str | None = None) -> per_example.ClippedGradSum:
   """``fn(params, batch, mask)`` = ``Σ_i mask_i · clip_C(∇ loss_i)`` by ghost clipping.
 
-  The same sum as ``dpjax.sgd.clipped_grad_sum(model_loss(apply_fn, example_loss), ...)``
-  (equal to float rounding), computed with one forward and one backward pass over the batch
-  and one matmul per dense layer: the per-example gradients of the dense layers are never
-  formed (module docstring; Bu et al. 2023). Cost is close to a non-private step's.
+  Usage (``apply_fn`` sees ONE example and builds its dense layers with the ``dense`` given)::
 
-  The model: ``apply_fn(params, x, *, dense) -> outputs`` for ONE example ``x`` (no batch
-  axis), building its dense layers with the ``dense`` it is given (:func:`dense`'s signature,
-  ``dense(params["layer"], h)``; convolutions, embeddings and normalisations' scales through
-  :func:`layer`; a Flax model through :func:`dpjax.sgd.flax_layers.nnx_model` or
-  :func:`~dpjax.sgd.flax_layers.linen_apply`, unchanged); the loss: ``example_loss(outputs,
-  y) -> scalar``. A parameter leaf is clipped by ghost norms when exactly one recorded layer
-  call receives it (as ``w`` or ``b``, unchanged) and nothing else reads it; every other leaf
-  the loss depends on (weight tying, a layer norm's scale or an embedding table used without
-  :func:`layer`, a ``dense`` called inside a ``lax.scan`` /
-  ``lax.cond`` / ``lax.while_loop`` body, ``jax.checkpoint``, a nested ``jax.jit`` or an inner
-  ``vmap``, whether the body closes over the parameters or receives them) gets its per-example
-  gradients by ``vmap(grad)`` restricted to those leaves (exact, slower; a ``UserWarning``
-  names them), and the global norm covers all leaves together. Such nested calls are found by
-  tracing with a zero tap added to every ``dense`` output: only a tap added at ``apply_fn``'s
-  top level is tapped for ghost norms. ``apply_fn`` must call ``dense`` deterministically (the
-  same calls in the same order on every trace; ``RuntimeError`` otherwise).
+      def apply_fn(params, x, *, dense):
+        return dense(params["out"], jax.nn.relu(dense(params["hidden"], x)))
+      grad_fn = dpjax.sgd.ghost_clipped_grad_sum(apply_fn, example_loss, clip_norm=1.0)
 
-  Privacy: every term (one example's clipped gradient) has ℓ2 norm ≤ C whatever the example
-  (module edge-case table: a non-finite example contributes 0), so the sum has ℓ2-sensitivity
-  C under add/remove-one, as :func:`dpjax.sgd.clipped_grad_sum`; ``fn.l2_norm_bound = C``.
-  The norm rests on exact identities (``‖x_iᵀδ_i‖_F = ‖x_i‖‖δ_i‖`` for a vector input,
-  ``‖x_iᵀδ_i‖²_F = ⟨x_i x_iᵀ, δ_i δ_iᵀ⟩`` for a sequence), evaluated on the same scaled
-  ``(x_i, δ_i)`` (and gradients of uncovered leaves) that form the example's terms, so the clip
-  factor is that of the gradient actually summed; tests check the norms against
-  :func:`dpjax.sgd.per_example.global_norms` of the vmap path, extreme scales included. Masked rows
-  (``mask_i = 0``) contribute exactly 0 whatever they hold.
+  The sum of ``clipped_grad_sum(model_loss(apply_fn, example_loss), ...)`` (to float rounding)
+  from one forward and one backward pass and one matmul per dense layer, without per-example
+  gradients (Bu et al. 2023; about a non-private step's cost). Other layers go through
+  :func:`layer`, Flax models unchanged through :mod:`dpjax.sgd.flax_layers`. Leaves that no
+  single top-level layer call owns (tied weights, layers in ``lax.scan``, ``jax.checkpoint``, a
+  nested ``jit`` or ``vmap``) fall back to ``vmap(grad)`` (exact, slower; a ``UserWarning``
+  names them); one global norm covers all leaves (docs/algorithms.md §6.1).
 
-  Floating point (what "≤ C" means here; the vmap path's is in :mod:`dpjax.sgd.per_example`).
-  The term of example i is ``y = coef_i · G_i``, G_i the example's gradient computed from the
-  layer inputs ``x_i`` and output gradients ``δ_i`` of the model's own forward and backward
-  pass (in the model's dtype; bfloat16 activations give bfloat16 ``x_i, δ_i``). ``x_i, δ_i``
-  are upcast (exactly) to float32 (float64), the norms summed by
-  :func:`dpjax.sgd.per_example.sum_squares`, the factor is
-  :func:`dpjax.sgd.per_example.clip_factor`'s, the products ``coef·x`` and ``·δ`` (two
-  roundings) and the matmul over the batch run in float32, and each leaf is converted to its
-  dtype rounding towards zero. Proven (``clip_factor``'s derivation), exactly over the values
-  the sum receives for example i (``fn`` with a one-hot mask): ``‖y‖ ≤ C`` for dense layers
-  on vector inputs (G = x_iᵀδ_i: the norm is ``‖x_i‖‖δ_i‖`` of the same numbers), for
-  sequences on the direct route (T² ≥ a·b: G is formed in float32 and both the norm and the
-  term use it; convolutions on it too), for embeddings and normalisations' scales (their G is
-  materialised), for biases and for the leaves that fall back to ``vmap(grad)``, and for
-  sequences on the Gram route (T² < a·b; convolutions and attention projections too): there
-  the norm is not ``√⟨x xᵀ, δ δᵀ⟩`` as computed — a float sum over (t, s) of terms of both
-  signs, far below the term's norm when the tokens' gradients cancel (an adversarial example
-  reached 4.6·C before issue 49) — but a proven upper bound ``U ≥ ‖G‖ + γ_{T+1}·Σ_t‖x_t‖‖δ_t‖``
-  of the term's norm, the computed Gram sum plus a rigorous bound of its rounding error
-  (docs/algorithms.md §6.1.1; ``O(T(a + b))`` more work per example, 1.05–1.14× the unbounded
-  norm's time). Where the tokens do not cancel, U exceeds the norm by about
-  ``½(a + b + T)·T·u`` relative at most (measured: 0.06% at T = 64, a = b = 128; 0.4% at
-  T = 128, a = b = 512; the clipped terms are shorter by that); where they cancel, U ≫ ‖G‖
-  and that example's term shrinks. Not covered on any path: the rounding of the SUM of the
-  terms over the batch (on the Gram route an example's cancelling tokens enter the
-  book-keeping matmul at up to ``C/γ_{T+1}`` in magnitude, so their rounding inside the sum is
-  bounded only by ``γ_{B·T}`` of that).
+  Privacy: every term has ℓ2 norm ≤ C whatever the example (non-finite examples and masked rows
+  give 0), so the sum has ℓ2-sensitivity C under add/remove-one; ``fn.l2_norm_bound = C``.
+  Floating point: "≤ C" holds exactly over each term as materialised, on every route (for
+  sequences with T² < a·b by a proven upper bound of the norm, so terms are a little shorter);
+  not covered: the rounding of the sum over the batch (docs/algorithms.md §6.1.1).
 
-  GEP by ghost clipping (``embedding_clip`` and ``residual_clip`` instead of ``clip_norm``):
-  the same output as :func:`dpjax.sgd.embedding_residual_grad_sum` of
-  ``model_loss(apply_fn, example_loss)`` (to float rounding), ``fn(params, batch, mask, bases)``,
-  an :class:`dpjax.sgd.gep.EmbeddingResidualGradSum` for :func:`dpjax.sgd.dp_noise`. A covered
-  dense kernel with a one-sided basis U is split on its input side without per-example
-  gradients: its embedding ``Uᵀ(xᵀδ) = (xU)ᵀδ`` and residual ``(x − xUUᵀ)ᵀδ`` are two blocks
-  of the same form as a dense layer's (inputs ``xU`` and ``x − xUUᵀ``, materialised in float32,
-  with exact ghost norms and book-keeping totals); a leaf with a two-sided basis, the kernel of
-  another layer kind with a basis (a convolution's, an embedding's: their basis acts on the
-  leaf's first axis, as the vmap path splits it), or a leaf not covered, gets its per-example
-  gradients by ``vmap(grad)`` and is split as the vmap path does (a ``UserWarning`` names
-  them); covered leaves without a basis are whole embedding blocks.
-  The clipping is in the scaled units ``(e/C_e, ρ/C_ρ)`` (joint: one factor; per part: one each),
-  the scaling folded into the coefficients, with the clip margin widened for those two extra
-  roundings (``num_entries`` ×4: two more levels, 4u).
+  GEP (``embedding_clip``, ``residual_clip`` instead of ``clip_norm``): the output of
+  :func:`dpjax.sgd.embedding_residual_grad_sum`, ``fn(params, batch, mask, bases)``, an
+  :class:`dpjax.sgd.gep.EmbeddingResidualGradSum`; leaves not split by ghost norms fall back to
+  ``vmap(grad)`` (a ``UserWarning`` names them; docs/algorithms.md §6.4).
 
   Args:
     apply_fn: ``apply_fn(params, x, *, dense)`` (one example).
     example_loss: ``example_loss(outputs, y) -> scalar`` (one example).
-    clip_norm: C > 0 (plain clipping; None with GEP's clips), or per-layer norms: a prefix tree
-      of the params' structure, each subtree clipped by its own ghost norms at its C_g
-      (Δ = √(Σ C_g²)), as :func:`dpjax.sgd.clipped_grad_sum`'s.
-    per_layer: None, ``"uniform"`` or ``"by_size"``: one C split over the leaves, each leaf
-      clipped at its C_ℓ (Δ = C), as :func:`dpjax.sgd.clipped_grad_sum`'s.
+    clip_norm: C > 0 (None with GEP's clips), or per-layer norms: a prefix tree of the params,
+      group g clipped at C_g (Δ = √(Σ C_g²)), as :func:`dpjax.sgd.clipped_grad_sum`'s.
+    per_layer: None, ``"uniform"`` or ``"by_size"``: one C split over the leaves (Δ = C).
     clipping: ``"clip"`` (``g / max(1, ‖g‖/C)``) or ``"normalize"`` (``C·g/(‖g‖ + γ)``).
     stability: γ > 0 of ``"normalize"`` (default 0.01).
     embedding_clip, residual_clip: ``C_e, C_ρ > 0``: GEP instead of plain clipping.
     joint: GEP's one clip of the scaled pair (Δ = 1) or one per part (Δ = √2).
 
   Returns:
-    A :class:`dpjax.sgd.per_example.ClippedGradSum` ``fn(params, batch, mask)``: ``batch = (inputs,
-    targets)``, pytrees whose leaves share a leading axis B; ``mask (B,)`` bool or float (1 for a
-    real, sampled example, 0 for padding); returns a pytree like ``params`` in its leaves'
-    dtypes. Drops into :func:`dpjax.sgd.sampling.poisson_clipped_sum`,
-    :func:`dpjax.sgd.sampling.accumulate_microbatches` and :func:`dpjax.sgd.dp_sgd_plan`.
+    A :class:`dpjax.sgd.per_example.ClippedGradSum` ``fn(params, batch, mask)`` (for
+    :func:`dpjax.sgd.dp_sgd_plan` and :mod:`dpjax.sgd.sampling`'s sums): ``batch = (inputs,
+    targets)``, pytrees with a shared leading axis B; ``mask (B,)`` bool or float (1: a real,
+    sampled example; 0: padding); returns a pytree like ``params`` in its leaves' dtypes.
 
   Raises:
-    ValueError: C ≤ 0 or not finite (any group's); per-layer norms that are not a prefix of the
-      params (at trace time); γ ≤ 0; an unknown ``clipping``; both or neither of
-      ``clip_norm`` and GEP's clips, or one GEP clip without the other; at trace time, batch
-      leaves without a shared leading axis, a mask not of shape ``(B,)``, bad dense shapes.
-    TypeError: ``apply_fn`` or ``example_loss`` not callable; at trace time, a batch that is
-      not a pair or a loss that is not a real scalar.
+    ValueError: C ≤ 0 or not finite (any group's); γ ≤ 0; an unknown ``clipping``; both or
+      neither of ``clip_norm`` and GEP's clips, or one GEP clip alone; at trace time, per-layer
+      norms not a prefix of the params, batch leaves without a shared leading axis, a mask not
+      of shape ``(B,)``, bad dense shapes.
+    TypeError: ``apply_fn`` or ``example_loss`` not callable; at trace time, a batch that is not
+      a pair or a loss that is not a real scalar.
+    RuntimeError: ``apply_fn``'s ``dense`` calls differ from one trace to the next.
 
   References:
-    Bu, Wang, Zha, Karypis, "Differentially Private Optimization on Large Model at Small Cost",
-    ICML 2023 (book-keeping); Goodfellow, "Efficient Per-Example Gradient Computations", 2015;
-    Li, Tramèr, Liang, Hashimoto, "Large Language Models Can Be Strong Differentially Private
-    Learners", ICLR 2022 (ghost norm of sequence layers); Abadi et al., CCS 2016 (DP-SGD).
+    Bu, Wang, Zha & Karypis, ICML 2023 (book-keeping); Goodfellow 2015 (per-example norms); Li,
+    Tramèr, Liang & Hashimoto, ICLR 2022 (ghost norm of sequences); Abadi et al., CCS 2016.
   """
   clipping, stability = per_example.check_clipping(clipping, stability)
   _check_callables(apply_fn, example_loss)

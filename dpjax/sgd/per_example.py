@@ -574,28 +574,22 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm, per_layer: str | None = No
   batch size are never returned (both are private).
 
   Privacy: every term has ℓ2 norm ≤ C whatever the example (module edge-case table), in every
-  float dtype, evaluated exactly over the term as materialised (module docstring, "Floating
-  point"), so the sum has ℓ2-sensitivity C under add/remove-one (one example adds or removes
-  one term), which is what the noise of :func:`dpjax.sgd.dp_noise` (built from it) is calibrated
-  to. Divide by a public
-  expected batch size after adding noise, never by ``sum(mask)``.
-
-  Per-layer clipping (McMahan et al. 2018; Opacus' ``clipping="per_layer"``): each group of
-  leaves is clipped on its own, group g at C_g, by the same float-safe map (every group's term
-  has norm ≤ C_g exactly), so one example's term has norm ≤ Δ = √(Σ_g C_g²) and that Δ is the
-  bound the function carries (computed in float64 and rounded up). Give the groups' norms as
-  ``clip_norm`` = a pytree that is a PREFIX of the gradient's (``{"dense1": 1.0, "dense2": 0.5}``
-  clips each layer's kernel and bias together; a full tree clips every leaf alone), or split one
-  C over the leaves with ``per_layer="uniform"`` (C_ℓ = C/√K for K leaves) or ``"by_size"``
-  (C_ℓ = C·√(P_ℓ/P), P_ℓ the leaf's entries; optax's ``per_example_layer_norm_clip`` with
-  ``uniform=False``); both split C so that Δ = C. A non-finite entry zeroes its group only.
+  float dtype, exactly over the term as materialised (module docstring, "Floating point"), so
+  the sum has ℓ2-sensitivity C under add/remove-one (one example adds or removes one term), which
+  the noise of :func:`dpjax.sgd.dp_noise` (built from it) is calibrated to. Divide by a public
+  expected batch size after adding noise, never by ``sum(mask)``. Per-layer clipping (McMahan
+  et al. 2018; Opacus' ``clipping="per_layer"``) clips each group of leaves at its own C_g by the
+  same float-safe map, so a term has norm ≤ Δ = √(Σ_g C_g²), the bound the function carries; a
+  non-finite entry zeroes its group only (docs/algorithms.md §6.1).
 
   Args:
     loss_fn: ``loss_fn(params, example) -> scalar`` for one example.
-    clip_norm: C > 0 (a float), or per-layer norms: a pytree of floats > 0 that is a prefix of
-      the (transformed) gradient's structure.
-    per_layer: None (one global norm, or the per-layer norms ``clip_norm`` gives), "uniform" or
-      "by_size" (split a float C over the leaves, above).
+    clip_norm: C > 0 (a float), or per-layer norms: a pytree of floats > 0 that is a PREFIX of
+      the (transformed) gradient's structure (``{"dense1": 1.0, "dense2": 0.5}`` clips each
+      layer's kernel and bias together; a full tree clips every leaf alone).
+    per_layer: None (one global norm, or the norms ``clip_norm`` gives), ``"uniform"``
+      (C_ℓ = C/√K for K leaves) or ``"by_size"`` (C_ℓ = C·√(P_ℓ/P), P_ℓ the leaf's entries;
+      optax's ``per_example_layer_norm_clip(uniform=False)``): split a float C so that Δ = C.
     pre_clipping_transform: optional map of ONE example's gradient pytree to another pytree
       (e.g. a projection ``g ↦ Vᵀ ravel(g)``: "clip after projecting"), applied before
       clipping. It must not look at other examples (it is vmapped).
@@ -605,11 +599,9 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm, per_layer: str | None = No
 
   Returns:
     A :class:`ClippedGradSum` ``fn(params, batch, mask)`` carrying ``fn.l2_norm_bound = C``
-    (per-layer: Δ above)
-    (pass it to :func:`dpjax.sgd.dp_sgd_plan`, which reads C from it): ``batch`` a
-    pytree with leading axis B, ``mask`` ``(B,)`` with 1
-    (True) for real, sampled examples and 0 (False) for padding; returns a pytree like
-    ``params`` (or like the transform's output), in the gradients' dtypes.
+    (per-layer: Δ), which :func:`dpjax.sgd.dp_sgd_plan` reads: ``batch`` a pytree with leading
+    axis B, ``mask`` ``(B,)`` with 1 (True) for real, sampled examples and 0 (False) for padding;
+    returns a pytree like ``params`` (or like the transform's output), in the gradients' dtypes.
 
   Raises:
     ValueError: C ≤ 0 or not finite (any group's); γ ≤ 0; an unknown ``clipping`` or
@@ -618,10 +610,9 @@ def clipped_grad_sum(loss_fn: Callable, *, clip_norm, per_layer: str | None = No
     TypeError: ``loss_fn`` or ``pre_clipping_transform`` not callable.
 
   References:
-    Abadi et al., "Deep Learning with Differential Privacy", CCS 2016; the fused design follows
-    ``jax_privacy.clipped_grad`` (sum of clipped gradients, normalised by a public size);
-    Bu et al., "Automatic Clipping: Differentially Private Deep Learning Made Easier and
-    Stronger", NeurIPS 2023 (``clipping="normalize"``).
+    Abadi et al., CCS 2016 (DP-SGD); the fused design follows ``jax_privacy.clipped_grad`` (sum
+    of clipped gradients, normalised by a public size); Bu et al., "Automatic Clipping", NeurIPS
+    2023 (``clipping="normalize"``); McMahan et al., ICLR 2018 (per-layer clipping).
   """
   clip, bound = layer_clip_norms(clip_norm, per_layer)
   clipping, stability = check_clipping(clipping, stability)

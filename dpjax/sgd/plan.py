@@ -575,35 +575,28 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
   >>> plan
   DPSGDPlan(ε=7.904, δ=1e-05 add/remove-one, σ=1, T=100, L=100 of N=1000, PoissonSampling, ...)
 
-  A thin wrapper over :class:`dpjax.sgd.DPSGDConfig` (the privacy settings, calibrated once)
-  and its :meth:`~dpjax.sgd.DPSGDConfig.make`; a private release given as ``basis=`` or a leaf
-  of ``bases=`` has its event put in the config (so σ is calibrated with it). Either
-  ``epsilon`` (σ is calibrated so that the T steps, composed with a private subspace release —
-  a release given as a basis, its ``subspace_event``, or ``(subspace_epsilon,
-  subspace_delta)`` — are ``(epsilon, delta)``-DP) or ``noise_multiplier`` (σ given; the budget
-  is what the accountant certifies at ``delta``).
+  Then train (any params pytree: for a Flax NNX model ``graphdef, params = nnx.split(model,
+  nnx.Param)`` and a loss that calls ``nnx.merge(graphdef, p)``)::
 
-  Privacy: ``(plan.epsilon, plan.delta)``-DP under add/remove-one of one example
-  (``plan.budget.neighboring``: replace-one with ``fixed_size``) for everything
-  computed from the T released updates — provided each step's ``clipped_sum`` and transform
-  update share the state the previous update returned (as :meth:`DPSGDPlan.step` and
-  :meth:`~DPSGDPlan.run` do; the plan draws the keys), at most T times (enforced: ``step`` and
-  ``run`` refuse a call past T, and an update past T is all NaN), and the bases are public, a
-  DP release accounted in the config, or functions of this run's releases. Reason: each step
-  is the sampled Gaussian mechanism with ℓ2-sensitivity Δ = ``grad_fn.l2_norm_bound`` times
-  the release map's ν, noise std σΔν (Abadi et al. 2016), composed by ``dp_accounting``
-  (:func:`dpjax.accounting.dpsgd_plan_event`).
-
-  Example (a Flax NNX model, plain DP-SGD)::
-
-      graphdef, params = nnx.split(model, nnx.Param)
-      loss = lambda p, ex: xent(nnx.merge(graphdef, p)(ex[0][None])[0], ex[1])
-      plan = dpjax.sgd.dp_sgd_plan(dpjax.sgd.clipped_grad_sum(loss, clip_norm=1.0),
-                                   num_examples=N, expected_batch_size=256, steps=T,
-                                   epsilon=2.0, delta=1e-5, key=key)
       opt = optax.adam(1e-3)      # build once: the optimiser is a static argument of the jit
       opt_state = plan.init(params, opt)
       params, opt_state = plan.run(params, opt_state, plan.prepare((X, y)), opt)
+
+  Give ``epsilon`` (σ calibrated so that the T steps, composed with a private subspace release —
+  a release given as a basis, ``subspace_event`` or ``(subspace_epsilon, subspace_delta)`` —
+  are ``(epsilon, delta)``-DP) or ``noise_multiplier`` (σ given; the budget is what the
+  accountant certifies at ``delta``).
+
+  Privacy: ``(plan.epsilon, plan.delta)``-DP under add/remove-one of one example (replace-one
+  with ``fixed_size``: ``plan.budget.neighboring``) for everything computed from the T released
+  updates — provided each step's ``clipped_sum`` and transform update share the state the
+  previous update returned (as :meth:`DPSGDPlan.step` and :meth:`~DPSGDPlan.run` do; the plan
+  draws the keys), at most T times (enforced: ``step`` and ``run`` refuse a call past T, and an
+  update past T is all NaN), and the bases are public, a DP release accounted in the config, or
+  functions of this run's releases. Each step is the sampled Gaussian mechanism of sensitivity
+  Δν (Δ = ``grad_fn.l2_norm_bound``, ν the release map's norm) with noise std σΔν (Abadi et al.
+  2016), composed by ``dp_accounting`` (:func:`dpjax.accounting.dpsgd_plan_event`;
+  docs/algorithms.md §6.0).
 
   Args:
     grad_fn: sensitivity-bearing clipped-gradient sum (module docstring).
@@ -614,14 +607,13 @@ def dp_sgd_plan(grad_fn, *, num_examples: int, expected_batch_size: float, steps
     max_batch_size: B: truncated Poisson sampling, one static batch of B rows a step.
     noise_strategy, cycle_length: correlated (BandMF or BLT) noise with cyclic Poisson
       sampling of cycle ``cycle_length``, default the strategy's bands or min_sep.
-    fixed_size: exactly ``expected_batch_size`` examples a step, every figure under
-      replace-one, RDP.
+    fixed_size: exactly ``expected_batch_size`` examples a step (every figure replace-one; RDP).
     key: the run's PRNG key (every step's sample and noise are drawn from it).
     basis, bases: optional flat basis ``V (p, k)`` or per-layer bases (required by GEP's grad
-      sum); :func:`dpjax.sgd.dp_noise`. A private release may stand for a basis (the result of
-      :func:`dpjax.sgd.private_input_basis` or any subspace learner, under add/remove-one): its
-      basis is used and its ``dp_event`` composed into the plan, so a private basis cannot be
-      used without its cost (⊥ is refused); a public basis is a plain array.
+      sum); :func:`dpjax.sgd.dp_noise`. A private release (e.g.
+      :func:`dpjax.sgd.private_input_basis`'s, under add/remove-one) may stand for a basis: its
+      ``dp_event`` is composed into the plan, so it cannot be used without its cost (⊥ is
+      refused); a public basis is a plain array.
     microbatch_size, mesh, data_axis, ledger, tol: :meth:`dpjax.sgd.DPSGDConfig.make`.
 
   Returns:

@@ -57,96 +57,70 @@ def train_dp_sgd(key: jax.Array, loss_fn: Callable, params, data, optimizer, *,
                  tuning: accounting.HyperparameterTuning | None = None) -> TrainResult:
   """Trains ``params`` with DP-SGD at a total (ε, δ), the subspace's cost included.
 
-  A thin loop over :class:`dpjax.sgd.DPSGDConfig` (σ calibrated once) and its plan (clipping by
-  :func:`dpjax.sgd.clipped_grad_sum`, the plan's :meth:`~dpjax.sgd.DPSGDPlan.step`, its noise and
-  keys): write your own loop with the plan for
-  anything it does not offer (ghost clipping, per-layer bases, GEP). Each step is one jitted
-  program: Poisson sampling with rate ``q = L/N`` drawn on the device and
-  laid out as fixed-size micro-batches (never truncated), the sum of clipped per-example
-  gradients, Gaussian noise (in all p coordinates, or only in the k coordinates of a subspace),
-  division by the expected batch size L, then ``optimizer``. With ``mesh``, the examples are
-  sharded over the mesh's ``data_axis``: each device sums the clipped gradients of the sampled
-  examples it holds, the sums are added across devices, and the noise is added once
-  (:mod:`dpjax.sgd.distributed`); the sample, the sensitivity and the guarantee are the
-  single-device ones, and the result agrees with it up to the order of float additions.
+  Usage::
 
-  Subspace sources (``subspace``):
+      res = dpjax.sgd.train_dp_sgd(key, loss_fn, params, (X, y), optax.adam(1e-3), epsilon=2.0,
+                                   delta=1e-5, steps=T, expected_batch_size=256, clip_norm=1.0)
 
-  * ``"none"``: plain DP-SGD; σ calibrated to the whole (ε, δ).
-  * ``"private"``: DPASE on the per-example gradients at the initial ``params`` with
-    ``(ε_s, δ_s) = (fraction·ε, fraction·δ)``, then SGD calibrated to the rest. If DPASE returns
-    ⊥, training continues as plain DP-SGD with that σ (the subspace budget is spent either way)
-    and a warning says so. It never falls back to a non-private subspace.
-  * ``"public"``: the top-k subspace of the gradients of ``public_data`` (no privacy cost: the
-    data are public and must not overlap ``data``), recomputed at the current parameters every
-    ``refresh_every`` steps if given (PDP-SGD style; still free, the data being public).
+  A thin loop over :class:`dpjax.sgd.DPSGDConfig` (σ calibrated once) and its plan, clipping by
+  :func:`dpjax.sgd.clipped_grad_sum`; each step, one jitted program, divides the noised clipped
+  sum of a Poisson sample at ``q = L/N`` by L (docs/algorithms.md §6.0, §6.1). For ghost
+  clipping, per-layer bases or GEP write the loop with :func:`dpjax.sgd.dp_sgd_plan`.
 
   Guarantee: ``(budget.epsilon, budget.delta)``-DP under add/remove-one for the rows of ``data``:
-  the SGD steps are the Poisson-sampled Gaussian mechanism composed by ``dp_accounting``; the
-  private subspace is (ε_s, δ_s)-DP under add/remove-one (DPASE with random labels) and is composed
-  by basic composition (docs/algorithms.md §6.2 route (c)). The initial ``params`` must not depend on
-  ``data``. The dataset size N is treated as public: it sets q = L/N and, with
-  ``subspace="private"``, DPASE's public parameters (subset count and size, cell length, label
-  capacity), which is how DPASE with random labels holds under add/remove-one.
+  the steps are the Poisson-sampled Gaussian mechanism composed by ``dp_accounting``; a private
+  subspace (DPASE with random labels, (ε_s, δ_s)-DP under add/remove-one) is added by basic
+  composition (docs/algorithms.md §6.2 route (c)). The initial ``params`` must not depend on
+  ``data``; N is treated as public (it sets q and DPASE's public parameters).
 
   Args:
     key: PRNG key.
     loss_fn: ``loss_fn(params, example) -> scalar`` for one example.
-    params: initial parameters (a pytree).
-    data: pytree of arrays with a leading example axis N (the private training set).
+    params, data: the initial parameters (a pytree) and the private training set (a pytree of
+      arrays with a leading example axis N).
     optimizer: an optax ``GradientTransformation`` applied to the privatised gradient.
-    epsilon, delta: the total budget.
-    steps: number of steps T.
-    expected_batch_size: L, with ``L ≤ N``.
-    clip_norm: per-example clip norm C.
-    subspace: "none", "private" or "public".
-    k: subspace dimension (required unless ``subspace == "none"``).
-    subspace_epsilon_fraction, subspace_delta_fraction: shares of ε and δ for the private
-      subspace, in (0, 1).
-    public_data: pytree like ``data`` (for ``subspace == "public"``).
-    gamma: DPASE's gap parameter (for ``subspace == "private"``; or ``cell_length`` in
-      ``dpase_kwargs``).
-    refresh_every: for ``subspace == "public"`` only: recompute the subspace every this many
-      steps (a private refresh would cost budget each time and is not offered here).
-    microbatch_size: rows per jitted micro-batch (default ``⌈L' + 4√L'⌉`` with ``L' = L/D`` the
-      expected sample per device, D the devices of ``mesh`` (1 without); usually one).
-    eval_fn: optional ``eval_fn(params) -> dict`` recorded every ``eval_every`` steps.
-    progress: show a tqdm progress bar (needs the ``examples`` extra).
-    dpase_kwargs: extra arguments for DPASE.
-    accountant: "pld" (default) or "rdp".
-    ledger: optional :class:`dpjax.ledger.PrivacyLedger` (add/remove-one) that records the
-      subspace release and the SGD steps, refusing them before they run if over its budget.
-    clipping, stability: "clip" or "normalize" (automatic clipping ``C·g/(‖g‖ + γ)``) and its γ
-      (:func:`dpjax.sgd.clipped_grad_sum`); both bound every term by C.
-    weight_ema: optional decay β ∈ (0, 1) of an exponential moving average of the iterates,
-      ``w̄_t = β_t w̄_{t−1} + (1 − β_t) w_t`` with ``β_t = min(β, (1 + t)/(10 + t))`` (a warm-up,
-      as TensorFlow's ``ExponentialMovingAverage``), starting from the initial params: returned
-      as ``averaged_params`` and evaluated by ``eval_fn``. Post-processing of the released
-      iterates, so it costs no privacy. A low-pass filter of the privatised GRADIENTS (DOPPLER,
-      momentum) is the optimiser's job: e.g. ``optax.chain(optax.ema(0.9), optax.adam(lr))``.
-    mesh: optional ``jax.sharding.Mesh`` (e.g. :func:`dpjax.sgd.data_mesh`) to shard the
-      examples over (data parallelism; above). The privacy unit is still one example.
-    data_axis: the mesh axis the examples are sharded over (default "data").
-    tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ is calibrated (RDP) for
-      one run of a Papernot–Steinke private tuning, so that the best of a drawn number K of
-      runs (:func:`dpjax.accounting.tuning_repetitions`; hyperparameters drawn from a public
-      distribution, the best chosen on rows the guarantee does not cover) is
-      ``(budget.epsilon, budget.delta)``-DP as a whole. Call this function once per run; this
-      run alone then costs less than ε. Needs ``accountant="rdp"``, ``subspace != "private"``
-      and no ``ledger`` (record :func:`dpjax.accounting.tuning_event` once for the tuning).
+    epsilon, delta, steps, expected_batch_size, clip_norm: the total budget, T, L ≤ N and C.
+    subspace, k: ``"none"``; ``"private"`` (DPASE on the per-example gradients at the initial
+      params, then SGD on the rest; on ⊥, plain DP-SGD at that σ with a warning, the subspace
+      budget spent, never a non-private subspace); or ``"public"`` (from the gradients of
+      ``public_data``, free; it must not overlap ``data``); and the subspace's dimension k.
+    subspace_epsilon_fraction, subspace_delta_fraction, gamma, dpase_kwargs: ``"private"``'s
+      shares of ε and δ in (0, 1), DPASE's gap (or ``cell_length`` in ``dpase_kwargs``) and
+      extra DPASE arguments.
+    public_data, refresh_every: ``"public"``'s data (like ``data``) and optional refresh period
+      in steps (a private refresh would cost budget each time and is not offered).
+    microbatch_size: rows per micro-batch (default ``⌈L' + 4√L'⌉``, ``L' = L/D`` for D devices:
+      usually one micro-batch).
+    eval_fn, eval_every, progress: optional ``eval_fn(params) -> dict`` recorded every
+      ``eval_every`` steps; a tqdm progress bar (the ``examples`` extra).
+    accountant: ``"pld"`` (default) or ``"rdp"``.
+    ledger: optional :class:`dpjax.ledger.PrivacyLedger` (add/remove-one) recording the subspace
+      release and the steps, refusing them before they run if over its budget.
+    clipping, stability: ``"clip"`` or ``"normalize"`` (``C·g/(‖g‖ + γ)``) and its γ; both
+      bound every term by C.
+    weight_ema: optional β ∈ (0, 1): an EMA of the iterates from the initial params (warm-up
+      ``min(β, (1 + t)/(10 + t))``), returned as ``averaged_params`` and evaluated by
+      ``eval_fn``; post-processing, free (docs/algorithms.md §6.8).
+    mesh, data_axis: optional ``jax.sharding.Mesh`` (:func:`dpjax.sgd.data_mesh`) and its axis
+      (default "data") to shard the examples over: the same guarantee (docs/algorithms.md §6.6).
+    tuning: optional :class:`dpjax.accounting.HyperparameterTuning`: σ for one run (call once
+      per run) of a Papernot–Steinke tuning whose best of K runs — K drawn by
+      :func:`dpjax.accounting.tuning_repetitions`, hyperparameters from a public distribution,
+      the best chosen on rows the guarantee does not cover — is (ε, δ)-DP as a whole. Needs
+      ``accountant="rdp"``, no private subspace and no ``ledger`` (record
+      :func:`dpjax.accounting.tuning_event` once).
 
   Returns:
     :class:`TrainResult`.
 
   Raises:
     TypeError: ``key`` not a PRNG key, ``loss_fn`` not callable, ``optimizer`` not an optax
-      transformation, non-integer ``steps`` / ``k`` / ``microbatch_size``, ``mesh`` not a
-      ``jax.sharding.Mesh``.
-    ValueError: ``data_axis`` not an axis of ``mesh``; NaN/inf in ``data`` or ``public_data``;
-      ε ≤ 0, δ ∉ (0, 1); ``L > N``; C ≤ 0; an unknown ``clipping`` or γ ≤ 0; ``weight_ema ∉ (0, 1)``;
-      ``k ∉ [1, p]``; fractions ∉ (0, 1); missing ``k`` / ``public_data`` / ``gamma``; an
-      unknown ``subspace``; ``refresh_every`` without a public subspace; no σ meets the budget;
-      ``tuning`` with ``accountant="pld"``, a private subspace or a ledger.
+      transformation, ``mesh`` not a Mesh; non-integer ``steps`` / ``k`` / ``microbatch_size``.
+    ValueError: NaN/inf in ``data`` or ``public_data``; ε ≤ 0, δ ∉ (0, 1), ``L > N``, C ≤ 0, γ ≤ 0,
+      ``weight_ema ∉ (0, 1)``, ``k ∉ [1, p]``, fractions ∉ (0, 1); an unknown ``clipping`` or
+      ``subspace``; missing ``k`` / ``public_data`` / ``gamma``; ``refresh_every`` without a
+      public subspace; ``data_axis`` not an axis of ``mesh``; no σ meets the budget; ``tuning``
+      with ``accountant="pld"``, a private subspace or a ledger.
     dpjax.ledger.BudgetExceededError: the plan does not fit ``ledger`` (nothing has run).
 
   References:

@@ -12,13 +12,14 @@ from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
 from dpjax import linalg
+from dpjax._core import pca_power
 from dpjax._core.second_moment import (moment_discretization, noisy_top_k, secure_top_k,
                                        unit_clip, unit_second_moment)
 from dpjax.mechanisms.gaussian import analytic_gaussian_sigma, rdp_gaussian_sigma
 from dpjax.results import SubspaceResult
 from dpjax.ledger import with_ledger
 
-__all__ = ["analyze_gauss", "pca_subspace"]
+__all__ = ["analyze_gauss", "analyze_gauss_required_n", "pca_subspace"]
 
 
 @with_ledger
@@ -29,7 +30,7 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
   """Analyze Gauss (Dwork, Talwar, Thakurta & Zhang 2014): noisy second moment, top-k eigenvectors.
 
   >>> import jax, numpy as np, dpjax
-  >>> X = np.random.default_rng(0).normal(size=(1000, 20)) / 10    # rows are individuals
+  >>> X = np.random.default_rng(0).normal(size=(5000, 20)) / 10    # rows are individuals
   >>> r = dpjax.subspace.analyze_gauss(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=3,
   ...                                  clip_norm=1.0)
   >>> bool(r.ok), r.basis.shape, r.neighboring.name, r.epsilon
@@ -107,6 +108,7 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
   neighboring = v.check_neighboring(neighboring)
   # σ scales linearly with the sensitivity (2C² or C²), so in units of C² the std is σ(ε, δ, Δ).
   sensitivity = 2.0 if neighboring == NeighboringRelation.REPLACE_ONE else 1.0
+  _warn_if_underpowered(n, d, k, epsilon, delta, secure, neighboring)
   info = {"clip_norm": clip_norm, "secure": bool(secure)}
   mantissa, exponent = math.frexp(float(clip_norm))
   event = None                                  # the (ε, δ) event, filled in by the result
@@ -133,10 +135,65 @@ def _secure_basis(key, X, k, clip_mantissa, clip_exponent, epsilon, delta, sensi
   eigendecomposition on the host in float64 (post-processing); returns ``(basis (d, k) in X's
   dtype, grid step, noise std)``."""
   A = unit_second_moment(X, clip_mantissa, clip_exponent)
-  z = rdp_gaussian_sigma(epsilon, delta)
-  grid, _ = moment_discretization(A.shape[0], z, sensitivity)
+  z, grid, unit_sigma = _secure_noise(A.shape[0], epsilon, delta, sensitivity)
   basis = secure_top_k(key, A, z, k, sensitivity=sensitivity)
-  return jnp.asarray(basis, X.dtype), grid.grid, z * grid.grid_sensitivity * grid.grid
+  return jnp.asarray(basis, X.dtype), grid, unit_sigma
+
+
+def _secure_noise(d, epsilon, delta, sensitivity):
+  """``(noise multiplier, grid step, noise std in units of C²)`` of the secure release."""
+  z = rdp_gaussian_sigma(epsilon, delta)
+  grid, _ = moment_discretization(d, z, sensitivity)
+  return z, grid.grid, z * grid.grid_sensitivity * grid.grid
+
+
+def analyze_gauss_required_n(d: int, k: int, *, epsilon: float, delta: float,
+                             accuracy: float = 0.1, secure: bool = True,
+                             neighboring: NeighboringRelation = NeighboringRelation.REPLACE_ONE
+                             ) -> int:
+  """Rows :func:`analyze_gauss` needs so that its noise typically costs the basis at most
+  ``accuracy·n`` of captured energy (units of C²; n is the most n clipped rows can have); the
+  number its :class:`dpjax.UnderpoweredWarning` quotes (at the default ``accuracy = 1/10``),
+  which it gives exactly when n is below it.
+
+  >>> import dpjax
+  >>> dpjax.subspace.analyze_gauss_required_n(30, 2, epsilon=1.0, delta=1e-6, accuracy=0.1)
+  3974
+
+  The typical loss is ``2k·‖E‖₂`` (``tr(P̂A) ≥ tr(PA) − 2k‖E‖₂`` for every noise matrix E, by
+  Weyl) with ``‖E‖₂ ≈ 2σ√d``, σ the call's noise std in units of C² (same ``secure`` and
+  ``neighboring``); the answer is ``⌈4kσ√d / accuracy⌉`` (docs/algorithms.md §5.6). It bounds
+  the loss against the largest energy, n·C²: rows far inside the ball lose a larger fraction of
+  their own energy. Public numbers only.
+
+  Raises:
+    ValueError: bad d, k, ε, δ or accuracy.
+  """
+  d = v.check_int(d, "d", low=1)
+  k = v.check_int(k, "k", low=1, high=d)
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  neighboring = v.check_neighboring(neighboring)
+  return pca_power.required_rows(_energy_loss(d, k, epsilon, delta, secure, neighboring),
+                                 accuracy)
+
+
+def _energy_loss(d, k, epsilon, delta, secure, neighboring):
+  """The typical captured-energy loss (units of C²) of the call's noise."""
+  sensitivity = 2.0 if neighboring == NeighboringRelation.REPLACE_ONE else 1.0
+  unit_sigma = (_secure_noise(d, epsilon, delta, sensitivity)[2] if secure
+                else analytic_gaussian_sigma(epsilon, delta, sensitivity=sensitivity))
+  return pca_power.gaussian_energy_loss(unit_sigma, d, k)
+
+
+def _warn_if_underpowered(n, d, k, epsilon, delta, secure, neighboring):
+  add_remove = neighboring != NeighboringRelation.REPLACE_ONE
+  options = (("" if secure else ", secure=False")
+             + (", neighboring=ADD_OR_REMOVE_ONE" if add_remove else ""))
+  pca_power.warn_if_underpowered(
+      "analyze_gauss", n, _energy_loss(d, k, epsilon, delta, secure, neighboring),
+      f"dpjax.subspace.analyze_gauss_required_n({d}, {k}, epsilon={epsilon:g}, "
+      f"delta={delta:g}, accuracy={{}}{options})",
+      f"d={d}, k={k}, ε={epsilon:g}, δ={delta:g}{', add/remove-one' if add_remove else ''}")
 
 
 @functools.partial(jax.jit, static_argnames=("k",))

@@ -27,10 +27,10 @@ from dpjax._core.noise import truncated_laplace_sample
 from dpjax._host import eager_only, host_call, host_rng
 from dpjax.mechanisms.gap_max import gap_max_core, gap_max_parameters
 from dpjax.mechanisms.truncated_laplace import truncated_laplace_params
-from dpjax.results import SubspaceResult
+from dpjax.results import SubspaceResult, warn_underpowered
 from dpjax.ledger import with_ledger
 
-__all__ = ["dpese"]
+__all__ = ["dpese", "dpese_required_n"]
 
 DEFAULT_MAX_WORK = 10_000_000
 
@@ -105,6 +105,32 @@ def _max_hyperplane_count(Y: np.ndarray, k: int, tol: float) -> int:
   inside = np.abs(Y @ normals.T) <= tol * np.linalg.norm(Y, axis=1)[:, None]
   counts = np.where(full_rank, inside.sum(axis=0), 0)
   return int(counts.max(initial=0))
+
+
+def dpese_required_n(k: int, *, epsilon: float, delta: float, outliers: int = 0) -> int:
+  """Rows :func:`dpese` needs to release surely when all but ``outliers`` rows lie in one
+  k-dimensional subspace (in general position within it); the number its
+  :class:`dpjax.UnderpoweredWarning` quotes (``outliers=0``), which it gives exactly when n is
+  below it.
+
+  >>> import dpjax
+  >>> dpjax.subspace.dpese_required_n(3, epsilon=1.0, delta=1e-6)
+  56
+
+  GAP-MAX releases surely when the top score beats the second by its public ``sure_gap``
+  (:func:`dpjax.mechanisms.gap_max_parameters` at δ/1.1, integer scores). With no outlier every
+  enumerated candidate is the one subspace (``u1 = n``, ``u2 = 0``); with o outliers another
+  subspace holds at most k − 1 inliers and the o outliers, so the answer is
+  ``sure_gap + 2o + k − 1`` (docs/algorithms.md §2.1). Public numbers only.
+
+  Raises:
+    ValueError: bad k, ε, δ (< 1/2) or outliers.
+  """
+  k = v.check_int(k, "k", low=1)
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta, upper=0.5)
+  outliers = v.check_int(outliers, "outliers", low=0)
+  sure = int(gap_max_parameters(epsilon, delta / 1.1, integer_scores=True).sure_gap)
+  return sure + (0 if outliers == 0 else 2 * outliers + k - 1)
 
 
 @with_ledger
@@ -191,6 +217,15 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
     raise ValueError("unsafe_paper_variant needs ell (the robustness parameter ℓ).")
   ell = None if ell is None else v.check_int(ell, "ell", low=0)
   info = {"work_estimate": work, "tol": tol, "snap_scale": snap_scale}
+  if not unsafe_paper_variant:
+    need = dpese_required_n(k, epsilon=epsilon, delta=delta)
+    if n < need:
+      warn_underpowered(
+          f"dpese: at n={n:,} rows (k={k}, ε={epsilon:g}, δ={delta:g}) GAP-MAX's test can answer "
+          "⊥ even when every row lies in one k-dimensional subspace. A sure release on such "
+          f"rows needs n ≥ {need:,} rows (dpjax.subspace.dpese_required_n({k}, "
+          f"epsilon={epsilon:g}, delta={delta:g}); more with outliers: outliers=...); or raise "
+          "epsilon. The result is still private.")
 
   if unsafe_paper_variant:
     eager_only("dpese(unsafe_paper_variant=True)", key, X, cores="paper_variant_select")

@@ -6,13 +6,13 @@ measure mechanisms.
 """
 
 from dpjax.synthetic import pmm, projection, psmm
-from dpjax.synthetic.pipeline import METHODS, low_dimensional_synthetic_data
+from dpjax.synthetic.pipeline import METHODS, low_dimensional_synthetic_data, synthetic_required_n
 from dpjax.synthetic.pmm import pmm_core, pmm_parameters
 from dpjax.synthetic.projection import choose_dim, private_centered_covariance, private_mean
 from dpjax.synthetic.psmm import bounded_lipschitz_projection
 
 # The names a user meets; the modules' own __all__ hold the rest (PMM and PSMM themselves:
-# dpjax.synthetic.pmm.pmm, dpjax.synthetic.psmm.psmm; README, "API map").
+# dpjax.synthetic.pmm.pmm, dpjax.synthetic.psmm.psmm; docs/reference/map.rst).
 __all__ = ["choose_dim", "low_dimensional_synthetic_data", "private_centered_covariance",
-           "private_mean"]
+           "private_mean", "synthetic_required_n"]
 

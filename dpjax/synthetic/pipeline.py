@@ -8,6 +8,7 @@ cube. With data near a d'-dimensional subspace, the 1-Wasserstein error decays l
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,13 +17,13 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 
 from dpjax import _validation as v
-from dpjax.results import SyntheticDataResult
+from dpjax.results import SyntheticDataResult, warn_underpowered
 from dpjax.synthetic import pmm as pmm_lib
 from dpjax.synthetic import projection
 from dpjax.synthetic import psmm as psmm_lib
 from dpjax.ledger import with_ledger
 
-__all__ = ["METHODS", "low_dimensional_synthetic_data"]
+__all__ = ["METHODS", "low_dimensional_synthetic_data", "synthetic_required_n"]
 
 METHODS = ("auto", "pmm", "psmm")
 
@@ -94,6 +95,7 @@ def low_dimensional_synthetic_data(key: jax.Array, X, *, epsilon: float, dim: in
   requested = dim
   c_syn = v.check_positive(c_syn, "c_syn")
   k_cov, k_mean, k_syn = jax.random.split(key, 3)
+  _warn_if_underpowered(n, d, epsilon, dim, covariance_scale, budget_split, max_dim)
 
   M_hat = projection.private_centered_covariance(k_cov, X, epsilon=eps_c, scale=covariance_scale)
   mean = projection.private_mean(k_mean, X, epsilon=eps_m)
@@ -128,6 +130,73 @@ def low_dimensional_synthetic_data(key: jax.Array, X, *, epsilon: float, dim: in
                              basis=jnp.asarray(V, X.dtype), mean=jnp.asarray(mean, X.dtype),
                              epsilon=epsilon, delta=0.0,
                              neighboring=NeighboringRelation.REPLACE_ONE, info=info)
+
+
+def synthetic_required_n(d: int, *, epsilon: float, dim: int | None = None,
+                         accuracy: float | None = None, covariance_scale: str = "paper",
+                         budget_split=(1 / 3, 1 / 3, 1 / 3), max_dim: int | None = None) -> int:
+  """Rows :func:`low_dimensional_synthetic_data` needs for the public terms of its error bound to
+  reach ``accuracy`` (1-Wasserstein, ℓ2 cost, in the cube's units; default ``√d/2``); the
+  number its :class:`dpjax.UnderpoweredWarning` quotes (at the default), which it gives exactly
+  when n is below it.
+
+  >>> import dpjax
+  >>> dpjax.synthetic.synthetic_required_n(13, epsilon=1.0)
+  5571
+
+  [HVZ] Thm 1.2 bounds ``E W1`` by ``sqrt(Σ_{i>d'} σ_i(M)) + sqrt(d'·‖A‖) + √d (ε_s n)^{−1/d'}``
+  up to constants: the first term is the data's own (private) tail, the other two are public —
+  the covariance noise ``A`` (its 0.95 quantile, :func:`~dpjax.synthetic.projection.
+  laplace_matrix_norm_quantile`, at the call's scale ``covariance_sensitivity(n, d)/ε_c``) and
+  the synthetic step. With ``dim=None`` the best d' ≤ ``max_dim`` (default ``min(d, 10)``).
+  The default accuracy ``√d/2`` is the distance within which n copies of the cube's centre lie
+  from any data in the cube: above it the bound promises nothing that constant rows would not
+  (docs/algorithms.md §4.9). Constants of 1; public numbers only.
+
+  Raises:
+    ValueError: bad arguments, or no n up to 10¹² reaches ``accuracy``.
+  """
+  d = v.check_int(d, "d", low=1)
+  epsilon = v.check_epsilon(epsilon)
+  eps_c, _, eps_s = _split(epsilon, budget_split)
+  v.check_choice(covariance_scale, "covariance_scale", projection.COVARIANCE_SCALES)
+  accuracy = (math.sqrt(d) / 2.0 if accuracy is None
+              else v.check_positive(accuracy, "accuracy"))
+  if dim is None:
+    dims = range(1, (min(d, 10) if max_dim is None
+                     else v.check_int(max_dim, "max_dim", low=1, high=d)) + 1)
+  else:
+    dims = (v.check_int(dim, "dim", low=1, high=d),)
+  unit_norm = _unit_noise_norm(d)
+
+  def enough(n):
+    a = unit_norm * projection.covariance_sensitivity(n, d, covariance_scale) / eps_c
+    return min(math.sqrt(k * a) + math.sqrt(d) * (eps_s * n) ** (-1.0 / k)
+               for k in dims) <= accuracy
+
+  return v.smallest_n(enough, f"no n up to 1e12 reaches accuracy={accuracy:g} for d={d}",
+                      start=2)
+
+
+@functools.lru_cache(maxsize=16)
+def _unit_noise_norm(d: int) -> float:
+  """``‖A‖``'s 0.95 quantile at scale 1 (it scales linearly with the scale); remembered."""
+  return projection.laplace_matrix_norm_quantile(d, 1.0)
+
+
+def _warn_if_underpowered(n, d, epsilon, dim, covariance_scale, budget_split, max_dim):
+  need = synthetic_required_n(d, epsilon=epsilon, dim=dim, covariance_scale=covariance_scale,
+                              budget_split=budget_split, max_dim=max_dim)
+  if n < need:
+    options = "" if dim is None else f", dim={dim}"
+    options += "" if covariance_scale == "paper" else f", covariance_scale={covariance_scale!r}"
+    warn_underpowered(
+        f"low_dimensional_synthetic_data: at n={n:,} rows (d={d}, ε={epsilon:g}{options}) the "
+        "public terms of its error bound (the covariance noise and the synthetic step) exceed "
+        f"√d/2 = {math.sqrt(d) / 2:.3g}, the 1-Wasserstein distance within which n copies of "
+        "the cube's centre lie from any data: the synthetic rows may say little. That accuracy "
+        f"needs n ≥ {need:,} rows (dpjax.synthetic.synthetic_required_n({d}, "
+        f"epsilon={epsilon:g}{options})); or raise epsilon. The result is still private.")
 
 
 def _check_cube_rows(X) -> jax.Array:

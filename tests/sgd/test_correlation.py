@@ -361,9 +361,13 @@ def test_lambda_cgd_noise_is_the_previous_draw_subtracted():
     sgd.lambda_cgd(1.0, min_sep=1)
 
 
+_MESH_SLOW = pytest.mark.slow(reason="a second and third sharded plan compile (30 s each); the "
+                                     "shared chosen-sum path runs in the BandMF case")
+
+
 @pytest.mark.parametrize("kwargs", [
-    {"noise_strategy": STRATEGY}, {"noise_strategy": BLT},
-    {"fixed_size": True, "accountant": "rdp"}])
+    {"noise_strategy": STRATEGY}, pytest.param({"noise_strategy": BLT}, marks=_MESH_SLOW),
+    pytest.param({"fixed_size": True, "accountant": "rdp"}, marks=_MESH_SLOW)])
 def test_on_a_mesh_cyclic_and_fixed_size_samples_are_the_single_device_ones(kwargs):
   """A one-device mesh here (four devices in tests/sgd/test_distributed.py): the sharded clipped
   sum equals the unsharded one for the same state, at two steps (two groups of the cycle)."""
