@@ -230,3 +230,26 @@ def test_wine_synthetic_data_is_told_the_rows_it_needs():
   need = dpjax.synthetic.synthetic_required_n(13, epsilon=1.0)
   with pytest.warns(dpjax.UnderpoweredWarning, match=f"n ≥ {need:,} rows"):
     dpjax.synthetic.low_dimensional_synthetic_data(jax.random.key(0), X, epsilon=1.0)
+
+
+# --- DPASE's γ ----------------------------------------------------------------------------------
+
+def test_dpase_max_gamma_is_dpase_required_n_turned_around():
+  for n, d, k in ((20_000, 50, 2), (5_000, 10, 1), (100_000, 784, 10)):
+    g = subspace.dpase_max_gamma(n, d, k, epsilon=1.0, delta=1e-6)
+    assert 0 < g < 0.5
+    assert subspace.dpase_required_n(d, k, epsilon=1.0, delta=1e-6, gamma=0.999 * g) <= n
+    assert subspace.dpase_required_n(d, k, epsilon=1.0, delta=1e-6, gamma=1.001 * g) > n
+  assert subspace.dpase_max_gamma(100, 50, 2, epsilon=1.0, delta=1e-6) is None
+
+
+def test_dpase_without_gamma_says_what_gamma_is_and_which_the_rows_could_support():
+  """A statistician who does not know γ is told what it is, how to get it, and the largest γ
+  the agreement bound allows at their n."""
+  n, d, k = 6_000, 20, 2
+  X, _ = dpjax.data.approximate_subspace_data(jax.random.key(0), n, d, k, gamma=1e-4)
+  largest = subspace.dpase_max_gamma(n, d, k, epsilon=2.0, delta=1e-6)
+  with pytest.raises(ValueError, match=rf"sqrt\(λ_{{k\+1}}/λ_k\).*gamma < {largest:.3g}"):
+    subspace.dpase(jax.random.key(1), X, epsilon=2.0, delta=1e-6, k=k)
+  with pytest.raises(ValueError, match="for no gamma"):
+    subspace.dpase(jax.random.key(1), X[:200], epsilon=2.0, delta=1e-6, k=k)

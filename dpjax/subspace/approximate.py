@@ -36,7 +36,7 @@ from dpjax.subspace import streaming
 from dpjax.subspace.partition import (permutation_index, random_label_index, random_labels,
                                       subset_capacity)
 
-__all__ = ["DPASEParameters", "dpase", "dpase_parameters", "dpase_required_n",
+__all__ = ["DPASEParameters", "dpase", "dpase_max_gamma", "dpase_parameters", "dpase_required_n",
            "num_subsets_for"]
 
 ELL_RULES = ("paper_proof", "l1_safe", "paper_formula")
@@ -157,8 +157,18 @@ def dpase_parameters(n: int, d: int, k: int, *, epsilon: float, delta: float,
     ell = v.check_positive(cell_length, "cell_length")
     return DPASEParameters(t, m, q, ell, "given", math.nan, math.nan, tau)
   if gamma is None:
-    raise ValueError("gamma (an upper bound on sqrt(λ_{k+1}/λ_k)) is required to set the cell "
-                     "length; pass gamma=... or cell_length=... explicitly.")
+    largest = dpase_max_gamma(n, d, k, epsilon=epsilon, delta=delta, noise=noise,
+                              num_subsets=t)
+    supported = (f"At n={n:,}, d={d}, k={k}, epsilon={epsilon:g}, delta={delta:g} the agreement "
+                 f"bound holds only for gamma < {largest:.3g} (dpjax.subspace.dpase_max_gamma; "
+                 "smaller in practice, see its docstring)" if largest is not None else
+                 f"n={n:,} rows meet the agreement bound for no gamma")
+    raise ValueError(
+        "gamma is required to set the cell length: a public upper bound on sqrt(λ_{k+1}/λ_k), "
+        "how much weaker the (k+1)-th direction of the rows' second moment is than the k-th "
+        f"(0: rows in an exact k-dimensional subspace). {supported}. Estimate it on public data "
+        "of the same kind, or pass cell_length=...; a gamma below the data's makes ⊥ likely, "
+        "never a privacy loss.")
   gamma = v.check_positive(gamma, "gamma", allow_zero=True)
   if ell_rule == "paper_formula":
     if c0 is None:
@@ -208,7 +218,8 @@ def dpase_required_n(d: int, k: int, *, epsilon: float, delta: float, gamma: flo
   when each subset's ``m`` rows satisfy ``√m (1 − 2γ) > √k + w + 2γ(√d + w)``; the answer is
   ``t·m`` for the smallest such m (at least ``k + 1``). A public planning figure (utility only);
   it is the number DPASE's :class:`dpjax.UnderpoweredWarning` quotes. None when γ ≥ 1/2 (no
-  number of rows meets the condition).
+  number of rows meets the condition). A necessary condition, not a promise of a release: see
+  :func:`dpase_max_gamma` for what was measured at the default accuracy cap.
 
   Args:
     d, k: the dimension and the subspace's dimension, ``1 ≤ k ≤ d``.
@@ -232,6 +243,40 @@ def dpase_required_n(d: int, k: int, *, epsilon: float, delta: float, gamma: flo
   root = (math.sqrt(k) + w + 2.0 * gamma * (math.sqrt(d) + w)) / (1.0 - 2.0 * gamma)
   m = max(k + 1, math.floor(root * root) + 1)
   return t * m
+
+
+def dpase_max_gamma(n: int, d: int, k: int, *, epsilon: float, delta: float,
+                    noise: str = "discrete", num_subsets: int | None = None) -> float | None:
+  """The largest γ for which n rows meet :func:`dpase_required_n`'s agreement bound (ξ̂ < 1): the
+  question it answers, turned around for a user who has n rows and does not know γ.
+
+  >>> import dpjax
+  >>> round(dpjax.subspace.dpase_max_gamma(20000, 50, 2, epsilon=1.0, delta=1e-6), 4)
+  0.2615
+
+  γ bounds ``sqrt(λ_{k+1}/λ_k)`` of the rows' second moment. With ``w = sqrt(2 ln(2t/0.05))`` and
+  ``m = ⌊n/t⌋`` the bound ``2γ(√m + √d + w) < √m − √k − w`` gives ``γ < (√m − √k − w)/(2(√m +
+  √d + w))`` (docs/algorithms.md §2.2). A NECESSARY condition of the proof, not a promise: at
+  the default accuracy cap (``alpha=0.1``) DPASE's cells are small and it succeeds only for much
+  smaller γ (measured on model data, n = 6,000, d = 20, k = 2, ε = 1, 4 keys each: released 4
+  times at γ = 1e-4, 3 at 1e-3, once at 3e-3, never at 1e-2, where this bound allows 0.24; at
+  n = 60,000: 4 times at 3e-3, twice at 1e-2). None when even γ = 0 fails. Public numbers only.
+
+  Raises:
+    ValueError / TypeError: bad arguments.
+  """
+  n = v.check_int(n, "n", low=1)
+  d = v.check_int(d, "d", low=1)
+  k = v.check_int(k, "k", low=1, high=d)
+  epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)
+  t = (num_subsets_for(epsilon, delta, noise=noise) if num_subsets is None
+       else v.check_int(num_subsets, "num_subsets", low=1))
+  m = n // t
+  w = math.sqrt(2.0 * math.log(2.0 * t / _BETA_S))
+  slack = math.sqrt(m) - math.sqrt(k) - w
+  if m < k + 1 or slack <= 0.0:
+    return None
+  return slack / (2.0 * (math.sqrt(m) + math.sqrt(d) + w))
 
 
 def _cap(ell: float, alpha: float | None, d: int, k: int, q: int) -> float:
@@ -327,7 +372,10 @@ def dpase(key: jax.Array, rows, *, epsilon: float, delta: float, k: int,
     epsilon: ε > 0 (nats).
     delta: δ ∈ (0, 1).
     k: subspace dimension, ``1 <= k <= d``.
-    gamma: upper bound on ``sqrt(λ_{k+1}/λ_k)``; public. Required unless ``cell_length`` is set.
+    gamma: public upper bound on ``sqrt(λ_{k+1}/λ_k)`` of the rows' second moment (how much
+      weaker the (k+1)-th direction is than the k-th; estimate it on public data of the same
+      kind; :func:`dpase_max_gamma` gives the largest the rows could support). Required unless
+      ``cell_length`` is set.
     num_subsets, num_reference_points, cell_length, ell_rule, c0: override the public parameters
       (see :func:`dpase_parameters`).
     partition: "permutation", "random_labels" or None (default: "permutation" for an array,
