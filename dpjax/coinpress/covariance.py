@@ -89,6 +89,11 @@ def coinpress_covariance(key: jax.Array, X, *, epsilon: float, delta: float, kap
       ``kappa < 1``; ε ≤ 0; δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or ``steps``; unknown
       ``accountant``, or ``"analytic"``/``"pld"`` with ``secure=True``.
 
+  Warns:
+    dpjax.UnderpoweredWarning: the typical error ``‖Σ^-1/2 Σ̂ Σ^-1/2 − I‖₂`` exceeds 1; the
+      message gives :func:`covariance_required_n`'s rows for errors 1 and 0.1. The result is
+      still private.
+
   References:
     Biswas, Dong, Kamath & Ullman, NeurIPS 2020, Algorithms 3–4 (MVC, MVCRec);
     Ashtiani & Liaw, COLT 2022, Thm 5.5 (refinement after a preconditioner).

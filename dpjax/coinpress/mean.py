@@ -87,6 +87,10 @@ def coinpress_mean(key: jax.Array, X, *, epsilon: float, delta: float, center, r
       not of shape ``(d,)``; ``radius ≤ 0``; ε ≤ 0; δ ∉ (0, 1); β ∉ (0, 1); bad ``fractions`` or
       ``steps``; unknown ``accountant``, or ``"analytic"``/``"pld"`` with ``secure=True``.
 
+  Warns:
+    dpjax.UnderpoweredWarning: n below :func:`mean_required_n` at half the radius (the typical
+      error exceeds radius/2); the message gives that number. The result is still private.
+
   References:
     Biswas, Dong, Kamath & Ullman, NeurIPS 2020, Algorithms 1–2 (MVM, MVMRec).
   """

@@ -787,7 +787,7 @@ def ghost_clipped_grad_sum(apply_fn: Callable, example_loss: Callable, *,
     ValueError: C ≤ 0 or not finite (any group's); γ ≤ 0; an unknown ``clipping``; both or
       neither of ``clip_norm`` and GEP's clips, or one GEP clip alone; at trace time, per-layer
       norms not a prefix of the params, batch leaves without a shared leading axis, a mask not
-      of shape ``(B,)``, bad dense shapes.
+      of shape ``(B,)``, bad dense shapes; ``per_layer`` together with GEP's clips.
     TypeError: ``apply_fn`` or ``example_loss`` not callable; at trace time, a batch that is not
       a pair or a loss that is not a real scalar.
     RuntimeError: ``apply_fn``'s ``dense`` calls differ from one trace to the next.
