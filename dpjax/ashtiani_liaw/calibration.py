@@ -135,11 +135,15 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *,
                            pass_target: str = "p95") -> CovarianceCalibration:
   """Public calibration of the covariance learner (module docstring, steps 1–3).
 
-  Step 2 (the number of groups k) is cheap; the default step 3 simulates the group size, which
-  takes seconds to minutes for d ≳ 20. Pass the number of rows ``n`` to fail fast: once k is
-  known, ``k·(d + 1)`` (``2·k·(d + 1)`` with ``unknown_mean``) is a lower bound on
-  ``required_n`` (every rule gives groups of at least d + 1 rows), and an ``n`` below it raises
-  before the simulation runs.
+  Usage::
+
+      cal = dpjax.ashtiani_liaw.covariance_calibration(5, 1.0, 1e-6)     # d, ε, δ (seconds)
+      cal.num_groups, cal.min_group_size, cal.required_n, cal.eta        # 2406, 221, 531726, …
+
+  Step 2 (the number of groups k) is cheap; step 3's default simulates the group size (seconds
+  to minutes for d ≳ 20), so pass ``n`` to fail fast: an ``n`` below ``k·(d + 1)`` raises first.
+  Privacy needs only the thresholds' constraints, ``γ ≤ ½`` and ``η ≥ η_min(γ)``; every other
+  choice is about utility (docs/algorithms.md §3.5).
 
   Args:
     d: dimension.
@@ -157,35 +161,29 @@ def covariance_calibration(d: int, epsilon: float, delta: float, *,
     unknown_mean: rows are paired into differences, doubling the rows needed.
     n: optional number of rows available (public): raise as soon as it is known to be too few
       (the message is phrased for :func:`al_covariance`, which passes its n here).
-    mask_accounting: the mask's privacy accounting, ``"rdp"`` (exact Rényi divergence, default)
-      or ``"tail_bound"`` (the earlier bound F); see :func:`~dpjax.ashtiani_liaw.calibrate_masking`.
+    mask_accounting: ``"rdp"`` (exact Rényi divergence, default) or ``"tail_bound"`` (the
+      earlier bound F); see :func:`~dpjax.ashtiani_liaw.calibrate_masking`.
     ppme_bound: PPME's sensitivity bound, ``"tight"`` (default) or ``"spec"`` (the earlier one,
       3.6× larger); see :func:`~dpjax.ashtiani_liaw.ppme_calibration`.
-    mask_accuracy_rule: how the cap ``eta_accuracy`` and ``mask_accuracy`` are read (utility
-      only). ``"bound"``: η·(2√d + √(2 ln(1/β))) ≤ cap and α from
-      :func:`~dpjax.ashtiani_liaw.masking_concentration`. ``"simulation"`` (default, PROPOSED):
-      the cap's α = ``masking_concentration(d, cap/(2√d + √(2 ln(1/β))), β)`` is kept as the
-      promise, and η may go up to :func:`~dpjax.ashtiani_liaw.simulated_masking_eta` of that α
-      (about 2× larger: fewer groups), with ``mask_accuracy`` the simulated (1 − β)-quantile at
-      the chosen η (:func:`~dpjax.ashtiani_liaw.simulated_masking_accuracy`).
-    pass_target: the simulation rule's neighbour-fraction target (utility only). ``"p95"``
-      (default, PROPOSED): ``c0 + A1 + min(A1, λ ln(1/(2β))) + 0.02``, the test passing w.p.
-      ≥ 1 − β, and no floor on k; ``"sure"``: ``c0 + 2A1 + 0.02`` (a sure pass) with
-      k ≥ :func:`~dpjax.ashtiani_liaw.min_groups_for_test`.
+    mask_accuracy_rule: how the cap and ``mask_accuracy`` are read (utility only; step 2):
+      ``"simulation"`` (default, PROPOSED; :func:`~dpjax.ashtiani_liaw.simulated_masking_eta`,
+      about 2× the bound's η) or ``"bound"``.
+    pass_target: the simulation rule's target (utility only; step 3): ``"p95"`` (default,
+      PROPOSED: a pass w.p. ≥ 1 − β) or ``"sure"`` (a sure pass, k ≥ ``min_groups_for_test``).
 
   Returns:
     :class:`CovarianceCalibration`.
 
   Raises:
-    ValueError: bad arguments, no k up to 10⁹ meets the constraints, a ``num_groups`` with which
-      even unanimous groups pass the test with probability ≤ δ1 (⊥ certain), or (with ``n``) ``n``
-      below the cheap lower bound ``k·(d + 1)`` (doubled with ``unknown_mean``), or below the
-      exact ``required_n`` when that is cheap (``min_group_size`` given or the concentration
-      rule); the message names n, d, ε, δ, k and the bound.
+    ValueError: bad arguments; no k up to 10⁹ meets the constraints; a ``num_groups`` with which
+      even unanimous groups pass the test w.p. ≤ δ1 (⊥ certain); with ``n``, ``n`` below
+      ``k·(d + 1)`` (every rule's groups have ≥ d + 1 rows; doubled with ``unknown_mean``) or
+      below ``required_n`` when that is cheap (``min_group_size`` given or the concentration
+      rule), in a message naming n, d, ε, δ, k and the bound.
 
   Warns:
-    UnderpoweredWarning: a ``num_groups`` below :func:`~dpjax.ashtiani_liaw.
-      min_groups_for_test` (the test may fail even when every group agrees).
+    UnderpoweredWarning: ``num_groups`` below :func:`~dpjax.ashtiani_liaw.min_groups_for_test`
+      (the test may fail even when every group agrees).
   """
   d = v.check_int(d, "d", low=1)
   epsilon, delta = v.check_epsilon(epsilon), v.check_delta(delta)

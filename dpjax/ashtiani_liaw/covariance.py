@@ -62,24 +62,23 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
                   ) -> EstimateResult:
   """A constant-factor private approximation of an unbounded covariance ([AL22] Algorithm 3).
 
-  PPME over groups of rows with the empirical covariance as candidate, the semimetric of §3.1
-  and the covariance masking mechanism with the public calibration (module docstring).
+  Usage::
 
-  Privacy guarantee: (ε, δ)-DP under replace-one (n public): the PPME test is
-  ``(ε1, δ1)``-DP via ``TLap(2/k, ε1, δ1)``; on a pass the weighted average moves by semimetric
-  distance ≤ γ (``populous_mean.py``), and ``M_η`` with ``η ≥ η_min(γ)`` is a (γ, ε2, δ2)-masking
-  mechanism (``masking.py``). Everything runs in float64 (JAX's x64 mode). Floating
-  point: the masked release's low-order bits are not protected (see ``masking.py``: the mask's
-  noise is multiplicative, so the grid-and-integer-noise fix of the additive mechanisms does not
-  apply); the PPME test bit is float-safe up to float64's 2^-53 resolution of the TLap tail.
+      n = dpjax.ashtiani_liaw.required_n(d, 1.0, 1e-6)       # rows the calibration needs
+      result = dpjax.ashtiani_liaw.al_covariance(key, X, epsilon=1.0, delta=1e-6)  # X (n, d)
+      result.ok, result.estimate              # the ⊥ flag, Σ̃ (d, d) float64 (zeros on ⊥)
 
-  Utility ([AL22] Thm 5.4 with our constants): on ``N(0, Σ)`` data with ``n ≥ required_n``, the
-  test passes w.p. ≥ 1 − β at the simulated neighbour fraction (calibration step 3), PPME's
-  output, a convex combination of the groups' covariances, is within ``c =
-  candidate_accuracy`` of Σ w.p. 1 − β, and the mask moves it by at most ``α = mask_accuracy``
-  w.p. 1 − β, so ``dist(Σ̃, Σ) ≤ (1 + c)(1 + α) − 1`` (the semimetric's multiplicative triangle
-  inequality), i.e. ``Σ/(1+C) ⪯ Σ̃ ⪯ (1+C)Σ`` for that constant C, w.p. ≥ 1 − 3β. In practice the
-  average of the k groups is far closer to Σ than c, and the mask's α dominates.
+  PPME over groups of rows (candidate: each group's empirical covariance; the semimetric of
+  §3.1), then the covariance masking mechanism, with the public calibration (module docstring).
+  Guarantee: (ε, δ)-DP under replace-one (n public): the PPME test is ``(ε1, δ1)``-DP via
+  ``TLap(2/k, ε1, δ1)``; on a pass the weighted average moves by semimetric distance ≤ γ, and
+  ``M_η`` with ``η ≥ η_min(γ)`` is a (γ, ε2, δ2)-masking mechanism (docs/algorithms.md §3.2,
+  §3.4, §3.5). Everything runs in float64 (JAX's x64 mode). Floating point: the masked release's
+  low-order bits are not protected (``masking.py``, §3.4); the PPME test bit is float-safe up to
+  float64's 2^-53 resolution of the TLap tail. Utility: on ``N(0, Σ)`` data with
+  ``n ≥ required_n``, ``Σ/(1+C) ⪯ Σ̃ ⪯ (1+C)Σ`` w.p. ≥ 1 − 3β with
+  ``1 + C = (1 + candidate_accuracy)(1 + mask_accuracy)`` ([AL22] Thm 5.4 with our constants;
+  derivation in §3.5).
 
   Args:
     key: PRNG key.
@@ -94,22 +93,19 @@ def al_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
 
   Returns:
     :class:`~dpjax.results.EstimateResult` (neighboring ``REPLACE_ONE``) with ``estimate
-    (d, d)`` (zeros on ⊥) — float64 NumPy eagerly: the masked preconditioner of a covariance with
-    condition number up to 1e12 needs float64 whatever JAX's x64 flag —; ``info`` holds the
-    calibration and the group size. Traceable in ``key`` and ``X`` with JAX's x64 mode on
-    (``with jax.enable_x64(True):`` around the ``jit`` / ``vmap`` trace): the float64 computation
-    is staged in the caller's program (float64 output, the eager call's output per key up to
-    rounding: XLA fuses the traced program differently, and the traced estimate is symmetric
-    only up to rounding); a non-finite traced ``X`` gives ⊥. Under a float32 trace (x64 off) it
-    raises ``TypeError``.
+    (d, d)`` (zeros on ⊥) — float64 NumPy eagerly, whatever JAX's x64 flag (the masked
+    preconditioner of a covariance with condition number up to 1e12 needs float64); ``info``
+    holds the calibration and the group size. Traceable in ``key`` and ``X`` inside
+    ``with jax.enable_x64(True):``: float64 output, the eager call's per key up to rounding (XLA
+    fuses differently; symmetric only up to rounding); a non-finite traced ``X`` gives ⊥.
 
   Raises:
     TypeError: traced with JAX's x64 mode off (call it eagerly, or trace inside
       ``jax.enable_x64(True)``); a bad key or non-numeric ``X``.
     ValueError: bad input (NaN/inf in a concrete X included), or ``n`` below the calibration's
-      ``required_n`` (the message gives it with d, ε, δ and the groups). A hopeless ``n`` (below ``k·(d + 1)``, k the number of
-      groups, found without simulation) is refused at once, before the group-size simulation,
-      with that lower bound; :func:`required_n` gives the exact figure.
+      ``required_n`` (the message gives it with d, ε, δ and the groups); a hopeless ``n`` (below
+      ``k·(d + 1)``, k the number of groups) is refused at once, before the group-size
+      simulation; :func:`required_n` gives the exact figure.
 
   References:
     [AL22] Algorithm 3, Lemma 5.1/5.2, Thm 5.4; docs/algorithms.md §3.5.
@@ -371,25 +367,20 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
                      **al_kwargs) -> EstimateResult:
   """Unbounded covariance to small error: AL preconditioner, then CoinPress ([AL22] Thm 5.4–5.6).
 
-  The rows are split by position (public) into a coarse batch (the first ``coarse_rows``) and a
-  refinement batch (:func:`learn_covariance_plan`: by default the AL step gets exactly the rows
-  its calibration needs and the refinement all the rest). :func:`al_covariance` on the coarse
-  batch gives Σ̃ with ``Σ/K ⪯ Σ̃ ⪯ KΣ`` w.p. ≥ 1 − 3β, ``K = (1 + c)(1 + α)`` (c the groups'
-  candidate accuracy at their size, α the mask's accuracy); the refinement batch is whitened by
-  Σ̃ and :func:`dpjax.coinpress.coinpress_covariance` (the practical stand-in for [AL22] Thm 5.5,
-  Biswas et al. 2020) refines it with ``κ = K²``, after which the estimate is mapped back.
-  ``eta_accuracy`` defaults to None here (vs 0.2 in :func:`al_covariance`): CoinPress barely
-  cares how rough the preconditioner is (its rows needed grow like log κ), so the AL step uses
-  the fewest groups privacy allows.
+  Usage::
 
-  Privacy guarantee: (ε, δ)-DP under replace-one. Each step is (ε, δ)-DP on its own batch; the
-  batches are disjoint and fixed by position (a function of n and public arguments only), and
-  the refinement only sees the coarse batch through the DP release Σ̃ (adaptive parallel
-  composition).
+      n = dpjax.ashtiani_liaw.learn_covariance_required_n(d, 1.0, 1e-6)   # rows needed in all
+      result = dpjax.ashtiani_liaw.learn_covariance(key, X, epsilon=1.0, delta=1e-6)  # X (n, d)
+      result.ok, result.estimate              # the ⊥ flag, Σ̂ (d, d) float64 (zeros on ⊥)
 
-  Utility: the refinement's typical relative spectral error ``‖Σ^{-1/2}Σ̂Σ^{-1/2} − I‖_2`` is at
-  most ``refine_accuracy`` at the minimum n (its proxy, :func:`~dpjax.coinpress.
-  covariance_required_n`; measured errors are 0.15–0.6× the proxy) and falls as n grows.
+  :func:`al_covariance` on a coarse batch (the first ``coarse_rows``: a split by position, public;
+  :func:`learn_covariance_plan`) gives Σ̃ with ``Σ/K ⪯ Σ̃ ⪯ KΣ`` w.p. ≥ 1 − 3β; the other rows,
+  whitened by Σ̃, are refined by :func:`dpjax.coinpress.coinpress_covariance` at ``κ = K²``.
+  Guarantee: (ε, δ)-DP under replace-one: each step is (ε, δ)-DP on its own batch, the batches
+  are disjoint and fixed by position, and the refinement sees the coarse batch only through the
+  DP release Σ̃ (adaptive parallel composition; docs/algorithms.md §3.5). Σ̃ is not float-safe
+  (§3.4). Utility: the typical ``‖Σ^{-1/2}Σ̂Σ^{-1/2} − I‖_2`` is at most ``refine_accuracy`` at
+  the minimum n and falls as n grows (measurements in §3.5).
 
   Args:
     key: PRNG key.
@@ -399,10 +390,11 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     coarse_fraction: or the AL step's share of n (``int(n·coarse_fraction)`` rows); at most one
       of the two.
     refine: False returns the AL step alone, on all n rows.
-    refine_accuracy: the refinement's typical-error target that sets its minimum rows (> 0; None:
-      any 2 or more rows, or pairs).
+    refine_accuracy: the refinement's typical-error target that sets its minimum rows
+      (:func:`~dpjax.coinpress.covariance_required_n`; > 0; None: any 2 or more rows, or pairs).
     unknown_mean: difference consecutive pairs in both batches.
-    eta_accuracy: passed to :func:`covariance_calibration`.
+    eta_accuracy: passed to :func:`covariance_calibration`; None here (0.2 in
+      :func:`al_covariance`): the fewest groups privacy allows (CoinPress barely cares, §3.5).
     **al_kwargs: further :func:`al_covariance` arguments.
 
   Returns:
@@ -411,9 +403,8 @@ def learn_covariance(key: jax.Array, X, *, epsilon: float, delta: float,
     and ``info`` with ``coarse`` (the AL step's public calibration), ``coarse_rows``,
     ``refine`` and, when refining, ``preconditioner_factor`` K, ``refine_rows`` (rows, or pairs
     with ``unknown_mean``, of the refinement) and ``refine_min_rows``. Traceable in ``key`` and
-    ``X`` with JAX's x64 mode on, as :func:`al_covariance` (its shapes are static; on ⊥ the
-    refinement still runs, on the identity preconditioner, and its output is discarded); under a
-    float32 trace it raises ``TypeError``.
+    ``X`` with JAX's x64 mode on, as :func:`al_covariance` (on ⊥ the refinement still runs, on
+    the identity preconditioner, and its output is discarded).
 
   Raises:
     TypeError: traced with JAX's x64 mode off (call it eagerly, or trace inside

@@ -306,27 +306,23 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
               magnitude: float | None = None) -> EstimateResult:
   """Private mean with PPME in ℓ2 and Gaussian masking ([AL22] Algorithm 1; §3.7 Lemma 7.2).
 
-  Each of the k groups (public random partition) gives ``Est(group) ∈ R^d`` (default the group
-  mean; pass a robust estimator, e.g. ``dpjax.robust_stats.filtered_mean``, for the
-  robust variant); candidates within ``radius`` of each other count as neighbours; the weighted
-  average gets Gaussian noise calibrated to ℓ2-sensitivity γ: by default the float-safe release
-  of :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact discrete Gaussian noise on a
-  public power-of-two grid, σ from :func:`dpjax.mechanisms.rdp_gaussian_sigma`), or, with
-  ``secure=False``, continuous ``N(0, σ² I)`` with the analytic σ, added inside the jitted
-  program (5–15% less noise, but the released float values can carry the low-order-bit leak of
-  docs/algorithms.md §1.10).
-  The mean is unbounded: no clipping bound on the data is needed, only a radius that the group
-  estimates of one dataset fall within of each other (e.g. ``≈ 2·(√d + 3)·σ_max/√m`` for Gaussian
-  data with covariance ⪯ σ_max² I, groups of m rows).
+  Usage::
 
-  Privacy guarantee: (ε, δ)-DP under replace-one: ε1 = ``test_fraction``·ε and δ1 = δ/2 for the
-  test, the rest for the Gaussian mask, which is a (γ, ε2, δ2)-masking mechanism for
-  ``γ = (4 + 2/(b − a))·2r/W_min`` (module docstring): a Gaussian mechanism for ℓ2-sensitivity γ
-  (its (ε2, δ2) through Rényi DP for the discrete release, analytically for the raw one).
+      res = dpjax.ashtiani_liaw.ppme_mean(jax.random.key(0), X, epsilon=1.0, delta=1e-6,
+                                          num_groups=2010, radius=4.0)  # X (20000, 5)
+      res.ok, res.estimate          # False on ⊥; (d,) float64
 
-  Utility ([AL22] Lemma 3.6): if every group estimate lies within r/2 of μ and
-  ``k ≥`` :func:`min_groups_for_test`, the test passes surely and the output is within
-  ``max_i ‖Y_i − μ‖ + σ(√d + √(2 ln(1/β)))`` of μ w.p. ≥ 1 − β.
+  Each of the k groups of a public random partition gives ``Est(group) ∈ R^d`` (default the
+  mean; a robust estimator, e.g. ``dpjax.robust_stats.filtered_mean``, gives the robust
+  variant); a private test checks that most candidates lie within ``radius`` of each other (else
+  ⊥), and their weighted average is masked. The mean is unbounded: no clipping bound on the data
+  is needed, only that radius. Guarantee: (ε, δ)-DP under replace-one: ε1 = ``test_fraction``·ε
+  and δ1 = δ/2 for the test, the rest for the Gaussian mask, a (γ, ε2, δ2)-masking mechanism for
+  ``γ = (2 + 2·D₋₁max)·2r/W_min`` (the tight bound of :func:`ppme_calibration`, module
+  docstring): by default the float-safe release of
+  :func:`dpjax.mechanisms.discretized_gaussian_mechanism`; ``secure=False``: continuous noise
+  with the analytic σ (less noise, but the low-order-bit leak of docs/algorithms.md §1.10).
+  Utility ([AL22] Lemma 3.6), proofs and constants: docs/algorithms.md §3.2, §3.7.
 
   Args:
     key: PRNG key.
@@ -339,35 +335,31 @@ def ppme_mean(key: jax.Array, X, *, epsilon: float, delta: float, num_groups: in
     thresholds: ``(a, b, c0)``.
     radius_margin: slack on r for the float predicate.
     secure: float-safe discretized Gaussian mask (default) or raw continuous noise.
-    magnitude: optional public bound on the mean's entries (e.g. from a DP histogram of the
-      scale). The float-safe release clamps each entry to ``±2^50 Λ`` (Λ ≈ γ/(2^10 √d), its
-      public grid), about ``2^40 γ/√d``: a mean beyond it saturates there, a silent error (at
-      γ = 10⁻⁹ and d = 5 the clamp is about 500). With ``magnitude`` the grid is coarsened
-      (the noise calibrated to sensitivity ``max(γ, 2^-39·√d·magnitude)``, a larger bound is
-      private too) so that the clamp covers it. Unused with ``secure=False``.
+    magnitude: optional public bound on the mean's entries. The float-safe release clamps each
+      entry to about ``2^40 γ/√d``: a mean beyond it saturates there, a silent error;
+      ``magnitude`` coarsens the grid so that the clamp covers it (§3.2). Unused with
+      ``secure=False``.
 
   Returns:
-    :class:`~dpjax.results.EstimateResult` (neighboring ``REPLACE_ONE``) with ``estimate
-    (d,)`` — float64 NumPy eagerly (computed in JAX's x64 mode whatever the global flag:
-    means of 1e6 keep their digits; with ``secure=True`` every entry is a multiple of
-    ``info["grid"]``) —; ``info`` holds k, m, r, γ, σ (the mask's std) and the grid.
-    Traceable in ``key`` and ``X`` with JAX's x64 mode on (``with jax.enable_x64(True):``
-    around the ``jit`` / ``vmap`` trace): the float64 computation is staged in the caller's
-    program and the secure mask is :func:`~dpjax.mechanisms.discretized_gaussian_mechanism`'s
-    own NumPy host callback (float64 output, the eager call's test bit per key and its estimate
-    up to rounding of the unmasked average); a non-finite traced ``X`` gives ⊥. Under a float32
-    trace (x64 off) it raises ``TypeError``.
+    :class:`~dpjax.results.EstimateResult` (neighboring ``REPLACE_ONE``): ``estimate (d,)``,
+    float64 NumPy eagerly (JAX's x64 mode whatever the global flag: means of 1e6 keep their
+    digits; secure: multiples of ``info["grid"]``); ``info``: k, m, r, γ, σ (the mask's std), the
+    grid. Traceable in ``key`` and ``X`` inside ``with jax.enable_x64(True):`` (the secure mask
+    as its mechanism's own NumPy host callback: the eager call's test bit per key, its estimate
+    up to rounding of the unmasked average); a non-finite traced ``X`` gives ⊥.
 
   Raises:
     TypeError: traced with JAX's x64 mode off (call it eagerly, or trace inside
       ``jax.enable_x64(True)``).
-    TypeError/ValueError: bad key or data (NaN/inf in a concrete X), ε ≤ 0, δ ∉ (0, 1), broken threshold constraints,
-      fewer than 2 rows per group, or ``num_groups`` so small that even unanimous groups pass
-      the test with probability ≤ δ1 (``num_groups ≤ 2/(1 − c0)``: ⊥ would be certain).
+    TypeError/ValueError: bad key or data (NaN/inf in a concrete X), ε ≤ 0, δ ∉ (0, 1), broken
+      threshold constraints, fewer than 2 rows per group, or ``num_groups`` so small that even
+      unanimous groups pass the test with probability ≤ δ1 (``num_groups ≤ 2/(1 − c0)``: ⊥
+      would be certain).
 
   Warns:
-    UnderpoweredWarning: ``num_groups < min_groups_for_test(ε1, δ1)``: the test can fail even when all
-      groups agree; the message gives the largest pass probability and the recommended k.
+    UnderpoweredWarning: ``num_groups < min_groups_for_test(ε1, δ1)``: the test can fail even
+      when all groups agree; the message gives the largest pass probability and the
+      recommended k.
 
   References:
     [AL22] Algorithm 1, Lemma 3.6, Lemma 7.2, Algorithm 5; docs/algorithms.md §3.2, §3.7.

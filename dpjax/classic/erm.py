@@ -617,26 +617,25 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
                         release: str = "grid") -> ERMResult:
   """Private linear classifier by output perturbation ([CMS11] Algorithm 1; §5.1).
 
-  ``f_priv = argmin J + b``, ``b`` ℓ2-Laplace with ``β = ε/Δ₂``, ``Δ₂ = 2/(nΛ) + 2·tol/Λ``: the
-  ℓ2-sensitivity of the minimiser under replace-one is ``2/(nΛ)`` ([CMS11]'s bound for
-  Algorithm 1: J is Λ-strongly convex and one row moves its gradient by at most 2/n, since
-  ``|ℓ'| ≤ 1`` and ``‖u‖ ≤ 1``), plus ``2·tol/Λ`` for stopping at gradient norm tol (module
-  docstring). With the default tol the difference from [CMS11]'s ``β = nΛε/2`` is a factor
-  ``1 + n·1e-10``.
+  Usage::
 
-  Privacy guarantee: (ε, 0)-DP under replace-one (one row ``(x_i, y_i)`` replaced; n public),
-  for any loss in ``LOSSES`` (differentiable, convex, ``|ℓ'| ≤ 1``), whenever the optimiser
-  reaches tol. With ``release="grid"`` (default) the release is a function of an integer vector
-  ``i(X) + k`` on a public lattice: ``i(X)`` the clamped minimiser rounded to the public
-  power-of-two step Λ_g (ℓ2-sensitivity ``Δ_Λ = Δ₂/Λ_g + √d`` in steps), k the discretised
-  ℓ2-Laplace at rate ``ε/Δ_Λ`` per step, ε-DP for the ideal discretised law; the float64
-  sampler approximates that law (module docstring, "Floating point", for the proof and the
-  residual). With ``release="raw"``: in real arithmetic only (its low bits leak; module
-  docstring).
+      res = dpjax.classic.output_perturbation(jax.random.key(0), X, y, epsilon=1.0)
+      res.coefficients      # (d,) float64, predicts sign(x·f); X (n, d), ‖x_i‖ ≤ 1; y (n,) ±1
+
+  ``f_priv = argmin J + b``, ``b`` ℓ2-Laplace with ``β = ε/Δ₂``, ``Δ₂ = 2/(nΛ) + 2·tol/Λ`` (a
+  factor ``1 + n·1e-10`` over [CMS11]'s ``β = nΛε/2`` at the default tol). Guarantee: (ε, 0)-DP
+  under replace-one (one row ``(x_i, y_i)`` replaced; n public), for any loss in ``LOSSES``
+  (differentiable, convex, ``|ℓ'| ≤ 1``), whenever the optimiser reaches tol: J is Λ-strongly
+  convex and one row moves its gradient by ≤ 2/n, so the exact minimiser's ℓ2-sensitivity is
+  ``2/(nΛ)`` ([CMS11]), plus ``2·tol/Λ`` for stopping at gradient norm tol. ``release="grid"``
+  (default) releases a function of an integer vector on a public lattice (clamped minimiser
+  rounded to a power-of-two step, plus discretised ℓ2-Laplace): ε-DP for the ideal discretised
+  law, which the float64 sampler approximates. ``release="raw"``: in real arithmetic only (its
+  low bits leak). Proofs, residual: docs/algorithms.md §5.1, the module docstring.
 
   Args:
     key: PRNG key.
-    X: ``(n, d)`` real rows with ``‖x_i‖ ≤ data_norm`` (runs in float64 whatever the dtype).
+    X: ``(n, d)`` real rows (individuals), ``‖x_i‖ ≤ data_norm`` (float64 whatever the dtype).
     y: ``(n,)`` labels in {−1, +1}.
     epsilon: ε > 0.
     regularization: Λ > 0 (default :func:`default_regularization`, a public rule).
@@ -644,7 +643,7 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
     huber_width: the Huber width h > 0 (public; default 0.5).
     data_norm: the public row-norm bound B (default 1).
     clip: False (default): a row with ``‖x‖ > B`` raises. True: such rows are scaled down to
-      norm B (clipping to a public bound is a fixed map of each row: DP-safe).
+      norm B (a fixed map of each row: DP-safe).
     tol: gradient-norm target (default 1e-10).
     max_iterations: L-BFGS iteration cap (default 1000).
     release: ``"grid"`` (default: the public lattice, float-safe up to the sampler
@@ -653,19 +652,15 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
 
   Returns:
     :class:`~dpjax.results.ERMResult` (``ok`` True, ``epsilon``, ``delta = 0``, neighboring
-    ``REPLACE_ONE``): ``coefficients (d,)`` (float64 NumPy eagerly), predicting
-    ``sign(x·f)``; with ``"grid"`` every coefficient is ``fl(Λ_g·m/B)`` for an integer m
-    (times ``B/Λ_g`` an integer exactly when B is a power of two); ``nonprivate_gradient_norm``
-    — NOT private, a diagnostic only; ``info`` (public): method, loss, c, Λ and its rule,
-    sensitivity Δ₂, ``beta`` (the noise rate per unit-scale coefficient), ``noise``,
-    ``release``, n, d, data_norm, clip, tol, max_iterations, and with ``"grid"``: ``grid`` (Λ_g,
-    unit-scale), ``grid_sensitivity`` (Δ_Λ), ``grid_beta`` (``ε/Δ_Λ``, per step) and
-    ``grid_bound`` (R). Eagerly the float64 program runs on the CPU (under
-    ``jax.enable_x64(True)``, whatever the flag). Traceable in ``key``, ``X`` and ``y`` with
-    JAX's x64 mode on: the float64 program is staged inline (on the caller's device); under a
-    float32 trace (x64 off) it raises ``TypeError``. Under tracing a dataset outside the domain
-    (NaN, a label not ±1, a row above B without ``clip``) gives ``ok=False`` and zeros instead
-    of an error (the guarantee is stated on the domain).
+    ``REPLACE_ONE``): ``coefficients (d,)`` (float64 NumPy eagerly; with ``"grid"`` each is
+    ``fl(Λ_g·m/B)``, m an integer), predicting ``sign(x·f)``; ``nonprivate_gradient_norm`` — NOT
+    private, a diagnostic only; ``info`` (public): method, loss, c, Λ and its rule, Δ₂, ``beta``,
+    ``noise``, ``release``, n, d, data_norm, clip, tol, max_iterations, and with ``"grid"``
+    ``grid`` (Λ_g), ``grid_sensitivity`` (Δ_Λ), ``grid_beta``, ``grid_bound`` (R). Eagerly the
+    float64 program runs on the CPU under ``jax.enable_x64(True)`` whatever the flag; traceable
+    in ``key``, ``X``, ``y`` with x64 on (staged inline; a float32 trace raises ``TypeError``),
+    where data outside the domain (NaN, a label not ±1, a row above B without ``clip``) give
+    ``ok=False`` and zeros (the guarantee is stated on the domain).
 
   Raises:
     TypeError: bad key, non-numeric X or y; traced with JAX's x64 mode off.
@@ -674,10 +669,13 @@ def output_perturbation(key: jax.Array, X, y, *, epsilon: float,
       max_iterations, release; with ``"grid"``, scales float64 cannot hold as a lattice (ε
       below about ``d^{3/2}·2^-29``, an extreme B or nΛ; module docstring).
 
+  Warns:
+    dpjax.UnderpoweredWarning: n below :func:`erm_required_n` (the noise typically moves the
+      coefficients by more than any minimiser's norm), or no n suffices; the message says which.
+
   References:
     [CMS11] Chaudhuri, Monteleoni & Sarwate, "Differentially private empirical risk
-    minimization", JMLR 12 (2011), Algorithm 1 and its sensitivity bound; docs/algorithms.md
-    §5.1.
+    minimization", JMLR 12 (2011), Algorithm 1 and its sensitivity bound.
   """
   return _fit(key, X, y, "output", epsilon=epsilon, regularization=regularization, loss=loss,
               huber_width=huber_width, data_norm=data_norm, clip=clip, tol=tol,
@@ -798,6 +796,10 @@ def one_vs_rest(key: jax.Array, X, labels, *, classes: Sequence[int], epsilon: f
     TypeError: non-integer ``classes`` or labels; traced with JAX's x64 mode off.
     ValueError: fewer than 2 or repeated classes, a label outside ``classes`` (the message gives
       the count), and everything :func:`output_perturbation` raises.
+
+  Warns:
+    dpjax.UnderpoweredWarning: n below :func:`erm_required_n` at the per-class ε (the noise
+      as large as any minimiser); the message gives that number.
   """
   key = v.check_key(key)
   X = v.check_data64(X, "X")

@@ -162,65 +162,58 @@ def mod_sulq(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
              data_norm: float = 1.0, clip: bool = False, secure: bool = True) -> SubspaceResult:
   """MOD-SuLQ ([CSS13] Algorithm 1): the top-k eigenvectors of ``A + N``.
 
-  ``A = (1/n) Σ u_i u_iᵀ`` with ``u_i = x_i/data_norm`` (the second moment, not centred), ``N``
-  symmetric with its upper triangle and diagonal i.i.d. ``N(0, β²)`` (mirrored), β from
-  :func:`mod_sulq_beta` — the paper's calibration, kept so that benchmarks compare the published
-  algorithm. With the tight sensitivity and the analytic calibration this mechanism IS Analyze
-  Gauss (:func:`dpjax.subspace.analyze_gauss`, ``clip_norm = data_norm``), whose noise is
-  smaller by a factor that grows like d (about 2.8 at d = 2, 11 at d = 10, 110 at d = 100 for
-  ε = 1, δ = 1e-6): the paper's β comes from a per-entry union-bound proof.
+  Usage::
 
-  Privacy guarantee: (ε, δ)-DP under replace-one (n public). Replacing one row changes the upper
-  triangle of ``A`` by that of ``(uuᵀ − u'u'ᵀ)/n``, of ℓ2 norm ≤ ``‖uuᵀ − u'u'ᵀ‖_F/n ≤ √2/n``
-  (:data:`SECOND_MOMENT_SENSITIVITY`), so the release of the d(d+1)/2 free entries is a Gaussian
-  mechanism; the eigenvectors are post-processing. The guarantee never rests on the paper's own
-  (per-entry union bound) proof: the wrapper checks that its noise gives (ε, δ) by the Gaussian
-  mechanism's analysis at sensitivity √2/n, and raises the noise where β falls short
-  (``info["sigma"]``, the std used, against ``info["beta"]``). β is above the analytic
-  (Balle–Wang) σ at every d ≤ 1000, ε ∈ [1e-3, 1e4], δ ∈ [1e-12, 0.39] we checked (by a factor
-  ≥ 1.002, at d = 1, ε = 1e4, δ = 0.39; the factor grows like d). No ⊥: ``ok`` is always True
-  (a NaN in a traced X gives the typed ⊥).
+      res = dpjax.classic.mod_sulq(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=2)
+      res.basis                  # (d, k) orthonormal; X (n, d), rows ‖x_i‖ ≤ data_norm = 1
 
-  * ``secure=True`` (default): the noisy upper triangle of ``n A`` is released on the host (in
-    NumPy) by the release of :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact
-    discrete Gaussian noise on a public power-of-two grid; float-safe, docs/algorithms.md
-    §1.10) with noise multiplier ``z = nβ/(Δ_Λ Λ)`` at sensitivity √2 (so the std on A is β,
-    as the paper asks), checked with the RDP accountant to give (ε, δ) — the release's
-    guarantee is its Rényi curve. That
-    conversion (``dp_accounting``'s finite grid of orders) is looser than the analytic one: at
-    small ε (measured: ε ≤ 0.01 with δ ≤ 1e-6) or δ near its limit β does not pass, and z
-    becomes :func:`dpjax.mechanisms.rdp_gaussian_sigma`'s — much more noise at small ε (ε =
-    0.003, δ = 1e-6: 400× the analytic σ), or a ValueError where no multiplier up to 1e7
-    passes (ε = 0.01, δ = 1e-9), as for Analyze Gauss; use ``secure=False`` there.
-    Eigenvectors in float64 on the host (NumPy; shared with Analyze Gauss).
-  * ``secure=False``: continuous noise of std ``max(β, σ_analytic(ε, δ, √2/n))`` (= β) in float64
-    (:func:`mod_sulq_core`); (ε, δ)-DP in real arithmetic (floating-point caveat of §1.10).
+  ``A = (1/n) Σ u_i u_iᵀ`` (``u_i = x_i/data_norm``; not centred), ``N`` symmetric with upper
+  triangle and diagonal i.i.d. ``N(0, β²)``, β the paper's :func:`mod_sulq_beta` (from a
+  per-entry union bound), kept so that benchmarks compare the published algorithm. With the
+  tight sensitivity and the analytic calibration this mechanism IS
+  :func:`dpjax.subspace.analyze_gauss` (``clip_norm = data_norm``), with less noise by a factor
+  that grows like d.
+
+  Guarantee: (ε, δ)-DP under replace-one (n public), never resting on the paper's proof: one
+  replaced row moves A's upper triangle (d(d+1)/2 entries) by ≤ √2/n in ℓ2
+  (:data:`SECOND_MOMENT_SENSITIVITY`), a Gaussian mechanism, and the wrapper raises the noise
+  wherever β falls short of (ε, δ) at that sensitivity (``info["sigma"]``, the std used, against
+  ``info["beta"]``); the eigenvectors are post-processing. ``secure=True`` (default): ``nA``'s
+  upper triangle released on the host by :func:`dpjax.mechanisms.discretized_gaussian_mechanism`
+  (float-safe, §1.10), checked with the looser RDP accountant: at small ε or δ near its limit
+  much more noise (:func:`dpjax.mechanisms.rdp_gaussian_sigma`'s), or a ValueError (use
+  ``secure=False`` there). ``secure=False``: continuous float64 noise (:func:`mod_sulq_core`),
+  DP in real arithmetic (§1.10's caveat). No ⊥: ``ok`` is True (a NaN in a traced X gives the
+  typed ⊥). Proof and measurements: docs/algorithms.md §5.3.
 
   Args:
     key: PRNG key.
-    X: ``(n, d)`` float data, rows with ``‖x_i‖ ≤ data_norm``.
+    X: ``(n, d)`` float data, rows are individuals with ``‖x_i‖ ≤ data_norm``.
     epsilon, delta: the budget (δ must make β defined, see :func:`mod_sulq_beta`).
     k: subspace dimension, ``1 <= k <= d``.
     data_norm: public row-norm bound (default 1, the paper's).
-    clip: scale rows above ``data_norm`` down to it (``x ↦ x·min(1, data_norm/‖x‖)``, a public
-      per-row map, so the guarantee is unchanged); False (default) refuses such rows. Under
-      tracing the check cannot run and rows are always clipped.
+    clip: scale rows above ``data_norm`` down to it (a public per-row map, so the guarantee is
+      unchanged); False (default) refuses such rows. Under tracing the check cannot run and
+      rows are always clipped.
     secure: float-safe discretized release (default) or raw continuous noise.
 
   Returns:
     :class:`~dpjax.results.SubspaceResult` (``ok`` True, neighboring ``REPLACE_ONE``, δ as
     given), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats: float32); ``info``:
-    ``beta`` (the paper's β, units of ``data_norm²``), ``sigma`` (the std used on A),
-    ``data_norm``, ``clip``, ``secure`` and (secure) ``noise_multiplier`` and ``grid`` (the
-    grid step of ``n A``). S (and with ``secure=False`` the whole release) is computed in
-    float64 in JAX: traceable in ``key`` and ``X`` with JAX's x64 mode on (the secure release
-    then runs in NumPy as a pure callback); under a float32 trace (x64 off) it raises
+    ``beta`` (units of ``data_norm²``), ``sigma`` (the std used on A), ``data_norm``, ``clip``,
+    ``secure`` and (secure) ``noise_multiplier`` and ``grid`` (the grid step of ``n A``).
+    Computed in float64 in JAX: traceable in ``key`` and ``X`` with JAX's x64 mode on (the
+    secure release then a NumPy pure callback); under a float32 trace (x64 off) it raises
     ``TypeError``; eagerly it runs under ``jax.enable_x64(True)`` whatever the flag.
 
   Raises:
     TypeError: bad key, X not a real array, clip not a bool; traced with JAX's x64 mode off.
     ValueError: NaN/inf in a concrete X, a row above ``data_norm`` (without ``clip``), bad ε,
-      δ, k or ``data_norm``.
+      δ, k or ``data_norm``; (secure) no noise multiplier up to 1e7 passes the RDP check.
+
+  Warns:
+    dpjax.UnderpoweredWarning: n below :func:`mod_sulq_required_n` (at accuracy 1/10); the
+      message gives that number. The result is still private.
   """
   key = v.check_key(key)
   X64, mantissa, exponent, out_dtype = _check_rows(X, data_norm, clip)
@@ -533,51 +526,36 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
          batch_size: int = DEFAULT_BATCH_SIZE) -> SubspaceResult:
   """PPCA ([CSS13] Algorithm 2): V from the matrix Bingham ``∝ exp((nε/2) tr(VᵀAV))``.
 
-  The exponential mechanism on the Stiefel manifold with score ``u(V) = n tr(VᵀAV) =
-  Σ_i ‖Vᵀu_i‖²`` (``u_i = x_i/data_norm``; A the second moment, not centred).
+  Usage::
 
-  Privacy guarantee: ε-DP (δ = 0) under replace-one for an EXACT sample. Replacing one row
-  changes one term ``‖Vᵀu_i‖² ∈ [0, 1]`` of the score, so its sensitivity is 1 and the density
-  ``∝ exp(ε u(V)/2)`` is the exponential mechanism (McSherry & Talwar 2007). n is not used, so
-  the same holds under add/remove-one. The score depends on V only through its span
-  (``u(VR) = u(V)`` for orthogonal R), so the mechanism's output is the subspace and, under the
-  exact law, the basis is Haar within it. The released basis is exactly that: the sampler's
-  frame times a fresh Haar-random ``(k, k)`` orthogonal matrix drawn from its own key
-  (post-processing of the subspace; no budget). ``info["guarantee"]`` says what the result's
-  ``(epsilon, delta) = (ε, 0)`` is a statement about:
+      res = dpjax.classic.ppca(jax.random.key(0), X, epsilon=1.0, k=2)
+      res.basis, res.info["guarantee"]   # (d, k); "exact" (k = 1), "exact sampler limit" (k > 1)
 
-  * k = 1: :data:`GUARANTEE_EXACT` (``"exact"``): the released output. The sampler is exact
-    (:func:`bingham_sample`, the rejection sampler of Kent, Ganeiber & Mardia 2018).
+  The exponential mechanism on the Stiefel manifold, score ``u(V) = n tr(VᵀAV) = Σ_i ‖Vᵀu_i‖²``
+  (``u_i = x_i/data_norm``; A the second moment, not centred). Guarantee: ε-DP (δ = 0) under
+  replace-one for an EXACT sample (also under add/remove-one: n is not used): one row changes one
+  term ``‖Vᵀu_i‖² ∈ [0, 1]``, sensitivity 1. The score sees only span(V); the released basis is
+  the sampler's frame times a fresh Haar-random ``(k, k)`` rotation (post-processing, no
+  budget). ``info["guarantee"]`` says what the result's ``(ε, 0)`` is a statement about:
+
+  * k = 1: :data:`GUARANTEE_EXACT` (``"exact"``): the released output; the rejection sampler
+    (:func:`bingham_sample`, Kent, Ganeiber & Mardia 2018) is exact.
   * k > 1: :data:`GUARANTEE_SAMPLER_LIMIT` (``"exact sampler limit"``): the exact Bingham law,
-    the limit ``num_sweeps → ∞`` of Hoff's Gibbs sampler (:func:`matrix_bingham_sample`, run
-    for ``num_sweeps`` sweeps from a data-independent Haar-random frame). For the finite-sweep
-    output NO guarantee is proved: MCMC gives only approximate samples, and we know no bound
-    on the chain's distance from the target that is useful at practical nε (generic
-    minorisation constants are exponentially small in nε). Were the released subspace within
-    total variation η of the Bingham subspace law on every dataset, the output would be
-    ``(ε, (1 + e^ε) η)``-DP. What is known: the final Haar rotation leaves the target invariant,
-    so the output's law differs from it only through the subspace's law, and is no farther from
-    it than the chain; an independent audit (issue 34) found the subspace's law consistent with
-    the exact law (KS p ≥ 0.33; the slow test ``test_gibbs_law_d3_k2_against_the_normal_vector``
-    checks d = 3, k = 2), while the chain's in-plane rotation — which the score ignores and the
-    Haar rotation now replaces — stayed tied to its start at high concentration (KS against Haar
-    p = 4·10⁻²¹⁷ at ε = 40). The subspace, too, mixes slowly when C's top eigenvalue dominates
-    (both columns can share the top direction with a low-eigenvalue one, a slow-mixing state when
-    ``c_1/2 > c_2``): measured with C's eigenvalues (1e6, 1e4, 0, 0), k = 2, after the default
-    100 sweeps 22 of 400 chains' subspaces lay farther than ``sin θ_max = 0.1`` from the top
-    plane, where the exact law puts next to no mass: a total-variation gap of at least 3.5%
-    (Clopper–Pearson, 95%). Account for k > 1 results accordingly (``delta`` is that of the
-    limit law, not a bound for the finite chain), and prefer more sweeps at large nε.
+    the limit ``num_sweeps → ∞`` of Hoff's Gibbs sampler (:func:`matrix_bingham_sample`). For the
+    finite-sweep output NO guarantee is proved (MCMC; no useful bound on the chain's distance
+    from the target is known); were the released subspace within total variation η of the
+    target's on every dataset, the output would be ``(ε, (1 + e^ε) η)``-DP. The chain mixes
+    slowly when C's top eigenvalue dominates (a measured total-variation gap ≥ 3.5% after the
+    default 100 sweeps). Account for k > 1 results accordingly (``delta`` is that of the limit
+    law, not a bound for the finite chain), and prefer more sweeps at large nε.
 
-  Running time depends on the data (the rejection sampler's acceptance rate; the loop is never
-  capped, since a fallback after N tries would break the law): timing is not protected. The
-  sampler runs in float64 in JAX whatever JAX's x64 flag (:func:`dpjax._host.float64`), with
-  ``C = (ε/2)·Σ u_i u_iᵀ`` (entries up to ``nε/2``). Like every floating-point sampler it is DP
-  in real arithmetic (docs/algorithms.md §1.10).
+  Running time depends on the data (the rejection loop is never capped: a fallback would break
+  the law): timing is not protected. The sampler runs in float64 whatever JAX's x64 flag and is
+  DP in real arithmetic (§1.10). Samplers, proofs, audits: docs/algorithms.md §5.3.
 
   Args:
     key: PRNG key.
-    X: ``(n, d)`` float data, rows with ``‖x_i‖ ≤ data_norm``.
+    X: ``(n, d)`` float data, rows are individuals with ``‖x_i‖ ≤ data_norm``.
     epsilon: ε > 0 (``εn/2 ≤`` :data:`MAX_CONCENTRATION`).
     k: subspace dimension, ``1 <= k <= d``.
     num_sweeps: Gibbs sweeps for k > 1 (PROPOSED default :data:`DEFAULT_NUM_SWEEPS`; ignored
@@ -588,21 +566,23 @@ def ppca(key: jax.Array, X, *, epsilon: float, k: int, num_sweeps: int = DEFAULT
     batch_size: rejection proposals per round (efficiency only).
 
   Returns:
-    :class:`~dpjax.results.SubspaceResult` (``ok`` True; ``epsilon`` ε, ``delta`` 0,
-    neighboring ``REPLACE_ONE``), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats:
-    float32), a Haar-random basis of the sampled subspace (its columns are in no particular
-    order: use ``projection`` or captured variance, not column 0, as the estimate); ``info``:
-    ``guarantee`` (see above), ``exact`` (k = 1: the sampler is exact), ``num_sweeps`` (0 for
-    k = 1), ``batch_size``, ``data_norm``, ``clip``. Traceable in ``key`` and ``X`` with JAX's
-    x64 mode on (the float64 sampler staged inline; a NaN in a traced X gives ⊥); under a
-    float32 trace (x64 off) it raises ``TypeError``; eagerly it runs under
-    ``jax.enable_x64(True)`` whatever the flag.
+    :class:`~dpjax.results.SubspaceResult` (``ok`` True; ``epsilon`` ε, ``delta`` 0, neighboring
+    ``REPLACE_ONE``), basis ``(d, k)`` orthonormal in X's dtype (16-bit floats: float32), a
+    Haar-random basis of the sampled subspace (columns in no order: use ``projection`` or
+    captured variance, not column 0); ``info``: ``guarantee`` (above), ``exact`` (k = 1),
+    ``num_sweeps`` (0 for k = 1), ``batch_size``, ``data_norm``, ``clip``. Traceable in ``key``
+    and ``X`` with JAX's x64 mode on (a NaN in a traced X gives ⊥); under a float32 trace (x64
+    off) it raises ``TypeError``; eagerly it runs under ``jax.enable_x64(True)`` whatever the flag.
 
   Raises:
     TypeError: bad key, X not a real array, non-integer k / num_sweeps / batch_size, clip not a
       bool; traced with JAX's x64 mode off.
     ValueError: NaN/inf in a concrete X, a row above ``data_norm`` (without ``clip``), bad ε, k,
       ``num_sweeps``, ``batch_size`` or ``data_norm``; ``εn/2 > MAX_CONCENTRATION``.
+
+  Warns:
+    dpjax.UnderpoweredWarning: n below :func:`ppca_required_n` (at accuracy 1/10); the message
+      gives that number. The result is still private.
   """
   key = v.check_key(key)
   X64, mantissa, exponent, out_dtype = _check_rows(X, data_norm, clip)

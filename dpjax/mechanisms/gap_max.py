@@ -109,29 +109,28 @@ def gap_max_parameters(epsilon: float, delta: float, *,
 def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxResult:
   """Returns the top candidate if its score gap is large, else ⊥ (thresholded GAP-MAX).
 
+  Usage::
+
+      result = dpjax.mechanisms.gap_max(key, jnp.array([120, 3, 7]), epsilon=1.0, delta=1e-6)
+      if result.ok:                                    # ⊥ when the winner is not clear
+        best = int(result.index)                       # surely 0: gap 113 ≥ sure_gap 56
+
   ``s1 = argmax scores`` (lowest index on ties, via ``jax.lax.top_k``), ``u1 = scores[s1]``,
-  ``u2`` = second largest score (0 if there is one candidate). Scores are compared on a public
-  integer grid (:func:`gap_max_parameters`): ``ũ = ⌊u/h⌋`` with h = 1 for integer scores and
-  ``h = 2^-j`` (j ≤ 10) for float scores, so each ũ has sensitivity ``S = 1/h``. Then
-  ``g = max(0, ũ1 − ũ2 − S)`` and the top candidate is released iff ``g + Z ≥ K``, with ``Z``
-  discrete truncated Laplace on ``{−K, …, K}`` of scale ``≥ 2S/ε`` sampled exactly with integer
-  arithmetic (:func:`integer_gap_max_bound`).
+  ``u2`` = second largest score (0 if there is one candidate). Scores are floored to a public
+  integer grid (:func:`gap_max_parameters`: ``ũ = ⌊u/h⌋``, h = 1 for integer scores, ``h = 2^-j``
+  (j ≤ 10) for float scores), then ``g = max(0, ũ1 − ũ2 − S)`` with ``S = 1/h`` and the top
+  candidate is released iff ``g + Z ≥ K``, ``Z`` discrete truncated Laplace on ``{−K, …, K}``
+  of scale ``≥ 2S/ε`` sampled exactly with integer arithmetic (:func:`integer_gap_max_bound`).
 
   Guarantee: (ε, δ)-DP under the caller's neighboring relation when every candidate's score has
   sensitivity 1 under it and candidates not listed score 0. The candidate list must be in a
-  data-independent canonical order (the order sets the tie-break). Why: flooring to the grid
-  keeps the per-score sensitivity at S grid steps. If the argmax is the same on both neighbours,
-  ``g`` has sensitivity 2S and the release is post-processing of ``g + Z``: inside the common
-  support the ratio is ≤ e^ε, and ``P[Z ≥ K − 2S + 1] ≤ δ`` lies outside it. If it differs,
-  ``G + G' ≤ 2S`` for the grid gaps forces ``g ≤ S`` on both sides, so either answer appears with
-  probability ``≤ P[Z ≥ K − S] ≤ δ`` and with probability 0 on the other neighbour
-  (docs/algorithms.md §1.6, with sensitivity S).
-
-  Floating point: the decision depends on integers only (the floored scores and exact integer
-  noise), so its probabilities are exactly those of the analysis — no float noise whose tail is
-  cut or rounded (docs/algorithms.md §1.10). Float scores are floored to multiples of h (a loss of
-  < h per score, ≤ 2^-10 for ε ≥ 1/8) and clamped to ``[−2^29 h, 2^29 h]`` (1-Lipschitz, so the
-  sensitivity is kept; scores beyond that tie and give ⊥).
+  data-independent canonical order (the order sets the tie-break). Why: the floored gap has
+  sensitivity 2S when the argmax is the same on both neighbours, and when it differs each answer
+  has probability ≤ δ on one side and 0 on the other (proof: docs/algorithms.md §1.6). The
+  decision depends on integers only, so it is float-safe (§1.10). Float scores are floored to
+  multiples of h (a loss of < h per score, ≤ 2^-10 for ε ≥ 1/8) and clamped to
+  ``[−2^29 h, 2^29 h]`` (1-Lipschitz, so the sensitivity is kept; scores beyond that tie and
+  give ⊥).
 
   Args:
     key: JAX PRNG key.
@@ -151,9 +150,9 @@ def gap_max(key: jax.Array, scores, *, epsilon: float, delta: float) -> GapMaxRe
     ValueError: ``scores`` not of shape (C,) with C ≥ 1, bad ε or δ.
 
   References:
-    docs/algorithms.md §1.6; Bun, Dwork, Rothblum & Steinke, "Composable and versatile privacy via
-    truncated CDP", STOC 2018; [SS21] Lemma A.16; Canonne, Kamath & Steinke (2020) (exact
-    integer noise).
+    Bun, Dwork, Rothblum & Steinke, "Composable and versatile privacy via truncated CDP",
+    STOC 2018; [SS21] Lemma A.16; Canonne, Kamath & Steinke (2020) (exact integer noise); proof
+    in docs/algorithms.md §1.6.
   """
   v.check_key(key)
   scores = v.check_scores(scores)           # NumPy input stays NumPy: int64 clamped exactly

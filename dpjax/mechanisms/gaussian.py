@@ -137,16 +137,21 @@ def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
                        bound: float | None = None):
   """Releases ``value + N(0, σ² I)`` with σ calibrated to (ε, δ); float-safe by default.
 
+  Usage::
+
+      mean = X.mean(axis=0)        # rows of norm ≤ 1: replace-one ℓ2-sensitivity 2/n
+      noisy = dpjax.mechanisms.gaussian_mechanism(key, mean, sensitivity=2 / n,
+                                                  epsilon=1.0, delta=1e-6)
+
   Guarantee: (ε, δ)-DP under the caller's neighboring relation when ``value`` has
-  ℓ2-sensitivity ``sensitivity`` under it.
+  ℓ2-sensitivity ``sensitivity`` under it (docs/algorithms.md §1.2, §1.10).
 
   * ``secure=True`` (default, for released statistics): the float-safe
     :func:`discretized_gaussian_mechanism` — exact discrete Gaussian noise on a public
-    power-of-two grid, output on that grid whatever the input (docs/algorithms.md §1.10), host-side
-    float64. Its guarantee is proved through Rényi DP, so σ comes from
-    :func:`rdp_gaussian_sigma` at the grid sensitivity ``Δ_Λ ≤ (1 + 2^-10)Δ`` (5–15% more
-    noise than the analytic calibration of continuous noise); ``calibration`` must be None or
-    ``"rdp"``.
+    power-of-two grid, output on that grid whatever the input, host-side float64. Proved through
+    Rényi DP, so σ comes from :func:`rdp_gaussian_sigma` at the grid sensitivity
+    ``Δ_Λ ≤ (1 + 2^-10)Δ`` (5–15% more noise than the analytic calibration of continuous noise);
+    ``calibration`` must be None or ``"rdp"``.
   * ``secure=False``: continuous noise added in ``value``'s dtype (jittable), calibrated by
     ``calibration``: ``"analytic"`` (default; the exact Balle–Wang condition,
     :func:`analytic_gaussian_sigma`, valid for every ε > 0), ``"classic"``
@@ -178,8 +183,8 @@ def gaussian_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: fl
       ``secure=True``; ε ≥ 1 with ``"classic"``.
 
   References:
-    docs/algorithms.md §1.2, §1.10; [BW18] Thm 8; Dwork & Roth (2014), Thm A.1; Canonne, Kamath &
-    Steinke (2020).
+    [BW18] Thm 8; Dwork & Roth (2014), Thm A.1; Canonne, Kamath & Steinke (2020);
+    docs/algorithms.md §1.2, §1.10.
   """
   v.check_key(key)
   if calibration is None:

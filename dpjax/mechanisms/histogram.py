@@ -133,34 +133,20 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
                      noise: str = "discrete", grouping: str = "auto") -> StableHistogram:
   """Releases the popular bins of ``items`` with the stability-based histogram.
 
-  Counts ``c_b`` of every non-empty bin (distinct row of ``items``) get ONE noise draw each
-  (never one per item), and a bin is released iff its noisy count clears
-  :func:`histogram_threshold`.
+  Usage::
 
-  Guarantee: (ε, δ)-DP under ``neighboring``:
+      cells = jnp.array([[0, 1]] * 40 + [[3, 2]] * 3)     # (t, D) integer bin keys, one per item
+      hist = dpjax.mechanisms.stable_histogram(key, cells, epsilon=1.0, delta=1e-6)
+      ok, cell, count = dpjax.mechanisms.top_bin(hist)    # the released bin with the top count
 
-  * ``NeighboringRelation.REPLACE_ONE``: one item replaced, the others fixed (t public). Two bin
-    counts change by 1 (ℓ1 change 2): noise scale 2/ε.
-  * ``NeighboringRelation.ADD_OR_REMOVE_ONE``: one item added or removed. One count changes by
-    1: scale 1/ε.
-
-  On bins non-empty in both datasets the noisy counts are ε-DP (discrete Laplace with
-  sensitivity Δ); a bin non-empty in only one holds exactly one item and is released with
-  probability ≤ δ; thresholding and ordering by noisy count (ties by fresh randomness) are
-  post-processing (docs/algorithms.md §1.5). Only the released ``(bin, noisy count)`` pairs carry
-  information; see :class:`StableHistogram`. Floating point: the noise is sampled exactly with
-  integer arithmetic (Canonne–Kamath–Steinke) and the release is integer, so its set of
-  possible values does not depend on the counts (docs/algorithms.md §1.10 rule 1; audited with
-  :func:`dpjax.audit.grid_output_audit`).
-
-  Grouping of equal rows under ``jit`` with static shapes: ``"pairwise"`` compares all pairs of
-  rows (``t·t·D`` booleans, in chunks over D when that exceeds 5·10⁷); ``"hash"`` compares two
-  independent random 32-bit hashes per row (``t·t`` pairs), then verifies each row against its
-  group's first row exactly (``O(tD)``). A row whose hash pair collides with that of a different
-  row becomes its own group; each hash is ``Σ_j a_j·mix(x_j ⊕ b_j) mod 2^32`` with random
-  ``a, b`` drawn from ``key`` and a fixed bijective 32-bit mixer, so a collision has probability
-  about ``t²·2^{−64}``. ``"auto"`` picks pairwise when ``t·t·D ≤ 5·10⁷``. The representative of a
-  group is its first row; the grouping method does not change the output.
+  Every non-empty bin (distinct row) gets ONE integer noise draw (never one per item) and is
+  released iff its noisy count clears :func:`histogram_threshold`. Guarantee: (ε, δ)-DP under
+  ``neighboring`` (``REPLACE_ONE``, t public: two counts change by 1, noise scale 2/ε;
+  ``ADD_OR_REMOVE_ONE``: one count, scale 1/ε): counts of bins non-empty in both neighbours are
+  ε-DP, a bin non-empty in only one holds one item and is released w.p. ≤ δ, the rest is
+  post-processing. Only the released ``(bin, noisy count)`` pairs carry information
+  (:class:`StableHistogram`). The noise is exact integer noise, so the release is float-safe.
+  Proof and the grouping algorithms: docs/algorithms.md §1.5, §1.10.
 
   Args:
     key: JAX PRNG key.
@@ -171,10 +157,11 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
     delta: ``δ ∈ (0, 1)``.
     neighboring: a ``dp_accounting.NeighboringRelation``: ``REPLACE_ONE`` (default) or
       ``ADD_OR_REMOVE_ONE``.
-    noise: ``"discrete"`` (the default and only option: integer noise sampled exactly with
-      integer arithmetic, so the release has no floating-point side channel; docs/algorithms.md
-      §1.10). ``"laplace"`` raises (removed: float32 Laplace counts leak, module docstring).
-    grouping: ``"auto"`` (default), ``"pairwise"`` or ``"hash"``.
+    noise: ``"discrete"`` (the default and only option: exact integer noise, no floating-point
+      side channel). ``"laplace"`` raises (removed: float32 Laplace counts leak, module docstring).
+    grouping: how equal rows are grouped under ``jit``: ``"auto"`` (default: ``"pairwise"`` when
+      ``t·t·D ≤ 5·10⁷``, else ``"hash"``), ``"pairwise"`` (all pairs of rows) or ``"hash"`` (two
+      random 32-bit hashes per row, verified exactly); it does not change the output (§1.5).
 
   Returns:
     :class:`StableHistogram` with ``bins (t, D) int32``, ``noisy_counts (t,)``,
@@ -188,7 +175,8 @@ def stable_histogram(key: jax.Array, items, *, epsilon: float, delta: float,
       relation, ``noise`` (``"laplace"`` included) or ``grouping``.
 
   References:
-    docs/algorithms.md §1.5; Bun, Nissim & Stemmer (2016); Vadhan (2017); [SS21] Lemma A.15.
+    Bun, Nissim & Stemmer (2016); Vadhan (2017); [SS21] Lemma A.15; Canonne, Kamath & Steinke
+    (2020) (exact sampler); proof in docs/algorithms.md §1.5.
   """
   v.check_key(key)
   items = _check_items(items)

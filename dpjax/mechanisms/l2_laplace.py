@@ -72,26 +72,25 @@ def l2_laplace_noise(key: jax.Array, d: int, beta, dtype=None) -> jax.Array:
 def l2_laplace_mechanism(key: jax.Array, value, *, sensitivity: float, epsilon: float):
   """Releases ``value + b``, ``b`` ℓ2-Laplace with ``β = ε/Δ₂`` over all entries of ``value``.
 
+  Usage::
+
+      theta = dpjax.mechanisms.l2_laplace_mechanism(key, theta_hat, sensitivity=2 / (n * lam),
+                                                    epsilon=1.0)      # float64 NumPy, eagerly
+
   Guarantee: (ε, 0)-DP for a statistic whose ℓ2-sensitivity (over all its entries, flattened)
   is ``sensitivity`` under the caller's neighboring relation — whatever relation that
   sensitivity is stated under (replace-one for the ERM minimisers of
-  :mod:`dpjax.classic.erm`). Proof: the output density ratio between neighbours is
-  ``exp(β(‖y − f(X')‖ − ‖y − f(X)‖)) ≤ exp(β·Δ₂) = e^ε``.
+  :mod:`dpjax.classic.erm`): the output density ratio between neighbours is at most
+  ``exp(β·Δ₂) = e^ε`` (module docstring; docs/algorithms.md §5.1).
 
-  Floating point: NOT float-safe. This is a continuous release computed in float64 (the value,
-  the Gaussian direction, the Gamma norm and their product are rounded), so the set of floats
-  that ``f(X) + b`` can take depends on ``f(X)``, and Mironov's (2012) attack on floating-point
-  Laplace noise applies in principle: an observer of the exact output bits may learn more than
-  ε allows. The guarantee holds in real arithmetic only. Rounding the output to a coarse public
-  grid before publishing blunts the leak (post-processing) but does not provably remove it.
-  What does, up to a sampler approximation: round the clamped value to the public
-  power-of-two grid of :func:`dpjax.mechanisms.discretization` (``norm=2``, the rounding slack
-  in the grid sensitivity Δ_Λ), and add the ℓ2-Laplace noise of rate ``ε/Δ_Λ`` per grid step
-  rounded to the lattice, so that every output is a lattice point whatever the value — the
-  default ``release="grid"`` of :func:`dpjax.classic.output_perturbation` (proof and residual
-  in :mod:`dpjax.classic.erm`). Per-coordinate alternatives:
-  :func:`dpjax.mechanisms.snapping_l1_mechanism` and the discretised samplers of
-  docs/algorithms.md §1.10.
+  Floating point: NOT float-safe. The release is computed and rounded in float64, so the set of
+  floats ``f(X) + b`` can take depends on ``f(X)`` (Mironov 2012) and an observer of the exact
+  output bits may learn more than ε allows: the guarantee holds in real arithmetic only, and
+  rounding the output to a coarse public grid blunts the leak but does not provably remove it.
+  For a float-safe release (up to a sampler approximation) use the default ``release="grid"``
+  of :func:`dpjax.classic.output_perturbation` (lattice output; docs/algorithms.md §5.1), or
+  per coordinate :func:`dpjax.mechanisms.snapping_l1_mechanism` and the discretised samplers
+  of §1.10.
 
   Numerics: the noise is sampled and added in float64 on the host (NumPy). NaN/inf entries of
   ``value`` are replaced by 0 first (a fixed map: raising would branch on private data).

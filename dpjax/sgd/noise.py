@@ -186,25 +186,24 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
              noise_strategy=None) -> optax.GradientTransformation:
   """The DP-SGD privatiser for ``grad_fn``'s sums: release map, Gaussian noise, division by L.
 
+  Usage::
+
+      grad_fn = dpjax.sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
+      tx = optax.chain(dpjax.sgd.dp_noise(grad_fn, noise_multiplier=1.1,
+                                          expected_batch_size=256, key=key), optax.adam(1e-3))
+
   ``update(S)``: S is one step's sum of clipped per-example gradients from ``grad_fn`` (over a
   Poisson sample; :meth:`dpjax.sgd.DPSGDPlan.clipped_sum`); the update returned is
   ``lift(M S + N(0, σ²Δ²ν²)) / L`` with the release map M of the module table, Δ =
   ``grad_fn.l2_norm_bound`` and ν from the state's bases.
 
-  Privacy: (module docstring) each update is the Gaussian mechanism with noise multiplier σ for a
-  statistic of ℓ2-sensitivity Δ under add/remove-one; with Poisson sampling at rate q, T updates
-  are :func:`dpjax.accounting.dpsgd_event` ``(σ, q, T)``, whatever the release map. With a
-  ``noise_strategy`` C (banded, columns of norm 1) the T steps' noise in the released
-  coordinates is ``σΔν·C⁻¹Z`` instead of ``σΔν·Z``; the releases are post-processing of
-  ``C·(M S) + σΔν Z``, and with cyclic Poisson sampling of cycle ≥ b they are the event of
-  :class:`dpjax.sgd.sampling.CyclicPoissonSampling` (docs/algorithms.md §6.7). With another
-  selection the plan refuses the strategy.
-
-  Example::
-
-      grad_fn = dpjax.sgd.clipped_grad_sum(loss_fn, clip_norm=1.0)
-      tx = optax.chain(dpjax.sgd.dp_noise(grad_fn, noise_multiplier=1.1,
-                                          expected_batch_size=256, key=key), optax.adam(1e-3))
+  Guarantee: each update is the Gaussian mechanism with noise multiplier σ for a statistic of
+  ℓ2-sensitivity Δ under add/remove-one (the release map has spectral norm ≤ ν); with Poisson
+  sampling at rate q, T updates are :func:`dpjax.accounting.dpsgd_event` ``(σ, q, T)``, whatever
+  the release map (docs/algorithms.md §6.0). With a ``noise_strategy`` C the releases are
+  post-processing of ``C·(M S) + σΔν Z``, and with cyclic Poisson sampling of cycle ≥ b they are
+  the event of :class:`dpjax.sgd.sampling.CyclicPoissonSampling` (§6.7); with another selection
+  the plan refuses the strategy.
 
   Args:
     grad_fn: the sensitivity-bearing clipped-gradient function whose sums this privatises
@@ -220,12 +219,12 @@ def dp_noise(grad_fn, *, noise_multiplier: float, expected_batch_size: float, ke
     tol: accepted spectral distance from orthonormality of every basis (a usability check:
       privacy holds for any accepted basis through ν).
     steps: optional T, the updates the budget covers (:func:`dpjax.sgd.dp_sgd_plan` passes
-      its T): the state counts updates, and every update past T is released as NaN, so a step
-      the budget does not cover cannot pass unnoticed, even inside a user's own jitted loop.
+      its T): every update past T is released as NaN, so a step the budget does not cover
+      cannot pass unnoticed, even inside a user's own jitted loop.
     noise_strategy: optional :class:`dpjax.sgd.correlation.BandedToeplitz` (needs ``steps``;
-      ``jax_privacy`` installed): correlated noise, each block of released coordinates with its
-      own buffer of ``b − 1`` earlier draws (``p`` numbers a band for the full release, ``k``
-      for a flat basis). Independent noise when None.
+      ``jax_privacy`` installed): correlated noise ``σΔν·C⁻¹Z``, each block of released
+      coordinates with its own buffer of ``b − 1`` earlier draws (§6.7). Independent noise when
+      None.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`NoiseState`; updates have the

@@ -128,26 +128,28 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
                               **dpase_kwargs) -> SubspaceResult:
   """A rank-k gradient subspace learned privately with DPASE from per-example gradients.
 
-  One gradient per individual at ``params``, then DPASE with ``partition="random_labels"`` on
-  a gather function (:func:`dpjax.subspace.dpase`): each subset's gradients are computed when its
-  top-k subspace is, so the ``(N, p)`` gradient matrix never exists (about
-  ``dpjax.linalg.GATHER_CHUNK_BYTES`` of gradient rows are live at once). Each gradient row is
-  first sanitised by a fixed row-wise map: rows with a NaN/inf entry become zero (so that no
-  data-dependent error can be raised), and, if ``clip_norm`` is given, rows are clipped to
-  ℓ2 norm ≤ ``clip_norm`` (for utility only: DPASE needs no norm bound for privacy).
+  Usage::
+
+      result = dpjax.sgd.private_gradient_subspace(key, loss_fn, params, (X, y), k=8,
+                                                   epsilon=0.5, delta=1e-6, gamma=0.5)
+      basis = result if result.ok else None    # ⊥ is common: then no subspace, or a public one
+
+  One gradient per individual at ``params``, then :func:`dpjax.subspace.dpase` with
+  ``partition="random_labels"`` on a gather function: the ``(N, p)`` gradient matrix never exists
+  (docs/algorithms.md §6.2, memory). Each gradient row first goes through a fixed row-wise map:
+  NaN/inf rows become zero (no data-dependent error), and, with ``clip_norm``, rows are clipped
+  to ℓ2 norm ≤ ``clip_norm`` (utility only: DPASE needs no norm bound for privacy).
 
   Guarantee: (ε, δ)-DP under **add/remove-one** (and replace-one) for the rows of ``data``,
   provided each individual contributes exactly one row and ``params`` does not depend on
-  ``data``. Each row's gradient is a function of that row alone, so adding or removing a row
-  adds or removes one gradient row; DPASE assigns rows to its subsets by independent uniform
-  public labels, so that changes exactly one subset, hence one item of its stability
-  histogram, which is (ε, δ)-DP for that change (docs/algorithms.md §6.2 route (c)). Privacy is
-  worst case: gradients need not be Gaussian. N is treated as public (DPASE's parameters use it).
+  ``data``: each gradient is a function of its row alone, and DPASE's independent uniform public
+  labels put an added or removed row in exactly one subset, hence one item of its stability
+  histogram (§6.2 route (c)). Privacy is worst case (gradients need not be Gaussian); N is
+  treated as public (DPASE's parameters use it).
 
-  [CAUTION, §6.2] DPASE's utility needs a strong multiplicative eigen-gap (a ``γ ≲ 1/d``-type
-  condition with d = p) that real networks rarely meet: expect ⊥ (``result.ok == False``) and
-  then train without a subspace or with a public one — never with a non-private subspace of
-  these data.
+  [CAUTION, §6.2] DPASE's utility needs a strong multiplicative eigen-gap (``γ ≲ 1/d``-type,
+  d = p) that real networks rarely meet: expect ⊥ (``result.ok == False``) and then train
+  without a subspace or with a public one — never with a non-private subspace of these data.
 
   Args:
     key: PRNG key (consumed by DPASE).
@@ -155,8 +157,7 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
     params: the parameters at which gradients are taken (p entries in all).
     data: pytree of arrays with a leading example axis N, one example per individual.
     k: subspace dimension, ``1 ≤ k ≤ p``.
-    epsilon: ε_s > 0 for the subspace.
-    delta: δ_s ∈ (0, 1) for the subspace.
+    epsilon, delta: the subspace's budget, ε_s > 0 and δ_s ∈ (0, 1).
     gamma: DPASE's public gap parameter (or pass ``cell_length=`` in ``dpase_kwargs``).
     clip_norm: optional ℓ2 bound > 0 applied to each gradient row before DPASE.
     **dpase_kwargs: forwarded to :func:`dpjax.subspace.dpase` (``num_subsets``,
@@ -174,7 +175,7 @@ def private_gradient_subspace(key: jax.Array, loss_fn: Callable, params, data, *
       and DPASE's own errors (ε, δ, γ, too few rows).
 
   References:
-    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021 (DPASE, Algorithm 2).
+    Singhal & Steinke, NeurIPS 2021 (DPASE, Algorithm 2); docs/algorithms.md §2.2, §6.2.
   """
   key = v.check_key(key)
   k = v.check_int(k, "k", low=1, high=_num_params(params))

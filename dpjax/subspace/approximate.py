@@ -301,155 +301,86 @@ def dpase(key: jax.Array, rows, *, epsilon: float, delta: float, k: int,
           mesh_axis: str | None = None) -> SubspaceResult:
   """Learns a k-dimensional subspace privately with DPASE ([SS21] Algorithm 2).
 
-  For data near a k-dim subspace (``x_i ~ N(0, Σ)`` with ``λ_{k+1} ≤ γ² λ_k``), the answer is
-  within ``α`` of the top-k eigenspace with a number of rows that does not grow with ``d``
-  ([SS21] Thm 1.2/4.3). Zero-mean data are assumed for utility (use pairwise differences
-  ``(x_{2i} − x_{2i−1})/√2`` otherwise); privacy needs no assumption.
+  Usage::
 
-  Steps (all shapes static): rows → public partition into ``t`` subsets of ``m`` rows →
-  batched (``vmap``) top-k subspaces ``V_j`` → ``q`` reference points ``p_i ~ N(0, I_d)``
-  projected through every subspace, ``Q_j ∈ R^{q d}`` → cell ``z_j = ⌊Q_j/ℓ − λ⌋`` of a grid with
-  one random offset ``λ ~ U[0, 1)`` → stability histogram of ``z_1..z_t`` → the released cell with
-  the largest noisy count, if that count is ≥ t/2, else ⊥ → a uniform point of that cell, split
-  into q points of ``R^d`` → their top-k principal subspace.
+      res = dpjax.subspace.dpase(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=2,
+                                 gamma=0.01)   # X (n, d); gamma: see dpase_max_gamma
+      res.ok, res.basis                        # False on ⊥; (d, k), zeros on ⊥
 
-  Privacy guarantee: (ε, δ)-DP. Replacing one row changes one subset, hence one histogram item
-  (two bin counts change by 1); the stability histogram with replace-one thresholds is (ε, δ)-DP
-  for that change (docs/algorithms.md §1.5), and the reference points, the offset, ``ℓ``, ``t``, ``m``
-  are public. Choosing the cell, the ``t/2`` rule and the final PCA are post-processing. Each
-  subset's basis is a function of its own rows alone whatever the row source, solver or mesh.
-
-  Row sources (``rows``; the type is dispatched on before anything is traced or read):
-
-  * **An array** ``(n, d)`` (a JAX or NumPy array, or anything with ``__array__``; not a
-    ``np.memmap``): in memory. Runs in its dtype (float16 and bfloat16 are upcast to float32;
-    integers become JAX's default float). Any finite scale works: each subset's subspace is
-    computed after dividing the subset by a power of two of its largest entry. Traceable:
-    ``jax.jit`` / ``jax.vmap`` over ``key`` and ``rows`` work with the public arguments fixed
-    (closed over or static); under tracing a non-finite ``rows`` gives ⊥ instead of an error.
-    This is DPASE's traceable form (e.g. DPASEB runs it per block under ``vmap``).
-  * **A gather function** ``rows_fn(indices (m,) int) -> (m, d)`` (any callable): the rows are
-    computed on demand, subset by subset, never stored (e.g. per-example gradients with d = p,
-    :func:`dpjax.sgd.private_gradient_subspace`); memory is about ``linalg.GATHER_CHUNK_BYTES``
-    of rows at a time instead of ``n·d``. Needs ``n``, ``d`` and ``dtype`` (the rows' float
-    dtype: it sets the tolerances and the chunk size). An index ``>= n`` must give a zero row,
-    row i must be a function of individual ``indices[i]`` alone, and the function must be
-    traceable and sanitise its rows itself (a non-finite row makes its subset's basis, not an
-    error, garbage). Random labels only.
-  * **Chunks**: an iterable or iterator (a generator, a list, ...) of ``(chunk_rows, d)`` NumPy
-    arrays of ``dtype`` (any number of rows each, ``n`` in all, in row order), or one ``(n, d)``
-    ``np.memmap`` (read ``block_rows`` rows at a time). Memory is independent of ``n``: each
-    subset's float64 ``d × d`` second moment is accumulated as the rows go by, then its top-k
-    eigenvectors are taken (:mod:`dpjax.subspace.streaming`, which also lists the edge cases:
-    a non-finite row counts as a zero row; a chunk of another shape or dtype, or not exactly
-    ``n`` rows, raises). Needs ``n`` and ``d`` (taken from a memmap's shape); ``dtype``
-    defaults to float32 (a memmap's own dtype). Random labels and the exact solver only, no
-    mesh; the output equals the in-memory one with ``top_k_method="exact"`` on the stacked
-    rows up to rounding. A nested list of rows is read as chunks: pass ``np.asarray(rows)``
-    (or ``np.asarray(memmap)``) to run in memory.
-
-  The same key gives the same partition, reference points, offset and histogram draws for every
-  source, so the three agree on the same rows up to rounding of the subsets' bases.
-
-  Partitions:
-
-  * ``partition="permutation"`` (the default for an array): a public random permutation, then
-    ``t`` blocks of ``m = ⌊n/t⌋`` rows (the last ``n − tm`` rows of the permuted order are
-    unused). Holds under **replace-one**.
-  * ``partition="random_labels"`` (the default, and the only choice, for a gather function or
-    chunks): each row gets an independent uniform public label in ``{1..t}``; subset j holds
-    the rows labelled j (up to a public capacity ``m + 4√m + 4``; any overflow is dropped
-    within that subset only). Adding, removing or replacing one row changes exactly one subset,
-    so the same guarantee holds under **add/remove-one** as well as replace-one
-    (docs/algorithms.md §6.2 route (c)); this is what DP-SGD composition uses. ``ℓ`` and the
-    capacity are computed from ``n``, which is treated as public (as DP-SGD's expected batch
-    size ``qN`` is); pass ``cell_length`` to remove that dependence from ``ℓ``.
+  Utility: for rows ``x_i ~ N(0, Σ)`` (zero mean) with ``λ_{k+1} ≤ γ² λ_k``, within ``α`` of the
+  top-k eigenspace from a number of rows that does not grow with ``d`` ([SS21] Thm 1.2/4.3).
+  Guarantee, whatever the data: (ε, δ)-DP under replace-one, and with random labels under
+  add/remove-one too (n public). One row changes one of ``t`` disjoint subsets of a public
+  partition, hence one item of the stability histogram (§1.5) over grid cells of the subsets'
+  projected reference points (public, as are the offset and ``ℓ``); each subset's basis depends
+  on its own rows alone whatever the row source, solver or mesh; the rest is post-processing.
+  Proof, parameters and the row sources in detail: docs/algorithms.md §2.2.
 
   Args:
-    key: PRNG key; the only source of randomness (split internally, never reused).
-    rows: the row source (above): an ``(n, d)`` array, a gather function, or chunks / a memmap.
-      Rows are individuals.
-    epsilon: ε > 0 (nats).
-    delta: δ ∈ (0, 1).
+    key: PRNG key, the only source of randomness.
+    rows: rows are individuals: an ``(n, d)`` array (in memory; traceable in ``key`` and
+      ``rows`` with the public arguments static, a non-finite traced ``rows`` giving ⊥); or a
+      gather function ``rows_fn(indices (m,) int) -> (m, d)`` (rows made per subset, never
+      stored; row i must be a function of individual ``indices[i]`` alone, an index ``>= n``
+      must give a zero row; traceable; it must sanitise its rows: a non-finite row spoils its
+      subset's basis, no error); or chunks: an iterable of ``(chunk_rows, d)`` NumPy arrays of
+      ``dtype`` in row order, or an ``(n, d)`` ``np.memmap`` (memory independent of ``n``:
+      :mod:`dpjax.subspace.streaming`; random labels, exact solver, no mesh). A nested list is
+      read as chunks: pass ``np.asarray(rows)`` to run in memory.
+    epsilon, delta: ε > 0 (nats), δ ∈ (0, 1).
     k: subspace dimension, ``1 <= k <= d``.
-    gamma: public upper bound on ``sqrt(λ_{k+1}/λ_k)`` of the rows' second moment (how much
-      weaker the (k+1)-th direction is than the k-th; estimate it on public data of the same
-      kind; :func:`dpase_max_gamma` gives the largest the rows could support). Required unless
-      ``cell_length`` is set.
+    gamma: public bound on ``sqrt(λ_{k+1}/λ_k)`` of the rows' second moment (from public data of
+      the same kind; :func:`dpase_max_gamma` gives the largest the rows could support); required
+      unless ``cell_length`` is set.
     num_subsets, num_reference_points, cell_length, ell_rule, c0: override the public parameters
-      (see :func:`dpase_parameters`).
-    partition: "permutation", "random_labels" or None (default: "permutation" for an array,
-      "random_labels" otherwise; see above).
-    noise: histogram noise: "discrete" (exact integer noise, the only option; docs/algorithms.md
-      §1.10). "laplace" raises: it was removed because float32 Laplace counts leak the count,
-      and DPASE releases the winning noisy count in ``info``.
-    grouping: how the histogram groups equal cells ("auto", "pairwise", "hash").
-    alpha: accuracy target that caps a rule's ℓ (default 0.1; None disables the cap; an explicit
-      ``cell_length`` is never capped).
-    top_k_method: each subset's top-k solver (see
-      :func:`dpjax.linalg.top_k_right_singular_vectors`): "exact" (``eigh`` of the
-      ``min(m, d)``-sized Gram or covariance matrix), "subspace_iteration" (blocked subspace
-      iteration with a convergence check, ``O(m d k)`` per iteration), or "auto" (default: the
-      iteration where one exact solve costs at least 16 iterations, see :func:`top_k_solver`;
-      always "exact" for chunks, which accept "auto" or "exact").
-      Either way a subset's basis is a function of its own rows only, which is all the privacy
-      argument uses. The solvers agree to rounding level, so the released cell differs only
-      when a projected coordinate lies that close to a cell boundary (measured on model data at
-      n = 10⁵, d = 10³: 19 vs 20 successes in 24 keys, the same median error). The final PCA of
-      the released point is exact.
-    n: the number of rows (public): required for a gather function or an iterable of chunks;
-      for an array or memmap, if given, it must equal its number of rows.
-    d: their dimension: required for a gather function or an iterable of chunks; for an array or
-      memmap, if given, it must equal its number of columns.
-    dtype: the rows' float dtype: required for a gather function; for chunks the chunks' dtype
-      (default float32; float16/bfloat16 are computed as float32; the basis is returned in it,
-      float64 needing JAX's x64 mode); for an array or memmap, if given, it must be its dtype.
-    block_rows: chunks only: rows per update (static; default ``max(2^26 / (8 d), 512 t)``, at
-      most ``n``). Any chunk sizes are regrouped into blocks of this size, so the update
-      compiles once.
-    max_bytes: chunks only: the most the ``t`` float64 ``d × d`` accumulators may take (default
-      :data:`dpjax.subspace.streaming.DEFAULT_MAX_BYTES`, 4 GiB).
-    ledger: optional :class:`dpjax.ledger.PrivacyLedger`; the release is recorded (or
-      refused with ``BudgetExceededError``) after every argument is checked and before any data
-      is touched (no row read or made).
-    mesh: optional ``jax.sharding.Mesh`` (an array or a gather function): the per-subset top-k
-      solves (the ``(t, d, k)`` bases) run with the subset axis sharded over the mesh axis
-      ``mesh_axis`` (``jax.shard_map``; an array is replicated, so every device holds it; a
-      gather function is called on each device for its own subsets, what it closes over
-      replicated; the other mesh axes, if any, replicate). ``t`` is padded up to a multiple of
-      that axis's size with dummy subsets of padding rows only (index ``n``), whose bases are
-      dropped before the histogram; the bases are then all-gathered and the histogram and
-      everything after it run on them as without a mesh. The same key gives the same output on
-      one device or many (the bases equal to rounding; on a CPU mesh each device solves one
-      subset per LAPACK call, docs/algorithms.md §2.2). The guarantee is unchanged: each
-      subset's basis is still a function of its own rows alone (and a dummy subset's of none),
-      whichever device computes it. With an array, ``dpase`` with a mesh also runs under an
-      outer ``jax.jit``.
-    mesh_axis: the mesh axis the subsets are sharded over; None (default) needs a mesh with
-      one axis and takes it.
+      (:func:`dpase_parameters`).
+    partition: "permutation" (default for an array; replace-one) or "random_labels" (default and
+      only choice otherwise; add/remove-one as well, as DP-SGD composes).
+    noise, grouping: histogram noise, "discrete" (exact integer noise, the only option;
+      "laplace" raises), and how equal cells are grouped ("auto", "pairwise", "hash").
+    alpha: accuracy target capping a rule's ℓ (default 0.1; None: no cap; never an explicit
+      ``cell_length``).
+    top_k_method: each subset's solver: "exact", "subspace_iteration" or "auto" (default,
+      :func:`top_k_solver`); chunks: "auto" or "exact", always exact.
+    n, d, dtype: public row count, dimension and the rows' float dtype: all three required for a
+      gather function, ``n`` and ``d`` for an iterable of chunks (``dtype`` default float32;
+      16-bit floats computed as float32, float64 needs x64); for an array or memmap, if given,
+      they must match it.
+    block_rows, max_bytes: chunks only: rows per update (static; default ``max(2^26/(8d),
+      512t)``) and the cap on the ``t`` float64 ``d × d`` accumulators (default 4 GiB,
+      :data:`dpjax.subspace.streaming.DEFAULT_MAX_BYTES`).
+    ledger: optional :class:`dpjax.ledger.PrivacyLedger`, charged (or ``BudgetExceededError``)
+      after every argument is checked and before any row is read or made.
+    mesh, mesh_axis: optional ``jax.sharding.Mesh`` (array or gather function) and the axis
+      (None: its only one) over which the per-subset solves are sharded: the same output per key
+      on one device or many, the same guarantee; with an array also under an outer ``jax.jit``.
 
   Returns:
-    :class:`~dpjax.results.SubspaceResult` with ``ok``, ``basis (d, k)`` in the rows' dtype
-    (zeros on ⊥), ``released["winning_count"]`` (the released noisy count of the winning cell,
-    0 when nothing was released), ``epsilon``, ``delta``, ``neighboring`` (``REPLACE_ONE`` for
-    the permutation, ``ADD_OR_REMOVE_ONE`` for random labels, which also holds under
-    replace-one) and ``info`` (the public parameters).
+    :class:`~dpjax.results.SubspaceResult`: ``ok``, ``basis (d, k)`` in the rows' dtype (zeros
+    on ⊥), ``released["winning_count"]`` (the winning cell's noisy count, 0 on ⊥), ``epsilon``,
+    ``delta``, ``neighboring`` (``REPLACE_ONE`` for the permutation, ``ADD_OR_REMOVE_ONE`` for
+    random labels, which also holds under replace-one), ``info`` (the public parameters).
 
   Raises:
-    TypeError: ``key`` is not a PRNG key; ``rows`` is none of the three sources, an array of a
-      non-real dtype, or chunks / a memmap of another ``dtype``; ``dtype`` is not a float dtype;
-      a non-integer ``n``/``d``/``block_rows``; ``mesh`` is not a ``jax.sharding.Mesh``.
-    ValueError: NaN/inf in a concrete array, wrong rank, ε ≤ 0, δ ∉ (0, 1), k ∉ [1, d], ``n``
-      too small (``⌊n/t⌋ < k + 1``), ``mesh_axis`` not an axis of ``mesh``, or a bad option;
-      ``n``, ``d`` or (gather) ``dtype`` missing where needed, or disagreeing with an array's
-      shape; ``partition="permutation"``, ``mesh``, ``top_k_method="subspace_iteration"``
-      with chunks (the first also with a gather function); ``block_rows`` / ``max_bytes``
-      without chunks; ``t·d²·8 > max_bytes``; chunks of another shape or not ``n`` rows in
-      all (raised while reading, before anything is released).
+    TypeError: ``key`` not a PRNG key; ``rows`` none of the three sources, a non-real array, or
+      chunks / a memmap of another ``dtype``; ``dtype`` not a float dtype; non-integer
+      ``n``/``d``/``block_rows``; ``mesh`` not a ``jax.sharding.Mesh``.
+    ValueError: NaN/inf in a concrete array, wrong rank, bad ε, δ, k or option,
+      ``⌊n/t⌋ < k + 1``, no ``gamma`` (nor ``cell_length``), ``mesh_axis`` not an axis of
+      ``mesh``; ``n``, ``d`` or (gather) ``dtype`` missing where needed or not matching an
+      array; with chunks ``partition="permutation"`` (also with a gather function), ``mesh``
+      or ``top_k_method="subspace_iteration"``; ``block_rows``/``max_bytes`` without chunks;
+      ``t·d²·8 > max_bytes``; chunks of another shape or not ``n`` rows in all (raised while
+      reading, before anything is released).
+
+  Warns:
+    dpjax.UnderpoweredWarning: at this n and ``gamma`` the subsets' subspaces are not
+      guaranteed to agree (⊥ likely; still private); the message gives the rows
+      :func:`dpase_required_n` asks, or says that none suffice.
 
   References:
-    Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2, Lemma 5.3,
-    Thm 1.2/4.3.
+    [SS21] Singhal & Steinke, "Privately Learning Subspaces", NeurIPS 2021, Algorithm 2,
+    Lemma 5.3, Thm 1.2/4.3.
   """
   key = v.check_key(key)
   source = _row_source(rows, n=n, d=d, dtype=dtype, partition=partition,

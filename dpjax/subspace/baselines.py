@@ -38,40 +38,20 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
 
   Rows are clipped to the public norm C (``x ↦ x·min(1, C/‖x‖)``), ``A = XᵀX`` gets a symmetric
   Gaussian matrix ``E`` (upper triangle and diagonal i.i.d. ``N(0, σ²)``, mirrored), and the answer
-  is the top-k eigenvectors of ``A + E``.
+  is the top-k eigenvectors of ``A + E``, computed in units of C² (huge or tiny C and rows
+  neither overflow nor underflow). Noise grows with d (error ``≈ σ√d/(nλ_k)``), which the
+  dimension-free DPASE avoids.
 
-  Privacy guarantee: (ε, δ)-DP under replace-one (the default ``neighboring``). Replacing one
-  row changes ``A`` by ``x xᵀ − x' x'ᵀ``, whose upper triangle has ℓ2 norm ≤ ‖x xᵀ‖_F +
-  ‖x' x'ᵀ‖_F ≤ 2C²; the noise is calibrated for that sensitivity. Under add/remove-one
-  (``neighboring=ADD_OR_REMOVE_ONE``, e.g. composed into DP-SGD) adding or removing a row
-  changes ``A`` by ``x xᵀ``, sensitivity C², and the noise is calibrated for that (half the
-  std). The eigenvectors are post-processing. The result's ``dp_event`` is the mechanism:
-  ``GaussianDpEvent(σ/Δ)`` for ``secure=False`` (continuous noise, so the PLD and RDP
-  accountants compose it exactly), the (ε, δ) event for ``secure=True`` (the discrete Gaussian's
-  guarantee is stated by its Rényi curve, which only the RDP accountant could use). Noise grows with d: the
-  error is ``≈ σ sqrt(d) / (n λ_k)``, which is what the dimension-free DPASE avoids.
-
-  * ``secure=True`` (default): the noisy upper triangle is released with
-    :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (exact discrete Gaussian noise on a
-    public power-of-two grid, σ from the Rényi calibration,
-    :func:`dpjax.mechanisms.rdp_gaussian_sigma`), so the matrix whose eigenvectors are returned
-    lies on a public grid whatever the data (docs/algorithms.md §1.10); host-side, about
-    ``d(d+1)/2 · 10 µs`` for the noise.
-  * ``secure=False``: continuous noise with the analytic (Balle & Wang 2018) σ inside one jitted
-    program (5–15% less noise; the floating-point caveat of §1.10 applies to the noisy matrix).
-
-  Numerics (scale safety): the computation runs in units of C². Each row becomes
-  ``u = x / max(C, ‖x‖)`` (the clipped row divided by C, so ``‖u‖ ≤ 1``), with ``‖x‖`` computed
-  after dividing the row by a power of two of its own largest entry, so no row norm over- or
-  underflows; then ``Σ u uᵀ`` (entries ≤ n) gets ``E/C²``, whose std ``σ/C² = σ(ε, δ, Δ)`` (Δ = 2; 1 under add/remove-one) is the
-  analytic σ for sensitivity 2. The eigenvectors of ``(A + E)/C²`` are those of ``A + E``, and
-  the scaled mechanism is itself the Gaussian mechanism on ``Σ u uᵀ`` (sensitivity ≤ 2), so the
-  guarantee is the same; C² is never formed in X's dtype, so neither a huge/tiny C nor huge/tiny
-  rows (float32 rows of 1e±25, float64 rows of 1e±200) overflow or underflow.
-
-  Edge cases: rows much smaller than C contribute ≈ 0 (the noise dominates, as it should); a row
-  of norm 0 contributes 0; 16-bit float input is upcast to float32 (``check_data``); NaN/inf in
-  ``X`` raise before anything runs.
+  Guarantee: (ε, δ)-DP under ``neighboring``: replace-one (default; one row changes the upper
+  triangle of ``A`` by ≤ 2C² in ℓ2) or add/remove-one (≤ C², half the std); σ is calibrated for
+  that sensitivity and the eigenvectors are post-processing. ``dp_event`` is
+  ``GaussianDpEvent(σ/Δ)`` for ``secure=False`` (composed exactly by the PLD and RDP accountants),
+  the (ε, δ) event for ``secure=True`` (the discrete Gaussian's guarantee is its Rényi curve).
+  ``secure=True`` (default) releases the noisy upper triangle with
+  :func:`dpjax.mechanisms.discretized_gaussian_mechanism` (a public power-of-two grid, σ from
+  :func:`dpjax.mechanisms.rdp_gaussian_sigma`; host-side); ``secure=False`` adds continuous noise
+  with the analytic σ in one jitted program (5–15% less noise; the floating-point caveat of §1.10
+  applies). Proof, numerics and edge cases: docs/algorithms.md §2.5.
 
   Args:
     key: PRNG key.
@@ -84,8 +64,8 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
       ``ADD_OR_REMOVE_ONE`` (Δ = C²).
 
   Returns:
-    :class:`~dpjax.results.SubspaceResult` (always ``ok``; under ``neighboring``), basis
-    ``(d, k)`` in X's dtype; ``info["sigma"]`` is the noise std in X's units
+    :class:`~dpjax.results.SubspaceResult` (``ok`` except ⊥ for a non-finite traced ``X``; under
+    ``neighboring``), basis ``(d, k)`` in X's dtype; ``info["sigma"]`` is the noise std in X's units
     (``σ = info["unit_sigma"]·C²``, computed on the host in float64: ``inf`` if C² overflows
     float64, which the computation never forms), ``info["unit_sigma"]`` the std in units of C²,
     ``info["secure"]``, and with ``secure=True`` ``info["grid"]`` (in units of C²). Traceable in
@@ -97,6 +77,10 @@ def analyze_gauss(key: jax.Array, X, *, epsilon: float, delta: float, k: int,
     TypeError: bad key, or X not a real array.
     ValueError: NaN/inf in a concrete X, wrong rank, bad ε, δ, k, or ``clip_norm`` not finite
       and > 0.
+
+  Warns:
+    dpjax.UnderpoweredWarning: n below :func:`analyze_gauss_required_n` (at accuracy 1/10); the
+      message gives that number. The result is still private.
   """
   key = v.check_key(key)
   X = v.check_data(X, "X")

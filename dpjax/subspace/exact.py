@@ -139,60 +139,57 @@ def dpese(key: jax.Array, X, *, epsilon: float, delta: float, k: int, tol: float
           unsafe_paper_variant: bool = False, ell: int | None = None) -> SubspaceResult:
   """Learns a subspace that contains all but a few rows, exactly, with DPESE.
 
+  Usage::
+
+      res = dpjax.subspace.dpese(jax.random.key(0), X, epsilon=1.0, delta=1e-6, k=2)
+      res.ok, res.basis       # False on ⊥; (d, k). X (n, d), best integer/rational, n ≲ 100
+
   Default (thresholded GAP-MAX, docs/algorithms.md §2.1 [DERIVED]): score every distinct k-dim
   subspace spanned by k rows, take the top two scores u1 ≥ u2 (u2 = 0 with one candidate),
   ``g = max(0, u1 − u2 − 1)``, and release the top subspace iff ``g + Z ≥ K`` with ``Z`` exact
-  discrete truncated Laplace (:func:`dpjax.mechanisms.gap_max`), else ⊥. The candidates reach
-  GAP-MAX in a uniformly random order drawn from ``key`` (public randomness), so its tie-break
-  never depends on the order of the rows, as GAP-MAX's proof asks.
+  discrete truncated Laplace (:func:`dpjax.mechanisms.gap_max`), else ⊥; candidates reach
+  GAP-MAX in a random order from ``key``. The released value is the canonical projection,
+  snapped to a randomly offset public grid (§1.10 rule 3).
 
-  Privacy guarantee: (ε, δ)-DP under replace-one, for exact membership. Each score has
-  sensitivity 1 (one row cannot both raise ``|X ∩ s|`` and lower the max over proper subspaces);
-  subspaces not enumerated score 0, so the top two are those of the whole Grassmannian; GAP-MAX's
-  argument then applies. With floating-point membership (``tol``) the predicate is still a fixed
-  per-row test, but exactness of "the same subspace" is heuristic (§2.1 Numerics).
-
-  Released value: the canonical projection (top-k eigenprojection of ``Σ_{members} x xᵀ``, not of
-  one k-subset) snapped to the grid ``s(Z + ω)`` with a public random offset ω per entry, then the
-  nearest rank-k projection (§1.10 rule 3, PROPOSED): neighbours that agree in exact arithmetic
-  then release the same floats except with probability ≤ δ/10 for ``s ≥ 10 d e_F/δ``
-  (``e_F = 100 d 2^{-53} κ``, κ = 1 assumed for the default ``snap_scale``: pass a larger
-  ``snap_scale`` for ill-conditioned data; its cost is ≈ d·s in ‖Π̂ − Π‖). The GAP-MAX step
-  uses δ/1.1 and the snapping δ/11 of the stated δ. This is a numerical-analysis argument, not a
-  proof; exact (rational) data are the rigorous route.
-
-  ``unsafe_paper_variant=True`` runs the algorithm as printed in [SS21] (a NULL candidate with score
-  ``ℓ + 4 ln(1/δ)/ε + 1``, TLap noise on every candidate's gap, argmax). It is NOT (ε, δ)-DP for
-  data-dependent candidate sets: with two competing subspaces every gap is 0 and the output is a
-  near-uniform draw from candidates, a fraction ≈ k/n of which exist only because of one row
-  (docs/algorithms.md §2.1 CAUTION; tests/subspace/test_exact.py demonstrates it). For replication
-  only.
+  Guarantee: (ε, δ)-DP under replace-one, for exact membership: each score has sensitivity 1 and
+  subspaces not enumerated score 0, so GAP-MAX's argument applies (δ/1.1 to it, δ/11 to
+  snapping). With floating-point membership (``tol``) the predicate is still a fixed per-row
+  test, but exactness of "the same subspace" is heuristic, and the snapping is a
+  numerical-analysis argument, not a proof: exact (rational) data are the rigorous route.
+  ``unsafe_paper_variant=True`` runs the algorithm as printed in [SS21]; it is NOT (ε, δ)-DP for
+  data-dependent candidate sets (a near-uniform draw from candidates, a fraction ≈ k/n of which
+  exist only because of one row; tests/subspace/test_exact.py demonstrates it). For replication
+  only. Proofs, the counterexample and the defaults: docs/algorithms.md §2.1, §1.10.
 
   Args:
     key: PRNG key.
     X: ``(n, d)`` float data (rows are individuals); integer/rational-valued data are best.
     epsilon, delta: the budget; δ < 1/2.
     k: subspace dimension.
-    tol: relative membership tolerance (public; default 1e-4 for float32 input — rows carry
-      float32 rounding — and 1e-9 for float64).
-    snap_scale: the snapping grid step s (default from the rule above).
+    tol: relative membership tolerance (public; default 1e-4 for float32 input, 1e-9 for
+      float64).
+    snap_scale: the snapping grid step s (default for well-conditioned rows; pass a larger one
+      for ill-conditioned data, at a cost of ≈ d·s in ‖Π̂ − Π‖).
     max_work: cap on :func:`work_estimate` (raise it knowingly).
     unsafe_paper_variant, ell: see above (ℓ is only used by the paper's NULL score).
 
   Returns:
     :class:`~dpjax.results.SubspaceResult` (neighboring ``REPLACE_ONE``) with a ``(d, k)``
     basis in JAX's default float dtype; ``info`` has the public work estimate, ``tol`` and
-    ``snap_scale`` (the number of candidates is data-dependent and is not reported). With
+    ``snap_scale`` (not the data-dependent number of candidates). With
     ``unsafe_paper_variant=True``: ``epsilon=inf``, ``delta=1``, ``neighboring=None`` (not
     private) and the nominal budget in ``info``. Traceable in ``key`` and ``X`` (the default
-    variant): the enumeration, the random order and the snapping run on the host in NumPy (a
-    ``jax.pure_callback`` under tracing; the same output per key), GAP-MAX's exact noise in
-    JAX; a non-finite traced ``X`` gives ⊥. The unsafe variant runs eagerly only.
+    variant; host work as a ``jax.pure_callback``, the same output per key); a non-finite
+    traced ``X`` gives ⊥. The unsafe variant runs eagerly only.
 
   Raises:
     ValueError: bad arguments (NaN/inf in a concrete X included), ε below GAP-MAX's range, or
       the work estimate above ``max_work``.
     TypeError: ``unsafe_paper_variant=True`` under ``jit`` / ``vmap``.
+
+  Warns:
+    dpjax.UnderpoweredWarning: n below :func:`dpese_required_n` (GAP-MAX can answer ⊥ even
+      when every row lies in one k-dim subspace); the message gives that number.
   """
   key = v.check_key(key)
   X = v.check_data(X, "X")

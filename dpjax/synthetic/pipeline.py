@@ -37,10 +37,23 @@ def low_dimensional_synthetic_data(key: jax.Array, X, *, epsilon: float, dim: in
                                    max_cells: int = psmm_lib.MAX_CELLS) -> SyntheticDataResult:
   """ε-DP synthetic data near a privately learned d'-dimensional affine subspace.
 
+  Usage::
+
+      res = dpjax.synthetic.low_dimensional_synthetic_data(jax.random.key(0), X, epsilon=1.0)
+      res.synthetic, res.released["dim"]    # (n, d) rows in [0, 1]^d; the private d'
+
   Steps ([HVZ] Algorithm 1): ``M̂`` = private centred covariance (Algorithm 2, ε_c); ``μ̂`` =
   private mean (ε_m), clipped into the cube; ``V`` = top-d' eigenvectors of ``M̂``; ``a_i =
   Vᵀ(x_i − μ̂)``; PMM or PSMM on the ``a_i`` (ε_s) inside the ball of radius
   ``R = ‖max(μ̂, 1 − μ̂)‖`` (public, from DP outputs only); ``x̂_j = clip(V b_j + μ̂, 0, 1)``.
+
+  Guarantee: pure ε-DP under replace-one (n public): ε_c + ε_m + ε_s = ε by basic composition;
+  the synthetic step is ε_s-DP for every fixed ``(V, μ̂)`` because each row contributes one
+  point ``a_i`` ([HVZ] Prop 5.1). Covariance and mean use the snapping mechanism (float-safe
+  Laplace); PMM and PSMM use exact integer discrete Laplace noise. Everything after is
+  post-processing. Not jittable as a whole (d' sets shapes and may be chosen privately; PSMM
+  solves an LP on the host); PMM's core (:func:`dpjax.synthetic.pmm.pmm_core`) is. Proof:
+  docs/algorithms.md §4.1, §4.9.
 
   Args:
     key: PRNG key.
@@ -66,18 +79,15 @@ def low_dimensional_synthetic_data(key: jax.Array, X, *, epsilon: float, dim: in
     ``noisy_counts`` for PSMM), all DP outputs. ``epsilon`` = the total, ``delta = 0``,
     ``neighboring = REPLACE_ONE``; ``info`` holds the public settings.
 
-  Guarantee: pure ε-DP under replace-one (n public): ε_c + ε_m + ε_s = ε by basic composition;
-  the synthetic step is ε_s-DP for every fixed ``(V, μ̂)`` because each row contributes one
-  point ``a_i`` ([HVZ] Prop 5.1). Covariance and mean use the snapping mechanism (float-safe
-  Laplace); PMM and PSMM use exact integer discrete Laplace noise. Everything after is
-  post-processing. Not jittable as a whole (d' sets shapes and may be chosen privately; PSMM
-  solves an LP on the host); PMM's core (:func:`dpjax.synthetic.pmm.pmm_core`) is.
-
   Raises:
-    TypeError: ``key`` not a PRNG key; ``X`` not a real array.
+    TypeError: ``key`` not a PRNG key; ``X`` not a real array; called under ``jit`` / ``vmap``.
     ValueError: ``X`` not 2-D, fewer than 2 rows, NaN/inf, or rows outside ``[0, 1]^d``;
       ε not finite and > 0; ``dim`` outside ``1..d``; a bad ``method``, ``covariance_scale`` or
       ``budget_split``; ``method="psmm"`` with a lattice over ``max_cells``.
+
+  Warns:
+    dpjax.UnderpoweredWarning: n below :func:`synthetic_required_n` (the error bound's public
+      terms exceed √d/2); the message gives that number. The result is still private.
 
   References:
     He, Vershynin & Zhu, "Differentially private low-dimensional synthetic data from
