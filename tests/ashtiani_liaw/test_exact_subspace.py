@@ -10,6 +10,7 @@ import pytest
 from dp_accounting import NeighboringRelation
 
 from dpjax import metrics
+from dpjax.results import UnderpoweredWarning
 from dpjax.mechanisms import truncated_laplace_survival
 from dpjax.ashtiani_liaw import al_subspace, al_subspace_parameters, released_basis
 from dpjax.ashtiani_liaw.exact_subspace import al_subspace_core
@@ -224,7 +225,7 @@ def test_small_num_groups_refused_or_warned_with_the_true_pass_probability():
   with pytest.raises(ValueError, match="num_groups=4"):
     al_subspace_parameters(4, 3, epsilon=EPS, delta=DELTA, num_groups=4)
   k, trials = 30, 2000
-  with pytest.warns(UserWarning, match="num_groups=30 < min_groups"):
+  with pytest.warns(UnderpoweredWarning, match="num_groups=30 < min_groups"):
     params = al_subspace_parameters(k, 3, epsilon=EPS, delta=DELTA, num_groups=k)
   best = truncated_laplace_survival(
       params.threshold - k, 1.0 / params.tlap_epsilon, params.tlap_bound)

@@ -20,6 +20,7 @@ from dpjax import ashtiani_liaw as cv
 from dpjax.ashtiani_liaw import masking
 from dpjax.ashtiani_liaw import populous_mean as pm
 from dpjax.ashtiani_liaw import semimetric
+from dpjax.results import UnderpoweredWarning
 from dpjax.mechanisms import analytic_gaussian_sigma, discretization, rdp_gaussian_sigma
 
 DEFAULT = pm.PopulousThresholds()
@@ -582,9 +583,9 @@ def test_the_group_count_minimises_the_rows_near_the_test_limit():
   assert k_min == 1_256
   # (A user k below the sure-pass floor also warns: a sure pass is impossible there.)
   with pytest.raises(ValueError, match="cannot pass at any group size"), \
-       pytest.warns(UserWarning, match="min_groups_for_test"):
+       pytest.warns(UnderpoweredWarning, match="min_groups_for_test"):
     cv.covariance_calibration(d, eps, delta, eta_accuracy=0.5, num_groups=k_min - 1)
-  with pytest.warns(UserWarning, match="min_groups_for_test"):
+  with pytest.warns(UnderpoweredWarning, match="min_groups_for_test"):
     at_min = cv.covariance_calibration(d, eps, delta, eta_accuracy=0.5, num_groups=k_min)
   assert best.num_groups > k_min and best.required_n < 0.8 * at_min.required_n
   assert best.mask_sensitivity < at_min.mask_sensitivity and best.eta < at_min.eta
@@ -655,7 +656,7 @@ def test_covariance_calibration_warns_when_a_user_num_groups_cannot_pass_surely(
   import warnings
   recommended = pm.min_groups_for_test(EPS_COV * cv.COVARIANCE_TEST_FRACTION, DELTA_COV / 2,
                                        cv.COVARIANCE_THRESHOLDS)
-  with pytest.warns(UserWarning, match=f"num_groups=140 < min_groups_for_test.*= {recommended}"):
+  with pytest.warns(UnderpoweredWarning, match=f"num_groups=140 < min_groups_for_test.*= {recommended}"):
     cv.covariance_calibration(D_COV, EPS_COV, DELTA_COV, num_groups=140, min_group_size=10)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
