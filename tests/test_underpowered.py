@@ -253,3 +253,15 @@ def test_dpase_without_gamma_says_what_gamma_is_and_which_the_rows_could_support
     subspace.dpase(jax.random.key(1), X, epsilon=2.0, delta=1e-6, k=k)
   with pytest.raises(ValueError, match="for no gamma"):
     subspace.dpase(jax.random.key(1), X[:200], epsilon=2.0, delta=1e-6, k=k)
+
+
+def test_dp_sgds_input_projection_does_not_warn_about_captured_energy():
+  """private_input_basis feeds a model judged by accuracy (DP-PCA before DP-SGD at a small ε_s):
+  Analyze Gauss's captured-energy warning is not its criterion, so it stays silent there."""
+  X = _unit_rows(300)
+  assert 300 < subspace.analyze_gauss_required_n(D, 6, epsilon=0.3, delta=1e-6)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", dpjax.UnderpoweredWarning)
+    r = dpjax.sgd.private_input_basis(jax.random.key(0), X, 6, epsilon=0.3, delta=1e-6,
+                                      clip_norm=1.0)
+  assert r.basis.shape == (D, 6)

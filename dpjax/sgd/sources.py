@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Callable
 
 import jax
@@ -34,7 +35,7 @@ from dp_accounting import NeighboringRelation
 from jax.flatten_util import ravel_pytree
 
 from dpjax import _validation as v
-from dpjax.results import SubspaceResult
+from dpjax.results import SubspaceResult, UnderpoweredWarning
 from dpjax.subspace import baselines
 from dpjax.subspace.approximate import dpase
 from dpjax.ledger import with_ledger
@@ -293,7 +294,10 @@ def private_input_basis(key: jax.Array, X, rank: int, *, epsilon: float, delta: 
   * ``secure=True`` (default): float-safe discretized Gaussian noise (Rényi calibration). The
     event is the (ε, δ) event, composed by basic composition (ε and δ come off the total).
 
-  The key must be this release's own stream (one split of the run's key into purposes).
+  The key must be this release's own stream (one split of the run's key into purposes). It
+  gives no :class:`dpjax.UnderpoweredWarning`: a projection for DP-SGD is judged by the model's
+  accuracy, not by the captured energy of all r directions
+  (:func:`dpjax.subspace.analyze_gauss_required_n` gives that figure).
 
   Args:
     key: PRNG key, owned by this release.
@@ -314,6 +318,11 @@ def private_input_basis(key: jax.Array, X, rank: int, *, epsilon: float, delta: 
     Dwork, Talwar, Thakurta & Zhang, "Analyze Gauss", STOC 2014; Abadi et al., CCS 2016 (DP-PCA
     of the inputs before DP-SGD, composed in one accountant).
   """
-  return baselines.analyze_gauss(key, X, epsilon=epsilon, delta=delta, k=rank,
-                                 clip_norm=clip_norm, secure=secure,
-                                 neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
+  # No UnderpoweredWarning here: analyze_gauss's speaks of the captured energy of all r
+  # directions, while this basis feeds a model judged by its accuracy (Abadi et al. take r = 60
+  # at a small ε_s, where most directions are noise and the projection still helps).
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UnderpoweredWarning)
+    return baselines.analyze_gauss(key, X, epsilon=epsilon, delta=delta, k=rank,
+                                   clip_norm=clip_norm, secure=secure,
+                                   neighboring=NeighboringRelation.ADD_OR_REMOVE_ONE)
