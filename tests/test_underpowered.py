@@ -265,3 +265,18 @@ def test_dp_sgds_input_projection_does_not_warn_about_captured_energy():
     r = dpjax.sgd.private_input_basis(jax.random.key(0), X, 6, epsilon=0.3, delta=1e-6,
                                       clip_norm=1.0)
   assert r.basis.shape == (D, 6)
+
+
+def test_dpaseb_restates_its_blocks_warning_in_the_users_rows():
+  """Each block's DPASE would quote rows per block; DPASEB warns once, in the user's n: T
+  blocks times dpase_required_n, at the user's line."""
+  n, d, k, gamma = 4_000, 10, 1, 0.2
+  X, _ = dpjax.data.approximate_subspace_data(jax.random.key(0), n, d, k, gamma=gamma)
+  with pytest.warns(dpjax.UnderpoweredWarning) as caught:
+    r = subspace.dpaseb(jax.random.key(1), X, epsilon=1.0, delta=1e-6, k=k, alpha=0.3,
+                        gamma=gamma, num_blocks=4)
+  assert len(caught) == 1, [str(w.message) for w in caught]
+  per_block = subspace.dpase_required_n(d, k, epsilon=1.0, delta=1e-6, gamma=gamma)
+  assert f"{4 * per_block:,} rows" in str(caught[0].message)
+  assert caught[0].filename == __file__ and "DPASEB" in str(caught[0].message)
+  assert r.basis.shape == (d, k)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -20,7 +21,7 @@ from dpjax import ledger as ledger_lib
 from dpjax import linalg
 from dpjax.mechanisms import histogram
 from dpjax.subspace import approximate
-from dpjax.results import SubspaceResult
+from dpjax.results import SubspaceResult, UnderpoweredWarning, warn_underpowered
 
 __all__ = ["dpaseb", "num_blocks_for"]
 
@@ -77,6 +78,11 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
     ValueError / TypeError: as :func:`dpjax.subspace.dpase`, plus bad ``alpha``/``beta`` and
       ``n < T·t·(k + 1)`` (T blocks, t DPASE subsets each of ≥ k + 1 rows; the message names
       the user's n, T, t and the rows needed in total).
+
+  Warns:
+    dpjax.UnderpoweredWarning: the blocks too small for DPASE's agreement bound at ``gamma``;
+      the message gives the rows in the user's n: T times
+      :func:`dpjax.subspace.dpase_required_n`.
   """
   key = v.check_key(key)
   X = v.check_data(X, "X")
@@ -105,8 +111,26 @@ def dpaseb(key: jax.Array, X, *, epsilon: float, delta: float, k: int, alpha: fl
         "epsilon or beta, or pass a smaller num_blocks.")
   dpase_kwargs.setdefault("alpha", alpha / 3.0)
   dpase_kwargs.setdefault("float_eps", float(jnp.finfo(X.dtype).eps))
-  params = approximate.dpase_parameters(block, d, k, epsilon=epsilon, delta=delta, gamma=gamma,
-                                        noise=noise, **dpase_kwargs)
+  # A block's DPASE warns in terms of its block; DPASEB restates it in the user's n (T blocks).
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", UnderpoweredWarning)
+    params = approximate.dpase_parameters(block, d, k, epsilon=epsilon, delta=delta,
+                                          gamma=gamma, noise=noise, **dpase_kwargs)
+  if any(issubclass(w.category, UnderpoweredWarning) for w in caught):
+    per_block = approximate.dpase_required_n(
+        d, k, epsilon=epsilon, delta=delta, gamma=gamma, noise=noise,
+        num_subsets=params.num_subsets)
+    needed = (f"n ≥ T·{per_block:,} = {T * per_block:,} rows (T = {T} blocks times "
+              f"dpjax.subspace.dpase_required_n({d}, {k}, epsilon={epsilon:g}, "
+              f"delta={delta:g}, gamma={gamma:g}))" if per_block is not None
+              else f"no n (gamma={gamma:g} ≥ 1/2)")
+    warn_underpowered(
+        f"DPASEB: at n={n:,} rows each of its T={T} blocks has {block:,} rows, too few for the "
+        "block's DPASE subsets to be guaranteed to agree: it will most likely return ⊥ (still "
+        f"private). It needs {needed}; or raise epsilon (fewer subsets) or beta (fewer blocks).")
+  for w in caught:                     # anything else the parameters said, as it was
+    if not issubclass(w.category, UnderpoweredWarning):
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
   solver = approximate.top_k_solver(top_k_method, params.subset_size, d, k)
   if ledger is not None:
     ledger_lib.check_untraced("dpaseb", key, X)
