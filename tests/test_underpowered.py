@@ -67,10 +67,10 @@ def test_private_pca_warns_exactly_below_its_helpers_rows(name):
   _warns_exactly_below(call, need())
 
 
+@pytest.mark.filterwarnings("ignore::dpjax.results.UnderpoweredWarning")   # 50 rows are too few
 def test_pca_helpers_use_the_noise_the_call_adds():
   """The helper's number is ⌈4kσ√d/accuracy⌉ with σ the std the call reports (units of the
   bound squared), for each release option; MOD-SuLQ's larger β asks for more rows."""
-  warnings.simplefilter("ignore", dpjax.UnderpoweredWarning)       # 50 rows are too few
   X = _unit_rows(50)
   for secure in (True, False):
     r = subspace.analyze_gauss(jax.random.key(0), X, epsilon=EPS, delta=DELTA, k=K,
